@@ -1,0 +1,174 @@
+"""The NumPy reference interpreter: the semantics every pass and backend is tested against.
+
+`run(graph, inputs, parameters, states)` evaluates outputs and updates. With
+`precision="float64"` every float32 value is computed in float64 (the oracle for gradient and
+tolerance checks); integer and bool values keep their types.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .dtypes import TensorType
+from .graph import Graph
+from .ops import conv_out_dim
+
+Impl = Callable[[list[np.ndarray], dict[str, Any], TensorType], np.ndarray]
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # Split by sign so that exp never overflows (and no warning is raised for large |x|).
+    out = np.empty_like(x)
+    pos = x >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
+    ex = np.exp(x[~pos])
+    out[~pos] = ex / (1.0 + ex)
+    return out
+
+
+def _windows(x: np.ndarray, kh: int, kw: int, stride: tuple[int, int], padding: tuple[int, int]) -> np.ndarray:
+    """(N, C, Ho, Wo, KH, KW) view of the padded input, one window per output pixel."""
+    (sh, sw), (ph, pw) = stride, padding
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
+    win = sliding_window_view(xp, (kh, kw), axis=(2, 3))
+    return win[:, :, ::sh, ::sw]
+
+
+def _conv2d(args, attrs, t):
+    x, w = args
+    win = _windows(x, w.shape[2], w.shape[3], attrs["stride"], attrs["padding"])
+    win = win[:, :, : t.shape[2], : t.shape[3]]
+    return np.ascontiguousarray(np.tensordot(win, w, axes=([1, 4, 5], [1, 2, 3])).transpose(0, 3, 1, 2))
+
+
+def _conv2d_grad_weight(args, attrs, t):
+    x, dy = args
+    win = _windows(x, t.shape[2], t.shape[3], attrs["stride"], attrs["padding"])
+    win = win[:, :, : dy.shape[2], : dy.shape[3]]
+    return np.ascontiguousarray(np.tensordot(dy, win, axes=([0, 2, 3], [0, 2, 3])))
+
+
+def _conv2d_grad_input(args, attrs, t):
+    dy, w = args
+    (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
+    n, c, h, wd = t.shape
+    _, _, kh, kw = w.shape
+    ho, wo = dy.shape[2], dy.shape[3]
+    dxp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            contrib = np.tensordot(dy, w[:, :, i, j], axes=([1], [0])).transpose(0, 3, 1, 2)
+            dxp[:, :, i: i + sh * ho: sh, j: j + sw * wo: sw] += contrib
+    return np.ascontiguousarray(dxp[:, :, ph: ph + h, pw: pw + wd])
+
+
+def _reduce(fn):
+    return lambda a, at, t: np.asarray(fn(a[0], axis=tuple(at["axes"]), keepdims=at["keepdims"]))
+
+
+def _fused(args, attrs, t):
+    sub: Graph = attrs["graph"]
+    res = run(sub, dict(zip(sub.inputs, args)), keep_dtypes=True)
+    return res.outputs["out"]
+
+
+IMPLS: dict[str, Impl] = {
+    "neg": lambda a, at, t: -a[0],
+    "exp": lambda a, at, t: np.exp(a[0]),
+    "log": lambda a, at, t: np.log(a[0]),
+    "sqrt": lambda a, at, t: np.sqrt(a[0]),
+    "reciprocal": lambda a, at, t: 1 / a[0],
+    "relu": lambda a, at, t: np.maximum(a[0], 0).astype(a[0].dtype),
+    "sigmoid": lambda a, at, t: _sigmoid(a[0]),
+    "tanh": lambda a, at, t: np.tanh(a[0]),
+    "abs": lambda a, at, t: np.abs(a[0]),
+    "add": lambda a, at, t: a[0] + a[1],
+    "sub": lambda a, at, t: a[0] - a[1],
+    "mul": lambda a, at, t: a[0] * a[1],
+    "div": lambda a, at, t: a[0] / a[1] if t.dtype.is_float else np.floor_divide(a[0], a[1]),
+    "maximum": lambda a, at, t: np.maximum(a[0], a[1]),
+    "minimum": lambda a, at, t: np.minimum(a[0], a[1]),
+    "eq": lambda a, at, t: a[0] == a[1],
+    "ne": lambda a, at, t: a[0] != a[1],
+    "lt": lambda a, at, t: a[0] < a[1],
+    "le": lambda a, at, t: a[0] <= a[1],
+    "gt": lambda a, at, t: a[0] > a[1],
+    "ge": lambda a, at, t: a[0] >= a[1],
+    "where": lambda a, at, t: np.where(a[0], a[1], a[2]),
+    "cast": lambda a, at, t: a[0].astype(at["dtype"].numpy),
+    "sum": _reduce(np.sum),
+    "max": _reduce(np.max),
+    "argmax": lambda a, at, t: np.argmax(a[0], axis=at["axis"]).astype(np.int64),
+    "reshape": lambda a, at, t: a[0].reshape(at["shape"]),
+    "transpose": lambda a, at, t: np.ascontiguousarray(a[0].transpose(at["perm"])),
+    "broadcast_to": lambda a, at, t: np.ascontiguousarray(np.broadcast_to(a[0], at["shape"])),
+    "matmul": lambda a, at, t: np.matmul(a[0], a[1]),
+    "conv2d": _conv2d,
+    "conv2d_grad_input": _conv2d_grad_input,
+    "conv2d_grad_weight": _conv2d_grad_weight,
+    "one_hot": lambda a, at, t: (a[0][..., None] == np.arange(at["num_classes"])),
+    "fused": _fused,
+}
+SOURCES = ("input", "parameter", "state", "constant")
+
+
+@dataclass
+class Result:
+    outputs: dict[str, np.ndarray]
+    updates: dict[str, np.ndarray]
+
+
+def _compute_dtype(t: TensorType, precision: str | None) -> np.dtype:
+    if precision == "float64" and t.dtype.is_float:
+        return np.dtype(np.float64)
+    return t.dtype.numpy
+
+
+def _fetch(kind: str, table: Mapping[str, Any], name: str, t: TensorType) -> np.ndarray:
+    if name not in table:
+        raise KeyError(f"missing {kind} {name!r} ({t}); given: {sorted(table)}")
+    value = np.asarray(table[name])
+    if value.shape != t.shape:
+        raise ValueError(f"{kind} {name!r}: expected shape {t.shape}, got {value.shape}")
+    return value
+
+
+def run(graph: Graph, inputs: Mapping[str, Any] = {}, parameters: Mapping[str, Any] = {},
+        states: Mapping[str, Any] = {}, *, precision: str | None = None, keep_dtypes: bool = False) -> Result:
+    """Evaluates every output and update of `graph`.
+
+    precision: None computes in each value's own dtype; "float64" computes floats in float64.
+    keep_dtypes: trust the given arrays' dtypes (used inside fused groups, whose operands were
+    computed by the enclosing run in its precision).
+    """
+    values: dict[int, np.ndarray] = {}
+    for n in graph.topo_order():
+        op, attrs, t = graph.op(n), graph.attrs(n), graph.type(n)
+        want = _compute_dtype(t, precision)
+        if op == "constant":
+            v = attrs["value"]
+        elif op in ("input", "parameter", "state"):
+            table = {"input": inputs, "parameter": parameters, "state": states}[op]
+            v = _fetch(op, table, attrs["name"], t)
+        else:
+            impl = IMPLS.get(op)
+            if impl is None:
+                raise NotImplementedError(f"the reference interpreter has no rule for op {op!r}")
+            v = impl([values[o] for o in graph.operands(n)], attrs, t)
+        v = np.asarray(v)
+        if not keep_dtypes or op not in ("input",):
+            if v.dtype != want and not (keep_dtypes and t.dtype.is_float and v.dtype.kind == "f"):
+                v = v.astype(want)
+        values[n] = v
+    return Result({k: values[n] for k, n in graph.outputs.items()},
+                  {k: values[n] for k, n in graph.updates.items()})
+
+
+def evaluate(graph: Graph, *args: Any, parameters: Mapping[str, Any] = {}, precision: str | None = None) -> Any:
+    """Positional convenience: inputs in declaration order; one output returns an array."""
+    res = run(graph, dict(zip(graph.inputs, args)), parameters, precision=precision)
+    return next(iter(res.outputs.values())) if len(res.outputs) == 1 else res.outputs

@@ -1,0 +1,364 @@
+"""Datasets and loaders: IDX files, MNIST (load and download), and a sharded batch loader.
+
+Only NumPy and the standard library, so that reading data never depends on a device backend.
+The loader owns *where samples go* (order, batching, which rank gets which rows); what is
+computed on them is the compiled step's business.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.client
+import math
+import os
+import struct
+import tempfile
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "IDXError", "read_idx", "write_idx",
+    "MNIST_FILES", "MNIST_MD5", "DEFAULT_MIRRORS", "DownloadError", "ChecksumError",
+    "default_data_dir", "find_mnist_file", "load_mnist", "ensure_mnist", "MNIST", "DataLoader",
+]
+
+# ---------------------------------------------------------------------------------------------
+# IDX format
+# ---------------------------------------------------------------------------------------------
+
+#: IDX type code (third magic byte) -> big-endian dtype as stored in the file.
+IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+}
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+class IDXError(ValueError):
+    """A file is not a well-formed IDX file; the message names the file, the fault and what
+    was expected, so a user can tell a truncated download from a wrong file."""
+
+
+def _expected_codes() -> str:
+    return ", ".join(f"0x{c:02X} ({d.newbyteorder('=').name})" for c, d in IDX_DTYPES.items())
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file, gzip-compressed or raw, into a native-endian array of its shape.
+
+    Compression is detected from the gzip magic bytes (1f 8b), not the file name, since
+    renamed or hand-decompressed files are common. The header and payload size are checked
+    exactly (a short or over-long file is an error, never silently reshaped).
+    """
+    name = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == _GZIP_MAGIC:
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise IDXError(f"{name}: corrupt gzip stream ({type(e).__name__}: {e}); expected a "
+                           f"complete gzip-compressed IDX file (re-download it?)") from None
+    if len(data) < 4:
+        raise IDXError(f"{name}: truncated IDX header: expected at least 4 bytes of magic "
+                       f"number, got {len(data)}")
+    z0, z1, code, ndim = data[:4]
+    if z0 != 0 or z1 != 0:
+        raise IDXError(f"{name}: bad IDX magic number {data[:4].hex(' ')}: expected two zero "
+                       f"bytes, then a dtype code and the number of dimensions (00 00 TT DD)")
+    if code not in IDX_DTYPES:
+        raise IDXError(f"{name}: unknown IDX dtype code 0x{code:02X} in magic number "
+                       f"{data[:4].hex(' ')}: expected one of {_expected_codes()}")
+    header_len = 4 + 4 * ndim
+    if len(data) < header_len:
+        raise IDXError(f"{name}: truncated IDX header: expected {header_len} bytes for "
+                       f"{ndim} dimensions, got {len(data)}")
+    dims = struct.unpack(f">{ndim}I", data[4:header_len])
+    dtype = IDX_DTYPES[code]
+    expected = math.prod(dims) * dtype.itemsize
+    got = len(data) - header_len
+    if got != expected:
+        what = "truncated IDX payload" if got < expected else \
+            f"{got - expected} unexpected trailing bytes after the IDX payload"
+        raise IDXError(f"{name}: {what}: expected {expected} bytes of payload for shape "
+                       f"{dims} of {dtype.newbyteorder('=').name}, got {got}")
+    arr = np.frombuffer(data, dtype=dtype, offset=header_len).reshape(dims)
+    return arr.astype(dtype.newbyteorder("="), copy=True)  # native order, writable
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder and os.replace, so readers never see a
+    half-written file and a crash leaves the old file (or none) behind."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write `array` as an IDX file (gzip-compressed when the name ends in .gz), atomically."""
+    arr = np.asarray(array)
+    codes = {d.newbyteorder("="): c for c, d in IDX_DTYPES.items()}
+    native = arr.dtype.newbyteorder("=")
+    if native not in codes:
+        raise ValueError(f"{os.fspath(path)}: IDX cannot store dtype {arr.dtype}; expected one "
+                         f"of {_expected_codes()}")
+    if not 1 <= arr.ndim <= 255 or any(d >= 2**32 for d in arr.shape):
+        raise ValueError(f"{os.fspath(path)}: IDX cannot store shape {arr.shape}; expected "
+                         f"1..255 dimensions each < 2**32")
+    code = codes[native]
+    header = bytes([0, 0, code, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    payload = np.ascontiguousarray(arr, dtype=IDX_DTYPES[code]).tobytes()
+    data = header + payload
+    p = Path(path)
+    if p.name.endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6, mtime=0)  # mtime=0: reproducible bytes
+    _atomic_write(p, data)
+
+
+# ---------------------------------------------------------------------------------------------
+# MNIST: files, loading, download
+# ---------------------------------------------------------------------------------------------
+
+#: split -> (images file stem, labels file stem); each file is found as `<stem>.gz` or `<stem>`.
+MNIST_FILES: dict[str, tuple[str, str]] = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+#: md5 of the published `<stem>.gz` files (what the mirrors serve).
+MNIST_MD5: dict[str, str] = {
+    "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+#: Base URLs tried in order; `<base>/<stem>.gz` is fetched.
+DEFAULT_MIRRORS: tuple[str, ...] = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+)
+_HINT = ("pass --data DIR (the folder holding the four MNIST IDX files) "
+         "or set EMBER_DATA")
+
+
+def default_data_dir() -> Path:
+    """`$EMBER_DATA` if set, else `~/.cache/ember/mnist`: one place shared by CLI and tests."""
+    env = os.environ.get("EMBER_DATA")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ember" / "mnist"
+
+
+def find_mnist_file(root: str | os.PathLike, stem: str) -> Path | None:
+    """`root/<stem>.gz` if present, else `root/<stem>`, else None."""
+    for cand in (Path(root) / f"{stem}.gz", Path(root) / stem):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _require(root: Path, stem: str) -> Path:
+    p = find_mnist_file(root, stem)
+    if p is None:
+        raise FileNotFoundError(f"MNIST file not found: {root / (stem + '.gz')} (or "
+                                f"{root / stem}); {_HINT}")
+    return p
+
+
+def load_mnist(root: str | os.PathLike | None = None, split: str = "train",
+               flat: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Load one MNIST split from IDX files in `root` (default: `default_data_dir()`).
+
+    Returns images as float32 pixel/255 (computed as `x.astype(float32) / float32(255)`, so
+    every frontend and oracle sees bit-identical inputs), shaped (N, 1, 28, 28), or (N, 784)
+    when `flat`; and labels as int64 (what cross-entropy indexes with).
+    """
+    if split not in MNIST_FILES:
+        raise ValueError(f"unknown MNIST split {split!r}; expected one of {sorted(MNIST_FILES)}")
+    root = Path(root) if root is not None else default_data_dir()
+    img_path, lbl_path = (_require(root, s) for s in MNIST_FILES[split])
+    images, labels = read_idx(img_path), read_idx(lbl_path)
+    if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
+        raise IDXError(f"{img_path}: expected MNIST images of shape (N, 28, 28) uint8, got "
+                       f"{images.shape} {images.dtype}")
+    if labels.dtype != np.uint8 or labels.ndim != 1:
+        raise IDXError(f"{lbl_path}: expected MNIST labels of shape (N,) uint8, got "
+                       f"{labels.shape} {labels.dtype}")
+    if len(images) != len(labels):
+        raise IDXError(f"MNIST {split} split: {img_path} holds {len(images)} images but "
+                       f"{lbl_path} holds {len(labels)} labels; expected equal counts")
+    x = images.astype(np.float32) / np.float32(255.0)
+    x = x.reshape(len(x), 784) if flat else x.reshape(len(x), 1, 28, 28)
+    return x, labels.astype(np.int64)
+
+
+class DownloadError(RuntimeError):
+    """No mirror delivered a file; the message lists every URL tried and why it failed."""
+
+
+class ChecksumError(DownloadError):
+    """A mirror delivered bytes whose md5 differs from the published one (and none matched)."""
+
+
+class _NetworkError(Exception):
+    pass
+
+
+def _fetch(url: str, dest: Path, md5: str, timeout: float) -> None:
+    """Download `url` to a temp file next to `dest`, check its md5, then rename to `dest`.
+
+    Nothing is left behind on any failure (network, checksum, Ctrl-C): only a verified file
+    ever gets `dest`'s name. Raises _NetworkError or ChecksumError.
+    """
+    req = urllib.request.Request(url, headers={"User-Agent": "ember"})
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        digest, size = hashlib.md5(), 0
+        with os.fdopen(fd, "wb") as f:
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    length = resp.headers.get("Content-Length")
+                    while chunk := resp.read(1 << 20):
+                        f.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+                raise _NetworkError(f"{type(e).__name__}: {e}") from None
+        if length is not None and int(length) != size:
+            raise _NetworkError(f"download interrupted: got {size} of {length} bytes")
+        if digest.hexdigest() != md5:
+            raise ChecksumError(f"md5 {digest.hexdigest()}, expected {md5}")
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def ensure_mnist(root: str | os.PathLike | None = None,
+                 mirrors: Sequence[str] = DEFAULT_MIRRORS,
+                 md5s: dict[str, str] | None = None, timeout: float = 30.0) -> Path:
+    """Make sure `root` (default: `default_data_dir()`) holds the four MNIST files; return it.
+
+    Each missing file is fetched as `<stem>.gz` from `mirrors` in turn and kept only if its md5
+    matches `md5s` (default: the published MNIST_MD5); files already present (raw or .gz) are
+    not touched or re-checked. Mirrors and checksums are parameters so tests can serve small
+    files from a local server. Raises DownloadError (ChecksumError if some mirror answered with
+    wrong bytes) listing every URL tried.
+    """
+    root = Path(root) if root is not None else default_data_dir()
+    md5s = MNIST_MD5 if md5s is None else md5s
+    stems = [s for pair in MNIST_FILES.values() for s in pair]
+    missing = [s for s in stems if find_mnist_file(root, s) is None]
+    if not missing:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    for stem in missing:
+        failures: list[tuple[str, BaseException]] = []
+        for base in mirrors:
+            url = base.rstrip("/") + f"/{stem}.gz"
+            try:
+                _fetch(url, root / f"{stem}.gz", md5s[stem], timeout)
+                break
+            except (_NetworkError, ChecksumError) as e:
+                failures.append((url, e))
+        else:
+            tried = "\n".join(f"  {url}: {e}" for url, e in failures) or "  (no mirrors given)"
+            if any(isinstance(e, ChecksumError) for _, e in failures):
+                raise ChecksumError(f"could not download {stem}.gz into {root}: checksum "
+                                    f"mismatch (nothing was kept). URLs tried:\n{tried}\n"
+                                    f"Or {_HINT}.")
+            raise DownloadError(f"could not download {stem}.gz into {root}. URLs tried:\n"
+                                f"{tried}\nNo network? {_HINT}.")
+    return root
+
+
+@dataclass
+class MNIST:
+    """Both MNIST splits in memory: float32 images (see load_mnist) and int64 labels."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @classmethod
+    def load(cls, root: str | os.PathLike | None = None, flat: bool = False,
+             download: bool = False) -> "MNIST":
+        """Load both splits from `root`; with `download`, fetch missing files first."""
+        if download:
+            root = ensure_mnist(root)
+        return cls(*load_mnist(root, "train", flat), *load_mnist(root, "test", flat))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch loader
+# ---------------------------------------------------------------------------------------------
+
+class DataLoader:
+    """Batches over in-memory arrays (x, y), optionally shuffled and sharded across ranks.
+
+    The rule, identical on every rank so that data-parallel ranks agree without talking:
+
+    1. Order: `arange(N)`, or with `shuffle` `default_rng([seed, epoch]).permutation(N)`;
+       call `set_epoch(e)` before each epoch to get a new (reproducible) order.
+    2. Global batches: consecutive chunks of `batch_size` of that order; the last chunk is
+       partial (N % batch_size samples) unless `drop_last`, which drops it.
+       `len(loader)` is the number of global batches, the same on every rank.
+    3. Sharding: of a global batch holding n samples, rank r takes rows
+       `[r * n // world_size, (r + 1) * n // world_size)`. So `batch_size` is the *global*
+       batch size and must be divisible by `world_size` (full batches split evenly into
+       `batch_size // world_size` rows each); ranks together cover each global batch exactly
+       once and all run `len(loader)` steps. A partial last batch splits into sizes that
+       differ by at most one, and a rank's share is empty (0 rows, still yielded) when
+       n < world_size: weight each rank's gradient by its row count, or use `drop_last`.
+
+    With world_size=1 this is plain batching. Batches are gathered per batch through the
+    index array, so no epoch-sized copy of the data is made; unshuffled batches are views.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = False, rank: int = 0, world_size: int = 1):
+        if len(x) != len(y):
+            raise ValueError(f"x has {len(x)} samples but y has {len(y)}; expected equal")
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"bad batch_size={batch_size}, rank={rank}, "
+                             f"world_size={world_size}; expected batch_size >= 1 and "
+                             f"0 <= rank < world_size")
+        if batch_size % world_size:
+            raise ValueError(f"global batch_size={batch_size} is not divisible by "
+                             f"world_size={world_size}")
+        self.x, self.y = x, y
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose shuffled order the next iteration uses."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.x)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        n_total, bs, w, r = len(self.x), self.batch_size, self.world_size, self.rank
+        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n_total)
+                 if self.shuffle else None)
+        for k in range(len(self)):
+            start = k * bs
+            n = min(bs, n_total - start)
+            lo, hi = start + r * n // w, start + (r + 1) * n // w
+            if order is None:
+                yield np.ascontiguousarray(self.x[lo:hi]), np.ascontiguousarray(self.y[lo:hi])
+            else:
+                idx = order[lo:hi]
+                yield self.x[idx], self.y[idx]
