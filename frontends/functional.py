@@ -1,0 +1,235 @@
+"""Traced functions: the `torch.nn.functional` of ember. Each one adds primitive ops to the graph.
+
+Composite ops (mean, linear, log_softmax, cross_entropy, ...) are written here in terms of the
+primitives of `ember.ir.ops`, so the IR stays small and every composite is differentiated through
+its primitives.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ember.ir import TensorType, as_dtype, broadcast_shapes, normalize_axes
+from ember.ir import ShapeError
+
+from .tensor import Parameter, Tensor, as_node, current, user_location
+
+Operand = Any  # Tensor | Parameter | np.ndarray | number
+
+
+def _emit(op: str, operands: Sequence[int], **attrs: Any) -> Tensor:
+    ctx = current()
+    return Tensor(ctx.graph, ctx.graph.add(op, operands, loc=user_location(), **attrs))
+
+
+def _typed(x: Operand) -> Tensor | Parameter | None:
+    return x if isinstance(x, (Tensor, Parameter)) else None
+
+
+def _nodes(*xs: Operand) -> list[int]:
+    like = next((x for x in xs if _typed(x) is not None), None)
+    return [as_node(x, like) for x in xs]
+
+
+def _tensor(x: Operand) -> Tensor:
+    ctx = current()
+    return Tensor(ctx.graph, as_node(x))
+
+
+# ---- elementwise -----------------------------------------------------------------------------
+
+def _unary(op: str):
+    def f(x: Operand) -> Tensor:
+        return _emit(op, _nodes(x))
+    f.__name__ = op
+    return f
+
+
+neg, exp, log, sqrt, reciprocal, relu, sigmoid, tanh, abs = (
+    _unary(o) for o in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs"))
+
+
+def _binary(op: str):
+    def f(a: Operand, b: Operand) -> Tensor:
+        return _emit(op, _nodes(a, b))
+    f.__name__ = op
+    return f
+
+
+add, sub, mul, div, maximum, minimum = (_binary(o) for o in ("add", "sub", "mul", "div", "maximum", "minimum"))
+eq, ne, lt, le, gt, ge = (_binary(o) for o in ("eq", "ne", "lt", "le", "gt", "ge"))
+
+
+def where(cond: Operand, a: Operand, b: Operand) -> Tensor:
+    like = _typed(a) or _typed(b)
+    return _emit("where", [as_node(cond), as_node(a, like), as_node(b, like)])
+
+
+def cast(x: Operand, dtype: Any) -> Tensor:
+    return _emit("cast", _nodes(x), dtype=as_dtype(dtype))
+
+
+# ---- layout ----------------------------------------------------------------------------------
+
+def reshape(x: Operand, shape: Sequence[int]) -> Tensor:
+    t = _tensor(x)
+    shape = [int(d) for d in shape]
+    if shape.count(-1) > 1:
+        raise ShapeError(f"reshape: at most one -1 allowed, got {tuple(shape)}\n  at {user_location()}")
+    if -1 in shape:
+        known = int(np.prod([d for d in shape if d != -1]))
+        if known == 0 or t.type.numel % known:
+            raise ShapeError(f"reshape: cannot reshape {t.type} to {tuple(shape)}\n  at {user_location()}")
+        shape[shape.index(-1)] = t.type.numel // known
+    return _emit("reshape", [t.node], shape=tuple(shape))
+
+
+def flatten(x: Operand, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    t = _tensor(x)
+    rank = len(t.shape)
+    s, e = start_dim % rank, end_dim % rank
+    shape = t.shape[:s] + (int(np.prod(t.shape[s:e + 1])),) + t.shape[e + 1:]
+    return _emit("reshape", [t.node], shape=shape)
+
+
+def transpose(x: Operand, perm: Sequence[int]) -> Tensor:
+    return _emit("transpose", _nodes(x), perm=tuple(int(p) for p in perm))
+
+
+def swapaxes(x: Operand, a: int, b: int) -> Tensor:
+    t = _tensor(x)
+    perm = list(range(len(t.shape)))
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(t, perm)
+
+
+def broadcast_to(x: Operand, shape: Sequence[int]) -> Tensor:
+    return _emit("broadcast_to", _nodes(x), shape=tuple(shape))
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+def _axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(len(x.shape)))
+    try:
+        return normalize_axes([axis] if isinstance(axis, int) else list(axis), len(x.shape))
+    except ShapeError as e:
+        raise ShapeError(f"{e} (operand {x.type})\n  at {user_location()}") from None
+
+
+def sum(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    t = _tensor(x)
+    return _emit("sum", [t.node], axes=_axes(t, axis), keepdims=keepdims)
+
+
+def max(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    t = _tensor(x)
+    return _emit("max", [t.node], axes=_axes(t, axis), keepdims=keepdims)
+
+
+def mean(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    t = _tensor(x)
+    axes = _axes(t, axis)
+    count = int(np.prod([t.shape[a] for a in axes]))
+    return div(sum(t, axes, keepdims), float(count))
+
+
+def argmax(x: Operand, axis: int = -1) -> Tensor:
+    return _emit("argmax", _nodes(x), axis=axis % len(_tensor(x).shape))
+
+
+# ---- contractions ----------------------------------------------------------------------------
+
+def matmul(a: Operand, b: Operand) -> Tensor:
+    """NumPy matmul semantics, 1-D operands included (promoted, then the added axis removed)."""
+    ta, tb = _tensor(a), _tensor(b)
+    squeeze = []
+    if len(ta.shape) == 1:
+        ta = reshape(ta, (1,) + ta.shape)
+        squeeze.append(-2)
+    if len(tb.shape) == 1:
+        tb = reshape(tb, tb.shape + (1,))
+        squeeze.append(-1)
+    out = _emit("matmul", [ta.node, tb.node])
+    if squeeze:
+        shape = list(out.shape)
+        for ax in sorted(squeeze):
+            del shape[len(shape) + ax if ax == -1 else len(shape) - 2]
+        out = reshape(out, shape)
+    return out
+
+
+def linear(x: Operand, weight: Operand, bias: Operand | None = None) -> Tensor:
+    """y = x @ weight.T + bias, weight of shape (out, in) as in PyTorch."""
+    y = matmul(x, transpose(weight, (1, 0)))
+    return add(y, bias) if bias is not None else y
+
+
+def conv2d(x: Operand, weight: Operand, bias: Operand | None = None, stride: int | Sequence[int] = 1,
+           padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1) -> Tensor:
+    """2-D convolution, NCHW input and OIHW weight (PyTorch's layout and semantics)."""
+    if np.any(np.asarray(dilation) != 1) or groups != 1:
+        raise NotImplementedError(f"conv2d: dilation={dilation} and groups={groups} are not supported yet "
+                                  f"(only dilation=1, groups=1)\n  at {user_location()}")
+    y = _emit("conv2d", _nodes(x, weight), stride=stride, padding=padding)
+    if bias is not None:
+        o = y.shape[1]
+        y = add(y, reshape(bias, (o, 1, 1)))
+    return y
+
+
+# ---- losses and activations ------------------------------------------------------------------
+
+def log_softmax(x: Operand, axis: int = -1) -> Tensor:
+    """Stable log-softmax: x - max - log(sum(exp(x - max)))."""
+    t = _tensor(x)
+    shifted = sub(t, max(t, axis, keepdims=True))
+    return sub(shifted, log(sum(exp(shifted), axis, keepdims=True)))
+
+
+def softmax(x: Operand, axis: int = -1) -> Tensor:
+    t = _tensor(x)
+    e = exp(sub(t, max(t, axis, keepdims=True)))
+    return div(e, sum(e, axis, keepdims=True))
+
+
+def one_hot(labels: Operand, num_classes: int, dtype: Any = "float32") -> Tensor:
+    return _emit("one_hot", _nodes(labels), num_classes=num_classes, dtype=as_dtype(dtype))
+
+
+def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean") -> Tensor:
+    """PyTorch's F.cross_entropy for (N, C) logits and (N,) integer class labels."""
+    z, y = _tensor(logits), _tensor(labels)
+    if len(z.shape) != 2:
+        raise ShapeError(f"cross_entropy expects (N, C) logits, got {z.type}\n  at {user_location()}")
+    if y.dtype.is_float or y.shape != z.shape[:1]:
+        raise ShapeError(f"cross_entropy expects integer labels of shape ({z.shape[0]},), got {y.type} "
+                         f"for logits {z.type}\n  at {user_location()}")
+    picked = sum(mul(log_softmax(z, 1), one_hot(y, z.shape[1], z.dtype)), 1)
+    return _reduce_loss(neg(picked), reduction)
+
+
+def mse_loss(pred: Operand, target: Operand, reduction: str = "mean") -> Tensor:
+    p, t = _tensor(pred), _tensor(target)
+    if p.shape != t.shape:
+        raise ShapeError(f"mse_loss: prediction {p.type} and target {t.type} differ in shape\n  at {user_location()}")
+    d = sub(p, t)
+    return _reduce_loss(mul(d, d), reduction)
+
+
+def _reduce_loss(x: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return mean(x)
+    if reduction == "sum":
+        return sum(x)
+    if reduction == "none":
+        return x
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Sequence", "Any", "np",
+           "TensorType", "as_dtype", "broadcast_shapes", "normalize_axes", "ShapeError", "Parameter",
+           "Tensor", "as_node", "current", "user_location", "Operand")]

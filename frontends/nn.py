@@ -1,0 +1,207 @@
+"""`nn`: modules with PyTorch's names, parameter layouts and default initialisation.
+
+Parameters are created from ember's own seeded generator (`manual_seed`), distributed as
+PyTorch's defaults (kaiming_uniform with a=sqrt(5) for weights, U(+-1/sqrt(fan_in)) for biases);
+the values differ from PyTorch's for the same seed, so alignment tests load PyTorch's weights
+with `load_state_dict`.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import functional as F
+from .tensor import Parameter, Tensor
+
+_rng = np.random.default_rng(0)
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds parameter initialisation (and nothing else)."""
+    global _rng
+    _rng = np.random.default_rng(seed)
+
+
+def _uniform(shape: tuple[int, ...], bound: float) -> np.ndarray:
+    return _rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+class Module:
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() before assigning {name!r}")
+        params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
+        params.pop(name, None)
+        modules.pop(name, None)
+        if isinstance(value, Parameter):
+            params[name] = value
+        elif isinstance(value, Module):
+            modules[name] = value
+        elif value is None and name in ("bias",):
+            params[name] = None
+        object.__setattr__(self, name, value)
+
+    def forward(self, *args: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for mod_name, m in self.named_modules(prefix):
+            for name, p in m._parameters.items():
+                if p is not None:
+                    yield (f"{mod_name}.{name}" if mod_name else name), p
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        return OrderedDict((k, p.data.copy()) for k, p in self.named_parameters())
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        own = dict(self.named_parameters())
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for k, p in own.items():
+            if k not in state:
+                continue
+            v = np.asarray(state[k].detach().cpu().numpy() if hasattr(state[k], "detach") else state[k])
+            if v.shape != p.data.shape:
+                raise ValueError(f"{k}: expected shape {p.data.shape}, got {v.shape}")
+            p.data[...] = v.astype(p.data.dtype)
+
+    def train(self, mode: bool = True) -> "Module":
+        for _, m in self.named_modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        inner = [f"({k}): " + repr(m).replace("\n", "\n  ") for k, m in self._modules.items()]
+        if not inner:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        return f"{type(self).__name__}(\n  " + "\n  ".join(inner) + "\n)"
+
+
+class Linear(Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        self.weight = Parameter(_uniform((out_features, in_features), bound))
+        self.bias = Parameter(_uniform((out_features,), bound)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Conv2d(Module):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] = 1,
+                 padding: int | tuple[int, int] = 0, dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True) -> None:
+        super().__init__()
+        if np.any(np.asarray(dilation) != 1) or groups != 1:
+            raise NotImplementedError(f"Conv2d: dilation={dilation} and groups={groups} are not supported yet "
+                                      "(only dilation=1, groups=1)")
+        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
+        self.stride, self.padding = stride, padding
+        fan_in = in_channels * kh * kw
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) reduces to this bound
+        self.weight = Parameter(_uniform((out_channels, in_channels, kh, kw), bound))
+        self.bias = Parameter(_uniform((out_channels,), bound)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}")
+
+
+class _Elementwise(Module):
+    fn = staticmethod(F.relu)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+class ReLU(_Elementwise):
+    fn = staticmethod(F.relu)
+
+
+class Sigmoid(_Elementwise):
+    fn = staticmethod(F.sigmoid)
+
+
+class Tanh(_Elementwise):
+    fn = staticmethod(F.tanh)
+
+
+class Flatten(Module):
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.flatten(x, self.start_dim, self.end_dim)
+
+
+class Sequential(Module):
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class CrossEntropyLoss(Module):
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(logits, labels, self.reduction)
+
+
+class MSELoss(Module):
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, pred: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(pred, target, self.reduction)

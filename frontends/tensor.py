@@ -1,0 +1,189 @@
+"""Traced tensors: Python operators on `Tensor` add nodes to the graph being traced.
+
+A `Tensor` is only a handle (graph, node). `Parameter` holds a module's persistent NumPy array;
+it becomes a `parameter` node the first time a traced op touches it, under the name the tracer
+registered for it (PyTorch's `0.weight` style names for modules).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ember.ir import Graph, TensorType, as_dtype, float32
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("ir", "passes", "codegen", "runtime", "frontends"))
+_state = threading.local()
+
+
+def user_location() -> str | None:
+    """file:line of the innermost frame outside ember itself: the user code that built a node."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE_DIRS):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+class TraceContext:
+    def __init__(self, graph: Graph, param_names: dict[int, str] | None = None) -> None:
+        self.graph = graph
+        self.param_names = dict(param_names or {})
+        self.param_nodes: dict[int, int] = {}
+        self.params: dict[str, "Parameter"] = {}
+
+    def __enter__(self) -> "TraceContext":
+        stack = getattr(_state, "stack", None)
+        if stack is None:
+            stack = _state.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.stack.pop()
+
+    def parameter_node(self, p: "Parameter") -> int:
+        node = self.param_nodes.get(id(p))
+        if node is None:
+            name = self.param_names.get(id(p)) or f"param{len(self.param_nodes)}"
+            node = self.graph.add_parameter(name, TensorType.of(p.data), loc=user_location())
+            self.param_nodes[id(p)] = node
+            self.params[name] = p
+        return node
+
+
+def current() -> TraceContext:
+    stack = getattr(_state, "stack", None)
+    if not stack:
+        raise RuntimeError("this operation builds a graph and must run inside ember.frontends.trace() "
+                           "(or a compiled model); to compute eagerly, use NumPy arrays")
+    return stack[-1]
+
+
+class _Ops:
+    """Operator overloads shared by Tensor and Parameter; each forwards to `functional`."""
+
+    def __add__(self, o): return F.add(self, o)
+    def __radd__(self, o): return F.add(o, self)
+    def __sub__(self, o): return F.sub(self, o)
+    def __rsub__(self, o): return F.sub(o, self)
+    def __mul__(self, o): return F.mul(self, o)
+    def __rmul__(self, o): return F.mul(o, self)
+    def __truediv__(self, o): return F.div(self, o)
+    def __rtruediv__(self, o): return F.div(o, self)
+    def __matmul__(self, o): return F.matmul(self, o)
+    def __rmatmul__(self, o): return F.matmul(o, self)
+    def __neg__(self): return F.neg(self)
+    def __lt__(self, o): return F.lt(self, o)
+    def __le__(self, o): return F.le(self, o)
+    def __gt__(self, o): return F.gt(self, o)
+    def __ge__(self, o): return F.ge(self, o)
+
+    @property
+    def T(self): return F.transpose(self, tuple(range(len(self.shape)))[::-1])
+    @property
+    def ndim(self) -> int: return len(self.shape)
+
+    def reshape(self, *shape): return F.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+    def view(self, *shape): return self.reshape(*shape)
+    def flatten(self, start_dim: int = 0, end_dim: int = -1): return F.flatten(self, start_dim, end_dim)
+    def transpose(self, a: int, b: int): return F.swapaxes(self, a, b)
+    def permute(self, *perm): return F.transpose(self, perm[0] if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm)
+    def sum(self, axis=None, keepdims: bool = False): return F.sum(self, axis, keepdims)
+    def mean(self, axis=None, keepdims: bool = False): return F.mean(self, axis, keepdims)
+    def max(self, axis=None, keepdims: bool = False): return F.max(self, axis, keepdims)
+    def argmax(self, axis: int = -1): return F.argmax(self, axis)
+    def relu(self): return F.relu(self)
+    def sigmoid(self): return F.sigmoid(self)
+    def tanh(self): return F.tanh(self)
+    def exp(self): return F.exp(self)
+    def log(self): return F.log(self)
+    def sqrt(self): return F.sqrt(self)
+    def abs(self): return F.abs(self)
+    def astype(self, dtype): return F.cast(self, dtype)
+
+
+class Tensor(_Ops):
+    __slots__ = ("graph", "node")
+
+    def __init__(self, graph: Graph, node: int) -> None:
+        self.graph = graph
+        self.node = node
+
+    @property
+    def type(self) -> TensorType:
+        return self.graph.type(self.node)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self):
+        return self.type.dtype
+
+    def __repr__(self) -> str:
+        return f"Tensor(%{self.node}: {self.type})"
+
+    def __bool__(self) -> bool:
+        raise TypeError("a traced Tensor has no value at trace time, so it cannot be used in `if`/`while`; "
+                        "use ember.frontends.functional.where for data-dependent choices")
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class Parameter(_Ops):
+    """A trainable array (float32 by default) owned by a Module."""
+
+    def __init__(self, data: Any, dtype: Any = float32) -> None:
+        self.data = np.ascontiguousarray(np.asarray(data, dtype=as_dtype(dtype).numpy))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return as_dtype(self.data.dtype)
+
+    def numpy(self) -> np.ndarray:
+        return self.data
+
+    def __repr__(self) -> str:
+        return f"Parameter({TensorType.of(self.data)})"
+
+
+def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
+    """Lifts a Tensor, Parameter, NumPy array or Python scalar into a node of the current graph."""
+    ctx = current()
+    if isinstance(x, Tensor):
+        if x.graph is not ctx.graph:
+            raise ValueError(f"{x!r} belongs to another traced graph ({x.graph.name!r}); "
+                             "tensors cannot cross trace() calls")
+        return x.node
+    if isinstance(x, Parameter):
+        return ctx.parameter_node(x)
+    if isinstance(x, (bool, int, float, np.number)) and like is not None:
+        return ctx.graph.add_constant(np.asarray(x, dtype=like.dtype.numpy), loc=user_location())
+    if isinstance(x, (np.ndarray, bool, int, float, np.number)):
+        arr = np.asarray(x)
+        if arr.dtype == np.float64 and not (like is not None and like.dtype.name == "float64"):
+            arr = arr.astype(np.float32)  # Python floats default to the model's float32
+        return ctx.graph.add_constant(arr, loc=user_location())
+    raise TypeError(f"cannot use {type(x).__name__} as a traced operand; expected a Tensor, Parameter, array or number")
+
+
+def spec(shape: Sequence[int], dtype: Any = float32) -> TensorType:
+    """An example-input placeholder for trace()/compile(): shape and dtype, no data."""
+    return TensorType(tuple(shape), as_dtype(dtype))
+
+
+from . import functional as F  # noqa: E402  (functional imports Tensor from here)
