@@ -1,0 +1,260 @@
+"""Compiler driver: generated C++ -> shared library (g++ + OpenMP), CUDA -> cubin (nvcc check).
+
+Artefacts live in a content-addressed cache (DESIGN.md, "Caching"):
+
+    <cache>/cpp/<key[:2]>/<key>.so    the library
+    <cache>/cpp/<key[:2]>/<key>.json  metadata: sha256 of the .so, command, compiler version
+    <cache>/cpp/<key[:2]>/<key>.cpp   the source it was built from
+    <cache>/cubin/...                 the same for CUDA (.cubin, .json, .cu)
+    <cache>/failed/<key>.cpp          sources that failed to compile, kept for the error message
+
+The key hashes the source, the flags, the compiler's identity (``--version``, plus the
+resolved target when a flag says ``=native``) and FORMAT_VERSION. Every file is written to a
+temporary name in its final directory and moved into place with ``os.replace``; the metadata
+goes last, and a hit re-checks the library's sha256, so a crash or a corrupt file costs a
+rebuild, never a broken load. Compilers run in the directory that holds the source, with
+relative file names, so a recorded command (``cd DIR && ...``) reruns exactly.
+Loading the result is the runtime's job, not this module's.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+FORMAT_VERSION = 1
+
+# IEEE-faithful on purpose: no -ffast-math (NaN checks and run-to-run determinism must hold).
+# -ffp-contract=fast lets g++ fuse a*b+c into FMA (deterministic on one machine);
+# -fno-math-errno only drops errno writes, which lets sqrtf & co. vectorise.
+DEFAULT_CXX_FLAGS: tuple[str, ...] = (
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+    "-ffp-contract=fast", "-fno-math-errno", "-DNDEBUG", "-pipe",
+)
+
+_MAX_STDERR_CHARS = 6000
+_MAX_STDERR_LINES = 60
+
+_stats_lock = threading.Lock()
+_stats = {"hits": 0, "misses": 0, "rebuilds": 0}
+
+
+def cache_stats() -> dict[str, int]:
+    """Process-wide counters: hits, misses (nothing cached), rebuilds (cached but corrupt)."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_cache_stats() -> None:
+    with _stats_lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _count(what: str) -> None:
+    with _stats_lock:
+        _stats[what] += 1
+
+
+def cache_dir() -> Path:
+    """``$EMBER_CACHE_DIR`` if set, else ``~/.cache/ember``; created on demand."""
+    env = os.environ.get("EMBER_CACHE_DIR")
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "ember"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class CompileError(RuntimeError):
+    """The compiler rejected a generated source. The source is kept at ``source_path``."""
+
+    def __init__(self, message: str, *, source_path: Path, command: Sequence[str], stderr: str):
+        super().__init__(message)
+        self.source_path = Path(source_path)
+        self.command = tuple(command)
+        self.stderr = stderr
+
+
+@dataclass(frozen=True)
+class CompiledArtifact:
+    path: Path                   # the .so (or .cubin) in the cache
+    key: str                     # content hash, see source_key()
+    command: tuple[str, ...]     # argv that built it, run in path.parent (relative file names)
+    source_path: Path            # the cached source (<key>.cpp)
+    cache_hit: bool
+    seconds: float               # wall time of this call (lookup, plus the compile on a miss)
+
+
+# --------------------------------------------------------------------------- compilers
+
+def _cxx() -> list[str]:
+    return shlex.split(os.environ.get("CXX") or "g++")
+
+
+def _require(argv: Sequence[str], why: str) -> None:
+    if not argv or shutil.which(argv[0]) is None:
+        raise FileNotFoundError(f"compiler {argv[0] if argv else '(empty $CXX)'!r} not found on PATH: {why}")
+
+
+@functools.lru_cache(maxsize=None)
+def _identity(argv: tuple[str, ...], native: bool) -> str:
+    """The compiler's ``--version`` (and its resolved native target), once per process."""
+    try:
+        out = subprocess.run([*argv, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise FileNotFoundError(f"cannot run {shlex.join(argv)} --version: {exc}") from exc
+    if native:  # -march=native means different code on a different CPU: key on what it resolves to
+        r = subprocess.run([*argv, "-march=native", "-Q", "--help=target"], capture_output=True, text=True)
+        out += "\n" + hashlib.sha256(r.stdout.encode()).hexdigest() if r.returncode == 0 else ""
+    return out.strip()
+
+
+def _key(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str) -> str:
+    native = any(f.endswith("=native") for f in flags)
+    ident = _identity(tuple(compiler), native)
+    blob = json.dumps({"format": FORMAT_VERSION, "kind": kind, "compiler": ident,
+                       "flags": list(flags), "source": source}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def source_key(source: str, flags: Sequence[str] = DEFAULT_CXX_FLAGS) -> str:
+    """Cache key compile_cpp() uses for this exact source and flags with the current $CXX."""
+    compiler = _cxx()
+    _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
+    return _key("cpp", compiler, flags, source)
+
+
+# --------------------------------------------------------------------------- files
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: str, mode: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _trim(text: str) -> str:
+    lines = text.strip().splitlines()
+    out = "\n".join(lines[:_MAX_STDERR_LINES])[:_MAX_STDERR_CHARS]
+    return out if len(out) == len("\n".join(lines)) else out + f"\n... ({len(lines)} lines in all, trimmed)"
+
+
+def _cached(out: Path, meta: Path) -> str:
+    """'hit', 'miss' (nothing there) or 'corrupt' (something there that must be rebuilt)."""
+    if not out.exists() and not meta.exists():
+        return "miss"
+    try:
+        ok = json.loads(meta.read_text())["sha256"] == _sha256_file(out)
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    return "hit" if ok else "corrupt"
+
+
+def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str], list[str]],
+           compiler: Sequence[str], flags: Sequence[str], source: str, cache: Path | None,
+           name: str, dump_dir: Path | None) -> CompiledArtifact:
+    t0 = time.perf_counter()
+    root = Path(cache) if cache is not None else cache_dir()
+    key = _key(kind, compiler, flags, source)
+    shard = root / kind / key[:2]
+    out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
+    command = tuple(argv_for(src.name, out.name))
+
+    if dump_dir is not None:  # written first, so a failing build is dumped too
+        dump_dir = Path(dump_dir)
+        dump_cmd = argv_for(f"{name}{src_ext}", f"{name}{out_ext}")
+        _atomic_write(dump_dir / f"{name}{src_ext}", source)
+        _atomic_write(dump_dir / f"{name}.cache_key", key + "\n")
+        _atomic_write(dump_dir / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
+                      f"# ember: rebuild {name}{out_ext} from {name}{src_ext} (cache key {key})\n"
+                      f'set -euo pipefail\ncd "$(dirname "$0")"\n{shlex.join(dump_cmd)}\n', 0o755)
+
+    state = _cached(out, meta)
+    if state == "hit":
+        _count("hits")
+        if not src.exists():
+            _atomic_write(src, source)
+        return CompiledArtifact(out, key, command, src, True, time.perf_counter() - t0)
+    _count("misses" if state == "miss" else "rebuilds")
+
+    shard.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=shard, prefix=f".{key[:12]}.") as tmp:
+        (Path(tmp) / src.name).write_text(source)
+        proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
+        if proc.returncode != 0 or not (Path(tmp) / out.name).exists():
+            stderr = proc.stderr or proc.stdout
+            if dump_dir is not None:
+                kept, kept_cmd = dump_dir / f"{name}{src_ext}", tuple(dump_cmd)
+            else:
+                kept, kept_cmd = root / "failed" / src.name, command
+                _atomic_write(kept, source)
+            raise CompileError(
+                f"{kind} compilation failed (exit {proc.returncode}) for {name!r}, key {key[:16]}\n"
+                f"source kept at: {kept}\n"
+                f"command: cd {shlex.quote(str(kept.parent))} && {shlex.join(kept_cmd)}\n"
+                f"--- compiler output ---\n{_trim(stderr)}",
+                source_path=kept, command=kept_cmd, stderr=stderr)
+        digest = _sha256_file(Path(tmp) / out.name)
+        os.replace(Path(tmp) / src.name, src)
+        os.replace(Path(tmp) / out.name, out)
+    _atomic_write(meta, json.dumps({
+        "format": FORMAT_VERSION, "key": key, "sha256": digest, "command": list(command),
+        "compiler_version": _identity(tuple(compiler), False).splitlines()[0],
+        "flags": list(flags), "created": time.time()}, indent=1) + "\n")
+    return CompiledArtifact(out, key, command, src, False, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- public entry points
+
+def compile_cpp(source: str, *, flags: Sequence[str] = DEFAULT_CXX_FLAGS, name: str = "step",
+                cache: Path | None = None, dump_dir: Path | None = None) -> CompiledArtifact:
+    """Compile a C++ translation unit to a shared library, through the cache.
+
+    The compiler is ``$CXX`` (may hold arguments, e.g. ``ccache g++``) else ``g++``.
+    With ``dump_dir`` also writes ``<name>.cpp``, ``<name>.compile.sh`` (rebuilds
+    ``<name>.so`` there) and ``<name>.cache_key``. Raises CompileError on a failed compile.
+    """
+    compiler = _cxx()
+    _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu' "
+                       "(set $CXX to use another one)")
+    flags = tuple(flags)
+    return _build("cpp", ".cpp", ".so", lambda s, o: [*compiler, *flags, s, "-o", o],
+                  compiler, flags, source, cache, name, dump_dir)
+
+
+def compile_cuda_check(source: str, *, arch: str = "sm_90", name: str = "kernels",
+                       cache: Path | None = None) -> Path:
+    """Compile CUDA C++ with ``nvcc -cubin -arch=<arch>`` and return the cached .cubin.
+
+    A build-time check that generated CUDA compiles (the runtime itself uses NVRTC).
+    """
+    if shutil.which("nvcc") is None:
+        raise FileNotFoundError("nvcc not found on PATH: compile_cuda_check needs the CUDA toolkit "
+                                "(e.g. add /usr/local/cuda/bin to PATH)")
+    compiler, flags = ("nvcc",), ("-cubin", f"-arch={arch}")
+    return _build("cubin", ".cu", ".cubin", lambda s, o: [*compiler, *flags, s, "-o", o],
+                  compiler, flags, source, cache, name, None).path

@@ -1,0 +1,236 @@
+"""Tests for ember.codegen.compiler: g++ driver, content-hash cache, dumps, nvcc check."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ember.codegen import compiler as C
+from ember.codegen.compiler import (
+    CompileError, cache_dir, cache_stats, compile_cpp, compile_cuda_check, reset_cache_stats,
+    source_key,
+)
+
+ADD = 'extern "C" int add(int a, int b) { return a + b; }\n'
+BROKEN = 'extern "C" int add(int a, int b) { return a + ; }\n'
+OMP = r"""
+#include <omp.h>
+extern "C" double omp_sum(int n) {
+    double s = 0.0;
+    #pragma omp parallel for reduction(+:s) schedule(static)
+    for (int i = 1; i <= n; ++i) s += (double)i;
+    return s;
+}
+extern "C" int omp_threads() {
+    int t = 0;
+    #pragma omp parallel
+    {
+        #pragma omp single
+        t = omp_get_num_threads();
+    }
+    return t;
+}
+"""
+needs_gxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++").split()[0]) is None,
+                               reason="no C++ compiler on PATH")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    # Never touch the user's real cache, even from a test that forgets cache=.
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "envcache"))
+    reset_cache_stats()
+
+
+def _add(path: Path) -> int:
+    lib = ctypes.CDLL(str(path))
+    lib.add.argtypes, lib.add.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return lib.add(40, 2)
+
+
+def test_cache_dir_honours_env(tmp_path, monkeypatch):
+    target = tmp_path / "a" / "b"
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(target))
+    assert cache_dir() == target and target.is_dir()
+    monkeypatch.delenv("EMBER_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "ember"
+
+
+def test_default_flags_are_ieee_faithful():
+    assert "-ffast-math" not in C.DEFAULT_CXX_FLAGS
+    for f in ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17"):
+        assert f in C.DEFAULT_CXX_FLAGS
+
+
+@needs_gxx
+def test_compile_load_hit_miss(tmp_path):
+    cache = tmp_path / "cache"
+    a = compile_cpp(ADD, cache=cache)
+    assert not a.cache_hit and a.path.is_file() and a.key == source_key(ADD, C.DEFAULT_CXX_FLAGS)
+    assert a.path == cache / "cpp" / a.key[:2] / f"{a.key}.so"
+    assert a.source_path == a.path.with_suffix(".cpp") and a.source_path.read_text() == ADD
+    meta = json.loads(a.path.with_suffix(".json").read_text())
+    assert meta["sha256"] == C._sha256_file(a.path) and meta["command"] == list(a.command)
+    assert "g++" in meta["compiler_version"] or meta["compiler_version"]
+    assert _add(a.path) == 42
+    assert cache_stats() == {"hits": 0, "misses": 1, "rebuilds": 0}
+
+    b = compile_cpp(ADD, cache=cache)
+    assert b.cache_hit and b.path == a.path and b.key == a.key
+    assert cache_stats() == {"hits": 1, "misses": 1, "rebuilds": 0}
+
+    c = compile_cpp(ADD.replace("a + b", "a + b + 1"), cache=cache)
+    assert not c.cache_hit and c.key != a.key and _add(c.path) == 43
+    d = compile_cpp(ADD, flags=(*C.DEFAULT_CXX_FLAGS, "-DEMBER_TEST=1"), cache=cache)
+    assert not d.cache_hit and d.key != a.key
+    assert cache_stats() == {"hits": 1, "misses": 3, "rebuilds": 0}
+    # no temp leftovers in the shard directories
+    assert not [p for p in cache.rglob(".*")]
+
+
+@needs_gxx
+@pytest.mark.parametrize("damage", ["truncate", "overwrite", "drop_meta", "drop_so"])
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, damage):
+    cache = tmp_path / "cache"
+    a = compile_cpp(ADD, cache=cache)
+    data = a.path.read_bytes()
+    if damage == "truncate":
+        a.path.write_bytes(data[: len(data) // 2])
+    elif damage == "overwrite":
+        a.path.write_bytes(data[:64] + b"\xde\xad\xbe\xef" * 16 + data[128:])
+    elif damage == "drop_meta":
+        a.path.with_suffix(".json").unlink()
+    else:
+        a.path.unlink()
+    b = compile_cpp(ADD, cache=cache)
+    assert not b.cache_hit and b.path == a.path
+    assert cache_stats() == {"hits": 0, "misses": 1, "rebuilds": 1}
+    assert b.path.read_bytes() == data  # g++ output is reproducible
+    assert _add(b.path) == 42
+    assert compile_cpp(ADD, cache=cache).cache_hit
+
+
+@needs_gxx
+def test_syntax_error_raises_with_details(tmp_path):
+    cache = tmp_path / "cache"
+    with pytest.raises(CompileError) as info:
+        compile_cpp(BROKEN, cache=cache, name="bad")
+    err = info.value
+    msg = str(err)
+    assert "error" in err.stderr and "expected primary-expression" in err.stderr
+    assert "expected primary-expression" in msg  # the compiler's own text
+    assert err.source_path.is_file() and err.source_path.read_text() == BROKEN
+    assert err.source_path.parent == cache / "failed"
+    assert str(err.source_path) in msg
+    assert err.command[0] == "g++" and " ".join(err.command) in msg
+    # the kept command reproduces the failure as it stands
+    r = subprocess.run(err.command, cwd=err.source_path.parent, capture_output=True, text=True)
+    assert r.returncode != 0 and "expected primary-expression" in r.stderr
+    # nothing half-built is left to be mistaken for a hit
+    assert not list((cache / "cpp").rglob("*.so")) and not list((cache / "cpp").rglob("*.json"))
+
+
+@needs_gxx
+def test_long_stderr_is_trimmed(tmp_path):
+    src = "".join(f"int f{i}() {{ return undeclared_{i}; }}\n" for i in range(300))
+    with pytest.raises(CompileError) as info:
+        compile_cpp(src, cache=tmp_path)
+    msg = str(info.value)
+    assert "undeclared_0" in msg and "undeclared_299" not in msg and "trimmed" in msg
+    assert len(msg) < 8000 and "undeclared_299" in info.value.stderr
+
+
+@needs_gxx
+def test_dump_dir_and_rebuild_script(tmp_path):
+    dump = tmp_path / "dump"
+    a = compile_cpp(ADD, cache=tmp_path / "cache", dump_dir=dump, name="step0")
+    assert (dump / "step0.cpp").read_text() == ADD
+    assert (dump / "step0.cache_key").read_text().strip() == a.key
+    script = (dump / "step0.compile.sh").read_text()
+    assert "step0.cpp" in script and "-o step0.so" in script and "-fopenmp" in script
+    # run it from elsewhere: the script must cd to its own directory
+    subprocess.run(["bash", str(dump / "step0.compile.sh")], cwd=tmp_path, check=True)
+    assert _add(dump / "step0.so") == 42
+
+
+@needs_gxx
+def test_dump_dir_keeps_failing_source(tmp_path):
+    dump = tmp_path / "dump"
+    with pytest.raises(CompileError) as info:
+        compile_cpp(BROKEN, cache=tmp_path / "cache", dump_dir=dump, name="bad")
+    assert info.value.source_path == dump / "bad.cpp" and (dump / "bad.cpp").read_text() == BROKEN
+    assert (dump / "bad.compile.sh").is_file() and str(dump / "bad.cpp") in str(info.value)
+
+
+@needs_gxx
+def test_openmp_reduction(tmp_path):
+    a = compile_cpp(OMP, cache=tmp_path)
+    lib = ctypes.CDLL(str(a.path))
+    lib.omp_sum.argtypes, lib.omp_sum.restype = [ctypes.c_int], ctypes.c_double
+    lib.omp_threads.restype = ctypes.c_int
+    n = 100_000
+    assert lib.omp_sum(n) == n * (n + 1) / 2
+    assert lib.omp_threads() >= 1
+
+
+@needs_gxx
+def test_env_cache_dir_used_by_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "via_env"))
+    a = compile_cpp(ADD)
+    assert a.path.is_relative_to(tmp_path / "via_env" / "cpp")
+
+
+def test_missing_compiler_is_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "definitely-not-a-compiler-xyz")
+    with pytest.raises(FileNotFoundError, match="OpenMP.*device='cpu'"):
+        compile_cpp(ADD, cache=tmp_path)
+
+
+def test_missing_nvcc_is_clear(tmp_path, monkeypatch):
+    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="nvcc"):
+        compile_cuda_check("__global__ void k() {}", cache=tmp_path)
+
+
+@needs_nvcc
+def test_cuda_check_compiles_and_caches(tmp_path):
+    src = '__global__ void scale(float* x, float a, int n) {\n' \
+          '  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= a; }\n'
+    path = compile_cuda_check(src, cache=tmp_path)
+    assert path.suffix == ".cubin" and path.is_file() and path.stat().st_size > 0
+    assert path.parent.parent == tmp_path / "cubin" and path.name == path.parent.name + path.name[2:]
+    assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF image
+    assert compile_cuda_check(src, cache=tmp_path) == path
+    assert cache_stats() == {"hits": 1, "misses": 1, "rebuilds": 0}
+    assert compile_cuda_check(src, arch="sm_80", cache=tmp_path) != path
+
+
+@needs_nvcc
+def test_cuda_check_broken_kernel(tmp_path):
+    src = "__global__ void k(float* x) { x[threadIdx.x] = undefined_thing; }\n"
+    with pytest.raises(CompileError) as info:
+        compile_cuda_check(src, cache=tmp_path)
+    assert "undefined_thing" in str(info.value) and info.value.command[0] == "nvcc"
+    assert info.value.source_path.read_text() == src
+
+
+@needs_gxx
+def test_concurrent_compiles_of_one_key(tmp_path):
+    # Several compilers racing on one key: last writer wins, every result is whole.
+    from concurrent.futures import ThreadPoolExecutor
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(4) as pool:
+        arts = list(pool.map(lambda _: compile_cpp(ADD, cache=cache), range(4)))
+    assert len({a.path for a in arts}) == 1
+    assert all(_add(a.path) == 42 for a in arts)
+    meta = json.loads(arts[0].path.with_suffix(".json").read_text())
+    assert meta["sha256"] == C._sha256_file(arts[0].path)
+    assert compile_cpp(ADD, cache=cache).cache_hit
+    assert not [p for p in cache.rglob(".*")]
