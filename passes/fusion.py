@@ -1,0 +1,241 @@
+"""Fusion: group the nodes of a graph into kernels.
+
+Each group becomes one `fused` node holding its subgraph (inputs in0, in1, ... and one output
+"out"), with `kernel` naming the kind a backend emits for it:
+
+- `conv2d` / `matmul`: the contraction, plus a bias add and a ReLU as epilogue when the graph has
+  exactly relu(add(c, bias)) / add(c, bias) / relu(c) with the contraction used only there. The
+  operand roles (and, for matmul, transposes folded into trans flags) are recorded in the node's
+  notes so codegen need not re-match them.
+- `conv2d_grad_input` / `conv2d_grad_weight`: one op each.
+- `reduction`: one sum/max/argmax with the pointwise ops feeding it (prologue, evaluated at the
+  reduction's input index) and those consuming it (epilogue, at its output index).
+- `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
+  reshape) between them absorbed into index arithmetic.
+
+A value leaves a group (and is materialised) only when something outside the group uses it, so
+no group ever needs another group's internals and no cycle can form: groups are grown from a
+root towards operands in reverse topological order, absorbing a node only when all its users are
+already in the group. Top-level `reshape` nodes stay: they are aliases of their operand's buffer.
+Scalar constants are copied into every group that uses them. Deterministic: ids and orders only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ember.ir import OPS, Graph
+
+ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
+VIEWS = {"broadcast_to", "transpose", "reshape"}
+REDUCTIONS = {"sum", "max", "argmax"}
+SOURCES = {"input", "parameter", "state", "constant"}
+CONV_OPS = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+
+
+def _numel(graph: Graph, n: int) -> int:
+    return graph.type(n).numel
+
+
+def _inline_constant(graph: Graph, n: int) -> bool:
+    return graph.op(n) == "constant" and _numel(graph, n) <= 1
+
+
+class _Grouper:
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        self.owner: dict[int, int] = {}  # node -> root of its group
+
+    def users_inside(self, n: int, members: set[int]) -> bool:
+        users = self.g.users(n)
+        return bool(users) and all(u in members for u, _ in users) and n not in self.g.outputs.values() \
+            and n not in self.g.updates.values()
+
+    def grow(self, members: set[int], start: list[int], numel: int, stop: set[int] = frozenset()) -> None:
+        """Absorbs operands reachable from `start` that only the group uses."""
+        stack = list(start)
+        while stack:
+            n = stack.pop()
+            for o in self.g.operands(n):
+                if o in members or o in self.owner or o in stop or self.g.op(o) in SOURCES:
+                    continue
+                if not self.users_inside(o, members):
+                    continue
+                op = self.g.op(o)
+                if op in VIEWS or (op in ELEMENTWISE and _numel(self.g, o) == numel):
+                    members.add(o)
+                    if op != "one_hot":  # one_hot reads its labels at a reduced index: keep them a leaf
+                        stack.append(o)
+
+    def bias_operand(self, n: int, axis_from_end: int, channels: int) -> bool:
+        """True when `n` (through reshapes) is a vector of `channels` broadcast along one axis."""
+        t = self.g.type(n)
+        if t.numel != channels or t.rank < axis_from_end:
+            return False
+        return all(d == 1 for i, d in enumerate(t.shape) if i != t.rank - axis_from_end)
+
+    def contraction_epilogue(self, root: int) -> tuple[int, set[int], dict[str, Any]] | None:
+        """Matches relu?(add?(c, bias)) rooted at `root` for c in conv2d/matmul; returns (c, members, notes)."""
+        g, members, notes = self.g, {root}, {"relu": False, "bias": None}
+        n = root
+        if g.op(n) == "relu":
+            notes["relu"] = True
+            (n,) = g.operands(n)
+            if g.op(n) not in ("add", "conv2d", "matmul") or not self.users_inside(n, members) or n in self.owner:
+                return None
+            members.add(n)
+        if g.op(n) == "add":
+            a, b = g.operands(n)
+            for c, bias in ((a, b), (b, a)):
+                if g.op(c) in ("conv2d", "matmul") and c not in self.owner and c != bias \
+                        and g.type(c) == g.type(n) and self.users_inside(c, members | {n}):
+                    axis, channels = (3, g.type(c).shape[1]) if g.op(c) == "conv2d" else (1, g.type(c).shape[-1])
+                    if self.bias_operand(bias, axis, channels) and g.op(bias) not in ("broadcast_to", "transpose"):
+                        members.add(n)
+                        notes["bias_node"] = bias
+                        n = c
+                        break
+            else:
+                return None
+        if g.op(n) not in ("conv2d", "matmul") or n in self.owner:
+            return None
+        if n != root and not self.users_inside(n, members):
+            return None
+        members.add(n)
+        return n, members, notes
+
+    def claim(self, root: int, members: set[int]) -> None:
+        for m in members:
+            self.owner[m] = root
+
+
+def _matmul_operand(graph: Graph, n: int, members: set[int], grouper: _Grouper) -> tuple[int, bool]:
+    """Follows a matmul operand through absorbable transpose(last two axes)/reshape views to a leaf."""
+    trans = False
+    if graph.op(n) == "transpose" and graph.type(n).rank == 2 and grouper.users_inside(n, members) and n not in grouper.owner:
+        members.add(n)
+        trans = True
+        (n,) = graph.operands(n)
+    while graph.op(n) == "reshape" and grouper.users_inside(n, members) and n not in grouper.owner:
+        members.add(n)
+        (n,) = graph.operands(n)
+    return n, trans
+
+
+def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
+    gr = _Grouper(graph)
+    groups: dict[int, tuple[str, set[int], dict[str, Any]]] = {}
+    for root in reversed(graph.topo_order()):
+        if root in gr.owner:
+            continue
+        op = graph.op(root)
+        if op in SOURCES or op == "reshape":
+            continue
+        notes: dict[str, Any] = {}
+        if op in ("relu", "add", "conv2d", "matmul") and (m := gr.contraction_epilogue(root)) is not None:
+            core, members, notes = m
+            kind = graph.op(core)
+            notes["core"] = core
+            if kind == "matmul":
+                a, b = graph.operands(core)
+                if graph.type(a).rank != 2 or graph.type(b).rank != 2:
+                    kind = "batched_matmul"
+                else:
+                    notes["a"], notes["trans_a"] = _matmul_operand(graph, a, members, gr)
+                    notes["b"], notes["trans_b"] = _matmul_operand(graph, b, members, gr)
+        elif op in CONV_OPS:
+            kind, members, notes = op, {root}, {"core": root}
+        elif op in REDUCTIONS:
+            kind, members = "reduction", {root}
+            gr.grow(members, [root], graph.type(graph.operands(root)[0]).numel)
+            notes["core"] = root
+        elif op in ELEMENTWISE or op in VIEWS:
+            kind, members = "pointwise", {root}
+            gr.grow(members, [root], _numel(graph, root), stop={n for n in graph.g if graph.op(n) in REDUCTIONS})
+            # An epilogue over a reduction of the same output size: absorb the reduction and its prologue.
+            reductions = [o for m_ in members for o in graph.operands(m_)
+                          if graph.op(o) in REDUCTIONS and o not in gr.owner and o not in members]
+            has_views = any(graph.op(m_) in VIEWS for m_ in members)  # the reduction is read at its own index only
+            for r in sorted(set(reductions)):
+                if _numel(graph, r) == _numel(graph, root) and gr.users_inside(r, members) and kind == "pointwise" \
+                        and not has_views and graph.type(r).shape == graph.type(root).shape:
+                    kind = "reduction"
+                    members.add(r)
+                    notes["core"] = r
+                    gr.grow(members, [r], graph.type(graph.operands(r)[0]).numel)
+        else:
+            raise NotImplementedError(f"fusion has no kernel kind for op {op!r} (%{root}, at {graph.loc(root)})")
+        gr.claim(root, members)
+        groups[root] = (kind, members, notes)
+    return groups
+
+
+def _build_subgraph(graph: Graph, members: set[int], root: int, name: str) -> tuple[Graph, list[int], dict[int, int]]:
+    sub = Graph(name)
+    mapping: dict[int, int] = {}
+    outer: list[int] = []
+    for n in graph.topo_order():
+        if n not in members:
+            continue
+        new_ops = []
+        for o in graph.operands(n):
+            if o not in mapping:
+                if _inline_constant(graph, o):
+                    mapping[o] = sub.add("constant", **graph.attrs(o))
+                else:
+                    mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
+                    outer.append(o)
+            new_ops.append(mapping[o])
+        mapping[n] = sub.add(graph.op(n), new_ops, loc=graph.loc(n), **graph.attrs(n))
+    sub.set_output("out", mapping[root])
+    return sub, outer, mapping
+
+
+def fuse(graph: Graph) -> Graph:
+    """Returns a graph whose compute nodes are `fused` groups (plus reshape aliases and sources)."""
+    groups = _groups(graph)
+    out = Graph(graph.name)
+    out.meta = dict(graph.meta)
+    mapping: dict[int, int] = {}
+    owner = {m: r for r, (_, ms, _) in groups.items() for m in ms}
+    for n in graph.topo_order():
+        op = graph.op(n)
+        if n in groups:
+            kind, members, notes = groups[n]
+            sub, outer, submap = _build_subgraph(graph, members, n, f"k{len(out)}_{kind}")
+            node = out.add("fused", [mapping[o] for o in outer], loc=graph.loc(n), graph=sub, kernel=kind)
+            index_of = {o: i for i, o in enumerate(outer)}
+            for key, value in notes.items():
+                if key in ("a", "b", "bias_node"):
+                    out.annotate(node, key.replace("_node", ""), index_of[value])
+                elif key == "core":
+                    out.annotate(node, "core", submap[value])
+                else:
+                    out.annotate(node, key, value)
+            out.annotate(node, "implements", [f"%{m} {graph.op(m)}" + (f" @ {graph.loc(m)}" if graph.loc(m) else "")
+                                              for m in sorted(members)])
+            mapping[n] = node
+        elif n in owner or (_inline_constant(graph, n) and all(u in owner for u, _ in graph.users(n))
+                            and n not in graph.outputs.values()):
+            continue
+        elif op in ("input", "parameter", "state"):
+            mapping[n] = out._add_named({"input": out.inputs, "parameter": out.parameters, "state": out.states}[op],
+                                        op, graph.attrs(n)["name"], graph.type(n), graph.loc(n))
+        else:  # constants and reshape aliases
+            mapping[n] = out.add(op, [mapping[o] for o in graph.operands(n)], loc=graph.loc(n), **graph.attrs(n))
+    for name in graph.inputs:  # keep the signature order of the original graph
+        out.inputs[name] = out.inputs.pop(name)
+    for k, n in graph.outputs.items():
+        out.set_output(k, mapping[n])
+    for k, n in graph.updates.items():
+        out.set_update(k, mapping[n])
+    return out.verify()
+
+
+def kernel_counts(graph: Graph) -> dict[str, int]:
+    """Number of fused kernels per kind (the structure tests assert these)."""
+    counts: dict[str, int] = {}
+    for n in graph.g:
+        if graph.op(n) == "fused":
+            kind = graph.attrs(n)["kernel"]
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
