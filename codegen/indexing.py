@@ -76,7 +76,7 @@ def linear_c(coords: list[Coord], shape: tuple[int, ...]) -> str:
 
 
 def relinearize(coords: list[Coord], shape: tuple[int, ...], new_shape: tuple[int, ...],
-                temp: Callable[[str, int], str]) -> list[Coord]:
+                temp: Callable[[str], str]) -> list[Coord]:
     """Coordinates in `new_shape` of the element at `coords` of `shape` (a reshape of a row-major tensor)."""
     terms = _linear_terms(coords, shape)
     size = prod(shape)
@@ -85,13 +85,13 @@ def relinearize(coords: list[Coord], shape: tuple[int, ...], new_shape: tuple[in
     if len(terms) == 1 and terms[0][1] == 1:
         base = terms[0][0]
     else:  # not one clean term: name the flat index and start over from it
-        base = Term(temp(linear_c(coords, shape), size), 1, None, size)
+        base = Term(temp(linear_c(coords, shape)), 1, None, size)
     out: list[Coord] = []
     for st, d in zip(strides(new_shape), new_shape):
         if d == 1:
             out.append(None)
             continue
-        out.append(_split(base, st, d) or Term(temp(base.c(), size), st, d, size).simplified())
+        out.append(_split(base, st, d) or Term(temp(base.c()), st, d, size).simplified())
     return out
 
 

@@ -78,7 +78,7 @@ class CpuExecutor:
         if storage == "constant":
             return self._constants[str(n)]
         if storage == "input":
-            return _InputRef(notes["name"])  # type: ignore[return-value]
+            return _InputRef(notes["name"], t.shape)  # type: ignore[return-value]
         return self.storage[notes["name"]]
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -87,12 +87,18 @@ class CpuExecutor:
             self._ext[slot] = arrays[name].ctypes.data
         self.lib.ember_step(*self._args)
         for name, view in self._copy_updates:
-            np.copyto(self.storage[name], arrays[view.name] if isinstance(view, _InputRef) else view)
-        return {k: (arrays[v.name] if isinstance(v, _InputRef) else v).copy() for k, v in self._outputs.items()}
+            np.copyto(self.storage[name], view.get(arrays) if isinstance(view, _InputRef) else view)
+        return {k: (v.get(arrays) if isinstance(v, _InputRef) else v).copy() for k, v in self._outputs.items()}
 
 
 class _InputRef:
     """An output that is one of the call's inputs, resolved per call."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = name, shape
+
+    def reshape(self, shape: tuple[int, ...]) -> "_InputRef":
+        return _InputRef(self.name, shape)
+
+    def get(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        return arrays[self.name].reshape(self.shape)

@@ -1,0 +1,159 @@
+"""Every op compiled by the CPU backend, alone and inside fused groups, against the interpreter.
+
+Many ops share one graph (one output each) so that one g++ run covers a table of cases.
+Tolerances (float32): elementwise rtol 1e-6 / atol 1e-6 (transcendentals may differ from NumPy's
+by an ulp or two); reductions and contractions atol 1e-5 * sqrt(terms summed), rtol 1e-5.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ember.ir import OPS, Graph, TensorType, run
+from ember.passes.fusion import fuse, kernel_counts
+from ember.passes.memory import check_plan, plan_memory
+from ember.runtime.cpu import CpuExecutor
+from ember.runtime.executor import Storage
+
+F32 = "float32"
+rng = np.random.default_rng(7)
+
+
+def _compile_and_compare(graph: Graph, inputs: dict, params: dict | None = None, tol: dict | None = None, tmp_path=None):
+    params = params or {}
+    expect = run(graph, inputs, params).outputs
+    planned = plan_memory(fuse(graph))
+    check_plan(planned)
+    storage = Storage({k: np.ascontiguousarray(v).copy() for k, v in params.items()})
+    got = CpuExecutor(planned, storage)(inputs)
+    for name, want in expect.items():
+        rtol, atol = (tol or {}).get(name, (1e-6, 1e-6))
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
+    return planned
+
+
+def _data(t: TensorType, positive: bool = False) -> np.ndarray:
+    if t.dtype.is_float:
+        x = rng.standard_normal(t.shape).astype(t.dtype.numpy)
+        return np.abs(x) + 0.1 if positive else x
+    if t.dtype.name == "bool":
+        return rng.random(t.shape) > 0.5
+    return rng.integers(0, 5, t.shape).astype(t.dtype.numpy)
+
+
+UNARY_POSITIVE = {"log", "sqrt", "reciprocal"}
+
+
+def test_elementwise_ops_alone():
+    g = Graph("elementwise")
+    inputs = {}
+
+    def inp(name, shape, dtype=F32, positive=False):
+        t = TensorType(shape, dtype)
+        inputs[name] = _data(t, positive)
+        return g.add_input(name, t)
+
+    for op in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs"):
+        x = inp(f"x_{op}", (3, 37), positive=op in UNARY_POSITIVE)
+        g.set_output(op, g.add(op, [x]))
+    for op in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"):
+        a = inp(f"a_{op}", (4, 1, 5))
+        b = inp(f"b_{op}", (3, 1), positive=op == "div")
+        g.set_output(op, g.add(op, [a, b]))
+    c = inp("cond", (2, 3), "bool")
+    g.set_output("where", g.add("where", [c, inp("wa", (2, 3)), inp("wb", (3,))]))
+    g.set_output("cast_i", g.add("cast", [inp("ci", (5, 2))], dtype="int32"))
+    g.set_output("cast_f", g.add("cast", [inp("cf", (7,), "int64")], dtype="float32"))
+    g.set_output("int_add", g.add("add", [inp("ia", (6,), "int64"), inp("ib", (6,), "int64")]))
+    labels = inp("labels", (9,), "int64")
+    g.set_output("one_hot", g.add("one_hot", [labels], num_classes=5))
+    planned = _compile_and_compare(g, inputs, tol={"exp": (2e-6, 1e-6), "tanh": (2e-6, 1e-6), "sigmoid": (2e-6, 1e-6)})
+    assert kernel_counts(planned) == {"pointwise": len(g.outputs)}
+
+
+def test_layout_ops_and_views():
+    g = Graph("layout")
+    x = g.add_input("x", TensorType((2, 3, 4)))
+    inputs = {"x": _data(TensorType((2, 3, 4)))}
+    g.set_output("transpose", g.add("transpose", [x], perm=(2, 0, 1)))
+    g.set_output("broadcast", g.add("broadcast_to", [g.add("reshape", [x], shape=(2, 1, 12))], shape=(2, 5, 12)))
+    t = g.add("transpose", [x], perm=(1, 2, 0))
+    g.set_output("reshape_of_transpose", g.add("exp", [g.add("reshape", [t], shape=(6, 4))]))
+    g.set_output("reshape", g.add("reshape", [x], shape=(4, 6)))
+    _compile_and_compare(g, inputs, tol={"reshape_of_transpose": (2e-6, 1e-6)})
+
+
+@pytest.mark.parametrize("shape,axes,keepdims", [((5, 7), (1,), True), ((5, 7), (0,), False), ((3, 4, 5, 6), (0, 2, 3), False),
+                                                 ((3, 4, 5), (0, 1, 2), False), ((64, 10), (1,), True)])
+def test_reductions(shape, axes, keepdims):
+    g = Graph("reduce")
+    x = g.add_input("x", TensorType(shape))
+    inputs = {"x": _data(TensorType(shape))}
+    g.set_output("sum", g.add("sum", [x], axes=axes, keepdims=keepdims))
+    g.set_output("max", g.add("max", [x], axes=axes, keepdims=keepdims))
+    g.set_output("argmax", g.add("argmax", [x], axis=axes[-1]))
+    sq = g.add("mul", [x, x])  # prologue
+    s = g.add("sum", [sq], axes=axes, keepdims=keepdims)
+    g.set_output("sum_sq_sqrt", g.add("sqrt", [s]))  # epilogue
+    n = math.prod(shape[a] for a in axes)
+    tol = (1e-5, 1e-5 * math.sqrt(n))
+    planned = _compile_and_compare(g, inputs, tol={"sum": tol, "sum_sq_sqrt": tol})
+    assert kernel_counts(planned) == {"reduction": 4}
+
+
+@pytest.mark.parametrize("m,k,n,ta,tb,bias,relu", [(5, 7, 3, False, False, False, False), (64, 30, 10, False, True, True, False),
+                                                   (13, 17, 19, True, False, True, True), (8, 9, 33, True, True, False, True)])
+def test_matmul_with_epilogues(m, k, n, ta, tb, bias, relu):
+    g = Graph("mm")
+    a_shape, b_shape = ((k, m) if ta else (m, k)), ((n, k) if tb else (k, n))
+    a, b = g.add_input("a", TensorType(a_shape)), g.add_parameter("b", TensorType(b_shape))
+    inputs, params = {"a": _data(TensorType(a_shape))}, {"b": _data(TensorType(b_shape))}
+    a2 = g.add("transpose", [a], perm=(1, 0)) if ta else a
+    b2 = g.add("transpose", [b], perm=(1, 0)) if tb else b
+    y = g.add("matmul", [a2, b2])
+    if bias:
+        params["bias"] = _data(TensorType((n,)))
+        y = g.add("add", [y, g.add_parameter("bias", TensorType((n,)))])
+    if relu:
+        y = g.add("relu", [y])
+    g.set_output("y", y)
+    planned = _compile_and_compare(g, inputs, params, tol={"y": (1e-5, 1e-5 * math.sqrt(k))})
+    assert kernel_counts(planned) == {"matmul": 1}
+
+
+@pytest.mark.parametrize("n,c,h,w,o,k,stride,pad", [(2, 3, 9, 8, 5, 3, 1, 0), (2, 1, 28, 28, 16, 3, 1, 0), (1, 4, 11, 7, 6, 3, 2, 1),
+                                                    (3, 2, 6, 6, 3, 2, 1, 2)])
+def test_convolutions(n, c, h, w, o, k, stride, pad):
+    g = Graph("conv")
+    x_t, w_t = TensorType((n, c, h, w)), TensorType((o, c, k, k))
+    x, wt, b = g.add_input("x", x_t), g.add_parameter("w", w_t), g.add_parameter("b", TensorType((o,)))
+    y = g.add("conv2d", [x, wt], stride=stride, padding=pad)
+    y_t = g.type(y)
+    g.set_output("conv", g.add("relu", [g.add("add", [y, g.add("reshape", [b], shape=(o, 1, 1))])]))
+    dy = g.add_input("dy", y_t)
+    g.set_output("grad_input", g.add("conv2d_grad_input", [dy, wt], stride=stride, padding=pad, input_shape=x_t.shape))
+    g.set_output("grad_weight", g.add("conv2d_grad_weight", [x, dy], stride=stride, padding=pad, weight_shape=w_t.shape))
+    inputs = {"x": _data(x_t), "dy": _data(y_t)}
+    params = {"w": _data(w_t), "b": _data(TensorType((o,)))}
+    terms = max(c * k * k, o * k * k, n * y_t.shape[2] * y_t.shape[3])
+    tol = (1e-5, 1e-5 * math.sqrt(terms))
+    planned = _compile_and_compare(g, inputs, params, tol={k_: tol for k_ in g.outputs})
+    assert kernel_counts(planned) == {"conv2d": 1, "conv2d_grad_input": 1, "conv2d_grad_weight": 1}
+
+
+def test_fused_chain_is_one_kernel_and_matches():
+    g = Graph("chain")
+    ts = TensorType((17, 33))
+    a, b, c = (g.add_input(k, ts) for k in "abc")
+    g.set_output("y", g.add("relu", [g.add("add", [g.add("mul", [a, b]), c])]))
+    planned = _compile_and_compare(g, {k: _data(ts) for k in "abc"})
+    assert kernel_counts(planned) == {"pointwise": 1}
+
+
+def test_every_op_has_a_cpu_lowering_path():
+    """Every op is either lowered by a kernel kind or handled as a source/alias (see fusion.py)."""
+    from ember.passes import fusion
+    handled = fusion.ELEMENTWISE | fusion.VIEWS | fusion.REDUCTIONS | fusion.SOURCES | fusion.CONV_OPS | {"matmul", "fused"}
+    assert set(OPS) <= handled, sorted(set(OPS) - handled)
