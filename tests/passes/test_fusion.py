@@ -1,0 +1,89 @@
+"""Fusion: kernel structure of the MNIST graphs, and the interpreter's output unchanged by fusing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember import ir
+from ember.frontends import functional as F
+from ember.frontends import nn, spec, trace
+from ember.passes.fusion import fuse, kernel_counts
+from ember.passes.optimizer import SGD
+from ember.passes.pipeline import build_train_graph
+from ember.passes.simplify import simplify
+from models import cnn, mlp
+
+
+def train_graph(model: nn.Module, x_shape: tuple[int, ...]) -> ir.Graph:
+    fwd = trace(lambda x, y: F.cross_entropy(model(x), y), spec(x_shape), spec((x_shape[0],), "int64"), modules={"": model})
+    return simplify(build_train_graph(fwd, SGD(lr=0.05)))
+
+
+def _params(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: p.data for k, p in model.named_parameters()}
+
+
+def test_pointwise_chain_is_one_kernel():
+    g = ir.Graph("chain")
+    t = ir.TensorType((8, 5))
+    a, b, c = (g.add_input(k, t) for k in "abc")
+    g.set_output("y", g.add("relu", [g.add("add", [g.add("mul", [a, b]), c])]))
+    fused = fuse(g)
+    assert kernel_counts(fused) == {"pointwise": 1}
+    rng = np.random.default_rng(0)
+    inputs = {k: rng.standard_normal(t.shape).astype(np.float32) for k in "abc"}
+    np.testing.assert_array_equal(ir.run(g, inputs).outputs["y"], ir.run(fused, inputs).outputs["y"])
+
+
+def test_shared_value_is_materialised_once():
+    g = ir.Graph("fanout")
+    t = ir.TensorType((4, 4))
+    a = g.add_input("a", t)
+    e = g.add("exp", [a])
+    g.set_output("y1", g.add("neg", [e]))
+    g.set_output("y2", g.add("mul", [e, e]))
+    fused = fuse(g)
+    assert kernel_counts(fused) == {"pointwise": 3}
+
+
+def test_cnn_forward_is_three_kernels():
+    fused = fuse(trace(cnn(), spec((64, 1, 28, 28))))
+    # conv+bias+relu twice, linear with its bias as a matmul epilogue
+    assert kernel_counts(fused) == {"conv2d": 2, "matmul": 1}
+
+
+def test_mlp_forward_kernels():
+    fused = fuse(trace(mlp(), spec((64, 784))))
+    assert kernel_counts(fused) == {"matmul": 2, "pointwise": 1}  # the sigmoid stands alone
+
+
+CNN_TRAIN_KERNELS = {"conv2d": 2, "conv2d_grad_input": 1, "conv2d_grad_weight": 2, "matmul": 3}
+MLP_TRAIN_KERNELS = {"matmul": 5}
+
+
+@pytest.mark.parametrize("name,model,shape,expected", [("cnn", cnn, (64, 1, 28, 28), CNN_TRAIN_KERNELS),
+                                                       ("mlp", mlp, (64, 784), MLP_TRAIN_KERNELS)])
+def test_train_graph_kernels_and_numerics(name, model, shape, expected):
+    m = model()
+    g = train_graph(m, shape)
+    fused = fuse(g)
+    counts = kernel_counts(fused)
+    for kind, n in expected.items():
+        assert counts.get(kind) == n, (kind, counts)
+    # the loss (log-softmax + cross-entropy, forward) is a handful of reductions, not one kernel per op
+    assert counts.get("reduction", 0) <= 10, counts
+    assert fused.count("fused") == sum(counts.values())
+    assert fused.count() - fused.count("fused") == sum(
+        1 for n in fused.g if fused.op(n) in ("input", "parameter", "state", "constant", "reshape"))
+    rng = np.random.default_rng(1)
+    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
+    before = ir.run(g, inputs, _params(m))
+    after = ir.run(fused, inputs, _params(m))
+    np.testing.assert_allclose(after.outputs["loss"], before.outputs["loss"], rtol=1e-6)
+    for k in before.updates:
+        np.testing.assert_allclose(after.updates[k], before.updates[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_fusion_is_deterministic():
+    g = train_graph(mlp(), (16, 784))
+    assert ir.format_graph(fuse(g)) == ir.format_graph(fuse(g))
