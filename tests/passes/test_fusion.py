@@ -5,22 +5,9 @@ import numpy as np
 import pytest
 
 from ember import ir
-from ember.frontends import functional as F
-from ember.frontends import nn, spec, trace
+from ember.frontends import spec, trace
 from ember.passes.fusion import fuse, kernel_counts
-from ember.passes.optimizer import SGD
-from ember.passes.pipeline import build_train_graph
-from ember.passes.simplify import simplify
-from models import cnn, mlp
-
-
-def train_graph(model: nn.Module, x_shape: tuple[int, ...]) -> ir.Graph:
-    fwd = trace(lambda x, y: F.cross_entropy(model(x), y), spec(x_shape), spec((x_shape[0],), "int64"), modules={"": model})
-    return simplify(build_train_graph(fwd, SGD(lr=0.05)))
-
-
-def _params(model: nn.Module) -> dict[str, np.ndarray]:
-    return {k: p.data for k, p in model.named_parameters()}
+from models import cnn, mlp, params_of as _params, train_graph
 
 
 def test_pointwise_chain_is_one_kernel():

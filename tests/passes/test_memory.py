@@ -7,8 +7,7 @@ from ember import ir
 from ember.passes.fusion import fuse
 from ember.passes.memory import check_plan, plan_memory
 
-from models import cnn, mlp
-from test_fusion import _params, train_graph
+from models import cnn, mlp, params_of as _params, train_graph
 
 
 def test_cnn_step_plan_has_no_overlap_and_reuses_memory():
