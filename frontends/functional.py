@@ -63,7 +63,7 @@ eq, ne, lt, le, gt, ge = (_binary(o) for o in ("eq", "ne", "lt", "le", "gt", "ge
 
 
 def where(cond: Operand, a: Operand, b: Operand) -> Tensor:
-    like = _typed(a) or _typed(b)
+    like = next((v for v in (a, b) if _typed(v) is not None), None)  # not `or`: Tensor has no truth value
     return _emit("where", [as_node(cond), as_node(a, like), as_node(b, like)])
 
 
@@ -89,7 +89,12 @@ def reshape(x: Operand, shape: Sequence[int]) -> Tensor:
 def flatten(x: Operand, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     t = _tensor(x)
     rank = len(t.shape)
-    s, e = start_dim % rank, end_dim % rank
+    if rank == 0:  # as torch: a 0-d tensor flattens to shape (1,)
+        return _emit("reshape", [t.node], shape=(1,))
+    s, e = (_axes(t, d)[0] for d in (start_dim, end_dim))
+    if s > e:
+        raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} for {t.type}"
+                         f"\n  at {user_location()}")
     shape = t.shape[:s] + (int(np.prod(t.shape[s:e + 1])),) + t.shape[e + 1:]
     return _emit("reshape", [t.node], shape=shape)
 
@@ -115,7 +120,7 @@ def _axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(len(x.shape)))
     try:
-        return normalize_axes([axis] if isinstance(axis, int) else list(axis), len(x.shape))
+        return normalize_axes([axis] if isinstance(axis, (int, np.integer)) else list(axis), len(x.shape))
     except ShapeError as e:
         raise ShapeError(f"{e} (operand {x.type})\n  at {user_location()}") from None
 
@@ -138,7 +143,9 @@ def mean(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = F
 
 
 def argmax(x: Operand, axis: int = -1) -> Tensor:
-    return _emit("argmax", _nodes(x), axis=axis % len(_tensor(x).shape))
+    t = _tensor(x)
+    (a,) = _axes(t, axis)
+    return _emit("argmax", [t.node], axis=a)
 
 
 # ---- contractions ----------------------------------------------------------------------------

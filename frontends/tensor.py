@@ -70,6 +70,10 @@ def current() -> TraceContext:
 class _Ops:
     """Operator overloads shared by Tensor and Parameter; each forwards to `functional`."""
 
+    # `ndarray <op> Tensor` must defer to our reflected operator; without this NumPy broadcasts the
+    # Tensor as an opaque object and returns an object array of per-element graph nodes.
+    __array_ufunc__ = None
+
     def __add__(self, o): return F.add(self, o)
     def __radd__(self, o): return F.add(o, self)
     def __sub__(self, o): return F.sub(self, o)
@@ -161,6 +165,18 @@ class Parameter(_Ops):
         return f"Parameter({TensorType.of(self.data)})"
 
 
+def _scalar_fits(x: Any, dtype) -> bool:
+    """Whether a Python/NumPy scalar takes the dtype of the tensor it meets without changing value
+    class: any number for a float tensor, integers (and bools) for an integer tensor, bools for a
+    bool tensor. Otherwise (`int_tensor + 0.5`) the scalar keeps its own dtype and the op's rule
+    reports the dtype mismatch, rather than the constant being silently truncated to 0."""
+    if dtype.is_float:
+        return True
+    if dtype.name == "bool":
+        return isinstance(x, (bool, np.bool_))
+    return isinstance(x, (bool, int, np.integer, np.bool_))
+
+
 def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
     """Lifts a Tensor, Parameter, NumPy array or Python scalar into a node of the current graph."""
     ctx = current()
@@ -171,9 +187,9 @@ def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
         return x.node
     if isinstance(x, Parameter):
         return ctx.parameter_node(x)
-    if isinstance(x, (bool, int, float, np.number)) and like is not None:
+    if isinstance(x, (bool, int, float, np.number, np.bool_)) and like is not None and _scalar_fits(x, like.dtype):
         return ctx.graph.add_constant(np.asarray(x, dtype=like.dtype.numpy), loc=user_location())
-    if isinstance(x, (np.ndarray, bool, int, float, np.number)):
+    if isinstance(x, (np.ndarray, bool, int, float, np.number, np.bool_)):
         arr = np.asarray(x)
         if arr.dtype == np.float64 and not (like is not None and like.dtype.name == "float64"):
             arr = arr.astype(np.float32)  # Python floats default to the model's float32

@@ -46,7 +46,8 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
     """
     graph = Graph(name or getattr(fn, "__name__", type(fn).__name__))
     names: dict[int, str] = {}
-    for prefix, mod in ({"": fn} if isinstance(fn, Module) else {}).items() | dict(modules or {}).items():
+    # A list, not a union of dict views: that set needs hashable modules and has no stable order.
+    for prefix, mod in ([("", fn)] if isinstance(fn, Module) else []) + list(dict(modules or {}).items()):
         for pname, p in mod.named_parameters(prefix):
             names[id(p)] = pname
     with TraceContext(graph, names) as ctx:

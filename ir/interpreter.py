@@ -104,8 +104,9 @@ IMPLS: dict[str, Impl] = {
     "max": _reduce(np.max),
     "argmax": lambda a, at, t: np.argmax(a[0], axis=at["axis"]).astype(np.int64),
     "reshape": lambda a, at, t: a[0].reshape(at["shape"]),
-    "transpose": lambda a, at, t: np.ascontiguousarray(a[0].transpose(at["perm"])),
-    "broadcast_to": lambda a, at, t: np.ascontiguousarray(np.broadcast_to(a[0], at["shape"])),
+    # np.asarray(order="C"), not np.ascontiguousarray: the latter turns a 0-d result into shape (1,)
+    "transpose": lambda a, at, t: np.asarray(a[0].transpose(at["perm"]), order="C"),
+    "broadcast_to": lambda a, at, t: np.asarray(np.broadcast_to(a[0], at["shape"]), order="C"),
     "matmul": lambda a, at, t: np.matmul(a[0], a[1]),
     "conv2d": _conv2d,
     "conv2d_grad_input": _conv2d_grad_input,
@@ -160,6 +161,8 @@ def run(graph: Graph, inputs: Mapping[str, Any] = {}, parameters: Mapping[str, A
                 raise NotImplementedError(f"the reference interpreter has no rule for op {op!r}")
             v = impl([values[o] for o in graph.operands(n)], attrs, t)
         v = np.asarray(v)
+        if v.shape != t.shape:
+            raise AssertionError(f"interpreter bug: %{n} = {op} computed shape {v.shape}, its type is {t}")
         if not keep_dtypes or op not in ("input",):
             if v.dtype != want and not (keep_dtypes and t.dtype.is_float and v.dtype.kind == "f"):
                 v = v.astype(want)

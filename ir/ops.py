@@ -160,10 +160,21 @@ BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
 
+# Arithmetic on bool that NumPy and PyTorch both refuse (or that would change the result's
+# dtype): rejected by the rule rather than failing later in the interpreter or a backend.
+_NO_BOOL = ("neg", "sub", "div")
+
+
+def _no_bool(name: str, types: Sequence[TensorType]) -> None:
+    if name in _NO_BOOL and any(t.dtype == bool_ for t in types):
+        raise ShapeError(f"{name} is not defined on bool operands; cast to a numeric dtype first")
+
+
 def _unary_rule(name):
     def rule(types, attrs):
         if name not in ("neg", "abs", "relu"):
             _float_only(name, types[0])
+        _no_bool(name, types)
         return types[0]
     return rule
 
@@ -172,13 +183,16 @@ for _u in UNARY:
     _defop(_u, 1, "elementwise", int_ok=_u in ("neg", "abs", "relu"))(_unary_rule(_u))
 
 
-def _binary_rule(types, attrs):
-    dtype = _same_dtype(types)
-    return TensorType(broadcast_shapes(*(t.shape for t in types)), dtype)
+def _binary_rule(name):
+    def rule(types, attrs):
+        dtype = _same_dtype(types)
+        _no_bool(name, types)
+        return TensorType(broadcast_shapes(*(t.shape for t in types)), dtype)
+    return rule
 
 
 for _b in BINARY:
-    _defop(_b, 2, "elementwise", int_ok=True)(_binary_rule)
+    _defop(_b, 2, "elementwise", int_ok=True)(_binary_rule(_b))
 
 
 def _compare_rule(types, attrs):
@@ -370,14 +384,14 @@ def infer_type(name: str, types: Sequence[TensorType], attrs: dict[str, Any]) ->
     op = OPS.get(name)
     if op is None:
         raise ShapeError(f"unknown op {name!r}")
-    if op.arity is not None and len(types) != op.arity:
-        raise ShapeError(f"{name} takes {op.arity} operand(s), got {len(types)}")
-    attrs = check_attrs(op, attrs)
     shown = ", ".join(str(t) for t in types)
-    if op.kind == "elementwise" and not op.int_ok:
-        for t in types:
-            _float_only(name, t)
     try:
+        if op.arity is not None and len(types) != op.arity:
+            raise ShapeError(f"{name} takes {op.arity} operand(s), got {len(types)}")
+        attrs = check_attrs(op, attrs)
+        if op.kind == "elementwise" and not op.int_ok:
+            for t in types:
+                _float_only(name, t)
         return op.infer(list(types), attrs), attrs
     except ShapeError as e:
         msg = str(e)
