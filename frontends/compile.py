@@ -1,0 +1,212 @@
+"""`compile()`: model + loss + optimizer -> a `TrainStep` that runs one training step per call.
+
+    step = ember.frontends.compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
+                                   example_inputs=(x, y), device="reference")
+    loss = step(x, y)            # forward, backward and the update: one compiled step
+    logits = step.inference(x)   # the model alone, on the same parameters
+
+The step traces `loss_fn(model(x), y)`, builds the train graph (autodiff, optimizer), runs the
+target's passes and hands the result to the device's executor. Parameters live in one `Storage`
+whose parameter arrays *are* the model's `Parameter.data` arrays, updated in place, so the model
+always shows the trained values; optimizer state lives there too. Every other compiled graph (a
+last partial batch, inference at any batch size) is compiled on first use, cached by input
+types, and shares that storage.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.ir import Graph, TensorType
+from ember.passes.optimizer import OptimizerConfig, initial_state
+from ember.passes.pipeline import passes_for, run_passes, train_passes
+from ember.runtime.executor import Executor, ReferenceExecutor, Storage
+
+from .nn import Module
+from .optim import as_config
+from .tensor import Parameter
+from .tracing import example_type, trace
+
+ExecutorFactory = Callable[[Graph, Storage, "Path | None"], Executor]
+
+# device -> factory(graph after passes, shared storage, dump folder for this graph or None).
+# Backends register here: the CPU backend adds "cpu" (and passes.pipeline.PASSES["cpu"] holds
+# its fusion and memory passes); "cuda" follows the same way.
+_EXECUTORS: dict[str, ExecutorFactory] = {
+    "reference": lambda graph, storage, dump_dir: ReferenceExecutor(graph, storage),
+}
+
+
+def _shape_tag(types: tuple[TensorType, ...]) -> str:
+    return "x".join(str(d) for d in types[0].shape) or "scalar"
+
+
+class TrainStep:
+    """A compiled training step bound to a model; see the module docstring."""
+
+    def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
+                 example_inputs: tuple[Any, Any], device: str = "reference",
+                 dump_dir: str | os.PathLike | None = None) -> None:
+        if device not in _EXECUTORS:
+            raise ValueError(f"unknown device {device!r}; available: {sorted(_EXECUTORS)}")
+        if not isinstance(model, Module):
+            raise TypeError(f"compile() expects an ember.frontends.nn.Module, got {type(model).__name__}")
+        if len(example_inputs) != 2:
+            raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.config = optimizer
+        self.device = device
+        root = dump_dir if dump_dir is not None else os.environ.get("EMBER_DUMP_DIR") or None
+        self.dump_dir = Path(root) if root is not None else None
+        self.storage = Storage()
+        self._params: dict[str, Parameter] = {}
+        self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        self._inference: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        self._example = tuple(example_type(a) for a in example_inputs)
+        self._train_executor(self._example)  # compile eagerly: errors surface at compile()
+
+    # ---- building ----------------------------------------------------------------------------
+    def _bind(self, graph: Graph) -> None:
+        """Adds the parameters the graph's trace touched (the model's own arrays) and any
+        optimizer state not yet held to the shared storage."""
+        for name, p in graph.meta.get("parameters", {}).items():
+            if name in self._params:
+                if self._params[name] is not p:
+                    raise ValueError(f"parameter name {name!r} now names a different Parameter object")
+                continue
+            if not p.data.flags.c_contiguous or not p.data.flags.writeable:
+                p.data = np.ascontiguousarray(p.data).copy()
+            self._params[name] = p
+            self.storage.add(name, p.data)
+        for name, value in initial_state(graph).items():
+            if name not in self.storage:
+                self.storage.add(name, value)
+
+    def _dump_subdir(self, kind: str, types: tuple[TensorType, ...]) -> Path | None:
+        return self.dump_dir / f"{kind}-{_shape_tag(types)}" if self.dump_dir is not None else None
+
+    def _train_executor(self, types: tuple[TensorType, ...]) -> Executor:
+        hit = self._steps.get(types)
+        if hit is None:
+            model, loss_fn = self.model, self.loss_fn
+            forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+            dump = self._dump_subdir("train", types)
+            graph = run_passes(forward, train_passes(self.config) + passes_for(self.device), dump_dir=dump)
+            self._bind(forward)
+            self._bind(graph)
+            hit = self._steps[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump))
+        return hit[1]
+
+    def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
+        hit = self._inference.get(types)
+        if hit is None:
+            forward = trace(self.model, *types, name="inference")
+            if list(forward.outputs) != ["out"]:
+                raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
+            dump = self._dump_subdir("inference", types)
+            graph = run_passes(forward, passes_for(self.device), dump_dir=dump)
+            self._bind(forward)
+            hit = self._inference[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump))
+        return hit[1]
+
+    def _sync(self) -> None:
+        """Re-adopts a parameter whose `.data` the user rebound to a new array: its values are
+        copied into storage and `.data` points at the storage array again."""
+        for name, p in self._params.items():
+            held = self.storage[name]
+            if p.data is not held:
+                self.storage.write(name, p.data)
+                p.data = held
+
+    # ---- running -----------------------------------------------------------------------------
+    def __call__(self, x: Any, y: Any) -> float:
+        """One training step on the batch (x, y); returns the loss before the update."""
+        x, y = np.asarray(x), np.asarray(y)
+        types = self._types((x, y), ("x", "y"))
+        self._sync()
+        out = self._train_executor(types)({"x": x, "y": y})
+        return float(out["loss"])
+
+    def inference(self, x: Any) -> np.ndarray:
+        """The model's output for `x` with the current parameters (no update)."""
+        x = np.asarray(x)
+        types = self._types((x,), ("x",))
+        self._sync()
+        return self._inference_executor(types)({"x": x})["out"]
+
+    def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
+        """Input types of a call. A new shape compiles a new step; a new dtype is a user error
+        (the model's parameters fix it), reported before any tracing."""
+        types = []
+        for name, a, want in zip(names, arrays, self._example):
+            t = TensorType.of(a)
+            if t.dtype != want.dtype:
+                raise TypeError(f"input {name!r}: expected dtype {want.dtype.name} (as compiled, e.g. {want}), "
+                                f"got {t}; convert with .astype(np.{want.dtype.numpy_name})")
+            types.append(t)
+        return tuple(types)
+
+    # ---- inspecting and checkpointing --------------------------------------------------------
+    @property
+    def train_graph(self) -> Graph:
+        """The training graph for the example inputs, after every pass."""
+        return self._steps[self._example][0]
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Planned peak memory of the training step (None where the device plans none)."""
+        return getattr(self._steps[self._example][1], "peak_bytes", None)
+
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """Copies of the model's parameters under PyTorch's names."""
+        self._sync()
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        self._sync()
+        self.model.load_state_dict(dict(state), strict=strict)  # writes into the shared arrays
+
+    def optimizer_state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the optimizer state, flat by name (`<param>.exp_avg`, `step`, ...), so a
+        checkpoint is a plain name -> array mapping (safetensors-ready)."""
+        return {name: self.storage[name].copy() for name in sorted(self._state_names())}
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        names = self._state_names()
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unexpected:
+            raise KeyError(f"optimizer state mismatch: missing {missing}, unexpected {unexpected}")
+        for name in names:
+            value = np.asarray(state[name])
+            if value.shape != self.storage[name].shape:
+                raise ValueError(f"optimizer state {name!r}: expected shape {self.storage[name].shape}, got {value.shape}")
+            self.storage.write(name, value)
+
+    def _state_names(self) -> set[str]:
+        return {name for name in self.storage if name not in self._params}
+
+    def __repr__(self) -> str:
+        return (f"TrainStep(device={self.device!r}, optimizer={self.config}, "
+                f"compiled={[_shape_tag(t) for t in self._steps]})")
+
+
+def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
+            example_inputs: tuple[Any, Any], device: str = "reference",
+            dump_dir: str | os.PathLike | None = None) -> TrainStep:
+    """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
+
+    example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
+    compile on first use). device: "reference" (NumPy interpreter) or a registered backend.
+    dump_dir (or $EMBER_DUMP_DIR): the graph after every pass, per compiled step, in
+    `<dump_dir>/train-<x shape>/` and `<dump_dir>/inference-<x shape>/`.
+    """
+    return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir)
+
+
+__all__ = ["compile", "TrainStep"]

@@ -1,0 +1,81 @@
+"""The standard pass lists per target, and the driver that runs them with hooks and dumps.
+
+`passes_for(target)` is the ordered list of (name, pass) the compiler applies after the train
+graph is built; `run_passes` runs a list, verifies the graph after every pass, calls the
+optional before/after hooks, and (with `dump_dir` or `$EMBER_DUMP_DIR`) writes the graph after
+every pass as `NN-<name>.txt` (printer text) and `NN-<name>.dot`, the input as `00-input.*`.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ember.ir import Graph, format_graph, to_dot
+
+from .autodiff import grad
+from .optimizer import OptimizerConfig, apply_optimizer
+from .simplify import simplify
+
+Pass = Callable[[Graph], Graph]
+Hook = Callable[[str, Graph], None]
+
+# Target -> passes after autodiff and optimizer. Backends append their own entries here.
+PASSES: dict[str, list[tuple[str, Pass]]] = {
+    "reference": [("simplify", simplify)],
+    "cpu": [
+        ("simplify", simplify),
+        # CPU backend: ("fusion", ...), ("memory", ...) go here, in that order.
+    ],
+    "cuda": [("simplify", simplify)],
+}
+
+
+def passes_for(target: str) -> list[tuple[str, Pass]]:
+    """A fresh copy of the ordered pass list for `target` ("reference", "cpu", "cuda")."""
+    if target not in PASSES:
+        raise ValueError(f"unknown target {target!r}; known targets: {sorted(PASSES)}")
+    return list(PASSES[target])
+
+
+def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> list[tuple[str, Pass]]:
+    """The two passes that turn a forward (loss) graph into a training step."""
+    return [("autodiff", lambda g: grad(g, loss=loss)),
+            ("optimizer", lambda g: apply_optimizer(g, optimizer_config))]
+
+
+def _dump(dump_dir: Path, index: int, name: str, graph: Graph) -> None:
+    stem = f"{index:02d}-{name}"
+    (dump_dir / f"{stem}.txt").write_text(format_graph(graph, show_notes=True) + "\n")
+    (dump_dir / f"{stem}.dot").write_text(to_dot(graph))
+
+
+def run_passes(graph: Graph, passes: Sequence[tuple[str, Pass]], *, dump_dir: str | os.PathLike | None = None,
+               before: Hook | None = None, after: Hook | None = None) -> Graph:
+    """Applies `passes` in order; verifies after each; hooks are called as hook(name, graph)."""
+    if dump_dir is None:
+        dump_dir = os.environ.get("EMBER_DUMP_DIR") or None
+    out = Path(dump_dir) if dump_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _dump(out, 0, "input", graph)
+    for i, (name, fn) in enumerate(passes, start=1):
+        if before is not None:
+            before(name, graph)
+        result = fn(graph)
+        if not isinstance(result, Graph):
+            raise TypeError(f"pass {name!r} returned {type(result).__name__}, expected a Graph")
+        graph = result.verify()
+        if after is not None:
+            after(name, graph)
+        if out is not None:
+            _dump(out, i, name, graph)
+    return graph
+
+
+def build_train_graph(forward: Graph, optimizer_config: OptimizerConfig, *, loss: str = "out",
+                      dump_dir: str | os.PathLike | None = None, before: Hook | None = None,
+                      after: Hook | None = None) -> Graph:
+    """forward (a scalar loss output) -> forward + backward + optimizer update."""
+    return run_passes(forward, train_passes(optimizer_config, loss=loss), dump_dir=dump_dir,
+                      before=before, after=after)

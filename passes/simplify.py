@@ -1,0 +1,225 @@
+"""Graph clean-up: dead code, common subexpressions, constant folding and algebraic identities.
+
+`simplify` runs the four to a fixed point. Each is also a pure Graph -> Graph function of its
+own (`dce`, `cse`, `fold_constants`, `algebraic`), which tests and debugging dumps use. Internally
+each has an in-place form on a private copy that reports whether it changed anything, so the
+fixed point costs one graph copy in all.
+
+DCE keeps outputs, updates and every input, parameter and state: those are the step's signature
+(the runtime binds storage and arguments by them), even when the computation no longer reads one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ember.ir import IMPLS, Graph, TensorType
+
+SOURCES = ("input", "parameter", "state")
+
+# A fold may create a constant of at most this many elements, unless no operand is smaller:
+# folding `broadcast_to(scalar)` to an activation-sized shape would bloat the graph (and every
+# generated source) with data that a broadcast describes in one line.
+FOLD_MAX_ELEMENTS = 64
+
+
+# ---- dead code -------------------------------------------------------------------------------
+
+def _dce(g: Graph) -> bool:
+    live = set(g.roots())
+    for table in (g.inputs, g.parameters, g.states):
+        live.update(table.values())
+    stack = list(live)
+    while stack:
+        for o in g.operands(stack.pop()):
+            if o not in live:
+                live.add(o)
+                stack.append(o)
+    dead = [n for n in g.g if n not in live]
+    for n in dead:
+        g.remove(n)
+    return bool(dead)
+
+
+# ---- common subexpressions -------------------------------------------------------------------
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    hash(v)  # raises for values we cannot key on (a fused group's graph)
+    return v
+
+
+def _key(g: Graph, n: int, operands: list[int]) -> Any:
+    op = g.op(n)
+    if op in SOURCES:
+        return None  # named entries are distinct by definition
+    try:
+        attrs = _hashable(g.attrs(n))
+    except TypeError:
+        return None
+    return (op, tuple(operands), attrs, g.type(n))
+
+
+def _cse(g: Graph) -> bool:
+    seen: dict[Any, int] = {}
+    changed = False
+    for n in g.topo_order():
+        key = _key(g, n, g.operands(n))  # operands already point at the kept duplicates
+        if key is None:
+            continue
+        first = seen.setdefault(key, n)
+        if first != n:
+            g.replace_uses(n, first)
+            g.remove(n)
+            changed = True
+    return changed
+
+
+# ---- constant folding ------------------------------------------------------------------------
+
+def _fold_value(g: Graph, n: int) -> np.ndarray | None:
+    op = g.op(n)
+    if op in SOURCES or op in ("constant", "fused"):
+        return None
+    operands = g.operands(n)
+    if not operands or any(g.op(o) != "constant" for o in operands):
+        return None
+    args = [g.attrs(o)["value"] for o in operands]
+    t: TensorType = g.type(n)
+    if t.numel > FOLD_MAX_ELEMENTS and t.numel > min(a.size for a in args):
+        return None
+    # The interpreter's own kernels, with its result cast, so a fold cannot change semantics.
+    with np.errstate(all="ignore"):
+        value = np.asarray(IMPLS[op](args, g.attrs(n), t))
+    return value.astype(t.dtype.numpy, copy=False).reshape(t.shape)
+
+
+def _fold_constants(g: Graph) -> bool:
+    changed = False
+    for n in g.topo_order():
+        value = _fold_value(g, n)
+        if value is None:
+            continue
+        c = g.add_constant(value, loc=g.loc(n))
+        g.replace_uses(n, c)
+        changed = True
+    if changed:
+        _dce(g)
+    return changed
+
+
+# ---- algebraic identities --------------------------------------------------------------------
+
+def _uniform_constant(g: Graph, n: int) -> float | None:
+    """The value of a constant whose elements are all equal (looking through broadcast_to)."""
+    while g.op(n) == "broadcast_to":
+        (n,) = g.operands(n)
+    if g.op(n) != "constant":
+        return None
+    v = g.attrs(n)["value"]
+    if v.size == 0 or v.dtype == np.bool_:
+        return None
+    first = v.flat[0]
+    return float(first) if np.all(v == first) else None
+
+
+def _rewrite(g: Graph, n: int) -> int | None:
+    """The node that n can be replaced by (possibly new), or None."""
+    op, t = g.op(n), g.type(n)
+    operands = g.operands(n)
+
+    def same_type(m: int) -> bool:
+        return g.type(m) == t
+
+    if op in ("mul", "add", "sub", "div"):
+        a, b = operands
+        cb, ca = _uniform_constant(g, b), _uniform_constant(g, a)
+        neutral = 1.0 if op in ("mul", "div") else 0.0
+        if cb == neutral and same_type(a):  # x*1, x+0, x-0, x/1
+            return a
+        if op in ("mul", "add") and ca == neutral and same_type(b):  # 1*x, 0+x
+            return b
+        return None
+    if op == "neg":
+        (x,) = operands
+        if g.op(x) == "neg":
+            return g.operands(x)[0]
+        return None
+    if op == "reshape":
+        (x,) = operands
+        if g.type(x).shape == t.shape:
+            return x
+        if g.op(x) == "reshape":
+            return g.add("reshape", g.operands(x), loc=g.loc(n), shape=t.shape)
+        return None
+    if op == "transpose":
+        (x,) = operands
+        perm = g.attrs(n)["perm"]
+        if perm == tuple(range(len(perm))):
+            return x
+        if g.op(x) == "transpose":
+            inner = g.attrs(x)["perm"]
+            composed = tuple(inner[p] for p in perm)  # out[i] = x[..] at axis inner[perm[i]]
+            (src,) = g.operands(x)
+            if composed == tuple(range(len(composed))):
+                return src
+            return g.add("transpose", [src], loc=g.loc(n), perm=composed)
+        return None
+    if op == "broadcast_to":
+        (x,) = operands
+        return x if same_type(x) else None
+    if op == "cast":
+        (x,) = operands
+        return x if same_type(x) else None
+    return None
+
+
+def _algebraic(g: Graph) -> bool:
+    changed = False
+    for n in g.topo_order():
+        if n not in g:
+            continue
+        new = _rewrite(g, n)
+        if new is not None and new != n:
+            g.replace_uses(n, new)
+            changed = True
+    if changed:
+        _dce(g)
+    return changed
+
+
+# ---- public pure passes ----------------------------------------------------------------------
+
+def _pure(fn: Callable[[Graph], bool], doc: str) -> Callable[[Graph], Graph]:
+    def run(graph: Graph) -> Graph:
+        g = graph.copy()
+        fn(g)
+        return g.verify()
+    run.__name__ = fn.__name__.lstrip("_")
+    run.__doc__ = doc
+    return run
+
+
+dce = _pure(_dce, "Removes nodes that no output, update or signature entry depends on.")
+cse = _pure(_cse, "Merges nodes computing the same op on the same operands with the same attributes.")
+fold_constants = _pure(_fold_constants, "Evaluates ops whose operands are all constants (small results only).")
+algebraic = _pure(_algebraic, "x*1, x+0, x-0, x/1, neg(neg x), reshape/transpose chains, no-op broadcast/cast.")
+
+
+def simplify(graph: Graph, max_rounds: int = 100) -> Graph:
+    """dce, cse, fold_constants and algebraic, repeated until none changes the graph."""
+    g = graph.copy()
+    for _ in range(max_rounds):
+        changed = False
+        for step in (_dce, _cse, _fold_constants, _algebraic):
+            changed |= step(g)
+        if not changed:
+            return g.verify()
+    raise RuntimeError(f"simplify did not reach a fixed point in {max_rounds} rounds on graph {graph.name!r}")

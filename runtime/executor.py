@@ -1,0 +1,140 @@
+"""The interface every backend's executor implements, the shared parameter/state storage, and the
+reference executor (the NumPy interpreter).
+
+An executor runs one compiled step: `outputs = executor(inputs)`. Parameters and optimizer
+state are not arguments: they live in a `Storage` (name -> contiguous array) that several
+executors share (the training step, the step compiled for a last partial batch, the inference
+step), and every `update` of the graph is written back into those arrays in place at the end of
+the call, so a caller holding a parameter array always sees its current value.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ember.ir import Graph, TensorType, as_dtype, run
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """One compiled step of a graph, bound to a Storage."""
+
+    signature: Mapping[str, TensorType]  # input name -> the type the step was compiled for
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Runs the step once; returns the outputs and writes every update into storage in place."""
+        ...
+
+
+class Storage:
+    """Parameters and states by name: one contiguous NumPy array each, shared by executors.
+
+    Arrays are held, not copied: `Storage({"w": model_param.data})` makes the step train the
+    model's own array. Values are only ever replaced in place (`write`), never rebound.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray] | None = None) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        for name, a in (arrays or {}).items():
+            self.add(name, a)
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name in self._arrays:
+            raise KeyError(f"storage already holds {name!r}")
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError(f"storage entry {name!r} must be a writeable C-contiguous NumPy array "
+                             "(it is updated in place)")
+        self._arrays[name] = array
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def items(self):
+        return self._arrays.items()
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        """Copies `value` into the held array (same shape; cast to its dtype)."""
+        target = self._arrays[name]
+        if np.shape(value) != target.shape:
+            raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
+        np.copyto(target, value, casting="same_kind")
+
+    def check(self, graph: Graph) -> None:
+        """Every parameter and state of `graph` is held here with exactly its type."""
+        for kind, table in (("parameter", graph.parameters), ("state", graph.states)):
+            for name, n in table.items():
+                want = graph.type(n)
+                if name not in self._arrays:
+                    raise KeyError(f"storage holds no {kind} {name!r} ({want}) needed by graph {graph.name!r}; "
+                                   f"it holds: {sorted(self._arrays)}")
+                have = TensorType.of(self._arrays[name])
+                if have != want:
+                    raise TypeError(f"storage {kind} {name!r} is {have}, graph {graph.name!r} expects {want}")
+
+
+def check_inputs(signature: Mapping[str, TensorType], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Validates call arguments against a step's signature; returns them as contiguous arrays.
+
+    Shapes and dtypes must match exactly (a step is compiled for them; nothing is cast silently).
+    """
+    missing = [k for k in signature if k not in inputs]
+    extra = [k for k in inputs if k not in signature]
+    if missing or extra:
+        raise TypeError(f"step inputs do not match its signature ({', '.join(f'{k}: {t}' for k, t in signature.items())}): "
+                        f"missing {missing}, unexpected {extra}")
+    out = {}
+    for name, want in signature.items():
+        value = inputs[name]
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        try:
+            have = TensorType(arr.shape, as_dtype(arr.dtype))
+        except TypeError:
+            raise TypeError(f"input {name!r}: expected {want}, got an array of unsupported dtype {arr.dtype}") from None
+        if have != want:
+            hint = ""
+            if have.shape == want.shape:
+                hint = f" (convert with .astype(np.{want.dtype.numpy_name}))"
+            raise TypeError(f"input {name!r}: expected {want}, got {have}{hint}")
+        out[name] = np.ascontiguousarray(arr)
+    return out
+
+
+class ReferenceExecutor:
+    """Runs a graph on the NumPy interpreter (`ember.ir.run`): the semantics every backend matches."""
+
+    peak_bytes = None  # no memory plan on the reference device
+
+    def __init__(self, graph: Graph, storage: Storage) -> None:
+        storage.check(graph)
+        self.graph = graph
+        self.storage = storage
+        self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = check_inputs(self.signature, inputs)
+        g = self.graph
+        params = {k: self.storage[k] for k in g.parameters}
+        states = {k: self.storage[k] for k in g.states}
+        res = run(g, args, params, states)
+        # Outputs are copied: one may be (a view of) a storage array that the writes below change.
+        outputs = {k: np.array(v, copy=True) for k, v in res.outputs.items()}
+        # Every update was computed from the old values (run evaluates all before we write any);
+        # one that is itself a storage array (an update p <- q) is copied first, or writing q
+        # before p would change it.
+        held = [a for _, a in self.storage.items()]
+        updates = {k: (np.array(v, copy=True) if any(np.may_share_memory(v, a) for a in held) else v)
+                   for k, v in res.updates.items()}
+        for name, value in updates.items():
+            self.storage.write(name, value)
+        return outputs
