@@ -145,8 +145,23 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
     kept = tuple(d for i, d in enumerate(in_shape) if i not in axes)
     reduced = tuple(in_shape[i] for i in axes)
     kept_c = iter(delinearize("o", max(1, math.prod(kept)), kept))
-    red_c = iter(delinearize("r", max(1, math.prod(reduced)), reduced))
-    coords = [next(red_c) if i in axes else next(kept_c) for i in range(len(in_shape))]
+    # Adjacent reduced axes share one loop (runs), so the innermost loop walks contiguous memory
+    # where the layout allows and the compiler vectorises it; argmax needs one flat counter.
+    runs: list[list[int]] = []
+    for a in axes:
+        if runs and runs[-1][-1] == a - 1 and op != "argmax":
+            runs[-1].append(a)
+        elif runs and op == "argmax":
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    loops, red_coord = [], {}
+    for j, run_axes in enumerate(runs):
+        shape = tuple(in_shape[a] for a in run_axes)
+        var = f"r{j}"
+        loops.append((var, math.prod(shape)))
+        red_coord.update(zip(run_axes, delinearize(var, max(1, math.prod(shape)), shape)))
+    coords = [red_coord[i] if i in axes else next(kept_c) for i in range(len(in_shape))]
     pro = _Body(sub, "p")
     value = pro.value(src, coords)
     epi = _Body(sub, "e")
@@ -157,7 +172,7 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
             else f"std::numeric_limits<{acc_t}>::lowest()", "argmax": f"(-{acc_t}(INFINITY))"}[op]
     outputs, red_n = math.prod(kept) if kept else 1, math.prod(reduced) if reduced else 1
     return _ENV.get_template("reduction.j2").render(
-        name=name, op=op, reduced=red_n, outputs=outputs, out_type=str(t), params=_signature(sub, t, restrict),
+        name=name, op=op, reduced=red_n, loops=loops, outputs=outputs, out_type=str(t), params=_signature(sub, t, restrict),
         prologue=pro.lines, value=value, epilogue=epi.lines, result=result, acc_type=acc_t, init=init,
         parallel=outputs >= 2 and outputs * red_n >= PARALLEL_MIN)
 
@@ -235,8 +250,8 @@ def _pointer(graph: Graph, n: int, slot_of: dict[tuple[str, str], int]) -> str:
     return f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
 
 
-def render_step(graph: Graph) -> StepSource:
-    """The whole step's C++ source for a fused, memory-planned graph."""
+def render_step(graph: Graph, profile: bool = False) -> StepSource:
+    """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if `profile`)."""
     slots = _slots(graph)
     slot_of = {s: i for i, s in enumerate(slots)}
     kernels: list[KernelCode] = []
@@ -264,5 +279,5 @@ def render_step(graph: Graph) -> StepSource:
         kernels.append(KernelCode(len(kernels), kind, str(graph.type(n)), notes.get("implements", []), code, call, scratch))
     scratch_bytes = max([k.scratch_bytes for k in kernels] + [0])
     code = _ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, arena_bytes=graph.meta["arena_bytes"],
-                                               scratch_bytes=scratch_bytes, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)])
+                                               scratch_bytes=scratch_bytes, profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)])
     return StepSource(code, slots, graph.meta["arena_bytes"], scratch_bytes, kernels)

@@ -25,6 +25,7 @@ import numpy as np
 from ember.ir import Graph, TensorType
 from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.pipeline import passes_for, run_passes, train_passes
+from ember.runtime.cpu import CpuExecutor
 from ember.runtime.executor import Executor, ReferenceExecutor, Storage
 
 from .nn import Module
@@ -39,6 +40,7 @@ ExecutorFactory = Callable[[Graph, Storage, "Path | None"], Executor]
 # its fusion and memory passes); "cuda" follows the same way.
 _EXECUTORS: dict[str, ExecutorFactory] = {
     "reference": lambda graph, storage, dump_dir: ReferenceExecutor(graph, storage),
+    "cpu": lambda graph, storage, dump_dir: CpuExecutor(graph, storage, dump_dir),
 }
 
 
@@ -68,6 +70,7 @@ class TrainStep:
         self._params: dict[str, Parameter] = {}
         self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._inference: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        self._by_key: dict[tuple, Executor] = {}
         self._example = tuple(example_type(a) for a in example_inputs)
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
 
@@ -128,10 +131,13 @@ class TrainStep:
     def __call__(self, x: Any, y: Any) -> float:
         """One training step on the batch (x, y); returns the loss before the update."""
         x, y = np.asarray(x), np.asarray(y)
-        types = self._types((x, y), ("x", "y"))
+        # Per-batch fast path: a dict hit on (shape, dtype) skips building TensorTypes.
+        key = (x.shape, x.dtype, y.shape, y.dtype)
+        executor = self._by_key.get(key)
+        if executor is None:
+            executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
         self._sync()
-        out = self._train_executor(types)({"x": x, "y": y})
-        return float(out["loss"])
+        return float(executor({"x": x, "y": y})["loss"])
 
     def inference(self, x: Any) -> np.ndarray:
         """The model's output for `x` with the current parameters (no update)."""

@@ -14,6 +14,8 @@ from pathlib import Path
 from ember.ir import Graph, format_graph, to_dot
 
 from .autodiff import grad
+from .fusion import fuse
+from .memory import plan_memory
 from .optimizer import OptimizerConfig, apply_optimizer
 from .simplify import simplify
 
@@ -23,10 +25,7 @@ Hook = Callable[[str, Graph], None]
 # Target -> passes after autodiff and optimizer. Backends append their own entries here.
 PASSES: dict[str, list[tuple[str, Pass]]] = {
     "reference": [("simplify", simplify)],
-    "cpu": [
-        ("simplify", simplify),
-        # CPU backend: ("fusion", ...), ("memory", ...) go here, in that order.
-    ],
+    "cpu": [("simplify", simplify), ("fusion", fuse), ("memory", plan_memory)],
     "cuda": [("simplify", simplify)],
 }
 

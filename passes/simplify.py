@@ -171,6 +171,13 @@ def _rewrite(g: Graph, n: int) -> int | None:
             if composed == tuple(range(len(composed))):
                 return src
             return g.add("transpose", [src], loc=g.loc(n), perm=composed)
+        if g.op(x) == "matmul" and perm == (1, 0) and len(g.users(x)) == 1 and x not in g.outputs.values():
+            # (A B)^T = B^T A^T: the transposes then cancel or fold into the matmul's operand
+            # order, so no transposed copy of the product (a weight gradient) is ever made.
+            a, b = g.operands(x)
+            bt = g.add("transpose", [b], loc=g.loc(n), perm=(1, 0))
+            at = g.add("transpose", [a], loc=g.loc(n), perm=(1, 0))
+            return g.add("matmul", [bt, at], loc=g.loc(n))
         return None
     if op == "broadcast_to":
         (x,) = operands
@@ -210,7 +217,7 @@ def _pure(fn: Callable[[Graph], bool], doc: str) -> Callable[[Graph], Graph]:
 dce = _pure(_dce, "Removes nodes that no output, update or signature entry depends on.")
 cse = _pure(_cse, "Merges nodes computing the same op on the same operands with the same attributes.")
 fold_constants = _pure(_fold_constants, "Evaluates ops whose operands are all constants (small results only).")
-algebraic = _pure(_algebraic, "x*1, x+0, x-0, x/1, neg(neg x), reshape/transpose chains, no-op broadcast/cast.")
+algebraic = _pure(_algebraic, "x*1, x+0, x-0, x/1, neg(neg x), reshape/transpose chains, (AB)^T = B^T A^T, no-op broadcast/cast.")
 
 
 def simplify(graph: Graph, max_rounds: int = 100) -> Graph:

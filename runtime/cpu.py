@@ -30,13 +30,15 @@ def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
 class CpuExecutor:
     """One compiled CPU step of a fused, memory-planned graph, bound to `storage`."""
 
-    def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step") -> None:
+    def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
+                 profile: bool | None = None) -> None:
         storage.check(graph)
         self.graph = graph
         self.storage = storage
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
-        self.source = render_step(graph)
+        self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
+        self.source = render_step(graph, profile=self.profile)
         self.artifact = compile_cpp(self.source.code, name=name, dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
         self.lib = ctypes.CDLL(str(self.artifact.path))
@@ -49,10 +51,11 @@ class CpuExecutor:
         self.peak_bytes = self.source.arena_bytes + self.source.scratch_bytes
         self._constants: dict[str, np.ndarray] = {}
         self._ext = (ctypes.c_void_p * max(1, len(self.source.slots)))()
-        self._input_slots: list[tuple[int, str]] = []
+        self._input_slots: list[tuple[int, str, tuple[int, ...], np.dtype]] = []
         for i, (kind, key) in enumerate(self.source.slots):
             if kind == "input":
-                self._input_slots.append((i, key))
+                t = self.signature[key]
+                self._input_slots.append((i, key, t.shape, t.dtype.numpy))
             elif kind == "constant":
                 arr = np.ascontiguousarray(graph.attrs(int(key))["value"]).copy()
                 self._constants[key] = arr
@@ -64,6 +67,15 @@ class CpuExecutor:
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
         self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data, self.scratch.ctypes.data)
+
+    def kernel_times(self) -> list[tuple[str, str, float]]:
+        """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
+        if not self.profile:
+            raise RuntimeError("per-kernel timings need the step compiled with profile=True (or EMBER_PROFILE=1)")
+        out = (ctypes.c_double * len(self.source.kernels))()
+        self.lib.ember_profile(out)
+        return [(f"k{k.index}_{k.kind}", (k.implements[0] if k.implements else "") + (f" (+{len(k.implements) - 1})" if len(k.implements) > 1 else ""),
+                 out[k.index]) for k in self.source.kernels]
 
     def _view(self, n: int) -> np.ndarray:
         """The array where node n's value lives after a call (arena view or external array)."""
@@ -82,9 +94,13 @@ class CpuExecutor:
         return self.storage[notes["name"]]
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = check_inputs(self.signature, inputs)
-        for slot, name in self._input_slots:
-            self._ext[slot] = arrays[name].ctypes.data
+        arrays = inputs if len(inputs) == len(self._input_slots) else check_inputs(self.signature, inputs)
+        for slot, name, shape, dtype in self._input_slots:
+            a = inputs.get(name)
+            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+                arrays = check_inputs(self.signature, inputs)  # the slow path raises the clear error
+                a = arrays[name]
+            self._ext[slot] = a.ctypes.data
         self.lib.ember_step(*self._args)
         for name, view in self._copy_updates:
             np.copyto(self.storage[name], view.get(arrays) if isinstance(view, _InputRef) else view)

@@ -210,3 +210,16 @@ def test_simplify_preserves_a_training_graph_exactly() -> None:
     for table in ("outputs", "updates"):
         for k, v in getattr(want, table).items():
             np.testing.assert_array_equal(getattr(got, table)[k], v, err_msg=k)
+
+
+def test_transpose_of_matmul_becomes_matmul_of_transposes() -> None:
+    # (A B^T)^T = B A^T: the weight-gradient orientation, with no transposed copy of the product.
+    g = Graph("t")
+    a = g.add_input("a", TensorType((3, 4)))
+    b = g.add_input("b", TensorType((5, 4)))
+    g.set_output("y", g.add("transpose", [g.add("matmul", [a, g.add("transpose", [b], perm=(1, 0))])], perm=(1, 0)))
+    ints = {"a": RNG.integers(-4, 5, (3, 4)).astype(np.float32), "b": RNG.integers(-4, 5, (5, 4)).astype(np.float32)}
+    out = _check(g, simplify, 5, 4, ints)  # small integers: both orders are exact
+    (mm,) = [n for n in out.g if out.op(n) == "matmul"]
+    lhs, rhs = out.operands(mm)
+    assert lhs == out.inputs["b"] and out.op(rhs) == "transpose"

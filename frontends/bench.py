@@ -1,0 +1,202 @@
+"""`ember bench`: ember's MNIST training step against PyTorch, in one process, on the same data.
+
+For each model: ember (compiled step, cold then warm compile timed), PyTorch eager and, when
+asked, `torch.compile`, all starting from the same initial weights and fed the same batches
+(the first batches of the training set in file order, or seeded random data without --data).
+Steps are timed in interleaved rounds (each system runs a block of steps in turn) so that drift
+of a shared machine hits every system alike; the figure reported is the median step time, and
+ratios are ember's median over the other system's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import nn, optim
+from .compile import compile as ember_compile
+
+MODELS = {
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
+                                  nn.Linear(18432, 10)), (1, 28, 28)),
+    "mlp": (lambda: nn.Sequential(nn.Linear(784, 30), nn.Sigmoid(), nn.Linear(30, 10)), (784,)),
+}
+
+
+@dataclass
+class SystemResult:
+    system: str
+    step_ms: list[float] = field(default_factory=list)
+    compile_cold_s: float | None = None
+    compile_warm_s: float | None = None
+    peak_bytes: int | None = None
+    note: str = ""
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms) if self.step_ms else float("nan")
+
+    def quantile(self, q: float) -> float:
+        return float(np.quantile(self.step_ms, q)) if self.step_ms else float("nan")
+
+
+def _batches(model: str, batch: int, count: int, data: str | None, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    shape = MODELS[model][1]
+    if data:
+        from ember.runtime.data import load_mnist
+        x, y = load_mnist(data, "train", flat=model == "mlp")
+        x, y = x[: batch * count], y[: batch * count]
+    else:
+        rng = np.random.default_rng(seed)
+        x = rng.random((batch * count, *shape), dtype=np.float32)
+        y = rng.integers(0, 10, batch * count)
+    x = x.reshape(-1, *shape)
+    return [(np.ascontiguousarray(x[i * batch:(i + 1) * batch]), np.ascontiguousarray(y[i * batch:(i + 1) * batch]))
+            for i in range(len(x) // batch)]
+
+
+def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: tuple[np.ndarray, np.ndarray],
+           lr: float) -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
+    res = SystemResult(f"ember-{device}")
+    previous = os.environ.get("EMBER_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as cache:
+        os.environ["EMBER_CACHE_DIR"] = cache  # an empty cache: the first compile is cold
+        try:
+            for attempt in ("cold", "warm"):
+                model = MODELS[model_name][0]()
+                model.load_state_dict(init)
+                t0 = time.perf_counter()
+                step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device)
+                elapsed = time.perf_counter() - t0
+                setattr(res, f"compile_{attempt}_s", elapsed)
+        finally:
+            if previous is None:
+                os.environ.pop("EMBER_CACHE_DIR", None)
+            else:
+                os.environ["EMBER_CACHE_DIR"] = previous
+    res.peak_bytes = step.peak_bytes
+    return step, res
+
+
+def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bool, threads: int):
+    import torch
+    import torch.nn as tnn
+    import torch.nn.functional as tF
+    torch.set_num_threads(threads)
+    if model_name == "cnn":
+        model = tnn.Sequential(tnn.Conv2d(1, 16, 3), tnn.ReLU(), tnn.Conv2d(16, 32, 3), tnn.ReLU(), tnn.Flatten(), tnn.Linear(18432, 10))
+    else:
+        model = tnn.Sequential(tnn.Linear(784, 30), tnn.Sigmoid(), tnn.Linear(30, 10))
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def loss_fn(x, y):
+        return tF.cross_entropy(model(x), y)
+
+    fwd, opt_step = loss_fn, opt.step
+    res = SystemResult("torch-compile" if compiled else "torch-eager")
+    if compiled:
+        fwd = torch.compile(loss_fn, dynamic=False)
+        opt_step = torch.compile(opt.step, dynamic=False)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        opt_step()
+        return loss
+
+    return step, res
+
+
+def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int = 64,
+              lr: float = 0.05, threads: int | None = None, data: str | None = None, torch_compile: bool = True,
+              rounds: int = 4, seed: int = 0, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
+    threads = threads or os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {}}
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+        log("PyTorch is not importable: timing ember alone (pip install torch to compare)")
+    for name in models:
+        batches = _batches(name, batch, 16, data, seed)
+        nn.manual_seed(seed)
+        init = MODELS[name][0]().state_dict()
+        log(f"[{name}] compiling ember ...")
+        systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr)]
+        if have_torch:
+            systems.append(_torch(name, init, lr, False, threads))
+            if torch_compile:
+                try:
+                    log(f"[{name}] torch.compile ...")
+                    fn, res = _torch(name, init, lr, True, threads)
+                    t0 = time.perf_counter()
+                    fn(*batches[0])
+                    res.compile_cold_s = time.perf_counter() - t0
+                    systems.append((fn, res))
+                except Exception as e:  # inductor needs a working toolchain; report, don't die
+                    log(f"[{name}] torch.compile failed: {type(e).__name__}: {e}")
+        for fn, _ in systems:  # warm-up, untimed
+            for i in range(warmup):
+                fn(*batches[i % len(batches)])
+        per_round = max(1, -(-steps // rounds))
+        for r in range(rounds):
+            for fn, res in systems:
+                for i in range(per_round):
+                    x, y = batches[(r * per_round + i) % len(batches)]
+                    t0 = time.perf_counter()
+                    out = fn(x, y)
+                    float(out)  # the loss is read every step, as a training loop would
+                    res.step_ms.append((time.perf_counter() - t0) * 1e3)
+        ember_ms = systems[0][1].median_ms
+        rows = []
+        for _, res in systems:
+            row = {k: v for k, v in asdict(res).items() if k != "step_ms"}
+            row.update(median_ms=res.median_ms, p10_ms=res.quantile(0.1), p90_ms=res.quantile(0.9), timed_steps=len(res.step_ms),
+                       ember_over_this=ember_ms / res.median_ms if res.median_ms else None)
+            rows.append(row)
+        report["models"][name] = rows
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}",
+             f"{'model':5} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
+    for model, rows in report["models"].items():
+        for r in rows:
+            cold = f"{r['compile_cold_s']:.2f}s" if r["compile_cold_s"] is not None else "-"
+            warm = f"{r['compile_warm_s']:.2f}s" if r["compile_warm_s"] is not None else "-"
+            peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "-"
+            lines.append(f"{model:5} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
+                         f"{r['ember_over_this']:10.3f} {cold:>12} {warm:>7} {peak:>9}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", choices=["cnn", "mlp", "all"], default="all")
+    p.add_argument("--device", choices=["cpu", "reference"], default="cpu")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
+    p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
+    p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def main(args: Any) -> int:
+    models = ["cnn", "mlp"] if args.model == "all" else [args.model]
+    report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
+                       threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
