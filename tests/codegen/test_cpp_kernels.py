@@ -1,0 +1,320 @@
+"""The generated CPU kernels (codegen/cpp_kernels.py) against NumPy float64 references.
+
+Each kernel is compiled into a translation unit with a small ``extern "C"`` wrapper and called
+through ctypes. Kernels are grouped into a few translation units, compiled in parallel, to keep
+g++ time down. Tolerance (fp32 against a float64 reference):
+
+    |got - ref| <= 1e-4 * |ref| + 1e-5 * sqrt(R) * max(1, max|ref| / sqrt(R))
+
+where R is the length of the reduction behind each output (C*KH*KW for the forward conv, O*KH*KW
+for grad-input, N*HO*WO for grad-weight, K for matmul). With unit-variance random inputs the
+outputs are O(sqrt(R)), and fp32 rounding error grows like sqrt(R) * eps * |terms|.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from ember.codegen import cpp_kernels as ck
+from ember.codegen.compiler import compile_cpp
+
+sliding = np.lib.stride_tricks.sliding_window_view
+
+
+# --------------------------------------------------------------------------- references
+
+def _pad(x, ph, pw):
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+
+
+def conv_fwd_ref(x, w, b, stride, padding, relu):
+    sh, sw = stride
+    ph, pw = padding
+    O, C, KH, KW = w.shape
+    win = sliding(_pad(x.astype(np.float64), ph, pw), (KH, KW), axis=(2, 3))[:, :, ::sh, ::sw]
+    y = np.einsum("nchwij,ocij->nohw", win, w.astype(np.float64), optimize=True)
+    if b is not None:
+        y = y + b.astype(np.float64)[None, :, None, None]
+    return np.maximum(y, 0.0) if relu else y
+
+
+def conv_grad_input_ref(dy, w, xshape, stride, padding):
+    sh, sw = stride
+    ph, pw = padding
+    N, C, H, W = xshape
+    O, _, KH, KW = w.shape
+    HO, WO = dy.shape[2:]
+    dxp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+    dy64, w64 = dy.astype(np.float64), w.astype(np.float64)
+    for kh in range(KH):
+        for kw in range(KW):
+            contrib = np.einsum("nohw,oc->nchw", dy64, w64[:, :, kh, kw], optimize=True)
+            dxp[:, :, kh:kh + sh * (HO - 1) + 1:sh, kw:kw + sw * (WO - 1) + 1:sw] += contrib
+    return dxp[:, :, ph:ph + H, pw:pw + W]
+
+
+def conv_grad_weight_ref(x, dy, wshape, stride, padding):
+    sh, sw = stride
+    ph, pw = padding
+    O, C, KH, KW = wshape
+    HO, WO = dy.shape[2:]
+    xp = _pad(x.astype(np.float64), ph, pw)
+    dy64 = dy.astype(np.float64)
+    dw = np.empty(wshape)
+    for kh in range(KH):
+        for kw in range(KW):
+            xs = xp[:, :, kh:kh + sh * (HO - 1) + 1:sh, kw:kw + sw * (WO - 1) + 1:sw]
+            dw[:, :, kh, kw] = np.einsum("nohw,nchw->oc", dy64, xs, optimize=True)
+    return dw, dy64.sum(axis=(0, 2, 3))
+
+
+def matmul_ref(A, B, bias, ta, tb, relu):
+    a = A.astype(np.float64)
+    b = B.astype(np.float64)
+    a = np.swapaxes(a, -1, -2) if ta else a
+    b = np.swapaxes(b, -1, -2) if tb else b
+    c = a @ b
+    if bias is not None:
+        c = c + bias.astype(np.float64)
+    return np.maximum(c, 0.0) if relu else c
+
+
+def assert_close(got, ref, reduction):
+    scale = max(1.0, float(np.abs(ref).max(initial=0.0)) / math.sqrt(reduction))
+    atol = 1e-5 * math.sqrt(reduction) * scale
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=atol)
+
+
+# --------------------------------------------------------------------------- cases
+
+# (id, N, C, H, W, O, KH, KW, stride, padding, bias, relu)
+CONV_CASES = [
+    ("mnist_conv1", 64, 1, 28, 28, 16, 3, 3, (1, 1), (0, 0), True, True),
+    ("mnist_conv2", 64, 16, 26, 26, 32, 3, 3, (1, 1), (0, 0), True, True),
+    ("stride2", 2, 3, 9, 11, 5, 3, 3, (2, 2), (0, 0), True, False),
+    ("stride2_pad1", 2, 4, 10, 9, 6, 3, 3, (2, 2), (1, 1), True, True),
+    ("pad1_o7", 2, 3, 8, 8, 7, 3, 3, (1, 1), (1, 1), True, True),
+    ("pad2_odd", 3, 2, 7, 9, 10, 3, 3, (1, 1), (2, 2), False, False),
+    ("pad3_gt_kernel", 1, 2, 5, 5, 3, 3, 3, (1, 1), (3, 3), True, False),
+    ("c1_batch1_odd", 1, 1, 5, 7, 3, 3, 3, (1, 1), (0, 0), True, True),
+    ("rect_mixed", 2, 3, 9, 8, 9, 2, 4, (1, 2), (1, 0), True, False),
+    ("stride21", 2, 2, 11, 10, 4, 3, 2, (2, 1), (0, 1), False, True),
+    ("k5_pad2", 2, 3, 12, 12, 8, 5, 5, (1, 1), (2, 2), False, True),
+    ("k1", 2, 5, 6, 6, 12, 1, 1, (1, 1), (0, 0), True, False),
+    ("row_sh2", 2, 3, 9, 26, 8, 3, 3, (2, 1), (0, 0), True, True),
+    ("row_nv1", 2, 4, 10, 10, 8, 3, 3, (1, 1), (0, 0), True, True),
+    ("row_nv4", 1, 3, 6, 34, 5, 3, 3, (1, 1), (0, 0), True, False),
+    ("row_o13", 3, 5, 12, 18, 13, 3, 3, (1, 1), (0, 0), True, True),
+]
+
+# (id, M, N, K, trans_a, trans_b, batch, bias, relu)
+MATMUL_CASES = [
+    ("linear_fwd", 64, 10, 18432, False, True, 1, True, False),
+    ("linear_grad_in", 64, 18432, 10, False, False, 1, False, False),
+    ("linear_grad_w", 10, 18432, 64, True, False, 1, False, False),
+    ("mlp1_fwd", 64, 30, 784, False, True, 1, True, True),
+    ("mlp2_fwd", 64, 10, 30, False, True, 1, True, False),
+    ("mlp1_grad_in", 64, 784, 30, False, False, 1, False, False),
+    ("mlp1_grad_w", 30, 784, 64, True, False, 1, False, False),
+    ("mlp2_grad_in", 64, 30, 10, False, False, 1, False, False),
+    ("mlp2_grad_w", 10, 30, 64, True, False, 1, False, False),
+    ("odd_nn", 7, 13, 11, False, False, 1, True, True),
+    ("odd_tn", 7, 13, 11, True, False, 1, False, True),
+    ("odd_nt", 7, 13, 11, False, True, 1, True, False),
+    ("odd_tt", 7, 13, 11, True, True, 1, False, False),
+    ("wide_tt", 9, 37, 21, True, True, 1, True, True),
+    ("batched_nn", 5, 9, 17, False, False, 3, True, False),
+    ("batched_tt", 6, 5, 19, True, True, 2, False, True),
+    ("batched_nt_dot", 5, 3, 40, False, True, 3, True, True),
+    ("dot_long_k", 5, 3, 4101, False, True, 1, False, False),
+    ("axpy_long_k", 3, 20, 5000, False, False, 1, True, False),
+    ("tiny", 1, 1, 1, False, False, 1, True, False),
+    ("m_rem", 13, 50, 9, False, False, 1, False, True),
+]
+
+
+def _conv_kernels(case):
+    cid, N, C, H, W, O, KH, KW, st, pd, bias, relu = case
+    kw = dict(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, stride=st, padding=pd)
+    return [
+        ck.render_conv2d_forward(f"fwd_{cid}", bias=bias, relu=relu, **kw),
+        ck.render_conv2d_grad_input(f"gin_{cid}", **kw),
+        ck.render_conv2d_grad_weight(f"gwt_{cid}", bias=bias, **kw),
+    ]
+
+
+def _matmul_kernel(case):
+    cid, M, N, K, ta, tb, batch, bias, relu = case
+    return ck.render_matmul(f"mm_{cid}", M=M, N=N, K=K, trans_a=ta, trans_b=tb, batch=batch,
+                            bias=bias, relu=relu)
+
+
+_NARGS = {"fwd": 5, "gin": 4, "gwt": 5, "mm": 5}
+
+
+def _translation_unit(kernels):
+    parts = []
+    for k in kernels:
+        n = _NARGS[k.name.split("_", 1)[0]]
+        params = ", ".join(f"float* a{i}" for i in range(n))
+        args = ", ".join(f"a{i}" for i in range(n))
+        parts.append(k.code)
+        parts.append(f'extern "C" void call_{k.name}({params}) {{ {k.name}({args}); }}\n')
+    return "\n".join(parts)
+
+
+class Lib:
+    def __init__(self, path, kernels):
+        self.dll = ctypes.CDLL(str(path))
+        self.kernels = {k.name: k for k in kernels}
+
+    def __call__(self, name, *arrays):
+        k = self.kernels[name]
+        scratch = _aligned(max(k.scratch_bytes // 4, 1))
+        fn = getattr(self.dll, f"call_{name}")
+        ptrs = [None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays]
+        fn.argtypes = [ctypes.c_void_p] * (len(ptrs) + 1)
+        fn(*ptrs, scratch.ctypes.data_as(ctypes.c_void_p))
+        return scratch
+
+
+def _aligned(n):
+    raw = np.full(n + 16, np.nan, dtype=np.float32)   # NaN: a kernel must not read stale scratch
+    off = (-raw.ctypes.data % 64) // 4
+    return raw[off:off + n]
+
+
+@pytest.fixture(scope="session")
+def libs(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("ember_kernel_cache")
+    conv = [k for c in CONV_CASES for k in _conv_kernels(c)]
+    mm = [_matmul_kernel(c) for c in MATMUL_CASES]
+    # four translation units, two compiles at a time (one per core)
+    groups = [conv[0::3], conv[1::3], conv[2::3], mm]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        arts = list(pool.map(lambda g: compile_cpp(_translation_unit(g), cache=cache, name="kernels"),
+                             groups))
+    out = {}
+    for g, art in zip(groups, arts):
+        lib = Lib(art.path, g)
+        for k in g:
+            out[k.name] = lib
+    return out
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- conv tests
+
+def _out_hw(H, W, KH, KW, st, pd):
+    return (H + 2 * pd[0] - KH) // st[0] + 1, (W + 2 * pd[1] - KW) // st[1] + 1
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_conv2d_forward(libs, case):
+    cid, N, C, H, W, O, KH, KW, st, pd, bias, relu = case
+    HO, WO = _out_hw(H, W, KH, KW, st, pd)
+    rng = _rng(1)
+    x, w = _f32(rng, N, C, H, W), _f32(rng, O, C, KH, KW)
+    b = _f32(rng, O) if bias else None
+    y = np.full((N, O, HO, WO), np.nan, np.float32)
+    libs[f"fwd_{cid}"](f"fwd_{cid}", x, w, b, y)
+    assert_close(y, conv_fwd_ref(x, w, b, st, pd, relu), C * KH * KW)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_conv2d_grad_input(libs, case):
+    cid, N, C, H, W, O, KH, KW, st, pd, bias, relu = case
+    HO, WO = _out_hw(H, W, KH, KW, st, pd)
+    rng = _rng(2)
+    dy, w = _f32(rng, N, O, HO, WO), _f32(rng, O, C, KH, KW)
+    dx = np.full((N, C, H, W), np.nan, np.float32)
+    libs[f"gin_{cid}"](f"gin_{cid}", dy, w, dx)
+    assert_close(dx, conv_grad_input_ref(dy, w, (N, C, H, W), st, pd), O * KH * KW)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_conv2d_grad_weight(libs, case):
+    cid, N, C, H, W, O, KH, KW, st, pd, bias, relu = case
+    HO, WO = _out_hw(H, W, KH, KW, st, pd)
+    rng = _rng(3)
+    x, dy = _f32(rng, N, C, H, W), _f32(rng, N, O, HO, WO)
+    dw = np.full((O, C, KH, KW), np.nan, np.float32)
+    db = np.full((O,), np.nan, np.float32) if bias else None
+    libs[f"gwt_{cid}"](f"gwt_{cid}", x, dy, dw, db)
+    ref_dw, ref_db = conv_grad_weight_ref(x, dy, (O, C, KH, KW), st, pd)
+    assert_close(dw, ref_dw, N * HO * WO)
+    if bias:
+        assert_close(db, ref_db, N * HO * WO)
+
+
+# --------------------------------------------------------------------------- matmul tests
+
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=[c[0] for c in MATMUL_CASES])
+def test_matmul(libs, case):
+    cid, M, N, K, ta, tb, batch, bias, relu = case
+    rng = _rng(4)
+    A = _f32(rng, batch, *((K, M) if ta else (M, K)))
+    B = _f32(rng, batch, *((N, K) if tb else (K, N)))
+    b = _f32(rng, N) if bias else None
+    C = np.full((batch, M, N), np.nan, np.float32)
+    libs[f"mm_{cid}"](f"mm_{cid}", A, B, b, C)
+    assert_close(C, matmul_ref(A, B, b, ta, tb, relu), K)
+
+
+# --------------------------------------------------------------------------- contract
+
+def _set_threads(n):
+    """The kernels' OpenMP team size (libgomp is shared by every library in the process)."""
+    ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "gin", "gwt", "mm"])
+def test_deterministic_across_runs_and_threads(libs, kind):
+    rng = _rng(5)
+    if kind == "mm":
+        name = "mm_linear_grad_w"
+        args = (_f32(rng, 1, 64, 10), _f32(rng, 1, 64, 18432), None)
+        outs = [(1, 10, 18432)]
+    else:
+        name = f"{kind}_mnist_conv2"
+        x, w, dy = _f32(rng, 64, 16, 26, 26), _f32(rng, 32, 16, 3, 3), _f32(rng, 64, 32, 24, 24)
+        args = {"fwd": (x, w, _f32(rng, 32)), "gin": (dy, w), "gwt": (x, dy)}[kind]
+        outs = {"fwd": [(64, 32, 24, 24)], "gin": [(64, 16, 26, 26)],
+                "gwt": [(32, 16, 3, 3), (32,)]}[kind]
+    results = []
+    try:
+        for threads in (2, 2, 1):
+            _set_threads(threads)
+            bufs = [np.full(s, np.nan, np.float32) for s in outs]
+            libs[name](name, *args, *bufs)
+            results.append([bf.tobytes() for bf in bufs])
+    finally:
+        _set_threads(2)
+    assert results[0] == results[1], "two runs with the same inputs differ"
+    assert results[0] == results[2], "1 thread and 2 threads give different bits"
+
+
+def test_scratch_and_names():
+    k = ck.render_conv2d_forward("c2", N=64, C=16, H=26, W=26, O=32, KH=3, KW=3, bias=True, relu=True)
+    assert k.name == "c2" and k.code.startswith("// conv2d_forward")
+    assert k.scratch_bytes % 64 == 0 and k.scratch_bytes >= 4 * 32 * 16 * 9
+    for src in (ck.render_conv2d_grad_input("g", N=1, C=1, H=3, W=3, O=1, KH=3, KW=3).code,
+                ck.render_conv2d_grad_weight("h", N=1, C=1, H=3, W=3, O=1, KH=3, KW=3, bias=False).code,
+                ck.render_matmul("m", M=1, N=1, K=1, trans_a=False, trans_b=False).code):
+        assert src.startswith("// conv2d_grad_input") or src.startswith("// conv2d_grad_weight") \
+            or src.startswith("// matmul")
+    with pytest.raises(ValueError):
+        ck.render_conv2d_forward("bad name", N=1, C=1, H=3, W=3, O=1, KH=3, KW=3, bias=False, relu=False)
+    with pytest.raises(ValueError):
+        ck.render_conv2d_forward("k", N=1, C=1, H=2, W=2, O=1, KH=3, KW=3, bias=False, relu=False)
