@@ -187,7 +187,9 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
     if dump_dir is not None:  # written first, so a failing build is dumped too
         dump_dir = Path(dump_dir)
         dump_cmd = argv_for(f"{name}{src_ext}", f"{name}{out_ext}")
-        _atomic_write(dump_dir / f"{name}{src_ext}", source)
+        # The dumped copy names its cache key in a first comment line (the key hashes the source
+        # without it); the comment changes nothing the compiler produces.
+        _atomic_write(dump_dir / f"{name}{src_ext}", f"// ember cache key: {key}\n{source}")
         _atomic_write(dump_dir / f"{name}.cache_key", key + "\n")
         _atomic_write(dump_dir / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
                       f"# ember: rebuild {name}{out_ext} from {name}{src_ext} (cache key {key})\n"

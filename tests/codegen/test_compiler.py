@@ -151,7 +151,7 @@ def test_long_stderr_is_trimmed(tmp_path):
 def test_dump_dir_and_rebuild_script(tmp_path):
     dump = tmp_path / "dump"
     a = compile_cpp(ADD, cache=tmp_path / "cache", dump_dir=dump, name="step0")
-    assert (dump / "step0.cpp").read_text() == ADD
+    assert (dump / "step0.cpp").read_text() == f"// ember cache key: {a.key}\n" + ADD
     assert (dump / "step0.cache_key").read_text().strip() == a.key
     script = (dump / "step0.compile.sh").read_text()
     assert "step0.cpp" in script and "-o step0.so" in script and "-fopenmp" in script
@@ -165,7 +165,7 @@ def test_dump_dir_keeps_failing_source(tmp_path):
     dump = tmp_path / "dump"
     with pytest.raises(CompileError) as info:
         compile_cpp(BROKEN, cache=tmp_path / "cache", dump_dir=dump, name="bad")
-    assert info.value.source_path == dump / "bad.cpp" and (dump / "bad.cpp").read_text() == BROKEN
+    assert info.value.source_path == dump / "bad.cpp" and (dump / "bad.cpp").read_text().split("\n", 1)[1] == BROKEN
     assert (dump / "bad.compile.sh").is_file() and str(dump / "bad.cpp") in str(info.value)
 
 
