@@ -1,0 +1,65 @@
+"""The compiled CPU training step against the reference device (the NumPy interpreter)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.frontends import compile, nn, optim
+from ember.runtime.data import load_mnist
+
+from models import MNIST_DIR, cnn, mlp
+
+STEPS = 50
+
+
+def _batches(flat: bool, batch: int = 64, steps: int = STEPS):
+    if not MNIST_DIR.exists():
+        pytest.skip(f"MNIST not found at {MNIST_DIR}")
+    x, y = load_mnist(MNIST_DIR, "train", flat=flat)
+    return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
+
+
+@pytest.mark.parametrize("name,make,flat", [("cnn", cnn, False), ("mlp", mlp, True)])
+def test_cpu_step_matches_reference_for_50_steps(name, make, flat):
+    """Each of 50 steps from the same weights gives the same loss and update (within 1e-5).
+
+    Before each step the CPU step is loaded with the reference's weights, so every step is
+    compared from identical parameters. Left to run freely, two float32 implementations drift
+    apart on this recipe (summation order differs; the early high-curvature steps amplify it):
+    measured 8e-5 for the CNN by step 20, while each is 3.5e-5 / 5.6e-5 from a float64 run. The
+    free-running difference is printed and asserted over the first 15 steps only.
+    """
+    batches = _batches(flat)
+    steps = {device: compile(make(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device=device)
+             for device in ("reference", "cpu")}
+    worst = 0.0
+    for x, y in batches:
+        steps["cpu"].load_state_dict(steps["reference"].state_dict())
+        ref, got = steps["reference"](x, y), steps["cpu"](x, y)
+        worst = max(worst, abs(ref - got))
+        for k, v in steps["reference"].state_dict().items():
+            # atol: a conv pre-activation within float32 rounding of 0 may fall on either side of a
+            # ReLU in the two implementations; one such element moves a few weights by ~3e-6.
+            np.testing.assert_allclose(steps["cpu"].state_dict()[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+    print(f"{name}: largest per-step |loss(cpu) - loss(reference)| over {STEPS} steps = {worst:.3g}")
+    assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("name,make,flat,steps,bound", [("cnn", cnn, False, 15, 1e-5), ("mlp", mlp, True, 50, 1e-5)])
+def test_cpu_free_running_trajectory_matches_reference(name, make, flat, steps, bound):
+    batches = _batches(flat, steps=STEPS)
+    runs = {device: compile(make(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device=device)
+            for device in ("reference", "cpu")}
+    diffs = [abs(runs["reference"](x, y) - runs["cpu"](x, y)) for x, y in batches]
+    print(f"{name}: free-running |loss difference|: first {steps} steps {max(diffs[:steps]):.3g}, "
+          f"all {STEPS} steps {max(diffs):.3g}")
+    assert max(diffs[:steps]) <= bound
+
+
+def test_cpu_steps_are_bit_identical_run_to_run():
+    batches = _batches(False, steps=5)
+    losses = []
+    for _ in range(2):
+        step = compile(cnn(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device="cpu")
+        losses.append([step(x, y) for x, y in batches])
+    assert losses[0] == losses[1]
