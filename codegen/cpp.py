@@ -27,7 +27,7 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve(
                           undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
 
-UNARY_C = {"neg": "(-{0})", "exp": "std::exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
+UNARY_C = {"neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
            "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
            "tanh": "std::tanh({0})", "abs": "std::abs({0})"}
 BINARY_C = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",

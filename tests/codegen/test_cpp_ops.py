@@ -157,3 +157,21 @@ def test_every_op_has_a_cpu_lowering_path():
     from ember.passes import fusion
     handled = fusion.ELEMENTWISE | fusion.VIEWS | fusion.REDUCTIONS | fusion.SOURCES | fusion.CONV_OPS | {"matmul", "fused"}
     assert set(OPS) <= handled, sorted(set(OPS) - handled)
+
+
+def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():
+    xs = np.concatenate([np.linspace(-110, 95, 200_001, dtype=np.float32),
+                         np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)])
+    g = Graph("exp")
+    x = g.add_input("x", TensorType(xs.shape))
+    g.set_output("e", g.add("exp", [x]))
+    got = CpuExecutor(plan_memory(fuse(g)), Storage())({"x": xs})["e"]
+    with np.errstate(over="ignore"):
+        want = np.exp(xs.astype(np.float64)).astype(np.float32)
+    normal = np.isfinite(want) & (want >= np.finfo(np.float32).tiny)
+    ulp = np.abs(got[normal].view(np.int32).astype(np.int64) - want[normal].view(np.int32).astype(np.int64))
+    assert ulp.max() <= 2
+    subnormal = (want > 0) & (want < np.finfo(np.float32).tiny)
+    assert np.abs(got[subnormal] - want[subnormal]).max() <= 2e-45
+    assert np.isnan(got[-5]) and got[-4] == np.inf and got[-3] == 0.0 and got[-2] == 1.0 and got[-1] == 1.0
+    assert np.all(np.isinf(got[(xs > 88.73) & np.isfinite(xs)]))
