@@ -29,7 +29,7 @@ PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than 
 
 UNARY_C = {"neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
            "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
-           "tanh": "std::tanh({0})", "abs": "std::abs({0})"}
+           "tanh": "std::tanh({0})", "abs": "std::abs({0})", "stop_gradient": "{0}"}
 BINARY_C = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
             "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
             "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})"}

@@ -190,16 +190,25 @@ def conv2d(x: Operand, weight: Operand, bias: Operand | None = None, stride: int
 
 # ---- losses and activations ------------------------------------------------------------------
 
+def stop_gradient(x: Operand) -> Tensor:
+    """x, seen by autodiff as a constant (no gradient flows through it)."""
+    return _emit("stop_gradient", _nodes(x))
+
+
 def log_softmax(x: Operand, axis: int = -1) -> Tensor:
-    """Stable log-softmax: x - max - log(sum(exp(x - max)))."""
+    """Stable log-softmax: x - m - log(sum(exp(x - m))) with m = max(x).
+
+    The result does not depend on m (any shift cancels), so m is a stop_gradient: the backward
+    pass is then PyTorch's g - softmax * sum(g), without differentiating through the max.
+    """
     t = _tensor(x)
-    shifted = sub(t, max(t, axis, keepdims=True))
+    shifted = sub(t, stop_gradient(max(t, axis, keepdims=True)))
     return sub(shifted, log(sum(exp(shifted), axis, keepdims=True)))
 
 
 def softmax(x: Operand, axis: int = -1) -> Tensor:
     t = _tensor(x)
-    e = exp(sub(t, max(t, axis, keepdims=True)))
+    e = exp(sub(t, stop_gradient(max(t, axis, keepdims=True))))
     return div(e, sum(e, axis, keepdims=True))
 
 

@@ -100,6 +100,7 @@ IMPLS: dict[str, Impl] = {
     "ge": lambda a, at, t: a[0] >= a[1],
     "where": lambda a, at, t: np.where(a[0], a[1], a[2]),
     "cast": lambda a, at, t: a[0].astype(at["dtype"].numpy),
+    "stop_gradient": lambda a, at, t: a[0],
     "sum": _reduce(np.sum),
     "max": _reduce(np.max),
     "argmax": lambda a, at, t: np.argmax(a[0], axis=at["axis"]).astype(np.int64),

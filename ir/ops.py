@@ -213,6 +213,13 @@ def _where(types, attrs):
     return TensorType(broadcast_shapes(cond.shape, a.shape, b.shape), dtype)
 
 
+@_defop("stop_gradient", 1, "elementwise", differentiable=False, int_ok=True)
+def _stop_gradient(types, attrs):
+    """The identity whose value autodiff treats as a constant (JAX's lax.stop_gradient): used
+    where a result provably does not depend on a term, e.g. the max shift inside log-softmax."""
+    return types[0]
+
+
 @_defop("cast", 1, "elementwise", {"dtype": Attr(as_dtype)}, int_ok=True)
 def _cast(types, attrs):
     return types[0].with_dtype(attrs["dtype"])

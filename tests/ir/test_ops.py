@@ -261,6 +261,13 @@ def test_cast_vs_torch(src, dst):
     np.testing.assert_array_equal(out, ref.numpy())
 
 
+@covers("stop_gradient")
+def test_stop_gradient_is_the_identity_like_detach():
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(interp("stop_gradient", [x]), T(x).detach().numpy())
+    assert not OPS["stop_gradient"].differentiable
+
+
 def test_cast_bad_dtype():
     msg = expect_shape_error("cast", [f32(3)], "bad attribute", dtype="float16")
     assert "dtype" in msg
