@@ -63,7 +63,7 @@ def _batches(model: str, batch: int, count: int, data: str | None, seed: int) ->
 
 
 def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: tuple[np.ndarray, np.ndarray],
-           lr: float) -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
+           lr: float, profile: bool = False) -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
     res = SystemResult(f"ember-{device}")
     previous = os.environ.get("EMBER_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as cache:
@@ -73,7 +73,8 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
                 model = MODELS[model_name][0]()
                 model.load_state_dict(init)
                 t0 = time.perf_counter()
-                step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device)
+                step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device,
+                                     profile=profile)
                 elapsed = time.perf_counter() - t0
                 setattr(res, f"compile_{attempt}_s", elapsed)
         finally:
@@ -118,7 +119,7 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
 
 def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int = 64,
               lr: float = 0.05, threads: int | None = None, data: str | None = None, torch_compile: bool = True,
-              rounds: int = 4, seed: int = 0, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
+              rounds: int = 4, seed: int = 0, profile: bool = False, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     threads = threads or os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {}}
@@ -133,7 +134,7 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         nn.manual_seed(seed)
         init = MODELS[name][0]().state_dict()
         log(f"[{name}] compiling ember ...")
-        systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr)]
+        systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr, profile)]
         if have_torch:
             systems.append(_torch(name, init, lr, False, threads))
             if torch_compile:
@@ -158,6 +159,11 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
                     out = fn(x, y)
                     float(out)  # the loss is read every step, as a training loop would
                     res.step_ms.append((time.perf_counter() - t0) * 1e3)
+        if profile:
+            step = systems[0][0]
+            calls = warmup + rounds * per_round
+            report.setdefault("kernels", {})[name] = [
+                {"kernel": k, "implements": what, "ms_per_step": sec / calls * 1e3} for k, what, sec in step.kernel_times()]
         ember_ms = systems[0][1].median_ms
         rows = []
         for _, res in systems:
@@ -179,6 +185,11 @@ def format_table(report: dict[str, Any]) -> str:
             peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "-"
             lines.append(f"{model:5} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
                          f"{r['ember_over_this']:10.3f} {cold:>12} {warm:>7} {peak:>9}")
+    for model, kernels in report.get("kernels", {}).items():
+        total = sum(k["ms_per_step"] for k in kernels)
+        lines.append(f"\n{model}: ember kernels by time (profiled build; {total:.3f} ms per step in kernels)")
+        for k in sorted(kernels, key=lambda k: -k["ms_per_step"]):
+            lines.append(f"  {k['kernel']:26} {k['ms_per_step']:8.3f} ms {100 * k['ms_per_step'] / total:5.1f}%  {k['implements']}")
     return "\n".join(lines)
 
 
@@ -191,12 +202,14 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
+    p.add_argument("--profile", action="store_true",
+                   help="time every ember kernel (a build with timers around each kernel) and list them")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def main(args: Any) -> int:
     models = ["cnn", "mlp"] if args.model == "all" else [args.model]
     report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
-                       threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile)
+                       threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile, profile=args.profile)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

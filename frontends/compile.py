@@ -39,8 +39,8 @@ ExecutorFactory = Callable[[Graph, Storage, "Path | None"], Executor]
 # Backends register here: the CPU backend adds "cpu" (and passes.pipeline.PASSES["cpu"] holds
 # its fusion and memory passes); "cuda" follows the same way.
 _EXECUTORS: dict[str, ExecutorFactory] = {
-    "reference": lambda graph, storage, dump_dir: ReferenceExecutor(graph, storage),
-    "cpu": lambda graph, storage, dump_dir: CpuExecutor(graph, storage, dump_dir),
+    "reference": lambda graph, storage, dump_dir, profile=False: ReferenceExecutor(graph, storage),
+    "cpu": lambda graph, storage, dump_dir, profile=False: CpuExecutor(graph, storage, dump_dir, profile=profile),
 }
 
 
@@ -53,7 +53,7 @@ class TrainStep:
 
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
-                 dump_dir: str | os.PathLike | None = None) -> None:
+                 dump_dir: str | os.PathLike | None = None, profile: bool = False) -> None:
         if device not in _EXECUTORS:
             raise ValueError(f"unknown device {device!r}; available: {sorted(_EXECUTORS)}")
         if not isinstance(model, Module):
@@ -64,6 +64,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.config = optimizer
         self.device = device
+        self.profile = profile
         root = dump_dir if dump_dir is not None else os.environ.get("EMBER_DUMP_DIR") or None
         self.dump_dir = Path(root) if root is not None else None
         self.storage = Storage()
@@ -103,7 +104,7 @@ class TrainStep:
             graph = run_passes(forward, train_passes(self.config) + passes_for(self.device), dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
-            hit = self._steps[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump))
+            hit = self._steps[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
@@ -115,7 +116,7 @@ class TrainStep:
             dump = self._dump_subdir("inference", types)
             graph = run_passes(forward, passes_for(self.device), dump_dir=dump)
             self._bind(forward)
-            hit = self._inference[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump))
+            hit = self._inference[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
     def _sync(self) -> None:
@@ -169,6 +170,14 @@ class TrainStep:
         """Planned peak memory of the training step (None where the device plans none)."""
         return getattr(self._steps[self._example][1], "peak_bytes", None)
 
+    def kernel_times(self) -> list[tuple[str, str, float]]:
+        """(kernel, what it implements, seconds summed over calls) of the training step for the
+        example shapes; needs compile(..., profile=True) on a device that compiles kernels."""
+        executor = self._steps[self._example][1]
+        if not hasattr(executor, "kernel_times"):
+            raise RuntimeError(f"device {self.device!r} runs no compiled kernels to time")
+        return executor.kernel_times()
+
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
         """Copies of the model's parameters under PyTorch's names."""
         self._sync()
@@ -204,15 +213,17 @@ class TrainStep:
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "reference",
-            dump_dir: str | os.PathLike | None = None) -> TrainStep:
+            dump_dir: str | os.PathLike | None = None, profile: bool = False) -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
     compile on first use). device: "reference" (NumPy interpreter) or a registered backend.
     dump_dir (or $EMBER_DUMP_DIR): the graph after every pass, per compiled step, in
     `<dump_dir>/train-<x shape>/` and `<dump_dir>/inference-<x shape>/`.
+    profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
     """
-    return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir)
+    return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
+                     profile=profile)
 
 
 __all__ = ["compile", "TrainStep"]

@@ -22,14 +22,22 @@ _state = threading.local()
 
 
 def user_location() -> str | None:
-    """file:line of the innermost frame outside ember itself: the user code that built a node."""
+    """file:line of the innermost frame outside ember itself: the user code that built a node.
+
+    Interpreter frames (runpy, importlib) are passed over; when ember itself built the model
+    (e.g. `ember bench`), the outermost ember frame is named instead.
+    """
     frame = sys._getframe(1)
+    fallback = None
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_PACKAGE_DIRS):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        filename = frame.f_code.co_filename
+        path = os.path.abspath(filename)
+        if path.startswith(_PACKAGE_DIRS):
+            fallback = frame
+        elif not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
-    return None
+    return f"{fallback.f_code.co_filename}:{fallback.f_lineno}" if fallback is not None else None
 
 
 class TraceContext:
