@@ -1,0 +1,113 @@
+"""Training metrics: JSON-lines records, and the loss/accuracy of logits (NumPy, float64).
+
+A metrics file holds one JSON object per line, each with a "type":
+
+* ``run``: written once when a run (or a resumed run) starts: model, device, optimizer and
+  the other settings, compile seconds, the epoch and step it starts from.
+* ``step``: every ``log_every`` training steps: ``epoch`` (1-based), ``step`` (global, counted
+  from the first step of the first run, so a resumed run continues the count), ``loss`` (that
+  batch), ``loss_avg`` (mean batch loss since the previous step record), ``samples_per_s``
+  (over that interval) and ``time`` (seconds since the run started).
+* ``epoch``: after each epoch: ``epoch``, ``step``, ``steps``, ``samples``, ``train_loss``
+  (mean per-sample loss of the epoch), ``test_loss``, ``test_acc`` (a fraction),
+  ``samples_per_s``, ``epoch_seconds`` (training only, evaluation excluded),
+  ``eval_seconds`` and ``time``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "cross_entropy_sum", "correct_count", "epoch_records"]
+
+
+class MetricsError(ValueError):
+    """A metrics file that is not JSON lines of records; the message names file and line."""
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NumPy scalars to Python numbers, non-finite floats to None (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends records to a JSON-lines file, one flushed line each (a crash loses no record).
+
+    mode "w" starts a new file; "a" continues one (a resumed run appends to its history).
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str = "w") -> None:
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
+        self.path = Path(path)
+        if self.path.parent != Path(""):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: IO[str] | None = open(self.path, mode, encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: metrics writer is closed")
+        self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics file, in order; blank lines are skipped. A line that is not a
+    JSON object with a "type" raises MetricsError naming the file and line number."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MetricsError(f"{os.fspath(path)}:{lineno}: not valid JSON ({e.msg}); "
+                                   f"expected one JSON object per line") from None
+            if not isinstance(rec, dict) or "type" not in rec:
+                raise MetricsError(f"{os.fspath(path)}:{lineno}: expected a JSON object with a "
+                                   f"'type' field, got {line.strip()[:80]!r}")
+            records.append(rec)
+    return records
+
+
+def cross_entropy_sum(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Sum over the batch of -log softmax(logits)[label], computed in float64."""
+    z = np.asarray(logits, dtype=np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    return float((lse - z[np.arange(len(z)), np.asarray(labels)]).sum())
+
+
+def correct_count(logits: np.ndarray, labels: np.ndarray) -> int:
+    """How many rows' argmax equals the label."""
+    return int((np.asarray(logits).argmax(axis=1) == np.asarray(labels)).sum())
+
+
+def epoch_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("type") == "epoch"]
