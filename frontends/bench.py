@@ -2,7 +2,8 @@
 
 For each model: ember (compiled step, cold then warm compile timed), PyTorch eager and, when
 asked, `torch.compile`, all starting from the same initial weights and fed the same batches
-(the first batches of the training set in file order, or seeded random data without --data).
+(the first batches of the training set in file order, or seeded random data without --data),
+from PyTorch's default initialisation for the seed, as in the reference recipe.
 Steps are timed in interleaved rounds (each system runs a block of steps in turn) so that drift
 of a shared machine hits every system alike; the figure reported is the median step time, and
 ratios are ember's median over the other system's.
@@ -22,12 +23,12 @@ import numpy as np
 
 from . import nn, optim
 from .compile import compile as ember_compile
+from .train import MODELS, build_model
 
-MODELS = {
-    "cnn": (lambda: nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
-                                  nn.Linear(18432, 10)), (1, 28, 28)),
-    "mlp": (lambda: nn.Sequential(nn.Linear(784, 30), nn.Sigmoid(), nn.Linear(30, 10)), (784,)),
-}
+
+
+def _input_shape(model: str) -> tuple[int, ...]:
+    return (784,) if MODELS[model][1] else (1, 28, 28)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SystemResult:
 
 
 def _batches(model: str, batch: int, count: int, data: str | None, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    shape = MODELS[model][1]
+    shape = _input_shape(model)
     if data:
         from ember.runtime.data import load_mnist
         x, y = load_mnist(data, "train", flat=model == "mlp")
@@ -70,7 +71,7 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
         os.environ["EMBER_CACHE_DIR"] = cache  # an empty cache: the first compile is cold
         try:
             for attempt in ("cold", "warm"):
-                model = MODELS[model_name][0]()
+                model = build_model(model_name, init="ember")
                 model.load_state_dict(init)
                 t0 = time.perf_counter()
                 step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device,
@@ -131,8 +132,7 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         log("PyTorch is not importable: timing ember alone (pip install torch to compare)")
     for name in models:
         batches = _batches(name, batch, 16, data, seed)
-        nn.manual_seed(seed)
-        init = MODELS[name][0]().state_dict()
+        init = build_model(name, seed, init="torch").state_dict()  # the reference recipe's weights
         log(f"[{name}] compiling ember ...")
         systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr, profile)]
         if have_torch:
