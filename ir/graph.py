@@ -9,7 +9,7 @@ parameter or state, written back at the end of a step).
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import networkx as nx
@@ -217,16 +217,19 @@ class Graph:
         return to_dot(self)
 
 
-def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "group") -> tuple[Graph, list[int]]:
+def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "group", *,
+                copy_in: Callable[[int], bool] | None = None,
+                mapping: dict[int, int] | None = None) -> tuple[Graph, list[int]]:
     """Copies `nodes` of `graph` into a standalone graph computing `output`.
 
     Values used by the group but defined outside it become the subgraph's inputs (named in0,
-    in1, ... in order of first use); constants inside stay constants. Returns the subgraph and
-    the outer nodes feeding its inputs, in order.
+    in1, ... in order of first use), except operand-free nodes for which `copy_in` says yes
+    (e.g. scalar constants), which are copied in. Returns the subgraph and the outer nodes
+    feeding its inputs, in order; `mapping`, if given, receives outer node -> subgraph node.
     """
     members = set(nodes)
     sub = Graph(name)
-    mapping: dict[int, int] = {}
+    mapping = {} if mapping is None else mapping
     outer: list[int] = []
     for n in graph.topo_order():
         if n not in members:
@@ -236,8 +239,11 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "gr
             if o not in mapping:
                 if o in members:
                     raise VerifyError(f"group member %{o} used before it is defined")
-                mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
-                outer.append(o)
+                if copy_in is not None and not graph.operands(o) and copy_in(o):
+                    mapping[o] = sub.add(graph.op(o), loc=graph.loc(o), **graph.attrs(o))
+                else:
+                    mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
+                    outer.append(o)
             new_ops.append(mapping[o])
         mapping[n] = sub.add(graph.op(n), new_ops, loc=graph.loc(n), **graph.attrs(n))
     sub.set_output("out", mapping[output])

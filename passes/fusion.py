@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.ir import OPS, Graph
+from ember.ir import OPS, Graph, subgraph_of
 
 ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
 VIEWS = {"broadcast_to", "transpose", "reshape"}
@@ -169,27 +169,6 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
     return groups
 
 
-def _build_subgraph(graph: Graph, members: set[int], root: int, name: str) -> tuple[Graph, list[int], dict[int, int]]:
-    sub = Graph(name)
-    mapping: dict[int, int] = {}
-    outer: list[int] = []
-    for n in graph.topo_order():
-        if n not in members:
-            continue
-        new_ops = []
-        for o in graph.operands(n):
-            if o not in mapping:
-                if _inline_constant(graph, o):
-                    mapping[o] = sub.add("constant", **graph.attrs(o))
-                else:
-                    mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
-                    outer.append(o)
-            new_ops.append(mapping[o])
-        mapping[n] = sub.add(graph.op(n), new_ops, loc=graph.loc(n), **graph.attrs(n))
-    sub.set_output("out", mapping[root])
-    return sub, outer, mapping
-
-
 def fuse(graph: Graph) -> Graph:
     """Returns a graph whose compute nodes are `fused` groups (plus reshape aliases and sources)."""
     groups = _groups(graph)
@@ -201,7 +180,9 @@ def fuse(graph: Graph) -> Graph:
         op = graph.op(n)
         if n in groups:
             kind, members, notes = groups[n]
-            sub, outer, submap = _build_subgraph(graph, members, n, f"k{len(out)}_{kind}")
+            submap: dict[int, int] = {}
+            sub, outer = subgraph_of(graph, members, n, f"k{len(out)}_{kind}",
+                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap)
             node = out.add("fused", [mapping[o] for o in outer], loc=graph.loc(n), graph=sub, kernel=kind)
             index_of = {o: i for i, o in enumerate(outer)}
             for key, value in notes.items():
