@@ -420,6 +420,50 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
 
 # --------------------------------------------------------------------------- matmul
 
+#: Below this many FLOPs (2*batch*M*N*K) a matmul runs on the calling thread alone. Measured on
+#: the 2-core Zen 3 VM (one thread vs two, median): at 0.25 MFLOP one thread is as fast or
+#: faster (64x30x64: 4.3 vs 4.3 us; 30x64x64: 3.2 vs 5.9), at 0.5 MFLOP it depends on the form
+#: (30x128x64: 5.7 vs 7.9; 64x30x128: 7.0 vs 6.5), from 1 MFLOP two threads win (11.7 vs 9.6).
+MATMUL_SERIAL_FLOPS = 512 * 1024
+#: Target size of the block of B a matmul task keeps in L1 while all rows of A pass over it.
+_MM_BLOCK_BYTES = 16 * 1024
+
+
+def _mm_tile_cost(mt: int, nt: int) -> float:
+    """Approximate cycles per k step (8 k in dot form, 1 k in axpy form) of an mt x nt register tile:
+    FMAs at 2 per cycle, operand loads at 2 per cycle, whichever binds; a small per-load term
+    breaks ties toward the tile that loads less."""
+    return max(mt * nt / 2, (mt + nt) / 2) + 0.01 * (mt + nt)
+
+
+def _mm_pick_tile(M: int, N: int, cands) -> tuple[int, int]:
+    """The (rows, cols) register tile of ``cands`` that covers an M x N grid (remainder tiles
+    included) in the fewest modelled cycles; ties go to the earlier candidate."""
+    best = None
+    for mr, nr in cands:
+        mr, nr = min(mr, M), min(nr, N)
+        fm, rm = divmod(M, mr)
+        fn, rn = divmod(N, nr)
+        cost = fm * fn * _mm_tile_cost(mr, nr)
+        if rm:
+            cost += fn * _mm_tile_cost(rm, nr)
+        if rn:
+            cost += fm * _mm_tile_cost(mr, rn)
+        if rm and rn:
+            cost += _mm_tile_cost(rm, rn)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, mr, nr)
+    return best[1], best[2]
+
+
+def _mm_set_conflicts(row_bytes: int, rows: int) -> bool:
+    """True when ``rows`` rows of B, ``row_bytes`` apart, crowd into few L1 sets (a stride that
+    is (nearly) a multiple of 4 KiB): read in place they would evict each other."""
+    rows = min(rows, 64)
+    sets = {(r * row_bytes // 64) % 64 for r in range(rows)}
+    return len(sets) < max(1, rows // 2)
+
+
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
                   batch: int = 1, bias: bool = False, relu: bool = False) -> KernelSource:
     """C[b,m,n] = relu?(sum_k opA[b,m,k] * opB[b,k,n] + bias[n]?).
@@ -427,45 +471,71 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     A is stored (batch,M,K), or (batch,K,M) with trans_a; B (batch,K,N), or (batch,N,K) with
     trans_b; C (batch,M,N). C signature: ``static void NAME(const float* A, const float* B,
     const float* bias, float* C, float* scratch)`` (``bias`` may be NULL when bias=False).
+
+    Two forms, both register-tiled with every C element owned by one task and summed in k order:
+
+    * ``dot`` (trans_b, not trans_a, K >= 64, N <= 64: x @ W^T with few outputs): rows of A and
+      of B are contiguous in k, so C[m,n] is a dot product vectorised along k (tail loaded
+      zero-padded), tile MR rows x NR columns, k split in chunks (B's chunk stays in L2);
+      threads own equal ranges of column tiles when A is small (each reads all of A, but a row
+      of B is read by one thread only), else of rows;
+    * ``axpy`` (everything else): vectorised along n, tile MR rows x 8*NV columns, B read in
+      place when its rows are contiguous and spaced well for L1, else packed per block into a
+      zero-padded per-thread panel (transposed when trans_b); threads own equal ranges of
+      (column block, row tile, column tile) units.
+
+    Either way a C element's arithmetic does not depend on the thread that computes it (tile
+    widths along n and k chunks are fixed here), so results are bit-identical for any team
+    size. Problems under ``MATMUL_SERIAL_FLOPS`` run
+    without an OpenMP region (the same work, in the same order, on the calling thread).
     """
     _check_name(name)
     _check_positive(M=M, N=N, K=K, batch=batch)
-    ctx = dict(name=name, M=M, N=N, K=K, TA=bool(trans_a), TB=bool(trans_b), BATCH=batch,
-               bias=bool(bias), relu=bool(relu))
+    ta, tb = bool(trans_a), bool(trans_b)
+    flops = 2 * batch * M * N * K
+    parallel = flops >= MATMUL_SERIAL_FLOPS
+    ctx = dict(name=name, M=M, N=N, K=K, TA=ta, TB=tb, BATCH=batch,
+               bias=bool(bias), relu=bool(relu), parallel=parallel)
     sc = _Scratch()
-    if trans_b and not trans_a and N <= 16:
-        # Dot form: rows of A and rows of B are both contiguous in k (x @ W^T with few outputs).
-        # Tile MR rows x NR columns, vectorised along k, k split in L1/L2-sized chunks.
+    if tb and not ta and K >= 64 and N <= 64:
         mode = "dot"
-        NR = next((r for r in (5, 4, 6, 3) if N % r == 0), 4)
-        NR = min(NR, N)
-        MR = min(3, 15 // (NR + 1), M)     # MR*NR accumulators + MR A vectors + 1 B vector <= 16
-        KC = min(_round_up(K, VL), 2048)
-        ctx.update(MR=MR, NR=NR, KC=KC)
+        # MR*NR accumulators + the smaller side's vectors kept + 1 streamed <= 16 registers.
+        # MR <= 4 keeps a tile's rows of A (MR x KC) in L1 while the tile sweeps the columns
+        # (64x10x18432, best of 2-thread runs: 4x3 or 2x5 ~190 us, 6x2 ~205).
+        MR, NR = _mm_pick_tile(M, N, [(4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3),
+                                      (1, 7), (2, 3), (3, 2), (1, 1)])
+        # k chunks: B's chunk (N x KC) stays in L2 (<= 256 KiB) while the rows of A pass; one
+        # chunk when K fits (64x30x784 in two chunks of 392 was 10% slower than in one).
+        kc_max = min(2048, max(256, (64 * 1024 // N) // VL * VL))
+        NKC = _ceil_div(K, kc_max)
+        KC = _round_up(_ceil_div(K, NKC), VL)
+        # Threads split the columns when A is small enough for every thread to read all of it
+        # (from L2), else the rows. Splitting columns, no thread but one reads a given row of
+        # B: in the MLP step (64x30x784) the serial SGD update of W1 that follows was 25 us
+        # after a row split (both cores held all of W1) and 16 us after a column split.
+        split_cols = _ceil_div(N, NR) >= 2 and 4 * batch * M * K <= 512 * 1024
+        ctx.update(MR=MR, NR=NR, KC=KC, SPLIT_COLS=split_cols)
     else:
-        # Axpy form: vectorised along n; B (packed to [K][NP] when transposed or N % 8 != 0).
         mode = "axpy"
-        if M % 4 == 0 or M < 4:
-            MR, NV = 4, 3
-        elif M % 6 == 0:
-            MR, NV = 6, 2
-        elif M % 5 == 0:
-            MR, NV = 5, 2
-        else:
-            MR, NV = 4, 3
-        MR = min(MR, M)
-        # Column blocks: each task packs B[:, n0:n0+NB] into a contiguous per-thread panel
-        # (K x NB, zero-padded, transposed when trans_b) of about 16 KiB, then sweeps all M rows
-        # over it. Rows of B and C that are a multiple of 4 KiB apart (N = 18432: 72 KiB) all
-        # fall in one L1 set; read in place they thrashed (8 ms instead of 0.3 for 64x10x18432).
+        # MR*NV accumulators + NV B vectors + 1 broadcast <= 16 registers. Ties go to 4x3
+        # (best of 2-thread runs, 64x18432x10: 4x3 175 us, 6x2 201; 30x784x64: 4x3, 6x2 and 5x2
+        # within 4% of each other).
+        MR, NV = _mm_pick_tile(M, _ceil_div(N, VL), [(4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3),
+                                                     (14, 1), (1, 7)])
         NT8 = VL * NV
-        NB = max(NT8, (4096 // K) // NT8 * NT8)
-        NB = min(NB, _round_up(N, NT8))
-        NBLK = _ceil_div(N, NB)
-        ctx.update(MR=MR, NV=NV, NB=NB, NBLK=NBLK)
-        sc.add("panel", MAX_THREADS * _round_up(K * NB, _ALIGN))
-        if bias:
-            sc.add("bias", NBLK * NB)
+        NTL = _ceil_div(N, NT8)
+        # Pack B when its rows are not n-contiguous (trans_b), or rows of B a multiple of 4 KiB
+        # apart would share L1 sets (N = 18432: 72 KiB; read in place they thrashed: 8 ms
+        # instead of 0.3 for 64x10x18432).
+        pack = tb or _mm_set_conflicts(4 * N, K)
+        # Column blocks of BT tiles: the block of B (K x BT*NT8 floats, ~16 KiB) stays in L1
+        # while every row tile of A passes over it.
+        BT = max(1, min(NTL, _MM_BLOCK_BYTES // (4 * K * NT8)))
+        ctx.update(MR=MR, NV=NV, BT=BT, PACK=pack)
+        if pack:
+            panel = _round_up(K * BT * NT8, _ALIGN)
+            ctx["PANEL"] = panel
+            sc.add("panel", (MAX_THREADS if parallel else 1) * panel)
     ctx["mode"] = mode
     ctx["off"] = sc.offsets
     code = _render("matmul.j2", **ctx)

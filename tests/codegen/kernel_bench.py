@@ -1,6 +1,7 @@
-"""Benchmark of ember's generated CPU kernels for the MNIST CNN step against PyTorch eager.
+"""Benchmark of ember's generated CPU kernels for the MNIST CNN and MLP steps against PyTorch eager.
 
     python tests/codegen/kernel_bench.py [--runs 60] [--threads 2] [--bind close] [--max-seconds 180]
+                                         [--kernels all|cnn|mlp]
 
 Not a test (pytest does not collect it). Each kernel is timed with OpenMP on ``--threads``
 threads (default 2: the target machine has 2 cores) next to PyTorch's equivalent with
@@ -10,7 +11,9 @@ median over all runs (>= 50 each, after warm-up; min in brackets), torch / ember
 GFLOP/s.
 ``--bind close`` sets OMP_PROC_BIND=close (and OMP_PLACES=cores) before any OpenMP runtime starts.
 The CNN is Conv2d(1,16,3) -> ReLU -> Conv2d(16,32,3) -> ReLU -> Flatten -> Linear(18432,10),
-batch 64, fp32.
+the MLP Linear(784,30) -> Sigmoid -> Linear(30,10); batch 64, fp32. The MLP's matmuls are tiny
+(the three small ones are 38 KFLOP): ember's times include one ctypes call (its cost, measured
+with an empty C function, is printed under the table), torch's its dispatcher and allocation.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def _parse():
     p.add_argument("--no-step", action="store_true", help="skip the whole-step PyTorch timing")
     p.add_argument("--max-seconds", type=float, default=180.0,
                    help="stop collecting rounds after this long, quiet or not")
+    p.add_argument("--kernels", choices=["all", "cnn", "mlp"], default="all",
+                   help="which model's kernels to time (default: both)")
     return p.parse_args()
 
 
@@ -72,6 +77,9 @@ def main():
     dy2 = f32(N, 32, 24, 24)                      # grad at conv2 output
     dy1 = f32(N, 16, 26, 26)                      # grad at conv1 output
     flat, Wl, bl, dyl = f32(N, 18432), f32(10, 18432), f32(10), f32(N, 10)
+    # MLP: x (N,784) -> h = sigmoid(x W1^T + b1) (N,30) -> logits = h W2^T + b2 (N,10)
+    xm, W1, bm1, dh = f32(N, 784), f32(30, 784), f32(30), f32(N, 30)
+    hm, W2, bm2, dlg = (1 / (1 + np.exp(-f32(N, 30)))).astype(np.float32), f32(10, 30), f32(10), f32(N, 10)
 
     # (label, kernel, ember args (inputs..., outputs...), torch callable, GFLOP)
     conv = dict(N=N, KH=3, KW=3)
@@ -92,9 +100,20 @@ def main():
          (dyl, Wl, None, np.empty((N, 18432), np.float32)), None, 2 * N * 10 * 18432),
         ("linear grad-w dy^T@x", ck.render_matmul("k_lgw", M=10, N=18432, K=N, trans_a=True, trans_b=False),
          (dyl, flat, None, np.empty((10, 18432), np.float32)), None, 2 * N * 10 * 18432),
+        ("mlp fc1 x@W1^T+b", ck.render_matmul("k_m1f", M=N, N=30, K=784, trans_a=False, trans_b=True, bias=True),
+         (xm, W1, bm1, np.empty((N, 30), np.float32)), None, 2 * N * 30 * 784),
+        ("mlp fc1 grad-w dh^T@x", ck.render_matmul("k_m1gw", M=30, N=784, K=N, trans_a=True, trans_b=False),
+         (dh, xm, None, np.empty((30, 784), np.float32)), None, 2 * N * 30 * 784),
+        ("mlp fc2 h@W2^T+b", ck.render_matmul("k_m2f", M=N, N=10, K=30, trans_a=False, trans_b=True, bias=True),
+         (hm, W2, bm2, np.empty((N, 10), np.float32)), None, 2 * N * 10 * 30),
+        ("mlp fc2 grad-in dl@W2", ck.render_matmul("k_m2gi", M=N, N=30, K=10, trans_a=False, trans_b=False),
+         (dlg, W2, None, np.empty((N, 30), np.float32)), None, 2 * N * 10 * 30),
+        ("mlp fc2 grad-w dl^T@h", ck.render_matmul("k_m2gw", M=10, N=30, K=N, trans_a=True, trans_b=False),
+         (dlg, hm, None, np.empty((10, 30), np.float32)), None, 2 * N * 10 * 30),
     ]
     T = {k: torch.from_numpy(v) for k, v in dict(x1=x1, w1=w1, b1=b1, h1=h1, w2=w2, b2=b2, dy2=dy2,
-                                                  dy1=dy1, flat=flat, Wl=Wl, bl=bl, dyl=dyl).items()}
+                                                  dy1=dy1, flat=flat, Wl=Wl, bl=bl, dyl=dyl, xm=xm, W1=W1,
+                                                  bm1=bm1, dh=dh, hm=hm, W2=W2, bm2=bm2, dlg=dlg).items()}
     torch_fns = [
         lambda: F.relu(F.conv2d(T["x1"], T["w1"], T["b1"])),
         lambda: F.relu(F.conv2d(T["h1"], T["w2"], T["b2"])),
@@ -107,7 +126,17 @@ def main():
         lambda: torch.addmm(T["bl"], T["flat"], T["Wl"].t()),
         lambda: torch.mm(T["dyl"], T["Wl"]),
         lambda: torch.mm(T["dyl"].t(), T["flat"]),
+        lambda: torch.addmm(T["bm1"], T["xm"], T["W1"].t()),
+        lambda: torch.mm(T["dh"].t(), T["xm"]),
+        lambda: torch.addmm(T["bm2"], T["hm"], T["W2"].t()),
+        lambda: torch.mm(T["dlg"], T["W2"]),
+        lambda: torch.mm(T["dlg"].t(), T["hm"]),
     ]
+    groups = ["cnn"] * 8 + ["mlp"] * 5
+    keep = [ARGS.kernels in ("all", g) for g in groups]
+    specs = [s for s, k in zip(specs, keep) if k]
+    torch_fns = [f for f, k in zip(torch_fns, keep) if k]
+    groups = [g for g, k in zip(groups, keep) if k]
 
     src = []
     for _, k, args, _, _ in specs:
@@ -115,6 +144,7 @@ def main():
         params = ", ".join(f"void* a{i}" for i in range(n + 1))
         call = ", ".join(f"(float*)a{i}" for i in range(n + 1))
         src += [k.code, f'extern "C" void bench_{k.name}({params}) {{ {k.name}({call}); }}\n']
+    src.append('extern "C" void bench_noop(void*, void*, void*, void*, void*) {}\n')
     t0 = time.perf_counter()
     art = compile_cpp("\n".join(src), name="kernel_bench")
     print(f"compiled {len(specs)} kernels in {time.perf_counter() - t0:.1f} s "
@@ -122,6 +152,9 @@ def main():
           f"OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND', 'unset')}")
     lib = ctypes.CDLL(str(art.path))
 
+    noop = lib.bench_noop
+    noop.argtypes = [ctypes.c_void_p] * 5
+    noop.restype = None
     calls = []
     for (label, k, args, _, fl), tfn in zip(specs, torch_fns):
         scratch = _aligned(max(k.scratch_bytes // 4, 1))
@@ -132,7 +165,7 @@ def main():
         calls.append((label, (lambda fn=fn, ptrs=ptrs: fn(*ptrs)), tfn, fl))
 
     step = None
-    if not ARGS.no_step:
+    if not ARGS.no_step and "cnn" in groups:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3),
                                     torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(18432, 10))
@@ -154,6 +187,8 @@ def main():
     te = {c[0]: ([], []) for c in calls}    # label -> (quiet samples, busy samples)
     tt = {c[0]: ([], []) for c in calls}
     ts = ([], [])
+    tn = ([], [])                           # the empty C function through ctypes
+    noop_ptrs = [None] * 5
     clk = os.sysconf("SC_CLK_TCK")
 
     def busy_seconds():
@@ -178,6 +213,11 @@ def main():
         round_e = {c[0]: [] for c in calls}
         round_t = {c[0]: [] for c in calls}
         round_s = []
+        round_n = []
+        for _ in range(per_round):
+            t1 = time.perf_counter()
+            noop(*noop_ptrs)
+            round_n.append(time.perf_counter() - t1)
         with torch.no_grad():
             for label, ef, tf, _ in calls:
                 for f, acc in ((ef, round_e[label]), (tf, round_t[label])):
@@ -197,6 +237,7 @@ def main():
             te[label][k].extend(round_e[label])
             tt[label][k].extend(round_t[label])
         ts[k].extend(round_s)
+        tn[k].extend(round_n)
         n_rounds += 1
         n_quiet += quiet
         if n_quiet * per_round >= ARGS.runs or time.perf_counter() - t_start > ARGS.max_seconds:
@@ -207,26 +248,32 @@ def main():
     rows = []
     for label, _, _, fl in calls:
         e, t = pick(te[label]), pick(tt[label])
-        rows.append((label, statistics.median(e) * 1e3, statistics.median(t) * 1e3, fl,
-                     min(e) * 1e3, min(t) * 1e3))
+        rows.append((label, statistics.median(e) * 1e6, statistics.median(t) * 1e6, fl,
+                     min(e) * 1e6, min(t) * 1e6))
     nsamp = len(pick(te[calls[0][0]]))
 
     print()
     print(f"{n_rounds} rounds, {n_quiet} quiet; table: median of {nsamp} runs each from "
           f"{'the quiet rounds' if use_quiet else 'ALL rounds (too few quiet ones: expect noise)'}"
           f" (min in brackets)")
-    print(f"{'kernel':<22} {'ember ms':>17} {'torch ms':>17} {'torch/ember':>11} {'ember GFLOP/s':>14}")
+    print(f"{'kernel':<22} {'ember us':>17} {'torch us':>17} {'torch/ember':>11} {'ember GFLOP/s':>14}")
     for label, me, mt, fl, mne, mnt in rows:
-        print(f"{label:<22} {me:>8.3f} ({mne:>6.3f}) {mt:>8.3f} ({mnt:>6.3f}) {mt / me:>10.2f}x "
-              f"{fl / me / 1e6:>14.1f}")
-    se, stt = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    print(f"{'sum of the above':<22} {se:>8.3f} {'':8} {stt:>8.3f} {'':8} {stt / se:>10.2f}x "
-          f"{sum(r[3] for r in rows) / se / 1e6:>14.1f}")
+        print(f"{label:<22} {me:>8.1f} ({mne:>6.1f}) {mt:>8.1f} ({mnt:>6.1f}) {mt / me:>10.2f}x "
+              f"{fl / me / 1e3:>14.1f}")
+    sums = {}
+    for g in dict.fromkeys(groups):
+        gr = [r for r, gg in zip(rows, groups) if gg == g]
+        se, stt = sum(r[1] for r in gr), sum(r[2] for r in gr)
+        sums[g] = se
+        print(f"{'sum of the ' + g.upper() + ' rows':<22} {se:>8.1f} {'':8} {stt:>8.1f} {'':8} {stt / se:>10.2f}x "
+              f"{sum(r[3] for r in gr) / se / 1e3:>14.1f}")
+    print(f"ctypes call of an empty C function: {statistics.median(pick(tn)) * 1e6:.2f} us median "
+          f"(included in every ember time above)")
     print(f"load average after: {os.getloadavg()[0]:.2f} (the machine has {os.cpu_count()} cores)")
     if step is not None:
         sm = statistics.median(pick(ts)) * 1e3
         print(f"PyTorch eager training step (same CNN, batch {N}): {sm:.2f} ms median; "
-              f"ember's kernels above sum to {se:.2f} ms = {se / sm:.2f}x of it")
+              f"ember's CNN kernels above sum to {sums['cnn'] / 1e3:.2f} ms = {sums['cnn'] / 1e3 / sm:.2f}x of it")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,18 @@ MATMUL_CASES = [
     ("axpy_long_k", 3, 20, 5000, False, False, 1, True, False),
     ("tiny", 1, 1, 1, False, False, 1, True, False),
     ("m_rem", 13, 50, 9, False, False, 1, False, True),
+    # dot form (trans_b, K >= 64): row tiles with a remainder, k tail, chunked k, batches; the
+    # parallel ones split columns (2 threads) or rows (3 threads: fewer column tiles than threads)
+    ("dot_rows_rem", 13, 7, 100, False, True, 1, True, True),
+    ("dot_n64_par", 37, 64, 136, False, True, 1, True, False),
+    ("dot_batched_chunks", 7, 5, 4200, False, True, 3, True, False),
+    ("dot_m1", 1, 30, 64, False, True, 1, False, False),
+    # axpy form, parallel: B in place with a partial last vector, units split mid-block
+    ("axpy_par_inplace", 37, 203, 70, True, False, 1, True, True),
+    ("axpy_par_nn", 41, 150, 90, False, False, 2, True, False),
+    # axpy form, parallel, B packed (transposed, zero-padded)
+    ("axpy_par_packed_tt", 33, 100, 90, True, True, 1, True, False),
+    ("axpy_par_packed_4k", 9, 1024, 40, False, False, 1, False, False),
 ]
 
 
@@ -279,13 +291,24 @@ def _set_threads(n):
     ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
 
 
-@pytest.mark.parametrize("kind", ["fwd", "gin", "gwt", "mm"])
+_MM_BY_ID = {c[0]: c for c in MATMUL_CASES}
+# matmul kernels whose OpenMP partition changes with the team size (dot: columns or rows,
+# depending on the team; axpy: units)
+_MM_DETERMINISM = ["linear_grad_w", "linear_fwd", "mlp1_fwd", "mlp1_grad_w", "dot_n64_par",
+                   "dot_batched_chunks", "axpy_par_inplace", "axpy_par_packed_tt"]
+
+
+@pytest.mark.parametrize("kind", ["fwd", "gin", "gwt", "mm"] + [f"mm:{c}" for c in _MM_DETERMINISM[1:]])
 def test_deterministic_across_runs_and_threads(libs, kind):
     rng = _rng(5)
-    if kind == "mm":
-        name = "mm_linear_grad_w"
-        args = (_f32(rng, 1, 64, 10), _f32(rng, 1, 64, 18432), None)
-        outs = [(1, 10, 18432)]
+    threads = (2, 2, 1)
+    if kind.startswith("mm"):
+        cid, M, N, K, ta, tb, batch, bias, relu = _MM_BY_ID[kind[3:] if ":" in kind else _MM_DETERMINISM[0]]
+        name = f"mm_{cid}"
+        args = (_f32(rng, batch, *((K, M) if ta else (M, K))), _f32(rng, batch, *((N, K) if tb else (K, N))),
+                _f32(rng, N) if bias else None)
+        outs = [(batch, M, N)]
+        threads = (2, 2, 1, 3)
     else:
         name = f"{kind}_mnist_conv2"
         x, w, dy = _f32(rng, 64, 16, 26, 26), _f32(rng, 32, 16, 3, 3), _f32(rng, 64, 32, 24, 24)
@@ -294,15 +317,34 @@ def test_deterministic_across_runs_and_threads(libs, kind):
                 "gwt": [(32, 16, 3, 3), (32,)]}[kind]
     results = []
     try:
-        for threads in (2, 2, 1):
-            _set_threads(threads)
+        for t in threads:
+            _set_threads(t)
             bufs = [np.full(s, np.nan, np.float32) for s in outs]
             libs[name](name, *args, *bufs)
             results.append([bf.tobytes() for bf in bufs])
     finally:
         _set_threads(2)
     assert results[0] == results[1], "two runs with the same inputs differ"
-    assert results[0] == results[2], "1 thread and 2 threads give different bits"
+    for t, r in zip(threads[2:], results[2:]):
+        assert results[0] == r, f"{t} thread(s) and 2 threads give different bits"
+
+
+def test_matmul_serial_below_threshold():
+    """Small matmuls run without an OpenMP region; large ones keep it (both forms)."""
+    small = [ck.render_matmul("s1", M=64, N=10, K=30, trans_a=False, trans_b=True, bias=True),
+             ck.render_matmul("s2", M=64, N=30, K=10, trans_a=False, trans_b=False),
+             ck.render_matmul("s3", M=10, N=30, K=64, trans_a=True, trans_b=False)]
+    large = [ck.render_matmul("l1", M=64, N=30, K=784, trans_a=False, trans_b=True, bias=True),
+             ck.render_matmul("l2", M=30, N=784, K=64, trans_a=True, trans_b=False)]
+    for k in small:
+        assert 2 * 64 * 10 * 30 < ck.MATMUL_SERIAL_FLOPS
+        assert "#pragma omp parallel" not in k.code and "serial" in k.code.splitlines()[0]
+    for k in large:
+        assert "#pragma omp parallel" in k.code
+    assert "mode dot" in large[0].code.splitlines()[0] and "mode axpy" in large[1].code.splitlines()[0]
+    # in-place B (no panel, no scratch) for rows of B that map to distinct L1 sets; packed for 4 KiB strides
+    assert large[1].scratch_bytes == 0
+    assert ck.render_matmul("p", M=64, N=18432, K=10, trans_a=False, trans_b=False).scratch_bytes > 0
 
 
 def test_scratch_and_names():
