@@ -36,10 +36,12 @@ FORMAT_VERSION = 1
 
 # IEEE-faithful on purpose: no -ffast-math (NaN checks and run-to-run determinism must hold).
 # -ffp-contract=fast lets g++ fuse a*b+c into FMA (deterministic on one machine);
-# -fno-math-errno only drops errno writes, which lets sqrtf & co. vectorise.
+# -fno-math-errno only drops errno writes, which lets sqrtf & co. vectorise;
+# -fno-trapping-math only drops the assumption that a float compare may trap, which lets g++
+# turn the selects of relu, where, clamps (and em_exp) into vector blends: no value changes.
 DEFAULT_CXX_FLAGS: tuple[str, ...] = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
-    "-ffp-contract=fast", "-fno-math-errno", "-DNDEBUG", "-pipe",
+    "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG", "-pipe",
 )
 
 _MAX_STDERR_CHARS = 6000
