@@ -44,8 +44,12 @@ def test_mlp_forward_kernels():
     assert kernel_counts(fused) == {"matmul": 2, "pointwise": 1}  # the sigmoid stands alone
 
 
-CNN_TRAIN_KERNELS = {"conv2d": 2, "conv2d_grad_input": 1, "conv2d_grad_weight": 2, "matmul": 3}
-MLP_TRAIN_KERNELS = {"matmul": 5}
+# The designed structure: contractions with their bias/ReLU epilogues; the loss (log-softmax +
+# cross-entropy, forward and backward), the ReLU masks, bias gradients and SGD updates as
+# pointwise/reduction groups. A change here is a change of the fusion design: update on purpose.
+CNN_TRAIN_KERNELS = {"conv2d": 2, "conv2d_grad_input": 1, "conv2d_grad_weight": 2, "matmul": 3, "pointwise": 12,
+                     "reduction": 8}
+MLP_TRAIN_KERNELS = {"matmul": 5, "pointwise": 11, "reduction": 7}
 
 
 @pytest.mark.parametrize("name,model,shape,expected", [("cnn", cnn, (64, 1, 28, 28), CNN_TRAIN_KERNELS),
@@ -55,10 +59,7 @@ def test_train_graph_kernels_and_numerics(name, model, shape, expected):
     g = train_graph(m, shape)
     fused = fuse(g)
     counts = kernel_counts(fused)
-    for kind, n in expected.items():
-        assert counts.get(kind) == n, (kind, counts)
-    # the loss (log-softmax + cross-entropy, forward) is a handful of reductions, not one kernel per op
-    assert counts.get("reduction", 0) <= 10, counts
+    assert counts == expected
     assert fused.count("fused") == sum(counts.values())
     assert fused.count() - fused.count("fused") == sum(
         1 for n in fused.g if fused.op(n) in ("input", "parameter", "state", "constant", "reshape"))
