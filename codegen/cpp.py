@@ -214,10 +214,10 @@ def render_contraction(name: str, node_kind: str, sub: Graph, notes: dict[str, A
                                                    padding=attrs["padding"], bias=False)
         return ks, [f"in{ops[0]}", f"in{ops[1]}", "out", None]
     if node_kind == "matmul":
-        m, k = sub.type(sub.operands(core)[0]).shape
-        n = sub.type(core).shape[1]
+        *batch, m, k = sub.type(sub.operands(core)[0]).shape
+        n = sub.type(core).shape[-1]
         ks = cpp_kernels.render_matmul(name, M=m, N=n, K=k, trans_a=notes["trans_a"], trans_b=notes["trans_b"],
-                                       bias=notes.get("bias") is not None, relu=notes["relu"])
+                                       batch=math.prod(batch), bias=notes.get("bias") is not None, relu=notes["relu"])
         return ks, [f"in{notes['a']}", f"in{notes['b']}", f"in{notes['bias']}" if notes.get("bias") is not None else None, "out"]
     raise NotImplementedError(f"no C++ kernel for kind {node_kind!r}")
 

@@ -137,11 +137,16 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
             notes["core"] = core
             if kind == "matmul":
                 a, b = graph.operands(core)
-                if graph.type(a).rank != 2 or graph.type(b).rank != 2:
-                    kind = "batched_matmul"
-                else:
+                ta, tb = graph.type(a), graph.type(b)
+                if ta.rank == 2 and tb.rank == 2:
                     notes["a"], notes["trans_a"] = _matmul_operand(graph, a, members, gr)
                     notes["b"], notes["trans_b"] = _matmul_operand(graph, b, members, gr)
+                elif ta.shape[:-2] == tb.shape[:-2]:  # batched, same batch dims: operands read as they are
+                    notes.update(a=a, b=b, trans_a=False, trans_b=False)
+                else:
+                    raise NotImplementedError(
+                        f"matmul of {ta} and {tb} broadcasts batch dimensions, which the compiled backends do not "
+                        f"support yet; broadcast_to the operands to a common batch shape first (at {graph.loc(core)})")
         elif op in CONV_OPS:
             kind, members, notes = op, {root}, {"core": root}
         elif op in REDUCTIONS:

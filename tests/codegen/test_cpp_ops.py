@@ -123,6 +123,26 @@ def test_matmul_with_epilogues(m, k, n, ta, tb, bias, relu):
     assert kernel_counts(planned) == {"matmul": 1}
 
 
+def test_batched_matmul_with_bias_epilogue():
+    g = Graph("bmm")
+    a = g.add_input("a", TensorType((3, 2, 5, 7)))
+    b = g.add_input("b", TensorType((3, 2, 7, 4)))
+    bias = g.add_input("bias", TensorType((4,)))
+    g.set_output("y", g.add("relu", [g.add("add", [g.add("matmul", [a, b]), bias])]))
+    inputs = {k: _data(g.type(n)) for k, n in g.inputs.items()}
+    planned = _compile_and_compare(g, inputs, tol={"y": (1e-5, 1e-5 * math.sqrt(7))})
+    assert kernel_counts(planned) == {"matmul": 1}
+
+
+def test_matmul_broadcasting_batch_dims_is_refused_clearly():
+    g = Graph("bmm")
+    a = g.add_input("a", TensorType((3, 5, 7)))
+    b = g.add_input("b", TensorType((1, 7, 4)))
+    g.set_output("y", g.add("matmul", [a, b]))
+    with pytest.raises(NotImplementedError, match=r"broadcasts batch dimensions.*f32\[3,5,7\] and f32\[1,7,4\]|f32\[3,5,7\] and f32\[1,7,4\] broadcasts"):
+        fuse(g)
+
+
 @pytest.mark.parametrize("n,c,h,w,o,k,stride,pad", [(2, 3, 9, 8, 5, 3, 1, 0), (2, 1, 28, 28, 16, 3, 1, 0), (1, 4, 11, 7, 6, 3, 2, 1),
                                                     (3, 2, 6, 6, 3, 2, 1, 2)])
 def test_convolutions(n, c, h, w, o, k, stride, pad):
