@@ -313,13 +313,9 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
     return ctx
 
 
-def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
-                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool) -> KernelSource:
-    """y = relu?(conv2d(x, w) + b?) for x (N,C,H,W), w (O,C,KH,KW), b (O,), y (N,O,HO,WO).
-
-    C signature: ``static void NAME(const float* x, const float* w, const float* b, float* y,
-    float* scratch)`` (all ``__restrict__``; ``b`` is ignored, may be NULL, when bias=False).
-    """
+def _conv_geometry(name: str, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                   stride, padding) -> tuple[int, int, int, int, int, int]:
+    """Validates a convolution's arguments; returns (sh, sw, ph, pw, HO, WO)."""
     _check_name(name)
     _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
     sh, sw = _pair(stride, "stride")
@@ -327,6 +323,17 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
     if sh < 1 or sw < 1 or ph < 0 or pw < 0:
         raise ValueError("stride must be >= 1 and padding >= 0")
     HO, WO = _conv_out(H, W, KH, KW, sh, sw, ph, pw)
+    return sh, sw, ph, pw, HO, WO
+
+
+def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool) -> KernelSource:
+    """y = relu?(conv2d(x, w) + b?) for x (N,C,H,W), w (O,C,KH,KW), b (O,), y (N,O,HO,WO).
+
+    C signature: ``static void NAME(const float* x, const float* w, const float* b, float* y,
+    float* scratch)`` (all ``__restrict__``; ``b`` is ignored, may be NULL, when bias=False).
+    """
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     ctx = _direct_conv_ctx(name, N=N, CI=C, CO=O, HI=H, WI=W, HO=HO, WO=WO, KH=KH, KW=KW,
                            SH=sh, SW=sw, PT=ph, PL=pw, bias=bias, relu=relu, flip=False,
                            allow_row=True)
@@ -343,13 +350,7 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
     Stride 1 is a forward convolution of dy (padded by KH-1-ph, KW-1-pw) with the transposed,
     flipped weights (see conv2d_forward.j2); other strides scatter per (n, c) plane.
     """
-    _check_name(name)
-    _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
-    sh, sw = _pair(stride, "stride")
-    ph, pw = _pair(padding, "padding")
-    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
-        raise ValueError("stride must be >= 1 and padding >= 0")
-    HO, WO = _conv_out(H, W, KH, KW, sh, sw, ph, pw)
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if sh == 1 and sw == 1:
         ctx = _direct_conv_ctx(name, N=N, CI=O, CO=C, HI=HO, WI=WO, HO=H, WO=W, KH=KH, KW=KW,
                                SH=1, SW=1, PT=KH - 1 - ph, PL=KW - 1 - pw, bias=False, relu=False,
@@ -372,13 +373,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     C signature: ``static void NAME(const float* x, const float* dy, float* dw, float* db,
     float* scratch)`` (``db`` ignored, may be NULL, when bias=False).
     """
-    _check_name(name)
-    _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
-    sh, sw = _pair(stride, "stride")
-    ph, pw = _pair(padding, "padding")
-    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
-        raise ValueError("stride must be >= 1 and padding >= 0")
-    HO, WO = _conv_out(H, W, KH, KW, sh, sw, ph, pw)
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if sw == 1 and ph == 0 and pw == 0 and WO % VL == 0:
         mode = "row"
     elif sh == 1 and sw == 1:
