@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.ir import TensorType, as_dtype, broadcast_shapes, normalize_axes
+from ember.ir import as_dtype, normalize_axes
 from ember.ir import ShapeError
 
 from .tensor import Parameter, Tensor, as_node, current, user_location
@@ -247,5 +247,5 @@ def _reduce_loss(x: Tensor, reduction: str) -> Tensor:
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Sequence", "Any", "np",
-           "TensorType", "as_dtype", "broadcast_shapes", "normalize_axes", "ShapeError", "Parameter",
+           "as_dtype", "normalize_axes", "ShapeError", "Parameter",
            "Tensor", "as_node", "current", "user_location", "Operand")]

@@ -15,7 +15,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .dtypes import TensorType
 from .graph import Graph
-from .ops import conv_out_dim
 
 Impl = Callable[[list[np.ndarray], dict[str, Any], TensorType], np.ndarray]
 

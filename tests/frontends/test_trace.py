@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from ember.frontends import Parameter, Tensor, functional as F, nn, spec, trace
+from ember.frontends import Parameter, functional as F, nn, spec, trace
 from ember.ir import ShapeError, TensorType, evaluate, run
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
