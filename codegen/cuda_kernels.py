@@ -1,0 +1,411 @@
+"""Renderers for the CUDA kernels of contractions, the loss and the SGD update (fp32).
+
+Each ``render_*`` function turns a static shape into CUDA C++ source (the templates live in
+``templates/cuda/``) and returns a :class:`CudaKernel`: the source, the launches to make in order
+and the device scratch they need.
+
+Contract shared by every kernel here:
+
+* layouts are the user's: activations NCHW, conv weights OIHW, Linear weights (out, in), all
+  row-major and contiguous; outputs are fully overwritten (no zero-fill needed beforehand);
+* arithmetic is plain fp32 with explicit FMA (``fmaf``): no TF32, no tensor cores, no fast-math
+  intrinsics (the loss uses ``expf``/``logf``);
+* no float atomics: every output element is written by exactly one thread, and split-K
+  partials are summed by a second launch in a fixed order, so results are bit-identical run to
+  run;
+* any number of kernels can be concatenated into one translation unit: helpers live in
+  ``namespace ember_cu_<NAME>``; the only global symbols are ``extern "C" __global__`` functions
+  named ``<NAME>_<suffix>``;
+* launch arguments are device pointers, one per role, in the order of ``Launch.args``; the
+  runtime passes the base of one scratch block (at least ``scratch_bytes``, 256-byte aligned)
+  for every ``"scratch"``. The loss's ``labels`` role is an int64 pointer.
+
+The contractions share one implicit-GEMM skeleton (``gemm.j2``): C[b,m,n] = sum_k A(b,m,k) *
+B(b,k,n) where each kernel template defines how A and B elements are gathered (convolution
+windows are gathered on the fly; no im2col buffer) and the epilogue (bias, ReLU, ReLU-backward
+mask, layout of the store). A block computes a BM x BN tile with a register-prefetched
+shared-memory pipeline over BK-deep k-tiles; each thread holds a TM x TN register tile read
+from shared memory as float4/float2 vectors. When the output tiles alone cannot fill the GPU
+and K is long, the k range is split over ``gridDim.z``: launch 1 writes per-split partials to
+scratch, launch 2 sums them in split order and applies the epilogue. Tile sizes and the split
+count are chosen per shape by a small cost model of an H200 (132 SMs).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+__all__ = [
+    "Launch", "CudaKernel", "NUM_SMS",
+    "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
+    "render_matmul", "render_softmax_cross_entropy", "render_sgd_update",
+]
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates" / "cuda"
+
+#: Streaming multiprocessors of the target (H200 SXM). Only affects tile / split choices.
+NUM_SMS = 132
+#: Alignment in bytes of every sub-buffer carved out of the scratch block.
+SCRATCH_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Launch:
+    function: str                 # an extern "C" __global__ function defined in the source
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int             # dynamic shared memory (0: static only)
+    args: tuple[str, ...]         # role names in argument order ("scratch" for the scratch block)
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    name: str
+    code: str                     # CUDA C++ source: the extern "C" __global__ functions NAME_*
+    launches: tuple[Launch, ...]  # made in order on one stream
+    scratch_bytes: int            # device scratch the launches need (0: none)
+
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
+
+
+def _render(template: str, **ctx) -> str:
+    return _env.get_template(template).render(**ctx)
+
+
+# --------------------------------------------------------------------------- validation
+
+def _pair(v, what: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        v = (v, v)
+    a, b = (int(t) for t in v)
+    return a, b
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def _check_name(name: str) -> None:
+    if not name.isidentifier() or not name.isascii():
+        raise ValueError(f"kernel name {name!r} is not a C identifier")
+
+
+def _check_positive(**dims: int) -> None:
+    for k, v in dims.items():
+        if int(v) < 1:
+            raise ValueError(f"{k} must be >= 1, got {v}")
+
+
+def _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding):
+    """Validates a convolution's arguments; returns (sh, sw, ph, pw, HO, WO)."""
+    _check_name(name)
+    _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
+    sh, sw = _pair(stride, "stride")
+    ph, pw = _pair(padding, "padding")
+    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
+        raise ValueError("stride must be >= 1 and padding >= 0")
+    HO = (H + 2 * ph - KH) // sh + 1
+    WO = (W + 2 * pw - KW) // sw + 1
+    if HO < 1 or WO < 1:
+        raise ValueError(f"empty convolution output ({HO}x{WO}) for input {H}x{W}, kernel {KH}x{KW}")
+    # Indices are 32-bit in the kernels (products are formed in int).
+    if max(N * C * H * W, N * O * HO * WO, O * C * KH * KW) >= 2**31:
+        raise ValueError("tensor too large for 32-bit indexing")
+    return sh, sw, ph, pw, HO, WO
+
+
+# --------------------------------------------------------------------------- GEMM planning
+
+@dataclass(frozen=True)
+class GemmPlan:
+    BM: int
+    BN: int
+    BK: int
+    TM: int
+    TN: int
+    splits: int
+    kchunk: int
+    est_us: float  # the cost model's estimate (for comparisons only)
+
+    @property
+    def threads(self) -> int:
+        return (self.BM // self.TM) * (self.BN // self.TN)
+
+
+_CLOCK_HZ = 1.755e9       # H200 SM clock under load (approx.)
+_DRAM_BPS = 4.0e12         # achievable HBM3e bandwidth (approx.)
+_LAUNCH_US = 1.5           # fixed cost of one more kernel in a stream / graph (approx.)
+
+
+def _pick_bk(K: int) -> int:
+    if K <= 32:
+        return K              # one k-tile, no tail
+    return 16 if K < 4096 else 32
+
+
+def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
+    threads = (BM // TM) * (BN // TN)
+    kchunk = _round_up(_ceil_div(K, splits), BK)
+    splits = _ceil_div(K, kchunk)
+    tiles = _ceil_div(M, BM) * _ceil_div(N, BN) * batch
+    blocks = tiles * splits
+    la = _ceil_div(BM * BK, threads)
+    lb = _ceil_div(BN * BK, threads)
+    # Accumulators, operand vectors, the prefetched next tile and its hoisted gather offsets.
+    regs = TM * TN + TM + TN + 3 * (la + lb) + 24
+    if regs > 200 or la + lb > 20:
+        return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
+    regs = _round_up(regs, 8)
+    smem = 4 * BK * (BM + BN)
+    occ = min(2048 // threads, 65536 // (threads * regs), (228 * 1024) // (smem + 1024), 32)
+    if occ < 1:
+        return None
+    # Issue slots per warp per k: TM*TN FMAs, the shared-memory vector loads, and the
+    # gather of the next tile (about 8 instructions per element: index math, bounds, load, store).
+    gm, gn = TM // min(TM, 4), TN // min(TN, 4)
+    per_k = TM * TN + gm + gn + 8.0 * (la + lb) / BK
+    # Shared-memory wavefronts per warp per k (the SM serves one per cycle): a warp spans
+    # min(32, NTX) distinct m-vectors and ceil(32 / NTX) distinct n-vectors.
+    ntx = BM // TM
+    dm = min(32, ntx)
+    dn = min(BN // TN, max(1, 32 // ntx))
+    lds_k = gm * _ceil_div(dm * min(TM, 4) * 4, 128) + gn * _ceil_div(dn * min(TN, 4) * 4, 128)
+    lds_k += 2.0 * (la + lb) / BK  # the stores of the next tile (some bank conflicts)
+    ktiles = kchunk // BK
+    warps = threads // 32 if threads >= 32 else 1
+    # SM cycles one block's warps need, if alone: 4 schedulers issue 1 warp instruction each
+    # per cycle; below 2 warps per scheduler latency is exposed.
+    wps = occ * warps / 4
+    latency = 1.0 if wps >= 2 else (0.5 + 0.25 * wps)
+    block_cycles = warps * ktiles * (BK * max(per_k / 4, lds_k) + 20) / latency + 600
+    waves = _ceil_div(blocks, NUM_SMS * occ)
+    sm_cycles = waves * occ * block_cycles
+    # ... and a partial last wave only costs its share once there are many waves.
+    if waves > 1:
+        sm_cycles *= (blocks / (NUM_SMS * occ)) / waves * 0.5 + 0.5
+    t = sm_cycles / _CLOCK_HZ
+    compulsory = 4 * batch * (M * K + K * N + M * N)
+    t = max(t, compulsory / _DRAM_BPS)
+    # Operand re-reads (through L2) grow with the number of tiles on the other side.
+    reread = 4 * batch * (M * K * _ceil_div(N, BN) + K * N * _ceil_div(M, BM))
+    t = max(t, reread / (3 * _DRAM_BPS))
+    if splits > 1:
+        t += (4 * (splits + 1) * batch * M * N) / _DRAM_BPS + _LAUNCH_US * 1e-6
+    return GemmPlan(BM, BN, BK, TM, TN, splits, kchunk, t * 1e6)
+
+
+def _tile_candidates():
+    for BM in (8, 16, 32, 64, 128):
+        for BN in (4, 8, 16, 32, 48, 64, 96, 128):
+            for TM in (1, 2, 4, 8):
+                for TN in (1, 2, 4, 8):
+                    if BM % TM or BN % TN:
+                        continue
+                    # Group layout needs TM (TN) < 4 or a multiple of 4.
+                    if (TM > 4 and TM % 4) or (TN > 4 and TN % 4):
+                        continue
+                    threads = (BM // TM) * (BN // TN)
+                    if threads not in (64, 128, 256):
+                        continue
+                    if TM * TN < 4 and threads > 64:
+                        continue
+                    yield BM, BN, TM, TN
+
+
+def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
+              min_threads_for_rows: bool = False, allow_split: bool = True) -> GemmPlan:
+    """Chooses tile sizes and the split-K factor for C (batch, M, N) = A (M, K) @ B (K, N)."""
+    BK = _pick_bk(K)
+    best = None
+    for BM, BN, TM, TN in _tile_candidates():
+        if BM > _round_up(M, 8) * 2 and BM > 8:
+            continue  # mostly empty tiles
+        if BN > _round_up(N, 4) * 2 and BN > 4:
+            continue
+        threads = (BM // TM) * (BN // TN)
+        if min_threads_for_rows and threads < BM:
+            continue
+        split_opts = {1}
+        if allow_split and K >= 4 * BK:
+            s = 2
+            while s <= K // (2 * BK) and s <= 1024:
+                split_opts.add(s)
+                s *= 2
+            tiles = _ceil_div(M, BM) * _ceil_div(N, BN) * batch
+            for target in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
+                s = _ceil_div(target, tiles)
+                if 1 < s <= K // (2 * BK):
+                    split_opts.add(s)
+        for s in sorted(split_opts):
+            plan = _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, s, a_kfast, b_kfast)
+            if plan is not None and (best is None or plan.est_us < best.est_us * 0.999):
+                best = plan
+    assert best is not None
+    return best
+
+
+def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
+                 batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
+                 b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
+                 **ctx) -> CudaKernel:
+    if plan is None:
+        plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
+                         min_threads_for_rows=rowsum)
+    if rowsum and plan.threads < plan.BM:
+        raise ValueError("rowsum needs at least BM threads per block")
+    splits = plan.splits
+    part_off = 0
+    part_floats = splits * batch * M * N if splits > 1 else 0
+    rsum_off = _round_up(part_floats, SCRATCH_ALIGN // 4)
+    rsum_floats = splits * batch * M if (splits > 1 and rowsum) else 0
+    scratch_floats = rsum_off + rsum_floats if splits > 1 else 0
+    grid = (_ceil_div(M, plan.BM), _ceil_div(N, plan.BN), batch * splits)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"grid {grid} too large")
+    outs = batch * M * N + (batch * M if rowsum else 0)
+    rgrid = _ceil_div(outs, 256)
+    args = tuple(roles) + (("scratch",) if splits > 1 else ())
+    sig = ", ".join(
+        ("const float* __restrict__ " if r in inputs else "float* __restrict__ ") + r for r in roles)
+    sig += ", float* __restrict__ scratch" if splits > 1 else ""
+    code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
+                   BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
+                   threads=plan.threads, splits=splits, kchunk=plan.kchunk,
+                   part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
+                   a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, grid=grid, rgrid=rgrid,
+                   signature=sig, **ctx)
+    launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
+    if splits > 1:
+        launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (256, 1, 1), 0, args))
+    return CudaKernel(name, code, tuple(launches), 4 * scratch_floats)
+
+
+# --------------------------------------------------------------------------- convolution
+
+def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool) -> CudaKernel:
+    """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
+    out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW."""
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
+    return _render_gemm(
+        "conv2d_forward.j2", name,
+        description=f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
+                    f"padding ({ph},{pw}){' +bias' if bias else ''}{' +relu' if relu else ''}",
+        M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
+        a_kfast=False, b_kfast=True,
+        C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
+        bias=bias, relu=relu)
+
+
+def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
+                             KW: int, stride=(1, 1), padding=(0, 0),
+                             relu_mask: bool = False) -> CudaKernel:
+    """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
+    [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW."""
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
+    return _render_gemm(
+        "conv2d_grad_input.j2", name,
+        description=f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
+                    f"padding ({ph},{pw}){' *relu-mask' if relu_mask else ''}",
+        M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
+        a_kfast=False, b_kfast=True,
+        C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
+        relu_mask=relu_mask)
+
+
+def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
+                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool) -> CudaKernel:
+    """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
+    dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
+    K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused."""
+    sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    roles = ("x", "dy", "out") + (("db",) if bias else ())
+    return _render_gemm(
+        "conv2d_grad_weight.j2", name,
+        description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
+                    f"padding ({ph},{pw}){' +db' if bias else ''}",
+        M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
+        a_kfast=True, b_kfast=True, rowsum=bias,
+        C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
+
+
+# --------------------------------------------------------------------------- matmul
+
+def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
+                  batch: int = 1, bias: bool = False, relu: bool = False) -> CudaKernel:
+    """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
+    a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
+    trans_b; all row-major contiguous."""
+    _check_name(name)
+    _check_positive(M=M, N=N, K=K, batch=batch)
+    if max(batch * M * K, batch * K * N, batch * M * N) >= 2**40:
+        raise ValueError("matmul too large")
+    roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
+    return _render_gemm(
+        "matmul.j2", name,
+        description=f"matmul batch {batch} ({M}x{K}{'^T' if trans_a else ''}) @ "
+                    f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
+        M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
+        a_kfast=not trans_a, b_kfast=trans_b, trans_a=trans_a, trans_b=trans_b,
+        bias=bias, relu=relu)
+
+
+# --------------------------------------------------------------------------- loss, update
+
+def _float_literal(v: float) -> str:
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"non-finite constant {v}")
+    return repr(v) + "f" if ("." in repr(v) or "e" in repr(v)) else repr(v) + ".0f"
+
+
+def render_softmax_cross_entropy(name: str, *, N: int, C: int, with_grad: bool,
+                                 grad_scale: float | None = None) -> CudaKernel:
+    """loss = mean_i (logsumexp(z_i) - z_i[label_i]); dlogits = (softmax(z) - onehot) * grad_scale.
+
+    Roles logits (N,C) fp32, labels (N,) int64, out loss (scalar), [dlogits (N,C)]. One block
+    (up to 1024 threads, one row per thread per pass); an out-of-range label contributes a zero
+    one-hot row (as ``one_hot`` does). grad_scale defaults to 1/N (the gradient of the mean)."""
+    _check_name(name)
+    _check_positive(N=N, C=C)
+    if grad_scale is None:
+        grad_scale = 1.0 / N
+    threads = 32
+    while threads < N and threads < 1024:
+        threads *= 2
+    code = _render("softmax_cross_entropy.j2", name=name, N=N, C=C, with_grad=with_grad,
+                   threads=threads, grad_scale=_float_literal(grad_scale),
+                   inv_n=_float_literal(1.0 / N))
+    roles = ("logits", "labels", "loss") + (("dlogits",) if with_grad else ())
+    return CudaKernel(name, code, (Launch(f"{name}_loss", (1, 1, 1), (threads, 1, 1), 0, roles),), 0)
+
+
+def render_sgd_update(name: str, *, numel: int, lr: float, momentum: float = 0.0,
+                      weight_decay: float = 0.0) -> CudaKernel:
+    """p -= lr * (g + weight_decay * p) (with momentum: v = momentum * v + g'; p -= lr * v), in
+    place. Roles p, g[, v]; pointers must be 16-byte aligned (float4 body, scalar tail)."""
+    _check_name(name)
+    _check_positive(numel=numel)
+    numel4 = numel // 4 * 4
+    items = numel4 // 4 + (numel - numel4)
+    code = _render("sgd_update.j2", name=name, numel=numel, numel4=numel4, lr=lr,
+                   momentum=momentum, weight_decay=weight_decay, lr_lit=_float_literal(lr),
+                   mom_lit=_float_literal(momentum), wd_lit=_float_literal(weight_decay))
+    roles = ("p", "g") + (("v",) if momentum else ())
+    return CudaKernel(name, code, (Launch(f"{name}_sgd", (_ceil_div(items, 256), 1, 1), (256, 1, 1), 0, roles),), 0)

@@ -1,0 +1,79 @@
+"""Shared geometry lists for the CUDA kernel tests and benchmark (no GPU needed to import)."""
+from __future__ import annotations
+
+from ember.codegen import cuda_kernels as ck
+
+# (N, C, H, W, O, KH, KW, stride, padding)
+MNIST_CONVS = {
+    "conv1": dict(C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
+    "conv2": dict(C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0),
+}
+ODD_CONVS = [
+    dict(N=3, C=3, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1),
+    dict(N=2, C=1, H=13, W=17, O=7, KH=3, KW=5, stride=2, padding=1),
+    dict(N=5, C=6, H=10, W=10, O=33, KH=1, KW=1, stride=1, padding=0),
+    dict(N=1, C=4, H=9, W=8, O=3, KH=4, KW=2, stride=(2, 3), padding=(2, 1)),
+    dict(N=2, C=19, H=12, W=12, O=18, KH=5, KW=5, stride=1, padding=2),
+    dict(N=4, C=2, H=7, W=7, O=9, KH=7, KW=7, stride=1, padding=0),
+    dict(N=2, C=40, H=5, W=5, O=70, KH=3, KW=3, stride=1, padding=1),
+]
+# matmul (M, N, K, trans_a, trans_b, batch)
+def mnist_matmuls(B: int):
+    return {
+        "linear_fwd": dict(M=B, N=10, K=18432, trans_a=False, trans_b=True, bias=True),
+        "linear_gi": dict(M=B, N=18432, K=10, trans_a=False, trans_b=False),
+        "linear_gw": dict(M=10, N=18432, K=B, trans_a=True, trans_b=False),
+        "mlp1_fwd": dict(M=B, N=30, K=784, trans_a=False, trans_b=True, bias=True, relu=True),
+        "mlp2_fwd": dict(M=B, N=10, K=30, trans_a=False, trans_b=True, bias=True),
+        "mlp2_gi": dict(M=B, N=30, K=10, trans_a=False, trans_b=False),
+        "mlp1_gw": dict(M=30, N=784, K=B, trans_a=True, trans_b=False),
+        "mlp2_gw": dict(M=10, N=30, K=B, trans_a=True, trans_b=False),
+    }
+
+
+ODD_MATMULS = [
+    dict(M=1, N=1, K=1, trans_a=False, trans_b=False),
+    dict(M=7, N=13, K=5, trans_a=True, trans_b=False, bias=True, relu=True),
+    dict(M=33, N=65, K=129, trans_a=False, trans_b=True, bias=True),
+    dict(M=100, N=3, K=3000, trans_a=True, trans_b=True),
+    dict(M=5, N=300, K=7000, trans_a=False, trans_b=False, relu=True),
+    dict(M=17, N=19, K=23, trans_a=True, trans_b=True, batch=3, bias=True),
+    dict(M=130, N=70, K=40, trans_a=False, trans_b=False, batch=2),
+]
+
+
+def all_kernels(batches=(64, 1024)):
+    """(kernel, spec) for every geometry the tests cover: MNIST CNN/MLP shapes and odd ones."""
+    out = []
+    for B in batches:
+        for cname, g in MNIST_CONVS.items():
+            spec = dict(N=B, **g)
+            out.append((ck.render_conv2d_forward(f"{cname}_fwd_{B}", bias=True, relu=True, **spec),
+                        ("conv_fwd", spec, dict(bias=True, relu=True))))
+            out.append((ck.render_conv2d_grad_weight(f"{cname}_gw_{B}", bias=True, **spec),
+                        ("conv_gw", spec, dict(bias=True))))
+            if cname == "conv2":
+                out.append((ck.render_conv2d_grad_input(f"{cname}_gi_{B}", relu_mask=True, **spec),
+                            ("conv_gi", spec, dict(relu_mask=True))))
+        for mname, m in mnist_matmuls(B).items():
+            out.append((ck.render_matmul(f"{mname}_{B}", **m), ("matmul", m, {})))
+        out.append((ck.render_softmax_cross_entropy(f"sce_{B}", N=B, C=10, with_grad=True),
+                    ("sce", dict(N=B, C=10, with_grad=True), {})))
+    for i, g in enumerate(ODD_CONVS):
+        for bias in (False, True):
+            out.append((ck.render_conv2d_forward(f"odd{i}_fwd{int(bias)}", bias=bias, relu=bias, **g),
+                        ("conv_fwd", g, dict(bias=bias, relu=bias))))
+            out.append((ck.render_conv2d_grad_weight(f"odd{i}_gw{int(bias)}", bias=bias, **g),
+                        ("conv_gw", g, dict(bias=bias))))
+            out.append((ck.render_conv2d_grad_input(f"odd{i}_gi{int(bias)}", relu_mask=bias, **g),
+                        ("conv_gi", g, dict(relu_mask=bias))))
+    for i, m in enumerate(ODD_MATMULS):
+        out.append((ck.render_matmul(f"oddmm{i}", **m), ("matmul", m, {})))
+    for n, C, wg in ((1, 1, False), (7, 3, True), (2000, 17, True)):
+        out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C, with_grad=wg),
+                    ("sce", dict(N=n, C=C, with_grad=wg), {})))
+    for numel, mom, wd in ((4618, 0.0, 0.0), (18433 * 10 + 3, 0.9, 1e-4), (3, 0.5, 0.0)):
+        out.append((ck.render_sgd_update(f"sgd_{numel}_{int(mom * 10)}", numel=numel, lr=0.05,
+                                         momentum=mom, weight_decay=wd),
+                    ("sgd", dict(numel=numel, lr=0.05, momentum=mom, weight_decay=wd), {})))
+    return out
