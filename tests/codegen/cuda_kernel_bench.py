@@ -1,0 +1,165 @@
+"""Times the CUDA kernels (codegen/cuda_kernels.py) for the MNIST CNN and MLP shapes.
+
+Usage: python tests/codegen/cuda_kernel_bench.py [--out bench.json] [--runs 200] [--batches 64 1024]
+
+For each kernel: median over --runs timed calls (CUDA events around each call, all of the
+kernel's launches included, after 20 warm-up calls), achieved GFLOP/s and % of the assumed
+H200 fp32 non-tensor peak. When torch with CUDA is importable, the equivalent torch op is timed
+the same way with TF32 off (F.conv2d, torch.nn.grad.conv2d_weight / conv2d_input, matmul).
+Prints a table and writes it as JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_refs  # noqa: E402
+from ember.codegen import cuda_kernels as ck  # noqa: E402
+
+PEAK_TFLOPS = 67.0  # assumed H200 fp32 (non-tensor) peak
+
+
+def _time(cp, fn, runs, warm=20):
+    for _ in range(warm):
+        fn()
+    cp.cuda.Device().synchronize()
+    starts = [cp.cuda.Event() for _ in range(runs)]
+    ends = [cp.cuda.Event() for _ in range(runs)]
+    for i in range(runs):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    ends[-1].synchronize()
+    return statistics.median(cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends))
+
+
+def _cases(B):
+    conv = dict(conv1=dict(N=B, C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
+                conv2=dict(N=B, C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0))
+    out = []
+    for cn, g in conv.items():
+        HO, WO = cuda_refs.conv_out(g)
+        fl = 2 * B * g["O"] * HO * WO * g["C"] * g["KH"] * g["KW"]
+        out.append((f"{cn}_fwd", ck.render_conv2d_forward(f"b_{cn}_fwd_{B}", bias=True, relu=True, **g),
+                    ("conv_fwd", g, dict(bias=True, relu=True)), fl))
+        out.append((f"{cn}_gw+db", ck.render_conv2d_grad_weight(f"b_{cn}_gw_{B}", bias=True, **g),
+                    ("conv_gw", g, dict(bias=True)), fl))
+        if cn == "conv2":
+            out.append((f"{cn}_gi+mask", ck.render_conv2d_grad_input(f"b_{cn}_gi_{B}", relu_mask=True, **g),
+                        ("conv_gi", g, dict(relu_mask=True)), fl))
+    for mn, m in {
+        "linear_fwd": dict(M=B, N=10, K=18432, trans_a=False, trans_b=True, bias=True),
+        "linear_gi": dict(M=B, N=18432, K=10, trans_a=False, trans_b=False),
+        "linear_gw": dict(M=10, N=18432, K=B, trans_a=True, trans_b=False),
+        "mlp1_fwd": dict(M=B, N=30, K=784, trans_a=False, trans_b=True, bias=True, relu=True),
+        "mlp1_gw": dict(M=30, N=784, K=B, trans_a=True, trans_b=False),
+        "mlp2_fwd": dict(M=B, N=10, K=30, trans_a=False, trans_b=True, bias=True),
+        "mlp2_gi": dict(M=B, N=30, K=10, trans_a=False, trans_b=False),
+    }.items():
+        out.append((mn, ck.render_matmul(f"b_{mn}_{B}", **m), ("matmul", m, {}), 2 * m["M"] * m["N"] * m["K"]))
+    out.append(("softmax_xent", ck.render_softmax_cross_entropy(f"b_sce_{B}", N=B, C=10, with_grad=True),
+                ("sce", dict(N=B, C=10, with_grad=True), {}), 0))
+    return out
+
+
+def _torch_fn(torch, kind, spec, extra, ins):
+    F = torch.nn.functional
+    t = {r: torch.as_tensor(a, device="cuda") for r, a in ins.items()}
+    if kind == "conv_fwd":
+        g = spec
+        return lambda: F.relu(F.conv2d(t["x"], t["w"], t["bias"], stride=g["stride"], padding=g["padding"]))
+    if kind == "conv_gw":
+        g = spec
+        wshape = (g["O"], g["C"], g["KH"], g["KW"])
+        return lambda: (torch.nn.grad.conv2d_weight(t["x"], wshape, t["dy"], stride=g["stride"], padding=g["padding"]),
+                        t["dy"].sum(dim=(0, 2, 3)))
+    if kind == "conv_gi":
+        g = spec
+        xshape = (g["N"], g["C"], g["H"], g["W"])
+        return lambda: torch.nn.grad.conv2d_input(xshape, t["w"], t["dy"], stride=g["stride"],
+                                                  padding=g["padding"]) * (t["mask_src"] > 0)
+    if kind == "matmul":
+        a = t["a"].mT if spec["trans_a"] else t["a"]
+        b = t["b"].mT if spec["trans_b"] else t["b"]
+        if spec.get("bias"):
+            f = (lambda: torch.relu(torch.addmm(t["bias"], a, b))) if spec.get("relu") else (lambda: torch.addmm(t["bias"], a, b))
+            return f
+        return lambda: torch.matmul(a, b)
+    if kind == "sce":
+        z, lab = t["logits"].requires_grad_(False), t["labels"]
+        def f():
+            zz = z.detach().requires_grad_(True)
+            F.cross_entropy(zz, lab).backward()
+        return f
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 1024])
+    args = ap.parse_args(argv)
+    try:
+        import cupy as cp
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        sys.exit(f"cuda_kernel_bench: needs CuPy and an NVIDIA GPU ({e})")
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            torch = None
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+    except Exception:
+        torch = None
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    dev = dev.decode() if isinstance(dev, bytes) else dev
+    print(f"device: {dev}; assumed fp32 peak {PEAK_TFLOPS} TFLOP/s; median of {args.runs} runs"
+          f"; torch: {'yes (TF32 off)' if torch else 'not available'}")
+    rows = []
+    rng = np.random.default_rng(0)
+    for B in args.batches:
+        cases = _cases(B)
+        mod = cuda_refs.compile_module(cp, [k.code for _, k, _, _ in cases])
+        for label, k, (kind, spec, extra), flops in cases:
+            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+            bufs = {r: cp.asarray(a) for r, a in ins.items()}
+            for role, ref in refs.items():
+                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+            scratch = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+            us = _time(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scratch), args.runs)
+            row = dict(batch=B, kernel=label, name=k.name, us=round(us, 2),
+                       launches=[dict(function=l.function, grid=l.grid, block=l.block) for l in k.launches],
+                       plan=k.code.split("\n")[1].lstrip("/ "), scratch_bytes=k.scratch_bytes)
+            if flops:
+                row["gflops"] = round(flops / us / 1e3, 1)
+                row["pct_peak"] = round(100 * flops / us / 1e6 / PEAK_TFLOPS, 1)
+            if torch is not None:
+                try:
+                    tf = _torch_fn(torch, kind, spec, extra, ins)
+                    row["torch_us"] = round(_time(cp, tf, args.runs), 2)
+                except Exception as e:  # keep going: the comparison is optional
+                    row["torch_error"] = repr(e)
+            rows.append(row)
+            print(f"B={B:<5d} {label:14s} {us:9.2f} us  {row.get('gflops', 0):9.1f} GFLOP/s "
+                  f"{row.get('pct_peak', 0):5.1f}% peak   torch {row.get('torch_us', float('nan')):9.2f} us"
+                  f"   [{row['plan']}]", flush=True)
+    for B in args.batches:
+        ours = sum(r["us"] for r in rows if r["batch"] == B)
+        theirs = sum(r.get("torch_us", 0) for r in rows if r["batch"] == B)
+        print(f"B={B}: sum of kernel medians {ours:.1f} us (torch equivalents {theirs:.1f} us)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=dev, peak_tflops=PEAK_TFLOPS, runs=args.runs, rows=rows), indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
