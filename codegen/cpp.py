@@ -1,121 +1,45 @@
-"""C++ rendering of a planned graph: one translation unit per step with an `ember_step` entry.
+"""C++ for the CPU target: the op spelling table and the step renderer (one translation unit per
+step, with an OpenMP `ember_step` entry that runs every kernel in order).
 
-Reads only what the passes recorded on the graph: the `fused` groups (their subgraphs and
-`kernel` kinds, contraction notes), `meta["schedule"]`, and each node's storage notes from the
-memory plan. Pointwise and reduction kernels are generated here from their subgraphs; the
-convolution and matmul kernels come from `cpp_kernels`. Every kernel is preceded by a header
-naming the graph nodes it implements (and the user's source lines). The entry point receives the
-external buffers (inputs, parameters, states, constants) as `ext[slot]`, the arena, and one
-scratch block shared by all kernels (they run one after another).
+Reads only what the passes recorded on the graph: each `fused` node's subgraph and `KernelSpec`,
+`meta["schedule"]`, and each node's storage notes from the memory plan. Pointwise and reduction
+kernels are the target-neutral lowering (`lowering.py`) spelled with `SPELLING`; contractions
+come from the templates in `cpp_kernels`. Every kernel is preceded by a header naming the graph
+nodes it implements (and the user's source lines). The entry point receives the external buffers
+(parameters, states, non-scalar constants) as `ext[slot]` and the arena, which holds the step's
+inputs, every intermediate and every kernel's scratch; each buffer gets a named local.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import jinja2
-import numpy as np
 
-from ember.ir import Graph, TensorType
+from ember.ir import Graph, KernelSpec, TensorType
 
 from . import cpp_kernels
-from .indexing import Coord, broadcast_coords, delinearize, linear_c, relinearize
+from .lowering import Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 
-_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cpp"),
-                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cpp"),
+                         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
+ABI_VERSION = 2
 
-UNARY_C = {"neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
-           "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
-           "tanh": "std::tanh({0})", "abs": "std::abs({0})", "stop_gradient": "{0}"}
-BINARY_C = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-            "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
-            "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})"}
-
-
-def c_literal(value: Any, ctype: str) -> str:
-    v = np.asarray(value).reshape(()).item()
-    if ctype == "bool":
-        return "true" if v else "false"
-    if ctype in ("float", "double"):
-        if math.isnan(v):
-            return f"{ctype}(NAN)"
-        if math.isinf(v):
-            return f"({'-' if v < 0 else ''}{ctype}(INFINITY))"
-        text = repr(float(np.float32(v))) if ctype == "float" else repr(float(v))
-        return f"{text}f" if ctype == "float" else text
-    return f"{ctype}({int(v)})"
-
-
-class _Body:
-    """Emits C statements computing subgraph values at symbolic coordinates, memoised."""
-
-    def __init__(self, sub: Graph, indent_vars: str = "v") -> None:
-        self.sub = sub
-        self.lines: list[str] = []
-        self.memo: dict[tuple, str] = {}
-        self.count = 0
-        self.input_index = {n: int(name[2:]) for name, n in sub.inputs.items()}
-        self.core: int | None = None  # reduction core: its value is `red` at the output index
-        self.prefix = indent_vars
-
-    def temp(self, expr: str, ctype: str = "int64_t") -> str:
-        self.count += 1
-        name = f"{self.prefix}{self.count}"
-        self.lines.append(f"const {ctype} {name} = {expr};")
-        return name
-
-    def value(self, n: int, coords: list[Coord]) -> str:
-        key = (n, tuple(coords))
-        if key in self.memo:
-            return self.memo[key]
-        sub, op, t = self.sub, self.sub.op(n), self.sub.type(n)
-        ctype = t.dtype.ctype
-        if n == self.core:
-            expr = "red"
-        elif n in self.input_index:
-            expr = f"in{self.input_index[n]}[{linear_c(coords, t.shape)}]"
-        elif op == "constant":
-            expr = c_literal(sub.attrs(n)["value"], ctype)
-        elif op in ("broadcast_to",):
-            (o,) = sub.operands(n)
-            expr = self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape))
-        elif op == "transpose":
-            (o,) = sub.operands(n)
-            inner: list[Coord] = [None] * t.rank
-            for j, p in enumerate(sub.attrs(n)["perm"]):
-                inner[p] = coords[j]
-            expr = self.value(o, inner)
-        elif op == "reshape":
-            (o,) = sub.operands(n)
-            expr = self.value(o, relinearize(coords, t.shape, sub.type(o).shape, self.temp))
-        elif op == "one_hot":
-            (o,) = sub.operands(n)
-            label = self.value(o, coords[:-1])
-            cls = coords[-1].c() if coords[-1] is not None else "0"
-            expr = f"static_cast<{ctype}>({label} == {cls})"
-        elif op == "cast":
-            (o,) = sub.operands(n)
-            expr = f"static_cast<{ctype}>({self.value(o, coords)})"
-        elif op == "where":
-            c, a, b = (self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape)) for o in sub.operands(n))
-            expr = f"({c} ? {a} : {b})"
-        elif op in UNARY_C:
-            (o,) = sub.operands(n)
-            expr = UNARY_C[op].format(self.value(o, coords), one=c_literal(1, ctype), zero=c_literal(0, ctype))
-        elif op in BINARY_C:
-            a, b = (self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape)) for o in sub.operands(n))
-            if op == "div" and not t.dtype.is_float:
-                expr = f"em_floordiv({a}, {b})"
-            else:
-                expr = BINARY_C[op].format(a, b)
-        else:
-            raise NotImplementedError(f"no C++ lowering for op {op!r} inside a fused group")
-        name = self.temp(expr, ctype)
-        self.memo[key] = name
-        return name
+SPELLING = Spelling("C++", {
+    "neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
+    "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
+    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "stop_gradient": "{0}",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "floordiv": "em_floordiv({0}, {1})",
+    "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
+    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "cast": "static_cast<{ctype}>({0})", "where": "({0} ? {1} : {2})",
+    "one_hot": "static_cast<{ctype}>({0} == {1})",
+    "lowest": "std::numeric_limits<{ctype}>::lowest()",
+}, c_literal)
 
 
 def _signature(sub: Graph, out_type: TensorType, restrict: bool) -> str:
@@ -126,100 +50,72 @@ def _signature(sub: Graph, out_type: TensorType, restrict: bool) -> str:
 
 
 def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
-    out = sub.outputs["out"]
-    t = sub.type(out)
-    body = _Body(sub)
-    result = body.value(out, delinearize("i", t.numel, t.shape))
-    return _ENV.get_template("pointwise.j2").render(
-        name=name, numel=t.numel, out_type=str(t), params=_signature(sub, t, restrict), body=body.lines,
-        result=result, parallel=t.numel >= PARALLEL_MIN)
+    t = sub.type(sub.outputs["out"])
+    low = lower_pointwise(sub, SPELLING)
+    return ENV.get_template("pointwise.j2").render(
+        name=name, numel=low.numel, out_type=str(t), params=_signature(sub, t, restrict), body=low.body,
+        result=low.result, parallel=low.numel >= PARALLEL_MIN)
 
 
 def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) -> str:
-    out = sub.outputs["out"]
-    t = sub.type(out)
-    op, attrs = sub.op(core), sub.attrs(core)
-    (src,) = sub.operands(core)
-    in_shape = sub.type(src).shape
-    axes = attrs["axes"] if op != "argmax" else (attrs["axis"],)
-    kept = tuple(d for i, d in enumerate(in_shape) if i not in axes)
-    reduced = tuple(in_shape[i] for i in axes)
-    kept_c = iter(delinearize("o", max(1, math.prod(kept)), kept))
-    # Adjacent reduced axes share one loop (runs), so the innermost loop walks contiguous memory
-    # where the layout allows and the compiler vectorises it; argmax needs one flat counter.
-    runs: list[list[int]] = []
-    for a in axes:
-        if runs and runs[-1][-1] == a - 1 and op != "argmax":
-            runs[-1].append(a)
-        elif runs and op == "argmax":
-            runs[-1].append(a)
-        else:
-            runs.append([a])
-    loops, red_coord = [], {}
-    for j, run_axes in enumerate(runs):
-        shape = tuple(in_shape[a] for a in run_axes)
-        var = f"r{j}"
-        loops.append((var, math.prod(shape)))
-        red_coord.update(zip(run_axes, delinearize(var, max(1, math.prod(shape)), shape)))
-    coords = [red_coord[i] if i in axes else next(kept_c) for i in range(len(in_shape))]
-    pro = _Body(sub, "p")
-    value = pro.value(src, coords)
-    epi = _Body(sub, "e")
-    epi.core = core
-    result = epi.value(out, delinearize("o", t.numel, t.shape))
-    acc_t = sub.type(src).dtype.ctype
-    init = {"sum": c_literal(0, acc_t), "max": f"(-{acc_t}(INFINITY))" if acc_t in ("float", "double")
-            else f"std::numeric_limits<{acc_t}>::lowest()", "argmax": f"(-{acc_t}(INFINITY))"}[op]
-    outputs, red_n = math.prod(kept) if kept else 1, math.prod(reduced) if reduced else 1
-    return _ENV.get_template("reduction.j2").render(
-        name=name, op=op, reduced=red_n, loops=loops, outputs=outputs, out_type=str(t), params=_signature(sub, t, restrict),
-        prologue=pro.lines, value=value, epilogue=epi.lines, result=result, acc_type=acc_t, init=init,
-        parallel=outputs >= 2 and outputs * red_n >= PARALLEL_MIN)
+    t = sub.type(sub.outputs["out"])
+    low = lower_reduction(sub, core, SPELLING)
+    return ENV.get_template("reduction.j2").render(
+        name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
+        params=_signature(sub, t, restrict), prologue=low.prologue, value=low.value, epilogue=low.epilogue,
+        result=low.result, acc_type=low.acc_type, init=reduction_init(low, SPELLING),
+        parallel=low.outputs >= 2 and low.outputs * low.reduced >= PARALLEL_MIN)
+
+
+def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_kernels.KernelSource, list[str | None]]:
+    """Renders a conv/matmul template; returns the source and its argument order as roles (None: NULL)."""
+    core = sub.attrs(spec.core)
+    x_t, w_t = (sub.type(o) for o in sub.operands(spec.core))
+    bias = "bias" in spec.epilogues
+    if spec.kind == "conv2d":
+        (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
+        ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
+                                               padding=core["padding"], bias=bias, relu="relu" in spec.epilogues)
+        return ks, ["x", "w", "bias" if bias else None, "out"]
+    if spec.kind == "conv2d_grad_input":
+        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], w_t.shape
+        ks = cpp_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
+                                                  stride=core["stride"], padding=core["padding"])
+        return ks, ["dy", "w", "out"]
+    if spec.kind == "conv2d_grad_weight":
+        (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
+        ks = cpp_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
+                                                   padding=core["padding"], bias=False)
+        return ks, ["x", "dy", "out", None]
+    if spec.kind == "matmul":
+        if x_t.shape[:-2] != w_t.shape[:-2]:
+            raise NotImplementedError(
+                f"matmul of {x_t} and {w_t} broadcasts batch dimensions, which the CPU templates do not support "
+                f"yet; broadcast_to the operands to a common batch shape first")
+        *batch, m, k = x_t.shape
+        ks = cpp_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=k, trans_a=spec.param("trans_a"),
+                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias,
+                                       relu="relu" in spec.epilogues)
+        return ks, ["a", "b", "bias" if bias else None, "out"]
+    raise NotImplementedError(f"no C++ template for kernel kind {spec.kind!r}")
+
+
+def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
+    """Scratch bytes the CPU kernel of this spec needs (the target record's `kernel_scratch`)."""
+    if spec.template is None:
+        return 0
+    return render_contraction(sub.name, sub, spec)[0].scratch_bytes
 
 
 @dataclass
 class KernelCode:
     index: int
+    name: str
     kind: str
     out_type: str
     implements: list[str]
     code: str
     call: str
-    scratch_bytes: int = 0
-
-
-def _input_index(sub: Graph, n: int) -> int:
-    name = sub.attrs(n)["name"]
-    return int(name[2:])
-
-
-def render_contraction(name: str, node_kind: str, sub: Graph, notes: dict[str, Any]) -> tuple[cpp_kernels.KernelSource, list[str]]:
-    """Renders conv/matmul kernels; returns the source and the argument order as input names/None."""
-    core = notes["core"]
-    attrs = sub.attrs(core)
-    ops = [_input_index(sub, o) for o in sub.operands(core)] if node_kind != "matmul" else []
-    if node_kind == "conv2d":
-        (n, c, h, w), (o, _, kh, kw) = sub.type(sub.operands(core)[0]).shape, sub.type(sub.operands(core)[1]).shape
-        ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=attrs["stride"],
-                                               padding=attrs["padding"], bias=notes.get("bias") is not None, relu=notes["relu"])
-        return ks, [f"in{ops[0]}", f"in{ops[1]}", f"in{notes['bias']}" if notes.get("bias") is not None else None, "out"]
-    if node_kind == "conv2d_grad_input":
-        (n, c, h, w), (o, _, kh, kw) = attrs["input_shape"], sub.type(sub.operands(core)[1]).shape
-        ks = cpp_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=attrs["stride"], padding=attrs["padding"])
-        return ks, [f"in{ops[0]}", f"in{ops[1]}", "out"]
-    if node_kind == "conv2d_grad_weight":
-        (n, c, h, w), (o, _, kh, kw) = sub.type(sub.operands(core)[0]).shape, attrs["weight_shape"]
-        ks = cpp_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=attrs["stride"],
-                                                   padding=attrs["padding"], bias=False)
-        return ks, [f"in{ops[0]}", f"in{ops[1]}", "out", None]
-    if node_kind == "matmul":
-        *batch, m, k = sub.type(sub.operands(core)[0]).shape
-        n = sub.type(core).shape[-1]
-        ks = cpp_kernels.render_matmul(name, M=m, N=n, K=k, trans_a=notes["trans_a"], trans_b=notes["trans_b"],
-                                       batch=math.prod(batch), bias=notes.get("bias") is not None, relu=notes["relu"])
-        return ks, [f"in{notes['a']}", f"in{notes['b']}", f"in{notes['bias']}" if notes.get("bias") is not None else None, "out"]
-    raise NotImplementedError(f"no C++ kernel for kind {node_kind!r}")
 
 
 @dataclass
@@ -227,27 +123,48 @@ class StepSource:
     code: str
     slots: list[tuple[str, str]]  # (storage kind, name) per ext slot
     arena_bytes: int
-    scratch_bytes: int
     kernels: list[KernelCode] = field(default_factory=list)
 
 
 def _slots(graph: Graph) -> list[tuple[str, str]]:
-    slots = [("input", k) for k in graph.inputs] + [("parameter", k) for k in graph.parameters]
-    slots += [("state", k) for k in graph.states]
+    slots = [("parameter", k) for k in graph.parameters] + [("state", k) for k in graph.states]
     slots += [("constant", str(n)) for n in graph.meta["schedule"] if graph.notes(n).get("storage") == "constant"]
     return slots
 
 
-def _pointer(graph: Graph, n: int, slot_of: dict[tuple[str, str], int]) -> str:
+def local_name(graph: Graph, n: int) -> str:
+    """The C identifier of the buffer holding node n's value: named after the value it holds."""
     notes = graph.notes(n)
-    ctype = graph.type(n).dtype.ctype
     storage = notes["storage"]
     if storage == "alias":
-        return _pointer(graph, notes["alias_of"], slot_of)
-    if storage == "arena":
-        return f"reinterpret_cast<{ctype}*>(arena + {notes['offset']})"
-    key = ("constant", str(n)) if storage == "constant" else (storage, notes["name"])
-    return f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
+        return local_name(graph, notes["alias_of"])
+    if storage in ("input", "parameter", "state") and "name" in notes and graph.op(n) in ("input", "parameter", "state"):
+        return {"input": "in_", "parameter": "p_", "state": "s_"}[storage] + re.sub(r"\W", "_", notes["name"])
+    if storage == "constant":
+        return f"const_{n}"
+    what = graph.attrs(n)["kernel"].kind if graph.op(n) == "fused" else graph.op(n)
+    return f"v{n}_{what}"
+
+
+def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[int]) -> list[str]:
+    """`T* const name = ...;` for every buffer a kernel touches, once, in schedule order."""
+    decls, seen = [], set()
+    for n in used:
+        while graph.notes(n)["storage"] == "alias":
+            n = graph.notes(n)["alias_of"]
+        name = local_name(graph, n)
+        if name in seen:
+            continue
+        seen.add(name)
+        notes, ctype = graph.notes(n), graph.type(n).dtype.ctype
+        storage = notes["storage"]
+        if storage in ("arena", "input"):
+            where = f"reinterpret_cast<{ctype}*>(arena + {notes['offset']})"
+        else:
+            key = ("constant", str(n)) if storage == "constant" else (storage, notes["name"])
+            where = f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
+        decls.append(f"{ctype}* const {name} = {where};  // {graph.type(n)}")
+    return decls
 
 
 def render_step(graph: Graph, profile: bool = False) -> StepSource:
@@ -255,29 +172,42 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
     slots = _slots(graph)
     slot_of = {s: i for i, s in enumerate(slots)}
     kernels: list[KernelCode] = []
+    used: list[int] = []
+    scratch_decls: list[str] = []
     for n in graph.meta["schedule"]:
         if graph.op(n) != "fused":
             continue
-        kind, sub, notes = graph.attrs(n)["kernel"], graph.attrs(n)["graph"], graph.notes(n)
-        name = f"k{len(kernels)}_{kind}"
-        args = [_pointer(graph, o, slot_of) for o in graph.operands(n)]
-        out_ptr = _pointer(graph, n, slot_of)
+        attrs, notes = graph.attrs(n), graph.notes(n)
+        spec, sub = attrs["kernel"], attrs["graph"]
+        name = sub.name
+        operands = graph.operands(n)
+        used += operands + [n]
+        args = [local_name(graph, o) for o in operands]
+        out = local_name(graph, n)
         in_place = notes["storage"] in ("parameter", "state")
-        scratch = 0
-        if kind == "pointwise":
+        if spec.kind == "pointwise":
             code = render_pointwise(name, sub, restrict=not in_place)
-            call = f"{name}({', '.join(args + [out_ptr])})"
-        elif kind == "reduction":
-            code = render_reduction(name, sub, notes["core"], restrict=not in_place)
-            call = f"{name}({', '.join(args + [out_ptr])})"
+            call = f"{name}({', '.join(args + [out])})"
+        elif spec.kind == "reduction":
+            code = render_reduction(name, sub, spec.core, restrict=not in_place)
+            call = f"{name}({', '.join(args + [out])})"
         else:
-            ks, order = render_contraction(name, kind, sub, notes)
-            named = {f"in{i}": a for i, a in enumerate(args)} | {"out": out_ptr}
-            call_args = [named[a] if a is not None else "nullptr" for a in order] + ["reinterpret_cast<float*>(scratch)"]
-            code, scratch = ks.code, ks.scratch_bytes
+            ks, order = render_contraction(name, sub, spec)
+            if ks.scratch_bytes != spec.scratch_bytes:
+                raise AssertionError(f"{name}: template needs {ks.scratch_bytes} scratch bytes, "
+                                     f"the plan reserved {spec.scratch_bytes}")
+            named = {role: args[i] for role, i in spec.roles} | {"out": out}
+            scratch = "nullptr"
+            if spec.scratch_bytes:
+                scratch = f"{name}_scratch"
+                scratch_decls.append(f"float* const {scratch} = reinterpret_cast<float*>(arena + {notes['scratch_offset']});"
+                                     f"  // {spec.scratch_bytes} bytes")
+            call_args = [named[a] if a is not None else "nullptr" for a in order] + [scratch]
+            code = ks.code
             call = f"{name}({', '.join(call_args)})"
-        kernels.append(KernelCode(len(kernels), kind, str(graph.type(n)), notes.get("implements", []), code, call, scratch))
-    scratch_bytes = max([k.scratch_bytes for k in kernels] + [0])
-    code = _ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, arena_bytes=graph.meta["arena_bytes"],
-                                               scratch_bytes=scratch_bytes, profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)])
-    return StepSource(code, slots, graph.meta["arena_bytes"], scratch_bytes, kernels)
+        kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
+                                  code, call))
+    code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, arena_bytes=graph.meta["arena_bytes"],
+                                              profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
+                                              buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
+    return StepSource(code, slots, graph.meta["arena_bytes"], kernels)

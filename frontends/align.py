@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from . import nn, optim
+from ember.runtime import target_names
+
 from .compile import compile as ember_compile
 from .tracing import trace
 
@@ -48,23 +50,19 @@ def ember_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray, device: str 
     compiles it with the device's passes (fusion, memory plan) and runs it on copies of the
     parameters, so the gradients come from the same kind of kernels as the training step.
     """
-    from ember import ir
     from ember.passes.autodiff import grad
-    from ember.passes.pipeline import passes_for, run_passes
-    from ember.runtime.executor import Storage
+    from ember.passes.pipeline import run_passes
+    from ember.runtime import target as get_target
 
     loss_fn = nn.CrossEntropyLoss()
     forward = trace(lambda x, y: loss_fn(model(x), y), x, y, name="loss", modules={"": model})
     graph = grad(forward)
     params = {name: forward.meta["parameters"][name].data.copy() for name in graph.parameters}
-    if device == "reference":
-        out = ir.run(graph, {"x": x, "y": y}, params).outputs
-    elif device == "cpu":
-        from ember.runtime.cpu import CpuExecutor
-        compiled = run_passes(graph, passes_for("cpu"))
-        out = CpuExecutor(compiled, Storage(params), name="grad")({"x": x, "y": y})
-    else:
-        raise ValueError(f"ember_gradients: unsupported device {device!r} (cpu or reference)")
+    target = get_target(device)
+    storage = target.storage()
+    for name, value in params.items():
+        storage.add(name, value)
+    out = target.executor(run_passes(graph, target.passes()), storage, name="grad")({"x": x, "y": y})
     return float(out["loss"]), {k[len("grad:"):]: np.array(v) for k, v in out.items() if k.startswith("grad:")}
 
 
@@ -297,7 +295,7 @@ def format_alignment(a: Alignment, rows: int = 2) -> str:
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument("--steps", type=int, default=200, help="training steps to compare (default 200; 938 = one epoch)")
-    p.add_argument("--device", choices=["cpu", "reference"], default="cpu", help="ember's device")
+    p.add_argument("--device", choices=target_names(), default="cpu", help="ember's device")
     p.add_argument("--data", default=None, metavar="DIR", help="MNIST folder (default: $EMBER_DATA, else ~/.cache/ember/mnist)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)

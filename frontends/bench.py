@@ -22,6 +22,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import nn, optim
+from ember.runtime import target_names
+
 from .compile import compile as ember_compile
 from .train import MODELS, build_model
 
@@ -195,10 +197,11 @@ def format_table(report: dict[str, Any]) -> str:
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=["cnn", "mlp", "all"], default="all")
-    p.add_argument("--device", choices=["cpu", "reference"], default="cpu")
+    p.add_argument("--device", choices=target_names(), default="cpu")
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=None, help="default 64 (cuda: 64 and 1024)")
+    p.add_argument("--tf32", action="store_true", help="cuda: let PyTorch use TF32 (ember's kernels are exact fp32)")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
@@ -209,7 +212,13 @@ def add_arguments(p: Any) -> None:
 
 def main(args: Any) -> int:
     models = ["cnn", "mlp"] if args.model == "all" else [args.model]
-    report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
+    if args.device == "cuda":
+        from .bench_cuda import format_cuda_report, run_cuda_bench
+        batches = [args.batch_size] if args.batch_size else [64, 1024]
+        report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, log=lambda s: print(s, file=sys.stderr))
+        print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
+        return 0
+    report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size or 64,
                        threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile, profile=args.profile)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

@@ -11,6 +11,7 @@ COMMANDS = {
     "plot": ("plot", "plot loss and accuracy curves from `ember mnist --metrics-file` JSON lines"),
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
+    "kernels": ("kernels", "write the generated sources of a model's steps for a device (no compiler or GPU needed)"),
 }
 
 

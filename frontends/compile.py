@@ -22,26 +22,21 @@ from typing import Any
 
 import numpy as np
 
-from ember.ir import Graph, TensorType
+from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
-from ember.passes.pipeline import passes_for, run_passes, train_passes
-from ember.runtime.cpu import CpuExecutor
-from ember.runtime.executor import Executor, ReferenceExecutor, Storage
+from ember.passes.pipeline import run_passes, train_passes
+from ember.runtime import target as get_target
+from ember.runtime.executor import Executor
 
 from .nn import Module
 from .optim import as_config
 from .tensor import Parameter
 from .tracing import example_type, trace
 
-ExecutorFactory = Callable[[Graph, Storage, "Path | None"], Executor]
 
-# device -> factory(graph after passes, shared storage, dump folder for this graph or None).
-# Backends register here: the CPU backend adds "cpu" (and passes.pipeline.PASSES["cpu"] holds
-# its fusion and memory passes); "cuda" follows the same way.
-_EXECUTORS: dict[str, ExecutorFactory] = {
-    "reference": lambda graph, storage, dump_dir, profile=False: ReferenceExecutor(graph, storage),
-    "cpu": lambda graph, storage, dump_dir, profile=False: CpuExecutor(graph, storage, dump_dir, profile=profile),
-}
+def _array(a: Any) -> Any:
+    """An array as given when it already is one (NumPy, or a device array), else as NumPy."""
+    return a if isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__") else np.asarray(a)
 
 
 def _shape_tag(types: tuple[TensorType, ...]) -> str:
@@ -54,8 +49,9 @@ class TrainStep:
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False) -> None:
-        if device not in _EXECUTORS:
-            raise ValueError(f"unknown device {device!r}; available: {sorted(_EXECUTORS)}")
+        self.target = get_target(device)  # a one-line error naming the registered devices
+        if self.target.available is not None:
+            self.target.available()
         if not isinstance(model, Module):
             raise TypeError(f"compile() expects an ember.frontends.nn.Module, got {type(model).__name__}")
         if len(example_inputs) != 2:
@@ -67,8 +63,9 @@ class TrainStep:
         self.profile = profile
         root = dump_dir if dump_dir is not None else os.environ.get("EMBER_DUMP_DIR") or None
         self.dump_dir = Path(root) if root is not None else None
-        self.storage = Storage()
+        self.storage = self.target.storage()
         self._params: dict[str, Parameter] = {}
+        self._host: dict[str, np.ndarray] = {}  # name -> the array `Parameter.data` was last synchronised with
         self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._inference: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._by_key: dict[tuple, Executor] = {}
@@ -88,6 +85,7 @@ class TrainStep:
                 p.data = np.ascontiguousarray(p.data).copy()
             self._params[name] = p
             self.storage.add(name, p.data)
+            self._host[name] = p.data
         for name, value in initial_state(graph).items():
             if name not in self.storage:
                 self.storage.add(name, value)
@@ -101,10 +99,10 @@ class TrainStep:
             model, loss_fn = self.model, self.loss_fn
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
             dump = self._dump_subdir("train", types)
-            graph = run_passes(forward, train_passes(self.config) + passes_for(self.device), dump_dir=dump)
+            graph = run_passes(forward, train_passes(self.config) + self.target.passes(), dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
-            hit = self._steps[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump, profile=self.profile))
+            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
@@ -114,45 +112,61 @@ class TrainStep:
             if list(forward.outputs) != ["out"]:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
-            graph = run_passes(forward, passes_for(self.device), dump_dir=dump)
+            graph = run_passes(forward, self.target.passes(), dump_dir=dump)
             self._bind(forward)
-            hit = self._inference[types] = (graph, _EXECUTORS[self.device](graph, self.storage, dump, profile=self.profile))
+            hit = self._inference[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
     def _sync(self) -> None:
         """Re-adopts a parameter whose `.data` the user rebound to a new array: its values are
-        copied into storage and `.data` points at the storage array again."""
+        copied into storage and `.data` points at the storage's host array again (where the
+        storage has one; on a device `.data` is the host copy last synchronised)."""
         for name, p in self._params.items():
-            held = self.storage[name]
-            if p.data is not held:
+            if p.data is not self._host[name]:
                 self.storage.write(name, p.data)
-                p.data = held
+                if self._host[name] is not None and self.storage.host_array(name) is not None:
+                    p.data = self._host[name]
+                else:
+                    self._host[name] = p.data
+
+    def _pull(self) -> None:
+        """Brings device-held parameters back into the model's arrays (nothing to do on the host)."""
+        for name, p in self._params.items():
+            if self.storage.host_array(name) is None:
+                np.copyto(p.data, self.storage.read(name))
 
     # ---- running -----------------------------------------------------------------------------
     def __call__(self, x: Any, y: Any) -> float:
         """One training step on the batch (x, y); returns the loss before the update."""
-        x, y = np.asarray(x), np.asarray(y)
+        return float(self.run(x, y))
+
+    def run(self, x: Any, y: Any) -> Any:
+        """One training step; returns the loss where the device holds it (a 0-d NumPy array on the
+        host, a CuPy array on a GPU) without waiting for it, so a loop that reads the loss only
+        when it logs never stalls the device. Device arrays (CuPy) are accepted as inputs."""
+        x, y = _array(x), _array(y)
         # Per-batch fast path: a dict hit on (shape, dtype) skips building TensorTypes.
         key = (x.shape, x.dtype, y.shape, y.dtype)
         executor = self._by_key.get(key)
         if executor is None:
             executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
         self._sync()
-        return float(executor({"x": x, "y": y})["loss"])
+        return executor({"x": x, "y": y})["loss"]
 
     def inference(self, x: Any) -> np.ndarray:
-        """The model's output for `x` with the current parameters (no update)."""
-        x = np.asarray(x)
+        """The model's output for `x` with the current parameters (no update), as a host array."""
+        x = _array(x)
         types = self._types((x,), ("x",))
         self._sync()
-        return self._inference_executor(types)({"x": x})["out"]
+        out = self._inference_executor(types)({"x": x})["out"]
+        return out.get() if hasattr(out, "__cuda_array_interface__") else out
 
     def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
         """Input types of a call. A new shape compiles a new step; a new dtype is a user error
         (the model's parameters fix it), reported before any tracing."""
         types = []
         for name, a, want in zip(names, arrays, self._example):
-            t = TensorType.of(a)
+            t = TensorType(tuple(a.shape), as_dtype(a.dtype))
             if t.dtype != want.dtype:
                 raise TypeError(f"input {name!r}: expected dtype {want.dtype.name} (as compiled, e.g. {want}), "
                                 f"got {t}; convert with .astype(np.{want.dtype.numpy_name})")
@@ -181,16 +195,21 @@ class TrainStep:
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
         """Copies of the model's parameters under PyTorch's names."""
         self._sync()
+        self._pull()
         return self.model.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         self._sync()
-        self.model.load_state_dict(dict(state), strict=strict)  # writes into the shared arrays
+        self._pull()
+        self.model.load_state_dict(dict(state), strict=strict)  # writes into the model's arrays
+        for name, p in self._params.items():
+            if self.storage.host_array(name) is None:
+                self.storage.write(name, p.data)
 
     def optimizer_state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the optimizer state, flat by name (`<param>.exp_avg`, `step`, ...), so a
         checkpoint is a plain name -> array mapping (safetensors-ready)."""
-        return {name: self.storage[name].copy() for name in sorted(self._state_names())}
+        return {name: self.storage.read(name) for name in sorted(self._state_names())}
 
     def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         names = self._state_names()
@@ -199,8 +218,9 @@ class TrainStep:
             raise KeyError(f"optimizer state mismatch: missing {missing}, unexpected {unexpected}")
         for name in names:
             value = np.asarray(state[name])
-            if value.shape != self.storage[name].shape:
-                raise ValueError(f"optimizer state {name!r}: expected shape {self.storage[name].shape}, got {value.shape}")
+            want = self.storage.type_of(name).shape
+            if value.shape != want:
+                raise ValueError(f"optimizer state {name!r}: expected shape {want}, got {value.shape}")
             self.storage.write(name, value)
 
     def _state_names(self) -> set[str]:
@@ -209,6 +229,21 @@ class TrainStep:
     def __repr__(self) -> str:
         return (f"TrainStep(device={self.device!r}, optimizer={self.config}, "
                 f"compiled={[_shape_tag(t) for t in self._steps]})")
+
+
+def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, example_inputs: tuple[Any, Any],
+         device: str = "cpu", dump_dir: str | os.PathLike | None = None) -> dict[str, Graph]:
+    """The training and inference graphs of `model` after every pass of `device`, without
+    building or running anything: what `ember kernels` renders. Needs no GPU for device="cuda"."""
+    target = get_target(device)
+    types = tuple(example_type(a) for a in example_inputs)
+    root = Path(dump_dir) if dump_dir is not None else None
+    forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+    train = run_passes(forward, train_passes(as_config(optimizer)) + target.passes(),
+                       dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
+    inference = run_passes(trace(model, types[0], name="inference"), target.passes(),
+                           dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
+    return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
@@ -226,4 +261,4 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
                      profile=profile)
 
 
-__all__ = ["compile", "TrainStep"]
+__all__ = ["compile", "plan", "TrainStep"]

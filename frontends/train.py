@@ -28,6 +28,8 @@ import numpy as np
 
 from . import nn, optim
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from ember.runtime import target_names
+
 from .compile import compile as ember_compile
 from .metrics import MetricsWriter, correct_count, cross_entropy_sum, read_metrics
 
@@ -309,7 +311,7 @@ def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...]
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default) or mlp")
-    p.add_argument("--device", choices=["cpu", "cuda", "reference"], default="cpu",
+    p.add_argument("--device", choices=target_names(), default="cpu",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist); "
@@ -364,13 +366,8 @@ def _prepare_data(root: Path) -> Path:
 def main(args: Any) -> int:
     from ember.runtime.data import DownloadError, IDXError, default_data_dir, load_mnist
 
-    from .compile import _EXECUTORS
-
-    if args.device not in _EXECUTORS:
-        if args.device == "cuda":
-            return _error("--device cuda: the CUDA backend is not built yet in this ember; "
-                          "use --device cpu (compiled C++) or --device reference")
-        return _error(f"--device {args.device}: no such backend; available: {sorted(_EXECUTORS)}")
+    if args.device not in target_names():
+        return _error(f"--device {args.device}: no such backend; available: {', '.join(target_names())}")
     for name in ("epochs", "batch_size", "eval_batch_size"):
         if getattr(args, name) < 1:
             return _error(f"--{name.replace('_', '-')} must be at least 1")

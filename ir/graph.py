@@ -189,7 +189,11 @@ class Graph:
             if ttype != self.type(n):
                 raise VerifyError(f"%{n} = {op}: stored type {self.type(n)} but the rule gives {ttype}")
             if op == "fused":
-                self.attrs(n)["graph"].verify()
+                sub = self.attrs(n)["graph"]
+                sub.verify()
+                problem = self.attrs(n)["kernel"].check(len(self.operands(n)), sub.g, sub.outputs)
+                if problem is not None:
+                    raise VerifyError(f"%{n} = fused: kernel plan {self.attrs(n)['kernel'].describe()}: {problem}")
         for table, op in ((self.inputs, "input"), (self.parameters, "parameter"), (self.states, "state")):
             for name, n in table.items():
                 if n not in self.g or self.op(n) != op or self.attrs(n)["name"] != name:

@@ -356,7 +356,17 @@ def _one_hot(types, attrs):
 
 # ---- fusion groups ---------------------------------------------------------------------------
 
-@_defop("fused", None, "fused", {"graph": Attr(lambda g: g), "kernel": Attr(str, "pointwise")}, differentiable=False, int_ok=True)
+def _kernel_spec(v: Any) -> Any:
+    from .kernel import KernelSpec
+    if isinstance(v, str):  # shorthand for a generated kernel without a core (tests, hand-built graphs)
+        v = KernelSpec(v)
+    if not isinstance(v, KernelSpec):
+        raise ValueError(f"expected a KernelSpec, got {type(v).__name__}")
+    return v
+
+
+@_defop("fused", None, "fused", {"graph": Attr(lambda g: g), "kernel": Attr(_kernel_spec, "pointwise")},
+        differentiable=False, int_ok=True)
 def _fused(types, attrs):
     sub = attrs["graph"]
     ins = [sub.type(n) for n in sub.inputs.values()]

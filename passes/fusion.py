@@ -1,12 +1,13 @@
 """Fusion: group the nodes of a graph into kernels.
 
 Each group becomes one `fused` node holding its subgraph (inputs in0, in1, ... and one output
-"out"), with `kernel` naming the kind a backend emits for it:
+"out"), with `kernel` its typed plan (`ember.ir.KernelSpec`): the kind a backend emits for it,
+the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
 
 - `conv2d` / `matmul`: the contraction, plus a bias add and a ReLU as epilogue when the graph has
-  exactly relu(add(c, bias)) / add(c, bias) / relu(c) with the contraction used only there. The
-  operand roles (and, for matmul, transposes folded into trans flags) are recorded in the node's
-  notes so codegen need not re-match them.
+  exactly relu(add(c, bias)) / add(c, bias) / relu(c) with the contraction used only there, and
+  the target's template accepts them. The operand roles (and, for matmul, transposes folded into
+  trans flags) are recorded in the spec so codegen need not re-match them.
 - `conv2d_grad_input` / `conv2d_grad_weight`: one op each.
 - `reduction`: one sum/max/argmax with the pointwise ops feeding it (prologue, evaluated at the
   reduction's input index) and those consuming it (epilogue, at its output index).
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.ir import OPS, Graph, subgraph_of
+from ember.ir import OPS, Graph, KernelSpec, subgraph_of
+
+from .targets import FusionCaps
 
 ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
 VIEWS = {"broadcast_to", "transpose", "reshape"}
@@ -41,8 +44,9 @@ def _inline_constant(graph: Graph, n: int) -> bool:
 
 
 class _Grouper:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, caps: FusionCaps) -> None:
         self.g = graph
+        self.caps = caps
         self.owner: dict[int, int] = {}  # node -> root of its group
 
     def users_inside(self, n: int, members: set[int]) -> bool:
@@ -100,6 +104,10 @@ class _Grouper:
             return None
         if n != root and not self.users_inside(n, members):
             return None
+        # Only epilogues the target's template for this contraction accepts.
+        if (notes["relu"] and not self.caps.can_fuse_epilogue(g.op(n), "relu")) or \
+                ("bias_node" in notes and not self.caps.can_fuse_epilogue(g.op(n), "bias")):
+            return None
         members.add(n)
         return n, members, notes
 
@@ -121,8 +129,8 @@ def _matmul_operand(graph: Graph, n: int, members: set[int], grouper: _Grouper) 
     return n, trans
 
 
-def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
-    gr = _Grouper(graph)
+def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
+    gr = _Grouper(graph, caps)
     groups: dict[int, tuple[str, set[int], dict[str, Any]]] = {}
     for root in reversed(graph.topo_order()):
         if root in gr.owner:
@@ -141,12 +149,8 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
                 if ta.rank == 2 and tb.rank == 2:
                     notes["a"], notes["trans_a"] = _matmul_operand(graph, a, members, gr)
                     notes["b"], notes["trans_b"] = _matmul_operand(graph, b, members, gr)
-                elif ta.shape[:-2] == tb.shape[:-2]:  # batched, same batch dims: operands read as they are
+                else:  # batched: operands read as they are (codegen refuses what its templates cannot do)
                     notes.update(a=a, b=b, trans_a=False, trans_b=False)
-                else:
-                    raise NotImplementedError(
-                        f"matmul of {ta} and {tb} broadcasts batch dimensions, which the compiled backends do not "
-                        f"support yet; broadcast_to the operands to a common batch shape first (at {graph.loc(core)})")
         elif op in CONV_OPS:
             kind, members, notes = op, {root}, {"core": root}
         elif op in REDUCTIONS:
@@ -169,14 +173,43 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
                     gr.grow(members, [r], graph.type(graph.operands(r)[0]).numel)
         else:
             raise NotImplementedError(f"fusion has no kernel kind for op {op!r} (%{root}, at {graph.loc(root)})")
+        if kind not in caps.kinds:
+            raise NotImplementedError(f"the target cannot compile a {kind} kernel (%{root} {op}, at {graph.loc(root)}); "
+                                      f"it compiles {', '.join(sorted(caps.kinds))}")
         gr.claim(root, members)
         groups[root] = (kind, members, notes)
     return groups
 
 
-def fuse(graph: Graph) -> Graph:
-    """Returns a graph whose compute nodes are `fused` groups (plus reshape aliases and sources)."""
-    groups = _groups(graph)
+def _spec(graph: Graph, kind: str, notes: dict[str, Any], index_of: dict[int, int], submap: dict[int, int]) -> KernelSpec:
+    """The typed plan of one group: roles are indices of the fused node's operands."""
+    core = notes.get("core")
+    if kind in ("pointwise", "reduction"):
+        return KernelSpec(kind, core=submap[core] if core is not None else None)
+    if kind == "matmul":
+        roles = [("a", index_of[notes["a"]]), ("b", index_of[notes["b"]])]
+        params = (("trans_a", bool(notes["trans_a"])), ("trans_b", bool(notes["trans_b"])))
+    else:
+        names = {"conv2d": ("x", "w"), "conv2d_grad_input": ("dy", "w"), "conv2d_grad_weight": ("x", "dy")}[kind]
+        roles = list(zip(names, (index_of[o] for o in graph.operands(core))))
+        params = ()
+    epilogues = []
+    if notes.get("bias_node") is not None:
+        roles.append(("bias", index_of[notes["bias_node"]]))
+        epilogues.append("bias")
+    if notes.get("relu"):
+        epilogues.append("relu")
+    return KernelSpec(kind, core=submap[core], template=kind, roles=tuple(roles), epilogues=tuple(epilogues),
+                      params=params, layouts=("row-major",) * (len(index_of) + 1))
+
+
+def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
+    """Returns a graph whose compute nodes are `fused` groups (plus reshape aliases and sources).
+
+    `caps` (the target's `FusionCaps`; default: everything the CPU backend can do) bounds what
+    may fuse: kernel kinds and the epilogues each contraction template accepts.
+    """
+    groups = _groups(graph, caps if caps is not None else FusionCaps())
     out = Graph(graph.name)
     out.meta = dict(graph.meta)
     mapping: dict[int, int] = {}
@@ -188,15 +221,9 @@ def fuse(graph: Graph) -> Graph:
             submap: dict[int, int] = {}
             sub, outer = subgraph_of(graph, members, n, f"k{len(out)}_{kind}",
                                      copy_in=lambda o: _inline_constant(graph, o), mapping=submap)
-            node = out.add("fused", [mapping[o] for o in outer], loc=graph.loc(n), graph=sub, kernel=kind)
             index_of = {o: i for i, o in enumerate(outer)}
-            for key, value in notes.items():
-                if key in ("a", "b", "bias_node"):
-                    out.annotate(node, key.replace("_node", ""), index_of[value])
-                elif key == "core":
-                    out.annotate(node, "core", submap[value])
-                else:
-                    out.annotate(node, key, value)
+            node = out.add("fused", [mapping[o] for o in outer], loc=graph.loc(n), graph=sub,
+                           kernel=_spec(graph, kind, notes, index_of, submap))
             out.annotate(node, "implements", [f"%{m} {graph.op(m)}" + (f" @ {graph.loc(m)}" if graph.loc(m) else "")
                                               for m in sorted(members)])
             mapping[n] = node
@@ -222,6 +249,6 @@ def kernel_counts(graph: Graph) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in graph.g:
         if graph.op(n) == "fused":
-            kind = graph.attrs(n)["kernel"]
+            kind = graph.attrs(n)["kernel"].kind
             counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items()))

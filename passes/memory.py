@@ -1,106 +1,68 @@
-"""Memory planning: a schedule, buffer liveness and offsets in one arena.
+"""Memory planning: buffer liveness and offsets in one arena, which holds the whole step's memory.
 
-Runs on a fused graph. Decisions are recorded on the graph: `meta["schedule"]` (the kernel
-order), and per node `notes["storage"]`:
-- "input" / "parameter" / "state" (with `notes["name"]`): memory owned outside the arena;
-- "arena" (with `notes["offset"]`, 64-byte aligned): a kernel result living in the arena;
+Runs on a fused, scheduled graph (it schedules first if `meta["schedule"]` is missing). Per node
+it records `notes["storage"]`:
+- "input" (with `notes["name"]` and `notes["offset"]`): a fixed arena buffer the runtime copies
+  the call's argument into, so compiled code always reads the same addresses (what CUDA graph
+  replay needs, and why a strided or temporary argument can never be read after it is freed);
+- "parameter" / "state" (with `notes["name"]`): memory owned by the target's storage, either a
+  source node or an update the schedule chose to write in place;
+- "arena" (with `notes["offset"]`): a kernel result;
 - "alias" (with `notes["alias_of"]`): a reshape, sharing its operand's buffer;
 - "constant": a non-scalar constant, held by the runtime.
-An update of a parameter or state whose kernel reads the old value only element by element at the
-same index is written in place into that parameter's memory (`storage` = "parameter"/"state");
-the schedule then puts every other reader of the old value before it. `meta["arena_bytes"]` is
-the arena's size: the peak of simultaneously live intermediate buffers.
+A fused node whose `KernelSpec` asks for scratch gets `notes["scratch_offset"]`: a block live only
+while that kernel runs. `meta["arena_bytes"]` is the arena's size: the peak of simultaneously
+live buffers, inputs and scratch included. `meta["liveness"]` maps each arena buffer to its
+(first, last) schedule positions; scratch blocks are listed under `meta["scratch_liveness"]`.
 """
 from __future__ import annotations
 
-from ember.ir import OPS, Graph
+from ember.ir import Graph
+
+from .schedule import schedule as make_schedule
 
 ALIGN = 64
-EXTERNAL = {"input": "input", "parameter": "parameter", "state": "state"}
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
 
 
-def _reads_elementwise(graph: Graph, fused: int, source: int) -> bool:
-    """True when `fused` reads `source` only at the index it writes (so writing in place is safe)."""
-    if graph.op(fused) != "fused" or graph.attrs(fused)["kernel"] != "pointwise":
-        return False
-    sub = graph.attrs(fused)["graph"]
-    out_type = sub.type(sub.outputs["out"])
-    for i, o in enumerate(graph.operands(fused)):
-        if o != source:
-            continue
-        inner = sub.inputs[f"in{i}"]
-        if sub.type(inner).shape != out_type.shape:
-            return False
-        for user, _ in sub.users(inner):
-            if OPS[sub.op(user)].kind != "elementwise" or sub.type(user).shape != out_type.shape:
-                return False
-    return True
+def plan_memory(graph: Graph, alignment: int = ALIGN) -> Graph:
+    out = (graph if "schedule" in graph.meta else make_schedule(graph)).copy()
+    steps = out.meta["schedule"]
+    position = {n: i for i, n in enumerate(steps)}
 
-
-def _schedule(graph: Graph, extra: list[tuple[int, int]]) -> list[int] | None:
-    g = graph.g.copy()
-    for u, v in extra:
-        g.add_edge(u, v, key=-1)
-    import networkx as nx
-    if not nx.is_directed_acyclic_graph(g):
-        return None
-    return list(nx.lexicographical_topological_sort(g, key=lambda n: n))
-
-
-def plan_memory(graph: Graph) -> Graph:
-    out = graph.copy()
-    # 1. In-place updates, each accepted only if the schedule stays acyclic with its ordering edges.
-    inplace: dict[int, tuple[str, str]] = {}
-    extra: list[tuple[int, int]] = []
-    for name, node in out.updates.items():
-        kind = "parameter" if name in out.parameters else "state"
-        source = out.parameters.get(name, out.states.get(name))
-        if node in inplace or out.op(node) != "fused" or not _reads_elementwise(out, node, source):
-            continue
-        if node in out.outputs.values() or any(n == node for k, n in out.updates.items() if k != name):
-            continue
-        edges = [(u, node) for u, _ in out.users(source) if u != node]
-        if _schedule(out, extra + edges) is not None:
-            extra += edges
-            inplace[node] = (kind, name)
-    schedule = _schedule(out, extra)
-    assert schedule is not None
-    position = {n: i for i, n in enumerate(schedule)}
-
-    # 2. Storage classes and aliases.
+    # 1. Storage classes and aliases (in-place updates were decided by the schedule).
     base: dict[int, int] = {}
-    for n in schedule:
+    for n in steps:
         op = out.op(n)
         notes = out.notes(n)
-        if op in EXTERNAL:
-            notes.update(storage=EXTERNAL[op], name=out.attrs(n)["name"])
-            base[n] = n
+        if op == "input":
+            notes.update(storage="input", name=out.attrs(n)["name"])
+        elif op in ("parameter", "state"):
+            notes.update(storage=op, name=out.attrs(n)["name"])
         elif op == "constant":
             notes.update(storage="constant")
-            base[n] = n
         elif op == "reshape":
             (src,) = out.operands(n)
             notes.update(storage="alias", alias_of=src)
             base[n] = base[src]
-        elif n in inplace:
-            kind, name = inplace[n]
-            notes.update(storage=kind, name=name)
-            base[n] = n
-        else:
+            continue
+        elif notes.get("storage") not in ("parameter", "state"):
             notes.update(storage="arena")
-            base[n] = n
+        base[n] = n
 
-    # 3. Liveness of arena buffers: from the kernel that writes to the last kernel that reads.
-    end = len(schedule)
+    # 2. Liveness: from the kernel that writes a buffer (inputs: the start of the call) to the last
+    # kernel that reads it, through aliases; outputs and copied-back updates live to the end.
+    end = len(steps)
     live: dict[int, list[int]] = {}
-    for n in schedule:
-        if out.notes(n)["storage"] == "arena":
-            live[n] = [position[n], position[n]]
-    for n in schedule:
+    for n in steps:
+        storage = out.notes(n)["storage"]
+        if storage in ("arena", "input"):
+            start = -1 if storage == "input" else position[n]
+            live[n] = [start, position[n]]
+    for n in steps:
         for o in out.operands(n):
             b = base[o]
             if b in live:
@@ -108,34 +70,40 @@ def plan_memory(graph: Graph) -> Graph:
     for n in list(out.outputs.values()) + list(out.updates.values()):
         if base[n] in live:
             live[base[n]][1] = end
+    scratch: dict[int, tuple[int, int]] = {}
+    for n in steps:
+        if out.op(n) == "fused" and out.attrs(n)["kernel"].scratch_bytes > 0:
+            scratch[n] = (position[n], position[n])
 
-    # 4. Offsets: largest first, each at the lowest aligned offset free over its lifetime.
+    # 3. Offsets: largest first, each at the lowest aligned offset free over its lifetime.
+    buffers = [(("buffer", n), tuple(live[n]), out.type(n).nbytes) for n in live]
+    buffers += [(("scratch", n), scratch[n], out.attrs(n)["kernel"].scratch_bytes) for n in scratch]
     placed: list[tuple[int, int, int, int]] = []  # (start, stop, offset, size)
-    offsets: dict[int, int] = {}
-    for n in sorted(live, key=lambda n: (-out.type(n).nbytes, position[n])):
-        start, stop = live[n]
-        size = _align(max(out.type(n).nbytes, 1))
+    for (what, n), (start, stop), nbytes in sorted(buffers, key=lambda b: (-b[2], b[1][0], b[0])):
+        size = _align(max(nbytes, 1), alignment)
         busy = sorted((off, off + sz) for s, e, off, sz in placed if not (e < start or stop < s))
         offset = 0
         for lo, hi in busy:
             if offset + size <= lo:
                 break
-            offset = max(offset, _align(hi))
-        offsets[n] = offset
+            offset = max(offset, _align(hi, alignment))
         placed.append((start, stop, offset, size))
-        out.notes(n)["offset"] = offset
+        out.notes(n)["offset" if what == "buffer" else "scratch_offset"] = offset
     arena = max((off + sz for _, _, off, sz in placed), default=0)
-    out.meta.update(schedule=schedule, arena_bytes=arena, liveness={n: tuple(v) for n, v in live.items()},
-                    buffer_bytes_total=sum(sz for *_, sz in placed))
+    out.meta.update(arena_bytes=arena, liveness={n: tuple(v) for n, v in live.items()}, scratch_liveness=scratch,
+                    buffer_bytes_total=sum(sz for *_, sz in placed), alignment=alignment)
     return out
 
 
 def check_plan(graph: Graph) -> None:
-    """Raises AssertionError if two arena buffers live at the same time overlap in memory."""
-    live = graph.meta["liveness"]
-    items = [(n, *live[n], graph.notes(n)["offset"], graph.type(n).nbytes) for n in live]
+    """Raises AssertionError if two arena blocks (buffers or scratch) live at the same time overlap."""
+    align = graph.meta.get("alignment", ALIGN)
+    items = [(n, *graph.meta["liveness"][n], graph.notes(n)["offset"], graph.type(n).nbytes)
+             for n in graph.meta["liveness"]]
+    items += [(f"scratch of %{n}", *graph.meta["scratch_liveness"][n], graph.notes(n)["scratch_offset"],
+               graph.attrs(n)["kernel"].scratch_bytes) for n in graph.meta.get("scratch_liveness", {})]
     for i, (a, s1, e1, o1, z1) in enumerate(items):
-        assert o1 % ALIGN == 0, f"%{a} offset {o1} not {ALIGN}-byte aligned"
+        assert o1 % align == 0, f"%{a} offset {o1} not {align}-byte aligned"
         assert o1 + z1 <= graph.meta["arena_bytes"]
         for b, s2, e2, o2, z2 in items[i + 1:]:
             if not (e1 < s2 or e2 < s1):

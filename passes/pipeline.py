@@ -1,40 +1,52 @@
-"""The standard pass lists per target, and the driver that runs them with hooks and dumps.
+"""The standard pass lists, and the driver that runs them with hooks and dumps.
 
-`passes_for(target)` is the ordered list of (name, pass) the compiler applies after the train
-graph is built; `run_passes` runs a list, verifies the graph after every pass, calls the
-optional before/after hooks, and (with `dump_dir` or `$EMBER_DUMP_DIR`) writes the graph after
-every pass as `NN-<name>.txt` (printer text) and `NN-<name>.dot`, the input as `00-input.*`.
+A target's record (`ember.passes.targets.Target`) names its pipeline: one of the functions here,
+which builds the ordered (name, pass) list from the record's data (fusion capabilities, kernel
+selection, alignment). `passes_for(target)` is that list for a registered target; `run_passes`
+runs a list, verifies the graph after every pass, calls the optional before/after hooks, and (with
+`dump_dir` or `$EMBER_DUMP_DIR`) writes the graph after every pass as `NN-<name>.txt` (printer
+text) and `NN-<name>.dot`, the input as `00-input.*`.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ember.ir import Graph, format_graph, to_dot
 
+from . import targets
 from .autodiff import grad
 from .fusion import fuse
 from .memory import plan_memory
 from .optimizer import OptimizerConfig, apply_optimizer
+from .schedule import schedule
+from .select import select_kernels
 from .simplify import simplify
 
 Pass = Callable[[Graph], Graph]
 Hook = Callable[[str, Graph], None]
 
-# Target -> passes after autodiff and optimizer. Backends append their own entries here.
-PASSES: dict[str, list[tuple[str, Pass]]] = {
-    "reference": [("simplify", simplify)],
-    "cpu": [("simplify", simplify), ("fusion", fuse), ("memory", plan_memory)],
-    "cuda": [("simplify", simplify)],
-}
+
+def interpreted(target: "targets.Target") -> list[tuple[str, Pass]]:
+    """For a target that runs the graph as it is (the NumPy interpreter): clean-up only."""
+    return [("simplify", simplify)]
+
+
+def kernels(target: "targets.Target") -> list[tuple[str, Pass]]:
+    """For a target that compiles kernels: fuse as its capabilities allow, size each kernel's
+    scratch, order the kernels, then plan one arena at the target's alignment."""
+    return [("simplify", simplify),
+            ("fusion", functools.partial(fuse, caps=target.fusion)),
+            ("select", functools.partial(select_kernels, target=target)),
+            ("schedule", schedule),
+            ("memory", functools.partial(plan_memory, alignment=target.alignment))]
 
 
 def passes_for(target: str) -> list[tuple[str, Pass]]:
-    """A fresh copy of the ordered pass list for `target` ("reference", "cpu", "cuda")."""
-    if target not in PASSES:
-        raise ValueError(f"unknown target {target!r}; known targets: {sorted(PASSES)}")
-    return list(PASSES[target])
+    """A fresh copy of the ordered pass list of the registered target `target`."""
+    return targets.get(target).passes()
 
 
 def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> list[tuple[str, Pass]]:

@@ -1,8 +1,11 @@
-"""CPU executor: loads the compiled step library with ctypes and calls it once per batch.
+"""The CPU target: its registry record and its executor (a compiled C++ step called with ctypes).
 
-It owns the arena and the scratch block (64-byte aligned), binds parameters and optimizer state
-to the shared `Storage` arrays (the generated code updates them in place), checks each call's
-inputs against the compiled signature, and returns outputs as copies out of the arena.
+The executor owns the arena (64-byte aligned), which holds the step's input buffers, every
+intermediate and every kernel's scratch, as the memory plan laid them out. A call checks its
+arguments against the compiled signature, copies each into its fixed input buffer (any strides,
+any memory order, read-only or not: the compiled code only ever reads the arena), runs
+`ember_step` once, writes back updates that were not computed in place, and returns the outputs
+as copies. Parameters and optimizer state are the host `Storage` arrays, updated in place.
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ember.codegen import cpp
 from ember.codegen.compiler import compile_cpp
-from ember.codegen.cpp import render_step
 from ember.ir import Graph, TensorType
+from ember.passes import pipeline, targets
 
-from .executor import Storage, check_inputs
+from .executor import HostStorage, Storage, check_inputs
 
 
 def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
@@ -38,35 +42,32 @@ class CpuExecutor:
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
-        self.source = render_step(graph, profile=self.profile)
+        self.source = cpp.render_step(graph, profile=self.profile)
         self.artifact = compile_cpp(self.source.code, name=name, dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
         self.lib = ctypes.CDLL(str(self.artifact.path))
-        if self.lib.ember_abi_version() != 1:
-            raise RuntimeError(f"{self.artifact.path}: unexpected ABI version")
-        self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        if self.lib.ember_abi_version() != cpp.ABI_VERSION:
+            raise RuntimeError(f"{self.artifact.path}: ABI version {self.lib.ember_abi_version()}, "
+                               f"expected {cpp.ABI_VERSION} (a stale cache entry? remove it)")
+        self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.lib.ember_step.restype = None
         self.arena = _aligned(max(self.source.arena_bytes, 64))
-        self.scratch = _aligned(max(self.source.scratch_bytes, 64))
-        self.peak_bytes = self.source.arena_bytes + self.source.scratch_bytes
+        self.peak_bytes = self.source.arena_bytes
         self._constants: dict[str, np.ndarray] = {}
         self._ext = (ctypes.c_void_p * max(1, len(self.source.slots)))()
-        self._input_slots: list[tuple[int, str, tuple[int, ...], np.dtype]] = []
         for i, (kind, key) in enumerate(self.source.slots):
-            if kind == "input":
-                t = self.signature[key]
-                self._input_slots.append((i, key, t.shape, t.dtype.numpy))
-            elif kind == "constant":
+            if kind == "constant":
                 arr = np.ascontiguousarray(graph.attrs(int(key))["value"]).copy()
                 self._constants[key] = arr
                 self._ext[i] = arr.ctypes.data
             else:
                 self._ext[i] = storage[key].ctypes.data
+        self._inputs = {k: self._view(n) for k, n in graph.inputs.items()}
         self._outputs = {k: self._view(n) for k, n in graph.outputs.items()}
         self._copy_updates = [(k, self._view(n)) for k, n in graph.updates.items()
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
-        self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data, self.scratch.ctypes.data)
+        self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data)
 
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
@@ -74,47 +75,45 @@ class CpuExecutor:
             raise RuntimeError("per-kernel timings need the step compiled with profile=True (or EMBER_PROFILE=1)")
         out = (ctypes.c_double * len(self.source.kernels))()
         self.lib.ember_profile(out)
-        return [(f"k{k.index}_{k.kind}", (k.implements[0] if k.implements else "") + (f" (+{len(k.implements) - 1})" if len(k.implements) > 1 else ""),
+        return [(k.name, (k.implements[0] if k.implements else "") + (f" (+{len(k.implements) - 1})" if len(k.implements) > 1 else ""),
                  out[k.index]) for k in self.source.kernels]
 
     def _view(self, n: int) -> np.ndarray:
         """The array where node n's value lives after a call (arena view or external array)."""
-        g, notes = self.graph, self.graph.notes(n)
-        t = g.type(n)
+        notes = self.graph.notes(n)
+        t = self.graph.type(n)
         storage = notes["storage"]
         if storage == "alias":
             return self._view(notes["alias_of"]).reshape(t.shape)
-        if storage == "arena":
+        if storage in ("arena", "input"):
             off = notes["offset"]
             return self.arena[off:off + t.nbytes].view(t.dtype.numpy).reshape(t.shape)
         if storage == "constant":
             return self._constants[str(n)]
-        if storage == "input":
-            return _InputRef(notes["name"], t.shape)  # type: ignore[return-value]
         return self.storage[notes["name"]]
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = inputs if len(inputs) == len(self._input_slots) else check_inputs(self.signature, inputs)
-        for slot, name, shape, dtype in self._input_slots:
-            a = inputs.get(name)
-            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
-                arrays = check_inputs(self.signature, inputs)  # the slow path raises the clear error
-                a = arrays[name]
-            self._ext[slot] = a.ctypes.data
+        if len(inputs) != len(self._inputs):
+            check_inputs(self.signature, inputs)  # raises the clear error
+        for name, buffer in self._inputs.items():
+            value = inputs.get(name)
+            if type(value) is not np.ndarray or value.shape != buffer.shape or value.dtype != buffer.dtype:
+                value = check_inputs(self.signature, inputs)[name]  # the slow path raises the clear error
+            np.copyto(buffer, value)  # any layout in, the planned buffer out
         self.lib.ember_step(*self._args)
         for name, view in self._copy_updates:
-            np.copyto(self.storage[name], view.get(arrays) if isinstance(view, _InputRef) else view)
-        return {k: (v.get(arrays) if isinstance(v, _InputRef) else v).copy() for k, v in self._outputs.items()}
+            np.copyto(self.storage[name], view)
+        return {k: v.copy() for k, v in self._outputs.items()}
 
 
-class _InputRef:
-    """An output that is one of the call's inputs, resolved per call."""
-
-    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-        self.name, self.shape = name, shape
-
-    def reshape(self, shape: tuple[int, ...]) -> "_InputRef":
-        return _InputRef(self.name, shape)
-
-    def get(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        return arrays[self.name].reshape(self.shape)
+TARGET = targets.register(targets.Target(
+    name="cpu",
+    description="generated C++ compiled with g++ and OpenMP, the whole step in one call",
+    pipeline=pipeline.kernels,
+    alignment=64,
+    kernel_scratch=cpp.kernel_scratch,
+    language="cpp",
+    source=lambda graph: cpp.render_step(graph).code,
+    executor=CpuExecutor,
+    storage=HostStorage,
+))

@@ -1,8 +1,8 @@
 """The interface every backend's executor implements, the shared parameter/state storage, and the
-reference executor (the NumPy interpreter).
+reference target (the NumPy interpreter).
 
 An executor runs one compiled step: `outputs = executor(inputs)`. Parameters and optimizer
-state are not arguments: they live in a `Storage` (name -> contiguous array) that several
+state are not arguments: they live in a target's `Storage` (host arrays here) that several
 executors share (the training step, the step compiled for a last partial batch, the inference
 step), and every `update` of the graph is written back into those arrays in place at the end of
 the call, so a caller holding a parameter array always sees its current value.
@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ember.ir import Graph, TensorType, as_dtype, run
+from ember.passes import pipeline, targets
 
 
 @runtime_checkable
@@ -29,9 +30,52 @@ class Executor(Protocol):
 
 
 class Storage:
-    """Parameters and states by name: one contiguous NumPy array each, shared by executors.
+    """Parameters and optimizer state by name, wherever the target keeps them.
 
-    Arrays are held, not copied: `Storage({"w": model_param.data})` makes the step train the
+    The interface every target's storage implements: `add` adopts a host array, `read` returns
+    a host copy (the only way values reach the host: explicit synchronisation), `write` copies a
+    host value in, `check` verifies a graph's parameters and states are held with their types.
+    """
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def type_of(self, name: str) -> TensorType:
+        raise NotImplementedError
+
+    def host_array(self, name: str) -> np.ndarray | None:
+        """The live host array holding `name`, where the storage keeps one (None on a device)."""
+        return None
+
+    def __contains__(self, name: object) -> bool:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    def check(self, graph: Graph) -> None:
+        """Every parameter and state of `graph` is held here with exactly its type."""
+        for kind, table in (("parameter", graph.parameters), ("state", graph.states)):
+            for name, n in table.items():
+                want = graph.type(n)
+                if name not in self:
+                    raise KeyError(f"storage holds no {kind} {name!r} ({want}) needed by graph {graph.name!r}; "
+                                   f"it holds: {sorted(self)}")
+                have = self.type_of(name)
+                if have != want:
+                    raise TypeError(f"storage {kind} {name!r} is {have}, graph {graph.name!r} expects {want}")
+
+
+class HostStorage(Storage):
+    """Host storage: one contiguous NumPy array per name, shared by executors (CPU, reference).
+
+    Arrays are held, not copied: `HostStorage({"w": model_param.data})` makes the step train the
     model's own array. Values are only ever replaced in place (`write`), never rebound.
     """
 
@@ -70,17 +114,14 @@ class Storage:
             raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
         np.copyto(target, value, casting="same_kind")
 
-    def check(self, graph: Graph) -> None:
-        """Every parameter and state of `graph` is held here with exactly its type."""
-        for kind, table in (("parameter", graph.parameters), ("state", graph.states)):
-            for name, n in table.items():
-                want = graph.type(n)
-                if name not in self._arrays:
-                    raise KeyError(f"storage holds no {kind} {name!r} ({want}) needed by graph {graph.name!r}; "
-                                   f"it holds: {sorted(self._arrays)}")
-                have = TensorType.of(self._arrays[name])
-                if have != want:
-                    raise TypeError(f"storage {kind} {name!r} is {have}, graph {graph.name!r} expects {want}")
+    def read(self, name: str) -> np.ndarray:
+        return self._arrays[name].copy()
+
+    def host_array(self, name: str) -> np.ndarray | None:
+        return self._arrays[name]
+
+    def type_of(self, name: str) -> TensorType:
+        return TensorType.of(self._arrays[name])
 
 
 def check_inputs(signature: Mapping[str, TensorType], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -115,7 +156,8 @@ class ReferenceExecutor:
 
     peak_bytes = None  # no memory plan on the reference device
 
-    def __init__(self, graph: Graph, storage: Storage) -> None:
+    def __init__(self, graph: Graph, storage: Storage, dump_dir: Any = None, name: str = "step",
+                 profile: bool | None = None) -> None:
         storage.check(graph)
         self.graph = graph
         self.storage = storage
@@ -138,3 +180,12 @@ class ReferenceExecutor:
         for name, value in updates.items():
             self.storage.write(name, value)
         return outputs
+
+
+TARGET = targets.register(targets.Target(
+    name="reference",
+    description="the NumPy interpreter: the semantics every backend matches (slow)",
+    pipeline=pipeline.interpreted,
+    executor=ReferenceExecutor,
+    storage=HostStorage,
+))

@@ -1,6 +1,7 @@
 """The MNIST models and data location shared by the tests."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,9 @@ from ember.frontends import functional as F
 from ember.frontends import nn, spec, trace
 
 REPO = Path(__file__).resolve().parents[1]
-MNIST_DIR = REPO.parent / "shared" / "data" / "mnist"
+# ../shared/data/mnist beside the checkout; EMBER_TEST_MNIST points elsewhere (the GPU machine,
+# where ../shared does not travel).
+MNIST_DIR = Path(os.environ.get("EMBER_TEST_MNIST") or REPO.parent / "shared" / "data" / "mnist")
 
 
 def cnn(seed: int = 0) -> nn.Module:
@@ -34,3 +37,57 @@ def train_graph(model: nn.Module, x_shape: tuple[int, ...], lr: float = 0.05) ->
 
 def params_of(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: p.data for k, p in model.named_parameters()}
+
+
+def cpu_plan(graph, *, simplify: bool = False):
+    """`graph` through the cpu target's passes (fusion, kernel selection, schedule, memory), by
+    default without simplify, so a test compiles exactly the graph it built."""
+    import ember.runtime
+    from ember.passes.pipeline import run_passes
+    passes = ember.runtime.target("cpu").passes()
+    return run_passes(graph, passes if simplify else [p for p in passes if p[0] != "simplify"])
+
+
+def require_mnist() -> None:
+    """Skips a test when the MNIST files are absent, except in CI (`CI=true`), where it fails."""
+    import os
+
+    import pytest
+    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
+        message = f"MNIST files not found in {MNIST_DIR}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + " (CI must have ../shared/data/mnist)")
+        pytest.skip(message)
+
+
+def compiled_targets() -> list:
+    """pytest params, one per registered target that generates code; a target that needs
+    hardware (its record has an `available` check) is marked with its own name (`cuda`), which
+    conftest skips where that hardware is missing."""
+    import pytest
+
+    import ember.runtime
+    from ember.passes import targets
+    return [pytest.param(t.name, id=t.name, marks=[getattr(pytest.mark, t.name)] if t.available else [])
+            for t in targets.all_targets() if t.language is not None]
+
+
+def plan_for(graph, device: str, *, simplify: bool = False):
+    """`graph` through `device`'s passes, by default without simplify (a test compiles exactly
+    the graph it built)."""
+    import ember.runtime
+    from ember.passes.pipeline import run_passes
+    passes = ember.runtime.target(device).passes()
+    return run_passes(graph, passes if simplify else [p for p in passes if p[0] != "simplify"])
+
+
+def run_compiled(graph, device: str, inputs: dict, params: dict | None = None) -> tuple[object, dict]:
+    """Plans `graph` for `device`, runs it once on `inputs`; returns (plan, outputs as NumPy arrays)."""
+    import ember.runtime
+    target = ember.runtime.target(device)
+    planned = plan_for(graph, device)
+    storage = target.storage()
+    for k, v in (params or {}).items():
+        storage.add(k, np.ascontiguousarray(v).copy())
+    out = target.executor(planned, storage)(inputs)
+    return planned, {k: (v.get() if hasattr(v, "get") else np.asarray(v)) for k, v in out.items()}

@@ -11,7 +11,7 @@ from ember.ir import TensorType, run
 from ember.passes import optimizer as passes_optimizer
 from ember.passes.autodiff import grad
 from ember.passes.simplify import simplify
-from ember.runtime.executor import ReferenceExecutor, Storage, check_inputs
+from ember.runtime.executor import HostStorage, ReferenceExecutor, check_inputs
 
 torch.set_num_threads(2)
 
@@ -169,13 +169,13 @@ def test_reference_executor_writes_updates_in_place() -> None:
     g.set_output("out", g.add("add", [a, b]))
     arrays = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([3.0, 4.0], np.float32)}
     held = dict(arrays)
-    ex = ReferenceExecutor(g, Storage(arrays))
+    ex = ReferenceExecutor(g, HostStorage(arrays))
     out = ex({})
     np.testing.assert_array_equal(out["out"], [4.0, 6.0])
     np.testing.assert_array_equal(held["a"], [3.0, 4.0])
     np.testing.assert_array_equal(held["b"], [1.0, 2.0])
     with pytest.raises(KeyError, match="holds no parameter 'a'"):
-        ReferenceExecutor(g, Storage({"b": np.zeros(2, np.float32)}))
+        ReferenceExecutor(g, HostStorage({"b": np.zeros(2, np.float32)}))
 
 
 def test_compile_dumps_every_pass(tmp_path) -> None:

@@ -1,0 +1,185 @@
+"""CUDA for the `cuda` target: the op spelling table and the step renderer.
+
+One CUDA translation unit per step holds every kernel (compiled once with NVRTC by the runtime);
+the step is the ordered list of launches, which the runtime captures into one CUDA graph.
+Pointwise and reduction kernels are the target-neutral lowering (`lowering.py`) spelled with
+`SPELLING`: a pointwise kernel is one thread an element; a reduction is one thread an output
+when the reduced extent is short, else one block an output with a fixed shared-memory tree, so
+results are deterministic (no atomics). Contractions come from the templates in `cuda_kernels`.
+Arguments are named buffers (graph nodes, or a kernel's scratch block), resolved to device
+pointers by the runtime; codegen never allocates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from ember.ir import Graph, KernelSpec
+
+from . import cuda_kernels
+from .lowering import Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
+
+ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cuda"),
+                         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+THREADS = 256
+PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output
+
+SPELLING = Spelling("CUDA", {
+    "neg": "(-{0})", "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})",
+    "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
+    "tanh": "em_tanh({0})", "abs": "em_abs({0})", "stop_gradient": "{0}",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "floordiv": "em_floordiv({0}, {1})",
+    "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
+    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "cast": "static_cast<{ctype}>({0})", "where": "({0} ? {1} : {2})",
+    "one_hot": "static_cast<{ctype}>({0} == {1})",
+    "lowest": "em_lowest<{ctype}>()",
+}, c_literal)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One launch of the step: a function of the module, its geometry, and its arguments as
+    buffer references: ("node", id) for a graph value, ("scratch", id) for a kernel's scratch."""
+    function: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    args: tuple[tuple[str, int], ...]
+    kernel: str  # the fused node's kernel name, for profiles and errors
+
+
+@dataclass
+class CudaStepSource:
+    code: str
+    launches: list[LaunchArgs]
+    arena_bytes: int
+    kernels: list[tuple[str, str, list[str]]] = field(default_factory=list)  # (name, spec, implements)
+
+
+def _signature(sub: Graph) -> str:
+    params = [f"const {sub.type(n).dtype.ctype}* __restrict__ {name}" for name, n in sub.inputs.items()]
+    params.append(f"{sub.type(sub.outputs['out']).dtype.ctype}* out")
+    return ", ".join(params)
+
+
+def _index_type(sub: Graph) -> str:
+    # 64-bit division costs tens of instructions on a GPU; the index arithmetic of a kernel whose
+    # tensors all have fewer than 2**31 elements is done in 32 bits.
+    return "int" if max_elements(sub) < 2**31 else "int64_t"
+
+
+def render_pointwise(name: str, sub: Graph) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    t = sub.type(sub.outputs["out"])
+    index = _index_type(sub)
+    low = lower_pointwise(sub, SPELLING, index_type=index)
+    code = ENV.get_template("pointwise.j2").render(name=name, numel=low.numel, out_type=str(t), params=_signature(sub),
+                                                   body=low.body, result=low.result, threads=THREADS, index=index)
+    return code, (math.ceil(low.numel / THREADS), 1, 1), (THREADS, 1, 1)
+
+
+def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
+    """Loop variables of nested reduction loops recovered from one flat counter `flat`."""
+    lines, inner = [], 1
+    for var, size in reversed(loops):
+        div = f"flat / {inner}" if inner > 1 else "flat"
+        lines.insert(0, f"const {index} {var} = ({div}) % {size};" if var != loops[0][0] else f"const {index} {var} = {div};")
+        inner *= size
+    return lines
+
+
+def render_reduction(name: str, sub: Graph, core: int) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    t = sub.type(sub.outputs["out"])
+    index = _index_type(sub)
+    low = lower_reduction(sub, core, SPELLING, index_type=index)
+    per_thread = low.reduced <= PER_THREAD_MAX
+    flat_index = low.loops[0][0] if low.loops else "0"  # argmax runs one flat loop
+    # A block an output walks the reduced elements either as nested loops with the innermost
+    # (contiguous, where the layout allows) split across the threads, which needs no division
+    # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
+    # counter divided back into loop variables.
+    nested = low.op != "argmax" and len(low.loops) > 0 and low.loops[-1][1] >= THREADS // 2
+    code = ENV.get_template("reduction.j2").render(
+        name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
+        params=_signature(sub), prologue=low.prologue, value=low.value, epilogue=low.epilogue, result=low.result,
+        acc_type=low.acc_type, init=reduction_init(low, SPELLING), per_thread=per_thread, threads=THREADS,
+        loop_vars=_flat_loop_vars(low.loops, index), flat_index=flat_index, index=index, nested=nested)
+    grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else (low.outputs, 1, 1)
+    return code, grid, (THREADS, 1, 1)
+
+
+def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
+    """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
+    core = sub.attrs(spec.core)
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    bias = "bias" in spec.epilogues
+    relu = "relu" in spec.epilogues
+    inputs = {role: f"in{i}" for role, i in spec.roles}
+    if spec.kind == "conv2d":
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
+        k = cuda_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
+                                               padding=core["padding"], bias=bias, relu=relu)
+    elif spec.kind == "conv2d_grad_input":
+        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
+        k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
+                                                  stride=core["stride"], padding=core["padding"])
+    elif spec.kind == "conv2d_grad_weight":
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
+        k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
+                                                   padding=core["padding"], bias=False)
+    elif spec.kind == "matmul":
+        if a_t.shape[:-2] != b_t.shape[:-2]:
+            raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "
+                                      f"templates do not support yet; broadcast_to the operands first")
+        *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
+        k = cuda_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=kk, trans_a=spec.param("trans_a"),
+                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu)
+    else:
+        raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
+    return k, {**inputs, "out": "out"}
+
+
+def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
+    """Scratch bytes the CUDA kernel of this spec needs (the target record's `kernel_scratch`)."""
+    if spec.template is None:
+        return 0
+    return render_contraction(sub.name, sub, spec)[0].scratch_bytes
+
+
+def render_step(graph: Graph) -> CudaStepSource:
+    """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order."""
+    parts = [ENV.get_template("prelude.j2").render()]
+    launches: list[LaunchArgs] = []
+    kernels = []
+    for n in graph.meta["schedule"]:
+        if graph.op(n) != "fused":
+            continue
+        spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+        name = sub.name
+        operands = graph.operands(n)
+        node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {"out": ("node", n)}
+        implements = graph.notes(n).get("implements", [])
+        header = f"// ---- {name}: {spec.describe()} -> {graph.type(n)}\n" + "".join(f"//   implements {line}\n" for line in implements)
+        if spec.kind in ("pointwise", "reduction"):
+            if spec.kind == "pointwise":
+                code, grid, block = render_pointwise(name, sub)
+            else:
+                code, grid, block = render_reduction(name, sub, spec.core)
+            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + (node_of["out"],)
+            launches.append(LaunchArgs(name, grid, block, 0, args, name))
+        else:
+            kernel, roles = render_contraction(name, sub, spec)
+            if kernel.scratch_bytes != spec.scratch_bytes:
+                raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
+                                     f"the plan reserved {spec.scratch_bytes}")
+            code = kernel.code
+            for launch in kernel.launches:
+                args = tuple(("scratch", n) if r == "scratch" else node_of[roles[r]] for r in launch.args)
+                launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name))
+        parts.append(header + code)
+        kernels.append((name, spec.describe(), implements))
+    return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels)

@@ -1,0 +1,199 @@
+"""`ember bench --device cuda`: ember's compiled CUDA step against PyTorch on the same GPU, in one
+process and one run: PyTorch eager and PyTorch with the whole step captured in one CUDA graph
+(the fastest PyTorch we know; `torch_mnist.py --mode cudagraph` does the same), float32 with TF32
+off unless asked. Data lives on the device for every system (a batch is a slice, no host copy).
+
+Each system runs blocks of steps in turn (interleaved rounds, so drift hits all alike); a block's
+time is taken with CUDA events around `block` steps without reading the loss, and the figure is
+the median over blocks of the time per step.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import numpy as np
+
+from . import nn, optim
+from .compile import compile as ember_compile
+from .train import MODELS, build_model
+
+FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet fp32 (non-tensor) rate: the scale for "% of peak"
+
+
+def _torch_model(name: str):
+    import torch.nn as tnn
+    if name == "cnn":
+        return tnn.Sequential(tnn.Conv2d(1, 16, 3), tnn.ReLU(), tnn.Conv2d(16, 32, 3), tnn.ReLU(), tnn.Flatten(),
+                              tnn.Linear(18432, 10))
+    return tnn.Sequential(tnn.Linear(784, 30), tnn.Sigmoid(), tnn.Linear(30, 10))
+
+
+def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) -> list[tuple[str, Callable]]:
+    import torch
+    import torch.nn.functional as tF
+    systems = []
+    for mode in ("torch-eager", "torch-cudagraph"):
+        model = _torch_model(name)
+        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
+        model = model.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+        def eager(x, y, model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            loss = tF.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        if mode == "torch-eager":
+            systems.append((mode, eager))
+            continue
+        static_x, static_y = x0.clone(), y0.clone()
+        saved = [p.detach().clone() for p in model.parameters()]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):  # warm-up (handles, autograd), undone below
+                eager(static_x, static_y)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), saved):
+                p.copy_(v)
+        opt.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = tF.cross_entropy(model(static_x), static_y)
+            static_loss.backward()
+            opt.step()
+
+        def replay(x, y, graph=graph, sx=static_x, sy=static_y, sl=static_loss):
+            sx.copy_(x)
+            sy.copy_(y)
+            graph.replay()
+            return sl
+
+        systems.append((mode, replay))
+    return systems
+
+
+def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, rounds: int = 5, lr: float = 0.05,
+                   tf32: bool = False, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    import cupy as cp
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        torch, have_torch = None, False
+    if have_torch:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    report: dict[str, Any] = {"device": "cuda", "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                              "tf32": tf32, "rows": []}
+    for name in models:
+        for batch in batches:
+            shape = (batch, 784) if MODELS[name][1] else (batch, 1, 28, 28)
+            rng = np.random.default_rng(seed)
+            nb = 8
+            xs_host = rng.random((nb, *shape), dtype=np.float32)
+            ys_host = rng.integers(0, 10, (nb, batch)).astype(np.int64)
+            init = build_model(name, seed).state_dict()
+            model = build_model(name, seed)
+            step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=(xs_host[0], ys_host[0]),
+                                 device="cuda")
+            xs, ys = cp.asarray(xs_host), cp.asarray(ys_host)
+            systems: list[tuple[str, Callable]] = [("ember-cuda", lambda i: step.run(xs[i % nb], ys[i % nb]))]
+            if have_torch:
+                txs, tys = torch.from_numpy(xs_host).cuda(), torch.from_numpy(ys_host).cuda()
+                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0]):
+                    systems.append((mode, lambda i, fn=fn: fn(txs[i % nb], tys[i % nb])))
+            times: dict[str, list[float]] = {s: [] for s, _ in systems}
+            per_block = max(1, steps // rounds)
+            for fn_name, fn in systems:  # warm-up: compile, capture, caches
+                for i in range(20):
+                    fn(i)
+            cp.cuda.Device().synchronize()
+            for r in range(rounds):
+                for sys_name, fn in systems:
+                    start, stop = cp.cuda.Event(), cp.cuda.Event()
+                    cp.cuda.Device().synchronize()
+                    start.record(cp.cuda.get_current_stream())
+                    for i in range(per_block):
+                        fn(i)
+                    if have_torch:
+                        torch.cuda.synchronize()
+                    cp.cuda.Device().synchronize()
+                    stop.record(cp.cuda.get_current_stream())
+                    stop.synchronize()
+                    times[sys_name].append(cp.cuda.get_elapsed_time(start, stop) / per_block)
+            ember_ms = statistics.median(times["ember-cuda"])
+            for sys_name, ts in times.items():
+                ms = statistics.median(ts)
+                row = {"model": name, "batch": batch, "system": sys_name, "ms_per_step": ms,
+                       "samples_per_s": batch / ms * 1e3, "ember_over_this": ember_ms / ms}
+                report["rows"].append(row)
+                log(f"{name:4} batch {batch:5} {sys_name:16} {ms * 1e3:9.1f} us/step {batch / ms * 1e3:12.0f} samples/s "
+                    f"ember/this {ember_ms / ms:6.3f}")
+            report.setdefault("kernels", {})[f"{name}-{batch}"] = kernel_profile(step)
+    return report
+
+
+def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
+    """Each launch of the training step timed alone with CUDA events (median of `repeats`), with its
+    achieved share of fp32 peak where it is a contraction."""
+    import cupy as cp
+    executor = step._steps[step._example][1]
+    graph = executor.graph
+    flops = {}
+    for n in graph.g:
+        if graph.op(n) == "fused":
+            spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+            if spec.template is not None:
+                a, b = (sub.type(o) for o in sub.operands(spec.core))
+                out = sub.type(spec.core)
+                if spec.kind == "matmul":
+                    k = a.shape[-1]
+                elif spec.kind == "conv2d":
+                    k = int(np.prod(b.shape[1:]))
+                elif spec.kind == "conv2d_grad_input":
+                    k = b.shape[0] * b.shape[2] * b.shape[3]
+                else:
+                    k = a.shape[0] * b.shape[2] * b.shape[3]
+                flops[sub.name] = 2 * out.numel * k
+    rows = []
+    for fn, grid, block, shared, args in executor._launches:
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        ts = []
+        for _ in range(repeats):
+            start.record()
+            fn(grid, block, args, shared_mem=shared)
+            stop.record()
+            stop.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+        rows.append({"launch": fn.name if hasattr(fn, "name") else str(fn), "us": statistics.median(ts)})
+    names = [la.kernel for la in executor.source.launches]
+    for row, kernel in zip(rows, names):
+        row["kernel"] = kernel
+    by_kernel: dict[str, float] = {}
+    for row in rows:
+        by_kernel[row["kernel"]] = by_kernel.get(row["kernel"], 0.0) + row["us"]
+    out = []
+    for kernel, us in by_kernel.items():
+        pct = 100 * flops[kernel] / (us * 1e-6) / (FP32_PEAK_TFLOPS * 1e12) if kernel in flops else None
+        out.append({"kernel": kernel, "us": us, "pct_fp32_peak": pct})
+    return out
+
+
+def format_cuda_report(report: dict[str, Any]) -> str:
+    lines = [f"device=cuda ({report['gpu']}), float32, TF32 {'on' if report['tf32'] else 'off'}",
+             f"{'model':5} {'batch':>5} {'system':16} {'us/step':>9} {'samples/s':>12} {'ember/this':>10}"]
+    for r in report["rows"]:
+        lines.append(f"{r['model']:5} {r['batch']:5} {r['system']:16} {r['ms_per_step'] * 1e3:9.1f} "
+                     f"{r['samples_per_s']:12.0f} {r['ember_over_this']:10.3f}")
+    for key, kernels in report.get("kernels", {}).items():
+        total = sum(k["us"] for k in kernels)
+        lines.append(f"\n{key}: {len(kernels)} kernels, {total:.1f} us if run back to back (each timed alone)")
+        for k in sorted(kernels, key=lambda k: -k["us"]):
+            pct = f"{k['pct_fp32_peak']:5.1f}% fp32 peak" if k["pct_fp32_peak"] is not None else ""
+            lines.append(f"  {k['kernel']:28} {k['us']:8.1f} us  {pct}")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""`ember kernels`: write every generated source of a model's training and inference steps.
+
+    ember kernels --model cnn --device cuda --out DIR
+
+Runs the device's passes and code generator only (no compiler, no GPU), so the CUDA sources can
+be written and checked (`nvcc -cubin -arch=sm_90`) on a machine without a GPU, as CI does. Writes
+`DIR/<step>.<ext>` (the step's source), `DIR/<step>.txt` (the graph after every pass) for the
+training step and the inference step, and prints one line per file.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from ember.ir import format_graph
+from ember.runtime import target as get_target
+from ember.runtime import target_names
+
+from . import nn
+from .compile import plan
+from .train import MODELS, build_model, make_optimizer
+
+EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
+
+
+def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64) -> list[Path]:
+    """Writes the sources of `model_name`'s steps for `device` under `out`; returns the paths."""
+    import numpy as np
+    target = get_target(device)
+    if target.source is None:
+        raise ValueError(f"device {device!r} generates no source code (it interprets the graph)")
+    model = build_model(model_name)
+    shape = (batch_size, 784) if MODELS[model_name][1] else (batch_size, 1, 28, 28)
+    example = (np.zeros(shape, np.float32), np.zeros(batch_size, np.int64))
+    graphs = plan(model, nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example, device=device)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for step, graph in graphs.items():
+        source = out / f"{model_name}-{step}{EXTENSIONS.get(target.language or '', '.txt')}"
+        source.write_text(target.source(graph))
+        text = out / f"{model_name}-{step}.txt"
+        text.write_text(format_graph(graph, show_notes=True) + "\n")
+        written += [source, text]
+    return written
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--device", choices=target_names(), default="cpu")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the sources (created)")
+
+
+def main(args: Any) -> int:
+    if args.batch_size < 1:
+        print(f"ember kernels: error: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
+        return 2
+    try:
+        for path in write_kernels(args.model, args.device, Path(args.out), args.batch_size):
+            print(path)
+    except (ValueError, OSError) as exc:
+        print(f"ember kernels: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,78 @@
+"""`KernelSpec`: the typed kernel plan that fusion writes on every `fused` node.
+
+Fusion decides what a kernel computes; codegen decides how to spell it. The spec is the whole
+contract between the two: the kind of kernel, which template (if any) implements it, the role
+of each operand, the epilogues and prologues folded into it, the layouts it reads and writes, its
+outputs, and the scratch memory it needs (set by the target's kernel selection before memory
+planning, so the arena covers everything). It is frozen: a pass that changes a decision makes a
+new spec with `dataclasses.replace`. The verifier checks it against the fused node's subgraph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Kinds a fused node may have. Contractions are implemented by templates; pointwise and
+# reduction kernels are generated from their subgraphs.
+CONTRACTIONS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul")
+GENERATED = ("pointwise", "reduction")
+KERNEL_KINDS = GENERATED + CONTRACTIONS
+EPILOGUES = ("bias", "relu")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str
+    #: the subgraph node the kernel is built around (the contraction, or the reduction); None for pointwise
+    core: int | None = None
+    #: contraction template name (the kind, for contractions); None for generated kernels
+    template: str | None = None
+    #: (role, subgraph input index) pairs, e.g. (("a", 0), ("b", 1), ("bias", 2))
+    roles: tuple[tuple[str, int], ...] = ()
+    epilogues: tuple[str, ...] = ()
+    prologues: tuple[str, ...] = ()
+    #: (name, value) pairs of template parameters, e.g. (("trans_a", False), ("trans_b", True))
+    params: tuple[tuple[str, Any], ...] = ()
+    #: memory layout per operand then per output ("row-major" for now: the user's NCHW/OIHW)
+    layouts: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ("out",)
+    scratch_bytes: int = 0
+
+    def role(self, name: str) -> int | None:
+        """The subgraph input index that plays `name`, or None."""
+        return dict(self.roles).get(name)
+
+    def param(self, name: str, default: Any = None) -> Any:
+        return dict(self.params).get(name, default)
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        """One line for the printer and kernel headers: `matmul[trans_b] +bias +relu`."""
+        flags = [k for k, v in self.params if v is True]
+        text = self.kind + (f"[{','.join(flags)}]" if flags else "")
+        text += "".join(f" +{e}" for e in self.epilogues)
+        return text + (f" scratch={self.scratch_bytes}" if self.scratch_bytes else "")
+
+    def check(self, n_operands: int, sub_nodes: Any, outputs: Any) -> str | None:
+        """A reason this spec cannot describe a fused node with these operands/subgraph, or None."""
+        if self.kind not in KERNEL_KINDS:
+            return f"unknown kernel kind {self.kind!r} (known: {', '.join(KERNEL_KINDS)})"
+        if self.kind in CONTRACTIONS and self.template is None:
+            return f"{self.kind} kernel names no template"
+        if self.kind != "pointwise" and self.core is None:
+            return f"{self.kind} kernel names no core node"
+        if self.core is not None and self.core not in sub_nodes:
+            return f"core %{self.core} is not a node of the kernel's subgraph"
+        for role, index in self.roles:
+            if not 0 <= index < n_operands:
+                return f"role {role!r} names operand {index}, but the kernel has {n_operands}"
+        for e in self.epilogues:
+            if e not in EPILOGUES:
+                return f"unknown epilogue {e!r}"
+        if tuple(outputs) != self.outputs:
+            return f"outputs {self.outputs} do not match the subgraph's {tuple(outputs)}"
+        if self.scratch_bytes < 0:
+            return "negative scratch size"
+        return None

@@ -1,0 +1,99 @@
+"""The target registry: one record per backend, the only place a backend's choices live.
+
+A `Target` says what a backend is: its name, the passes it runs after autodiff and the optimizer,
+what its fusion may do (`FusionCaps`), its buffer alignment, how big each kernel's scratch block is
+(`kernel_scratch`, asked before memory planning so the arena covers a step's whole memory), which
+spelling table its code generator uses, and the runtime factories (executor, storage). Passes read
+a record's data and never import a backend; each backend's runtime module builds its record and
+calls `register`; frontends only query (`get`, `names`). So the CLI's `--device` choices, the
+benchmarks and backend-parametrised tests follow from what is registered here.
+
+Adding a backend: `codegen/<target>/` (spellings, wrapper, templates), `runtime/<target>.py`
+(executor, storage, and the one `register(Target(...))` call), and its module name in
+`ember.runtime.BACKENDS` so it is registered on import.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.ir import Graph, KernelSpec
+
+Pass = Callable[[Graph], Graph]
+
+
+@dataclass(frozen=True)
+class FusionCaps:
+    """What the fusion pass may produce for a target (Inductor asks its backend the same questions)."""
+    #: kernel kinds the backend can emit; contractions absent here are refused by fusion, not codegen
+    kinds: frozenset[str] = frozenset({"pointwise", "reduction", "conv2d", "conv2d_grad_input",
+                                       "conv2d_grad_weight", "matmul"})
+    #: contraction kind -> epilogues its template accepts
+    epilogues: dict[str, frozenset[str]] = field(default_factory=lambda: {
+        "conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu"})})
+    #: contraction kind -> prologues its template accepts (none yet)
+    prologues: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: whether one fused node may write several outputs
+    multi_output: bool = False
+
+    def can_fuse_epilogue(self, kind: str, epilogue: str) -> bool:
+        return epilogue in self.epilogues.get(kind, frozenset())
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    #: one line for `--help` and error messages
+    description: str
+    #: (name, pass) pairs run after autodiff and the optimizer; built from the record by `passes()`
+    pipeline: Callable[["Target"], Sequence[tuple[str, Pass]]]
+    fusion: FusionCaps = field(default_factory=FusionCaps)
+    #: byte alignment of every planned buffer
+    alignment: int = 64
+    #: (fused subgraph, spec) -> scratch bytes its kernel needs; None: kernels need none
+    kernel_scratch: Callable[[Graph, KernelSpec], int] | None = None
+    #: name of the codegen spelling table the target's generated kernels use ("cpp", "cuda"), or None
+    language: str | None = None
+    #: planned graph -> the source code its step compiles (for dumps and `ember kernels`), or None
+    source: Callable[[Graph], str] | None = None
+    #: runtime factories, registered by the backend's runtime module
+    executor: Callable[..., Any] | None = None
+    storage: Callable[..., Any] | None = None
+    #: (device?) -> None or raises a one-line error when the target cannot run here (no GPU, ...)
+    available: Callable[[], None] | None = None
+
+    def passes(self) -> list[tuple[str, Pass]]:
+        """A fresh list: callers may append to it without changing the record."""
+        return list(self.pipeline(self))
+
+
+_TARGETS: dict[str, Target] = {}
+
+
+def register(target: Target, *, replace: bool = False) -> Target:
+    """Adds `target` to the registry (a second record under one name needs `replace=True`)."""
+    if target.name in _TARGETS and not replace:
+        raise ValueError(f"target {target.name!r} is already registered")
+    _TARGETS[target.name] = target
+    return target
+
+
+def unregister(name: str) -> None:
+    _TARGETS.pop(name, None)
+
+
+def get(name: str) -> Target:
+    try:
+        return _TARGETS[name]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; available: {', '.join(names())}") from None
+
+
+def names() -> list[str]:
+    """Registered target names, in registration order (reference first)."""
+    return list(_TARGETS)
+
+
+def all_targets() -> list[Target]:
+    return list(_TARGETS.values())

@@ -1,0 +1,228 @@
+"""The CUDA target: its registry record, device storage, and the executor (NVRTC module through
+CuPy, the whole step captured once into a CUDA graph and replayed per batch).
+
+CuPy is imported only when a CUDA step is built or a device storage is made, so this module (and
+the `cuda` record: its passes, kernel selection and code generation) works without a GPU, which
+is how `ember kernels --device cuda` writes sources for CI to compile with nvcc.
+
+The executor owns one device arena laid out by the memory plan: the step's input buffers, every
+intermediate and every kernel's scratch. A call copies each argument into its fixed input buffer
+(from host memory, or device to device for a CuPy array), replays the graph on the step's stream,
+and returns the outputs as device arrays (copies), so nothing is read back to the host unless the
+caller asks. Parameters and optimizer state live in `DeviceStorage`; updates that were not written
+in place are copied into it inside the graph.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.codegen import cuda as cuda_codegen
+from ember.ir import Graph, TensorType
+from ember.passes import pipeline, targets
+
+from .executor import Storage, check_inputs
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("device 'cuda' needs CuPy: pip install 'ember[cuda13]' (or 'ember[cuda12]' for CUDA 12)") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy raises its own CUDARuntimeError when no driver is present
+        raise RuntimeError(f"device 'cuda' found no usable NVIDIA GPU ({type(exc).__name__}: {exc})") from None
+    if count < 1:
+        raise RuntimeError("device 'cuda' found no NVIDIA GPU")
+    return cupy
+
+
+def check_available() -> None:
+    """Raises a one-line RuntimeError when this process cannot run CUDA steps."""
+    _cupy()
+
+
+class DeviceStorage(Storage):
+    """Parameters and optimizer state as CuPy arrays on the current GPU; host copies only on request."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray] | None = None) -> None:
+        self._cp = _cupy()
+        self._arrays: dict[str, Any] = {}
+        for name, a in (arrays or {}).items():
+            self.add(name, a)
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name in self._arrays:
+            raise KeyError(f"storage already holds {name!r}")
+        self._arrays[name] = self._cp.asarray(np.ascontiguousarray(array))
+
+    def device_array(self, name: str) -> Any:
+        return self._arrays[name]
+
+    def read(self, name: str) -> np.ndarray:
+        return self._arrays[name].get()
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        target = self._arrays[name]
+        if np.shape(value) != target.shape:
+            raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
+        if isinstance(value, self._cp.ndarray):
+            self._cp.copyto(target, value.astype(target.dtype, copy=False))
+        else:
+            target.set(np.ascontiguousarray(value, dtype=target.dtype))
+
+    def type_of(self, name: str) -> TensorType:
+        a = self._arrays[name]
+        return TensorType.of(np.empty(a.shape, a.dtype))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+def _arch(cp: Any) -> str:
+    return f"sm_{cp.cuda.Device().compute_capability}"  # CuPy gives "90" for compute capability 9.0
+
+
+class CudaExecutor:
+    """One compiled CUDA step of a fused, memory-planned graph, bound to a `DeviceStorage`."""
+
+    def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
+                 profile: bool | None = None) -> None:
+        cp = self._cp = _cupy()
+        storage.check(graph)
+        if not isinstance(storage, DeviceStorage):
+            raise TypeError(f"the cuda executor needs a DeviceStorage, got {type(storage).__name__}")
+        self.graph, self.storage = graph, storage
+        self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
+        t0 = time.perf_counter()
+        self.source = cuda_codegen.render_step(graph)
+        self.arch = _arch(cp)
+        options = ("-std=c++17", f"-arch={self.arch}")
+        if dump_dir is not None:
+            out = Path(dump_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{name}.cu").write_text(self.source.code)
+            (out / f"{name}.nvrtc_options").write_text(" ".join(options) + "\n")
+        # CuPy caches the compiled module on disk keyed by source, options, architecture and
+        # CUDA version; ember keeps that cache under its own cache directory.
+        os.environ.setdefault("CUPY_CACHE_DIR", str(Path(os.environ.get("EMBER_CACHE_DIR") or
+                                                         Path.home() / ".cache" / "ember") / "cupy"))
+        self.module = cp.RawModule(code=self.source.code, options=options)
+        self.functions = {la.function: self.module.get_function(la.function) for la in self.source.launches}
+        self.compile_seconds = time.perf_counter() - t0
+        self.arena = cp.zeros(max(self.source.arena_bytes, 256), dtype=cp.uint8)
+        self.peak_bytes = self.source.arena_bytes
+        self._constants = {n: cp.asarray(np.ascontiguousarray(graph.attrs(n)["value"]))
+                           for n in graph.g if graph.notes(n).get("storage") == "constant"}
+        self._inputs = {k: self._view(n) for k, n in graph.inputs.items()}
+        self._outputs = {k: self._view(n) for k, n in graph.outputs.items()}
+        self._copy_updates = [(storage.device_array(k), self._view(n)) for k, n in graph.updates.items()
+                              if graph.notes(n).get("storage") not in ("parameter", "state")
+                              or graph.notes(n).get("name") != k]
+        self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
+                           tuple(self._arg(a) for a in la.args)) for la in self.source.launches]
+        # A blocking stream: work on the legacy default stream (where CuPy's `get()` and a user's
+        # own CuPy calls run) waits for the step, so reading the loss later needs no explicit sync.
+        self.stream = cp.cuda.Stream(non_blocking=False)
+        self._graph = None
+        self.profile = bool(profile)
+
+    def _view(self, n: int) -> Any:
+        notes, t = self.graph.notes(n), self.graph.type(n)
+        storage = notes["storage"]
+        if storage == "alias":
+            return self._view(notes["alias_of"]).reshape(t.shape)
+        if storage in ("arena", "input"):
+            off = notes["offset"]
+            return self.arena[off:off + t.nbytes].view(t.dtype.numpy).reshape(t.shape)
+        if storage == "constant":
+            return self._constants[n]
+        return self.storage.device_array(notes["name"])
+
+    def _arg(self, ref: tuple[str, int]) -> Any:
+        kind, n = ref
+        if kind == "scratch":
+            off = self.graph.notes(n)["scratch_offset"]
+            return self.arena[off:off + self.graph.attrs(n)["kernel"].scratch_bytes]
+        return self._view(n)
+
+    def _launch_all(self) -> None:
+        for fn, grid, block, shared, args in self._launches:
+            fn(grid, block, args, shared_mem=shared)
+        for dst, src in self._copy_updates:
+            dst[...] = src
+
+    def _replay(self) -> None:
+        """The first call runs the launches eagerly (loading the module), the second captures them
+        into a CUDA graph; every later call replays that graph."""
+        with self.stream:
+            if self._graph is not None:
+                self._graph.launch(self.stream)
+                return
+            if getattr(self, "_warm", False):
+                self.stream.begin_capture()
+                try:
+                    self._launch_all()
+                finally:
+                    self._graph = self.stream.end_capture()
+                self._graph.launch(self.stream)
+            else:
+                self._launch_all()
+                self._warm = True
+
+    def run_eager(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """One step with plain launches (no graph): for tests that compare replay with launches."""
+        self._load(inputs)
+        with self.stream:
+            self._launch_all()
+        return {k: v.copy() for k, v in self._outputs.items()}
+
+    def _load(self, inputs: Mapping[str, Any]) -> None:
+        cp = self._cp
+        if len(inputs) != len(self._inputs):
+            check_inputs(self.signature, inputs)
+        for name, buffer in self._inputs.items():
+            value = inputs.get(name)
+            if isinstance(value, cp.ndarray):
+                if value.shape != buffer.shape or value.dtype != buffer.dtype:
+                    raise TypeError(f"input {name!r}: expected {self.signature[name]}, got a device array "
+                                    f"{value.dtype}{list(value.shape)}")
+                with self.stream:
+                    cp.copyto(buffer, value)
+                continue
+            if type(value) is not np.ndarray or value.shape != buffer.shape or value.dtype != buffer.dtype:
+                value = check_inputs(self.signature, inputs)[name]
+            buffer.set(np.ascontiguousarray(value), stream=self.stream)
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        self._load(inputs)
+        self._replay()
+        with self.stream:
+            return {k: v.copy() for k, v in self._outputs.items()}
+
+
+TARGET = targets.register(targets.Target(
+    name="cuda",
+    description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
+    pipeline=pipeline.kernels,
+    fusion=targets.FusionCaps(),
+    alignment=256,
+    kernel_scratch=cuda_codegen.kernel_scratch,
+    language="cuda",
+    source=lambda graph: cuda_codegen.render_step(graph).code,
+    executor=CudaExecutor,
+    storage=DeviceStorage,
+    available=check_available,
+))
