@@ -94,17 +94,26 @@ class CpuExecutor:
         return self.storage[notes["name"]]
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = inputs if len(inputs) == len(self._input_slots) else check_inputs(self.signature, inputs)
-        for slot, name, shape, dtype in self._input_slots:
-            a = inputs.get(name)
-            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
-                arrays = check_inputs(self.signature, inputs)  # the slow path raises the clear error
-                a = arrays[name]
-            self._ext[slot] = a.ctypes.data
+        arrays = self._arrays(inputs)
+        # `arrays` holds every buffer whose address goes to the compiled code: a contiguous copy
+        # made for one input must outlive the call, or C++ reads freed memory.
+        for slot, name, _, _ in self._input_slots:
+            self._ext[slot] = arrays[name].ctypes.data
         self.lib.ember_step(*self._args)
         for name, view in self._copy_updates:
             np.copyto(self.storage[name], view.get(arrays) if isinstance(view, _InputRef) else view)
         return {k: (v.get(arrays) if isinstance(v, _InputRef) else v).copy() for k, v in self._outputs.items()}
+
+    def _arrays(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The call's inputs as C-contiguous arrays of the compiled types, all held at once."""
+        if len(inputs) == len(self._input_slots):
+            for _, name, shape, dtype in self._input_slots:
+                a = inputs.get(name)
+                if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+                    break
+            else:
+                return inputs  # per-batch fast path: nothing to convert
+        return check_inputs(self.signature, inputs)  # converts, or raises the clear error
 
 
 class _InputRef:
