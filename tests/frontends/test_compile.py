@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
+
 from ember.frontends import compile, nn, optim, spec, trace
 from ember.ir import TensorType, run
 from ember.passes import optimizer as passes_optimizer
@@ -13,7 +15,12 @@ from ember.passes.autodiff import grad
 from ember.passes.simplify import simplify
 from ember.runtime.executor import ReferenceExecutor, Storage, check_inputs
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(2):  # this module's figures were measured with 2; restored after it
+        yield
 
 
 def _torch_cnn(c1: int = 16, c2: int = 32, flat: int = 18432) -> torch.nn.Sequential:

@@ -14,7 +14,7 @@ from ember.frontends.checkpoint import load_checkpoint
 from ember.frontends.metrics import MetricsError, read_metrics
 from ember.frontends.train import Trainer, build_model, make_optimizer
 
-from models import MNIST_DIR
+from conftest import require_mnist
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LIMIT = 12  # steps per epoch
@@ -22,9 +22,7 @@ LIMIT = 12  # steps per epoch
 
 @pytest.fixture(scope="module")
 def mnist_dir():
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip(f"MNIST not found at {MNIST_DIR}")
-    return str(MNIST_DIR)
+    return str(require_mnist())
 
 
 def _mnist(tmp_path, mnist_dir, *extra: str, metrics: str = "m.jsonl") -> int:

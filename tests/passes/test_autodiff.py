@@ -10,10 +10,17 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
+
 from ember.ir import OPS, Graph, TensorType, float32, float64, run
 from ember.passes.autodiff import VJP_RULES, grad, missing_rules
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(2):  # this module's figures were measured with 2; restored after it
+        yield
 
 Gen = Callable[[np.random.Generator], tuple[list[np.ndarray], dict]]
 

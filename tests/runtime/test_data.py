@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ember.runtime import data as D
+from conftest import require_mnist
 from ember.runtime.data import (
     ChecksumError, DataLoader, DownloadError, IDXError, MNIST_FILES, ensure_mnist,
     load_mnist, read_idx, write_idx,
@@ -160,13 +161,12 @@ def test_default_data_dir(monkeypatch, tmp_path):
     assert D.default_data_dir() == Path.home() / ".cache" / "ember" / "mnist"
 
 
-needs_mnist = pytest.mark.skipif(not MNIST_DIR.is_dir(),
-                                 reason=f"MNIST data folder {MNIST_DIR} is absent")
+needs_mnist = pytest.mark.usefixtures("mnist_dir")  # skips without the files; fails under CI=true
 
 
 @pytest.fixture(scope="module")
 def real_train():
-    return load_mnist(MNIST_DIR, "train")
+    return load_mnist(require_mnist(), "train")
 
 
 @needs_mnist
