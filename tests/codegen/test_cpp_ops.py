@@ -195,3 +195,20 @@ def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():
     assert np.abs(got[subnormal] - want[subnormal]).max() <= 2e-45
     assert np.isnan(got[-5]) and got[-4] == np.inf and got[-3] == 0.0 and got[-2] == 1.0 and got[-1] == 1.0
     assert np.all(np.isinf(got[(xs > 88.73) & np.isfinite(xs)]))
+
+
+@pytest.mark.parametrize("src,mid,out", [
+    ((4, 6), (24,), (3, 24)),         # the reshaped coordinate splits from i % 24: ((i / 6) % 4, i % 6)
+    ((2, 3, 4), (6, 4), (5, 6, 4)),   # splits from i / 4 % 6 into a coordinate and its own % 3
+    ((6, 5), (2, 15), (2, 2, 15)),    # mixed-radix split: 15 = 3 * 5 over 6 * 5
+    ((3, 8), (24, 1), (24, 7)),       # a split coordinate broadcast along the last axis
+])
+def test_reshape_then_broadcast_inside_one_pointwise_kernel(src, mid, out):
+    """A reshape feeding a broadcast in the same fused kernel: the kernel's flat index is split
+    into the operand's coordinates (`codegen.indexing`), each of which needs its `% d`."""
+    g = Graph("reshape_broadcast")
+    a, b = g.add_input("a", TensorType(src)), g.add_input("b", TensorType(out))
+    r = g.add("reshape", [a], shape=mid)  # a view: fused into the consumer, read through the split
+    g.set_output("out", g.add("mul", [g.add("add", [r, b]), b]))
+    planned = _compile_and_compare(g, {"a": _data(TensorType(src)), "b": _data(TensorType(out))})
+    assert kernel_counts(planned).get("pointwise", 0) == 1  # really one fused kernel
