@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ember.runtime import data as D
 from conftest import require_mnist
+from ember.runtime import data as D
 from ember.runtime.data import (
     ChecksumError, DataLoader, DownloadError, IDXError, MNIST_FILES, ensure_mnist,
     load_mnist, read_idx, write_idx,
@@ -313,10 +313,12 @@ def mirror(tmp_path_factory):
 
 @pytest.fixture
 def dead_url():
+    """A URL whose port nobody answers on: the OS picks a free port (bind to 0) and the socket
+    stays bound, never listening, for the whole test, so no other process can take the port
+    (connections are refused) -- closing it first would let one race for it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/"  # closed: connection refused
+        yield f"http://127.0.0.1:{s.getsockname()[1]}/"
 
 
 def test_download_and_verify(tmp_path, mirror):
