@@ -197,6 +197,12 @@ def render_contraction(name: str, node_kind: str, sub: Graph, notes: dict[str, A
     """Renders conv/matmul kernels; returns the source and the argument order as input names/None."""
     core = notes["core"]
     attrs = sub.attrs(core)
+    # The contraction templates are register-tiled for float32 vectors; a float64 instance would
+    # be a different kernel, not a type change, so it is refused here rather than miscompiled.
+    dtypes = sorted({sub.type(n).dtype.name for n in [core, *sub.operands(core)]})
+    if dtypes != ["float32"]:
+        raise NotImplementedError(f"device='cpu' compiles {node_kind} for float32 only, got {', '.join(dtypes)} "
+                                  f"(at {sub.loc(core) or name}); use float32 or device='reference'")
     ops = [_input_index(sub, o) for o in sub.operands(core)] if node_kind != "matmul" else []
     if node_kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = sub.type(sub.operands(core)[0]).shape, sub.type(sub.operands(core)[1]).shape

@@ -212,3 +212,27 @@ def test_reshape_then_broadcast_inside_one_pointwise_kernel(src, mid, out):
     g.set_output("out", g.add("mul", [g.add("add", [r, b]), b]))
     planned = _compile_and_compare(g, {"a": _data(TensorType(src)), "b": _data(TensorType(out))})
     assert kernel_counts(planned).get("pointwise", 0) == 1  # really one fused kernel
+
+
+F64_TOL = (1e-12, 1e-12)  # float64: the same formulas, summation order aside (16-64 terms)
+
+
+def test_float64_pointwise_and_reduction_compile():
+    g = Graph("f64")
+    t = TensorType((6, 16), "float64")
+    a, b = g.add_input("a", t), g.add_input("b", t)
+    g.set_output("pointwise", g.add("mul", [g.add("exp", [a]), g.add("tanh", [b])]))
+    g.set_output("sum", g.add("sum", [g.add("mul", [a, b])], axes=(1,)))
+    g.set_output("max", g.add("max", [a], axes=(0,)))
+    inputs = {"a": _data(t), "b": _data(t)}
+    _compile_and_compare(g, inputs, tol={k: F64_TOL for k in ("pointwise", "sum", "max")})
+
+
+def test_float64_matmul_compiles_or_is_refused_clearly():
+    g = Graph("f64_matmul")
+    a, b = g.add_input("a", TensorType((5, 16), "float64")), g.add_input("b", TensorType((16, 3), "float64"))
+    g.set_output("out", g.add("matmul", [a, b]))
+    inputs = {"a": _data(TensorType((5, 16), "float64")), "b": _data(TensorType((16, 3), "float64"))}
+    # The contraction templates are float32 register tiles: float64 is refused before g++ runs.
+    with pytest.raises(NotImplementedError, match=r"device='cpu' compiles matmul for float32 only, got float64"):
+        _compile_and_compare(g, inputs, tol={"out": F64_TOL})
