@@ -71,6 +71,12 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
     """Renders a conv/matmul template; returns the source and its argument order as roles (None: NULL)."""
     core = sub.attrs(spec.core)
     x_t, w_t = (sub.type(o) for o in sub.operands(spec.core))
+    # The contraction templates are register-tiled for float32 vectors; a float64 instance would
+    # be a different kernel, not a type change, so it is refused here rather than miscompiled.
+    dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
+    if dtypes != ["float32"]:
+        raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 only, got {', '.join(dtypes)} "
+                                  f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
     bias = "bias" in spec.epilogues
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape

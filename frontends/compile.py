@@ -26,7 +26,7 @@ from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.pipeline import run_passes, train_passes
 from ember.runtime import target as get_target
-from ember.runtime.executor import Executor
+from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
 from .nn import Module
 from .optim import as_config
@@ -69,6 +69,7 @@ class TrainStep:
         self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._inference: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._by_key: dict[tuple, Executor] = {}
+        self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
         self._example = tuple(example_type(a) for a in example_inputs)
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
 
@@ -102,6 +103,8 @@ class TrainStep:
             graph = run_passes(forward, train_passes(self.config) + self.target.passes(), dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
+            # Every shape traces the same loss, so one graph fixes which inputs are labels.
+            self._classes = class_inputs(forward)
             hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
@@ -151,7 +154,10 @@ class TrainStep:
         if executor is None:
             executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
         self._sync()
-        return executor({"x": x, "y": y})["loss"]
+        inputs = {"x": x, "y": y}
+        if self._classes:
+            check_class_inputs(self._classes, inputs)
+        return executor(inputs)["loss"]
 
     def inference(self, x: Any) -> np.ndarray:
         """The model's output for `x` with the current parameters (no update), as a host array."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import nn, optim
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from ember.runtime import target as get_target
 from ember.runtime import target_names
 
 from .compile import compile as ember_compile
@@ -368,6 +369,12 @@ def main(args: Any) -> int:
 
     if args.device not in target_names():
         return _error(f"--device {args.device}: no such backend; available: {', '.join(target_names())}")
+    device_check = get_target(args.device).available
+    if device_check is not None:
+        try:
+            device_check()
+        except RuntimeError as exc:
+            return _error(f"--device {args.device}: {exc}")
     for name in ("epochs", "batch_size", "eval_batch_size"):
         if getattr(args, name) < 1:
             return _error(f"--{name.replace('_', '-')} must be at least 1")

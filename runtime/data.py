@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import http.client
 import math
 import os
@@ -26,7 +27,7 @@ import numpy as np
 __all__ = [
     "IDXError", "read_idx", "write_idx",
     "MNIST_FILES", "MNIST_MD5", "DEFAULT_MIRRORS", "DownloadError", "ChecksumError",
-    "default_data_dir", "find_mnist_file", "load_mnist", "ensure_mnist", "MNIST", "DataLoader",
+    "default_data_dir", "find_mnist_file", "load_mnist", "check_labels", "ensure_mnist", "MNIST", "DataLoader",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -59,13 +60,32 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """
     name = os.fspath(path)
     with open(path, "rb") as f:
-        data = f.read()
-    if data[:2] == _GZIP_MAGIC:
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as e:
-            raise IDXError(f"{name}: corrupt gzip stream ({type(e).__name__}: {e}); expected a "
-                           f"complete gzip-compressed IDX file (re-download it?)") from None
+        raw = f.read()
+    if raw[:2] == _GZIP_MAGIC:
+        # Decompressed lazily in bounded chunks, never past what the header says the payload
+        # is (plus a little, to report trailing bytes): a small corrupt or hostile .gz could
+        # otherwise inflate to gigabytes before any size check.
+        stream = gzip.GzipFile(fileobj=io.BytesIO(raw))
+
+        def read(n: int) -> bytes:
+            parts, left = [], n
+            try:
+                while left > 0 and (chunk := stream.read(min(left, 1 << 20))):
+                    parts.append(chunk)
+                    left -= len(chunk)
+            except (OSError, EOFError, zlib.error) as e:
+                raise IDXError(f"{name}: corrupt gzip stream ({type(e).__name__}: {e}); expected a "
+                               f"complete gzip-compressed IDX file (re-download it?)") from None
+            return b"".join(parts)
+    else:
+        pos = 0
+
+        def read(n: int) -> bytes:
+            nonlocal pos
+            chunk = raw[pos:pos + n]
+            pos += len(chunk)
+            return chunk
+    data = read(4)
     if len(data) < 4:
         raise IDXError(f"{name}: truncated IDX header: expected at least 4 bytes of magic "
                        f"number, got {len(data)}")
@@ -77,16 +97,21 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise IDXError(f"{name}: unknown IDX dtype code 0x{code:02X} in magic number "
                        f"{data[:4].hex(' ')}: expected one of {_expected_codes()}")
     header_len = 4 + 4 * ndim
+    data += read(header_len - 4)
     if len(data) < header_len:
         raise IDXError(f"{name}: truncated IDX header: expected {header_len} bytes for "
                        f"{ndim} dimensions, got {len(data)}")
     dims = struct.unpack(f">{ndim}I", data[4:header_len])
     dtype = IDX_DTYPES[code]
     expected = math.prod(dims) * dtype.itemsize
+    # Reading past the payload tells a file with trailing bytes from an exact one; the excess
+    # read is bounded so that a gzip bomb after a valid payload cannot exhaust memory.
+    data += read(expected + (1 << 20))
     got = len(data) - header_len
     if got != expected:
+        extra = "at least " if got >= expected + (1 << 20) else ""
         what = "truncated IDX payload" if got < expected else \
-            f"{got - expected} unexpected trailing bytes after the IDX payload"
+            f"{extra}{got - expected} unexpected trailing bytes after the IDX payload"
         raise IDXError(f"{name}: {what}: expected {expected} bytes of payload for shape "
                        f"{dims} of {dtype.newbyteorder('=').name}, got {got}")
     arr = np.frombuffer(data, dtype=dtype, offset=header_len).reshape(dims)
@@ -196,9 +221,21 @@ def load_mnist(root: str | os.PathLike | None = None, split: str = "train",
     if len(images) != len(labels):
         raise IDXError(f"MNIST {split} split: {img_path} holds {len(images)} images but "
                        f"{lbl_path} holds {len(labels)} labels; expected equal counts")
+    check_labels(labels, 10, lbl_path.name)
     x = images.astype(np.float32) / np.float32(255.0)
     x = x.reshape(len(x), 784) if flat else x.reshape(len(x), 1, 28, 28)
     return x, labels.astype(np.int64)
+
+
+def check_labels(labels: np.ndarray, num_classes: int, source: str) -> None:
+    """Raises ValueError naming `source`, the first label outside 0..num_classes-1 and its index.
+
+    A label out of range would otherwise one-hot encode to a zero row and train silently.
+    """
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        i = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
+        raise ValueError(f"{source}: label {int(labels[i])} at index {i} is out of range for "
+                         f"{num_classes} classes (expected 0..{num_classes - 1})")
 
 
 class DownloadError(RuntimeError):

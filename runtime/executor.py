@@ -151,6 +151,43 @@ def check_inputs(signature: Mapping[str, TensorType], inputs: Mapping[str, Any])
     return out
 
 
+def class_inputs(graph: Graph) -> dict[str, int]:
+    """Inputs that `graph` one-hot encodes (class labels) -> their number of classes.
+
+    one_hot turns a label outside 0..num_classes-1 into a zero row, so a bad label would train
+    silently; the step's callers check these inputs with `check_class_inputs`. Read it from a
+    graph before fusion, where a one_hot still consumes its input directly.
+    """
+    by_node = {n: name for name, n in graph.inputs.items()}
+    out: dict[str, int] = {}
+    for n in graph.nodes():
+        if graph.op(n) == "one_hot":
+            src = graph.operands(n)[0]
+            if src in by_node:
+                k = int(graph.attrs(n)["num_classes"])
+                name = by_node[src]
+                out[name] = min(k, out.get(name, k))
+    return out
+
+
+def check_class_inputs(classes: Mapping[str, int], inputs: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the first label outside 0..k-1 (PyTorch's cross-entropy raises too).
+
+    np.min/np.max first, so a good batch costs two reductions; the index is searched only when bad.
+    """
+    for name, k in classes.items():
+        a = np.asarray(inputs[name])
+        if a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+            continue  # the signature check reports a wrong dtype
+        if a.min() >= 0 and a.max() < k:
+            continue
+        flat = a.reshape(-1)
+        i = int(np.flatnonzero((flat < 0) | (flat >= k))[0])
+        where = i if a.ndim <= 1 else tuple(int(j) for j in np.unravel_index(i, a.shape))
+        raise ValueError(f"input {name!r}: label {int(flat[i])} at batch index {where} is out of range "
+                         f"for {k} classes (expected 0..{k - 1})")
+
+
 class ReferenceExecutor:
     """Runs a graph on the NumPy interpreter (`ember.ir.run`): the semantics every backend matches."""
 

@@ -1,9 +1,12 @@
-"""Suite-wide test setup: GPU tests skip where there is no GPU; a private compile cache per run."""
+"""Suite-wide test setup: GPU tests skip where there is no GPU; a private compile cache per run;
+tests needing the MNIST files skip where they are missing, except under CI=true where they fail."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,3 +34,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def require_mnist() -> Path:
+    """The MNIST folder; skips the calling test when its files are missing, but FAILS it when
+    CI=true, so a CI run without the data cannot pass by skipping what it was meant to check."""
+    from ember.runtime.data import MNIST_FILES, find_mnist_file
+    from models import MNIST_DIR
+
+    missing = [s for pair in MNIST_FILES.values() for s in pair if find_mnist_file(MNIST_DIR, s) is None]
+    if missing:
+        msg = f"MNIST not found at {MNIST_DIR} (missing {', '.join(missing)})"
+        if os.environ.get("CI", "").strip().lower() == "true":
+            pytest.fail(f"{msg}; CI=true, so the MNIST tests must run")
+        pytest.skip(msg)
+    return MNIST_DIR
+
+
+@pytest.fixture
+def mnist_dir() -> Path:
+    return require_mnist()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """PyTorch's intra-op thread count set to n inside, restored after: a module-level
+    torch.set_num_threads would make figures depend on which test files run together."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Undoes a torch.set_num_threads made by code under test (e.g. ember align's `threads`)."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)

@@ -48,18 +48,6 @@ def cpu_plan(graph, *, simplify: bool = False):
     return run_passes(graph, passes if simplify else [p for p in passes if p[0] != "simplify"])
 
 
-def require_mnist() -> None:
-    """Skips a test when the MNIST files are absent, except in CI (`CI=true`), where it fails."""
-    import os
-
-    import pytest
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        message = f"MNIST files not found in {MNIST_DIR}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + " (CI must have ../shared/data/mnist)")
-        pytest.skip(message)
-
-
 def compiled_targets() -> list:
     """pytest params, one per registered target that generates code; a target that needs
     hardware (its record has an `available` check) is marked with its own name (`cuda`), which

@@ -201,3 +201,44 @@ def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():
     assert np.abs(got[subnormal] - want[subnormal]).max() <= 2e-45
     assert np.isnan(got[-5]) and got[-4] == np.inf and got[-3] == 0.0 and got[-2] == 1.0 and got[-1] == 1.0
     assert np.all(np.isinf(got[(xs > 88.73) & np.isfinite(xs)]))
+
+
+@pytest.mark.parametrize("src,mid,out", [
+    ((4, 6), (24,), (3, 24)),         # the reshaped coordinate splits from i % 24: ((i / 6) % 4, i % 6)
+    ((2, 3, 4), (6, 4), (5, 6, 4)),   # splits from i / 4 % 6 into a coordinate and its own % 3
+    ((6, 5), (2, 15), (2, 2, 15)),    # mixed-radix split: 15 = 3 * 5 over 6 * 5
+    ((3, 8), (24, 1), (24, 7)),       # a split coordinate broadcast along the last axis
+])
+def test_reshape_then_broadcast_inside_one_pointwise_kernel(src, mid, out):
+    """A reshape feeding a broadcast in the same fused kernel: the kernel's flat index is split
+    into the operand's coordinates (`codegen.indexing`), each of which needs its `% d`."""
+    g = Graph("reshape_broadcast")
+    a, b = g.add_input("a", TensorType(src)), g.add_input("b", TensorType(out))
+    r = g.add("reshape", [a], shape=mid)  # a view: fused into the consumer, read through the split
+    g.set_output("out", g.add("mul", [g.add("add", [r, b]), b]))
+    planned = _compile_and_compare(g, {"a": _data(TensorType(src)), "b": _data(TensorType(out))})
+    assert kernel_counts(planned).get("pointwise", 0) == 1  # really one fused kernel
+
+
+F64_TOL = (1e-12, 1e-12)  # float64: the same formulas, summation order aside (16-64 terms)
+
+
+def test_float64_pointwise_and_reduction_compile():
+    g = Graph("f64")
+    t = TensorType((6, 16), "float64")
+    a, b = g.add_input("a", t), g.add_input("b", t)
+    g.set_output("pointwise", g.add("mul", [g.add("exp", [a]), g.add("tanh", [b])]))
+    g.set_output("sum", g.add("sum", [g.add("mul", [a, b])], axes=(1,)))
+    g.set_output("max", g.add("max", [a], axes=(0,)))
+    inputs = {"a": _data(t), "b": _data(t)}
+    _compile_and_compare(g, inputs, tol={k: F64_TOL for k in ("pointwise", "sum", "max")})
+
+
+def test_float64_matmul_compiles_or_is_refused_clearly():
+    g = Graph("f64_matmul")
+    a, b = g.add_input("a", TensorType((5, 16), "float64")), g.add_input("b", TensorType((16, 3), "float64"))
+    g.set_output("out", g.add("matmul", [a, b]))
+    inputs = {"a": _data(TensorType((5, 16), "float64")), "b": _data(TensorType((16, 3), "float64"))}
+    # The contraction templates are float32 register tiles: float64 is refused before g++ runs.
+    with pytest.raises(NotImplementedError, match=r"device='cpu' compiles matmul for float32 only, got float64"):
+        _compile_and_compare(g, inputs, tol={"out": F64_TOL})

@@ -10,7 +10,10 @@ from ember.codegen import compiler
 from ember.codegen import cpp as cpp_codegen
 from ember.frontends import compile, nn, optim
 
-from models import mlp
+from models import cnn, mlp
+
+RTOL32 = 1e-5   # float32 losses of the same step on two devices (summation order differs; measured ~1e-7)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-6)  # float32 parameters after a few steps from the same weights
 
 
 def _step(batch: int = 8):
@@ -33,8 +36,9 @@ def test_second_compile_hits_the_cache_and_a_corrupt_library_is_rebuilt(tmp_path
     os.replace(damaged, path)
     third = _step()
     assert compiler.cache_stats()["rebuilds"] == 1
-    x = np.random.default_rng(0).random((8, 784), dtype=np.float32)
-    assert np.isfinite(third(x, np.arange(8) % 10))
+    x, y = np.random.default_rng(0).random((8, 784), dtype=np.float32), np.arange(8) % 10
+    reference = compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
+    np.testing.assert_allclose(third(x, y), reference(x, y), rtol=RTOL32)  # the rebuilt library computes the step
 
 
 def test_a_template_that_does_not_compile_names_the_source_and_the_error(tmp_path, monkeypatch):
@@ -65,9 +69,61 @@ def test_inputs_are_checked_against_the_compiled_signature():
 
 def test_partial_batch_gets_its_own_cached_step_sharing_parameters():
     step = _step(8)
+    x = np.zeros((8, 784), np.float32)
+    reference = compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, np.zeros(8, np.int64)))
     rng = np.random.default_rng(1)
-    step(rng.random((8, 784), dtype=np.float32), rng.integers(0, 10, 8))
-    before = step.state_dict()["0.weight"].copy()
-    step(rng.random((3, 784), dtype=np.float32), rng.integers(0, 10, 3))
+    for n in (8, 3, 8):  # full, partial, full: the partial step trained the same weights
+        xb, yb = rng.random((n, 784), dtype=np.float32), rng.integers(0, 10, n)
+        np.testing.assert_allclose(step(xb, yb), reference(xb, yb), rtol=RTOL32)
     assert len(step._steps) == 2
-    assert not np.array_equal(step.state_dict()["0.weight"], before)  # the partial step trained the same weights
+    for k, v in reference.state_dict().items():
+        np.testing.assert_allclose(step.state_dict()[k], v, **PARAM_TOL, err_msg=k)
+
+
+@pytest.mark.parametrize("opt", [
+    lambda: optim.SGD(lr=0.1, momentum=0.9),
+    lambda: optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda: optim.Adam(lr=1e-2),
+    lambda: optim.AdamW(lr=1e-2, weight_decay=0.1),
+], ids=["momentum", "nesterov-wd", "adam", "adamw"])
+def test_optimizers_on_cpu_match_the_reference(opt):
+    """Optimizer state (momentum buffers, Adam moments, the step count) and weight decay,
+    compiled, against the interpreter from the same weights over four steps."""
+    rng = np.random.default_rng(3)
+    batches = [(rng.random((8, 784), dtype=np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+    runs = {d: compile(mlp(), nn.CrossEntropyLoss(), opt(), example_inputs=batches[0], device=d) for d in ("reference", "cpu")}
+    for x, y in batches:
+        np.testing.assert_allclose(runs["cpu"](x, y), runs["reference"](x, y), rtol=RTOL32)
+    for k, v in runs["reference"].state_dict().items():
+        np.testing.assert_allclose(runs["cpu"].state_dict()[k], v, **PARAM_TOL, err_msg=k)
+    for k, v in runs["reference"].optimizer_state_dict().items():
+        np.testing.assert_allclose(runs["cpu"].optimizer_state_dict()[k], v, **PARAM_TOL, err_msg=k)
+
+
+_THREADS_SCRIPT = """
+import numpy as np, sys
+sys.path.insert(0, sys.argv[1])
+from models import cnn
+from ember.frontends import compile, nn, optim
+rng = np.random.default_rng(0)
+batches = [(rng.random((16, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 16)) for _ in range(3)]
+step = compile(cnn(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device="cpu")
+print(repr([step(x, y) for x, y in batches]), repr(float(np.abs(step.state_dict()["5.weight"]).sum())))
+"""
+
+
+def test_whole_cnn_step_is_bit_identical_with_1_and_2_threads():
+    """Determinism does not depend on the thread count: every kernel splits work so that each
+    output's summation order is fixed, so a whole CNN step gives the same bits on 1 and 2 threads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = str(Path(__file__).resolve().parents[1])
+    out = {}
+    for n in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": n}
+        r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, tests], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        out[n] = r.stdout
+    assert out["1"] == out["2"]

@@ -22,7 +22,8 @@ import pytest
 from ember.codegen import compiler
 from ember.frontends.cli import main as ember_main
 
-from models import MNIST_DIR, require_mnist
+from conftest import require_mnist
+from models import MNIST_DIR
 
 GOLDEN = Path(__file__).parent / "golden" / "cnn100_cpu_losses.json"
 

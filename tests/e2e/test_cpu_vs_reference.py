@@ -1,4 +1,13 @@
-"""The compiled CPU training step against the reference device (the NumPy interpreter)."""
+"""The compiled CPU training step against the reference device (the NumPy interpreter).
+
+Per step from the same weights (the CPU step reloaded with the reference's weights before each
+step) losses agree within 1e-5 and parameters within float32 summation-order rounding; this holds
+on any CPU. Left free-running, two float32 implementations of the CNN recipe drift apart by the
+chaotic amplification of rounding in its first steps, by an amount that depends on the machine's
+BLAS (NumPy's matmuls on the reference side), so the free-running CNN is held only to 1e-3 over
+200 steps (the upstream alignment bound; measured ~1e-4) and to 1e-5 over its first 5 steps,
+before amplification sets in (measured ~2e-7); the MLP's trajectory is not chaotic (1e-5 over 50).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -7,15 +16,14 @@ import pytest
 from ember.frontends import compile, nn, optim
 from ember.runtime.data import load_mnist
 
-from models import MNIST_DIR, cnn, mlp
+from conftest import require_mnist
+from models import cnn, mlp
 
 STEPS = 50
 
 
 def _batches(flat: bool, batch: int = 64, steps: int = STEPS):
-    if not MNIST_DIR.exists():
-        pytest.skip(f"MNIST not found at {MNIST_DIR}")
-    x, y = load_mnist(MNIST_DIR, "train", flat=flat)
+    x, y = load_mnist(require_mnist(), "train", flat=flat)
     return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
 
 
@@ -44,18 +52,18 @@ def test_cpu_step_matches_reference_for_50_steps(name, make, flat):
     assert worst <= 1e-5
 
 
-# CNN: the first 5 steps free-running (measured ~2e-7); past them the early high-curvature steps
-# amplify float32 summation-order differences (8e-5 by step 20, with both float32 runs 3.5e-5 and
-# 5.6e-5 from a float64 run), so the 50-step figure is printed, not asserted.
-@pytest.mark.parametrize("name,make,flat,steps,bound", [("cnn", cnn, False, 5, 1e-5), ("mlp", mlp, True, 50, 1e-5)])
-def test_cpu_free_running_trajectory_matches_reference(name, make, flat, steps, bound):
-    batches = _batches(flat, steps=STEPS)
+@pytest.mark.parametrize("name,make,flat,steps,first,bound_first,bound_all", [
+    pytest.param("cnn", cnn, False, 200, 5, 1e-5, 1e-3, marks=pytest.mark.slow),
+    ("mlp", mlp, True, 50, 50, 1e-5, 1e-5)])
+def test_cpu_free_running_trajectory_matches_reference(name, make, flat, steps, first, bound_first, bound_all):
+    batches = _batches(flat, steps=steps)
     runs = {device: compile(make(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device=device)
             for device in ("reference", "cpu")}
-    diffs = [abs(runs["reference"](x, y) - runs["cpu"](x, y)) for x, y in batches]
-    print(f"{name}: free-running |loss difference|: first {steps} steps {max(diffs[:steps]):.3g}, "
-          f"all {STEPS} steps {max(diffs):.3g}")
-    assert max(diffs[:steps]) <= bound
+    diffs = np.array([abs(runs["reference"](x, y) - runs["cpu"](x, y)) for x, y in batches])
+    print(f"{name}: free-running |loss difference|: first {first} steps {diffs[:first].max():.3g}, "
+          f"all {steps} steps {diffs.max():.3g}")
+    assert diffs[:first].max() <= bound_first
+    assert diffs.max() <= bound_all
 
 
 def test_cpu_steps_are_bit_identical_run_to_run():

@@ -13,6 +13,7 @@ import pytest
 
 from ember.frontends.checkpoint import load_checkpoint
 
+from conftest import require_mnist
 from models import MNIST_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,10 +28,8 @@ def _ember() -> list[str]:
     return [found] if found else [sys.executable, "-m", "ember.frontends.cli"]
 
 
-def test_ember_mnist_cnn_on_a_slice(tmp_path):
+def test_ember_mnist_cnn_on_a_slice(tmp_path, mnist_dir):
     pytest.importorskip("matplotlib")
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip(f"MNIST not found at {MNIST_DIR}")
     metrics, png, ckpt, dumps = tmp_path / "m.jsonl", tmp_path / "curves.png", tmp_path / "c.safetensors", tmp_path / "k"
     cmd = _ember() + ["mnist", "--model", "cnn", "--device", "cpu", "--epochs", "1", "--limit-steps", "30",
                       "--data", str(MNIST_DIR), "--metrics-file", str(metrics), "--log-every", "10", "--plot", str(png),
@@ -65,8 +64,7 @@ def test_ctrl_c_saves_mid_epoch_and_resume_continues(tmp_path):
     next batch of the same epoch."""
     import signal
     import time
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip(f"MNIST not found at {MNIST_DIR}")
+    require_mnist()
     ckpt = tmp_path / "c.safetensors"
     base = _ember() + ["mnist", "--model", "cnn", "--device", "cpu", "--data", str(MNIST_DIR), "--no-progress",
                        "--save", str(ckpt), "--metrics-file", str(tmp_path / "m.jsonl"), "--log-every", "1"]

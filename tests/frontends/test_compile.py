@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
+
 from ember.frontends import compile, nn, optim, spec, trace
 from ember.ir import TensorType, run
 from ember.passes import optimizer as passes_optimizer
@@ -13,7 +15,12 @@ from ember.passes.autodiff import grad
 from ember.passes.simplify import simplify
 from ember.runtime.executor import HostStorage, ReferenceExecutor, check_inputs
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(2):  # this module's figures were measured with 2; restored after it
+        yield
 
 
 def _torch_cnn(c1: int = 16, c2: int = 32, flat: int = 18432) -> torch.nn.Sequential:
@@ -194,7 +201,7 @@ def test_compile_dumps_every_pass(tmp_path) -> None:
 def test_compile_argument_errors() -> None:
     model, _ = _pair()
     x, y = _batch(4)
-    with pytest.raises(ValueError, match=r"unknown device 'tpu'; available: \[.*'reference'"):
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'; available: reference, cpu"):
         compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="tpu")
     with pytest.raises(TypeError, match="torch optimizer"):
         compile(model, nn.CrossEntropyLoss(), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),

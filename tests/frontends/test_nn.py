@@ -261,8 +261,6 @@ def test_logits_match_pytorch(kind, record_property):
     np.testing.assert_allclose(logits64, ref64, rtol=1e-10, atol=1e-10)
 
 
-def test_mnist_data_present_is_used():
-    if not MNIST_DIR.exists():
-        pytest.skip(f"{MNIST_DIR} not present; the logits test used random inputs")
+def test_mnist_data_present_is_used(mnist_dir):
     x, source = batch((1, 28, 28))
     assert source == "MNIST test images" and x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1

@@ -14,7 +14,7 @@ from ember.frontends.checkpoint import load_checkpoint
 from ember.frontends.metrics import MetricsError, read_metrics
 from ember.frontends.train import Trainer, build_model, make_optimizer
 
-from models import MNIST_DIR
+from conftest import require_mnist
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LIMIT = 12  # steps per epoch
@@ -22,9 +22,7 @@ LIMIT = 12  # steps per epoch
 
 @pytest.fixture(scope="module")
 def mnist_dir():
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip(f"MNIST not found at {MNIST_DIR}")
-    return str(MNIST_DIR)
+    return str(require_mnist())
 
 
 def _mnist(tmp_path, mnist_dir, *extra: str, metrics: str = "m.jsonl") -> int:
@@ -154,8 +152,11 @@ def test_init_weights_are_the_starting_point(tmp_path, mnist_dir):
 
 
 def test_refusals_are_clear(tmp_path, mnist_dir, monkeypatch, capsys):
-    assert cli.main(["mnist", "--device", "cuda", "--data", mnist_dir]) == 2
-    assert "CUDA backend is not built yet" in capsys.readouterr().err
+    try:
+        import cupy  # noqa: F401
+    except ImportError:  # without CuPy, --device cuda says what to install
+        assert cli.main(["mnist", "--device", "cuda", "--data", mnist_dir]) == 2
+        assert "--device cuda: device 'cuda' needs CuPy: pip install 'ember[cuda13]'" in capsys.readouterr().err
 
     # an empty folder and no reachable mirror: the error says to pass --data
     monkeypatch.setattr(train, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))

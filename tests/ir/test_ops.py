@@ -21,10 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from conftest import torch_threads
 from ember.ir import OPS, Graph, ShapeError, TensorType, bool_, float32, float64, int32, int64, run
 from ember.ir.ops import BINARY, COMPARE, UNARY
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(1):  # this module's figures were measured with 1; restored after it
+        yield
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PRECISIONS = st.sampled_from([None, "float64"])

@@ -10,10 +10,17 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
+
 from ember.ir import OPS, Graph, TensorType, float32, float64, run
 from ember.passes.autodiff import VJP_RULES, grad, missing_rules
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(2):  # this module's figures were measured with 2; restored after it
+        yield
 
 Gen = Callable[[np.random.Generator], tuple[list[np.ndarray], dict]]
 
@@ -258,6 +265,39 @@ def test_ties_split_the_gradient_like_torch(op: str) -> None:
     res = run(grad(g), {}, {"a": a, "b": b}, precision="float64").outputs
     ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
     getattr(torch, op)(ta, tb).sum().backward()
+    np.testing.assert_array_equal(res["grad:a"], ta.grad.numpy())
+    np.testing.assert_array_equal(res["grad:b"], tb.grad.numpy())
+
+
+@pytest.mark.parametrize("op", ["abs", "relu"])
+def test_kinks_at_zero_have_torchs_gradient(op: str) -> None:
+    """At exactly 0 (where the derivative is undefined) the VJP must pick PyTorch's value (0 for
+    both abs and relu), in float32 and float64; the random tests above keep away from kinks."""
+    x = np.array([-2.0, -0.0, 0.0, 1e-30, -1e-30, 3.0])
+    weights = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    for precision, dtype in (("float32", torch.float32), ("float64", torch.float64)):
+        g = Graph()
+        p = g.add_parameter("x", TensorType((6,)))
+        w = g.add_constant(weights.astype(np.float32))
+        g.set_output("out", g.add("sum", [g.add("mul", [g.add(op, [p]), w])], axes=(0,)))
+        res = run(grad(g), {}, {"x": x.astype(np.float32)}, precision=precision).outputs
+        t = torch.tensor(x, dtype=dtype, requires_grad=True)
+        (getattr(torch, op)(t) * torch.tensor(weights, dtype=dtype)).sum().backward()
+        np.testing.assert_array_equal(res["grad:x"], t.grad.numpy().astype(res["grad:x"].dtype), err_msg=precision)
+
+
+@pytest.mark.parametrize("op", ["maximum", "minimum"])
+def test_ties_including_signed_zeros_match_torch(op: str) -> None:
+    """Ties at 0, -0 and 0, and equal negative values, weighted so each side's share is visible."""
+    a = np.array([0.0, -0.0, 0.0, -1.5, 2.0])
+    b = np.array([0.0, 0.0, -0.0, -1.5, 2.0])
+    g = Graph()
+    pa, pb = g.add_parameter("a", TensorType((5,))), g.add_parameter("b", TensorType((5,)))
+    w = g.add_constant(np.array([1.0, 2.0, 3.0, 4.0, 5.0], np.float32))
+    g.set_output("out", g.add("sum", [g.add("mul", [g.add(op, [pa, pb]), w])], axes=(0,)))
+    res = run(grad(g), {}, {"a": a, "b": b}, precision="float64").outputs
+    ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    (getattr(torch, op)(ta, tb) * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64)).sum().backward()
     np.testing.assert_array_equal(res["grad:a"], ta.grad.numpy())
     np.testing.assert_array_equal(res["grad:b"], tb.grad.numpy())
 

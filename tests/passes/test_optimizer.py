@@ -6,13 +6,20 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
+
 from ember.frontends import nn, trace
 from ember.ir import Graph, TensorType, run
 from ember.passes.autodiff import grad
 from ember.passes.optimizer import SGD, Adam, AdamW, apply_optimizer, initial_state
 from ember.passes.simplify import simplify
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads():
+    with torch_threads(2):  # this module's figures were measured with 2; restored after it
+        yield
 STEPS = 20
 RTOL = 1e-6  # float32 parameters: relative to the largest element of each tensor
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import require_mnist
 from ember.runtime import data as D
 from ember.runtime.data import (
     ChecksumError, DataLoader, DownloadError, IDXError, MNIST_FILES, ensure_mnist,
@@ -160,13 +161,12 @@ def test_default_data_dir(monkeypatch, tmp_path):
     assert D.default_data_dir() == Path.home() / ".cache" / "ember" / "mnist"
 
 
-needs_mnist = pytest.mark.skipif(not MNIST_DIR.is_dir(),
-                                 reason=f"MNIST data folder {MNIST_DIR} is absent")
+needs_mnist = pytest.mark.usefixtures("mnist_dir")  # skips without the files; fails under CI=true
 
 
 @pytest.fixture(scope="module")
 def real_train():
-    return load_mnist(MNIST_DIR, "train")
+    return load_mnist(require_mnist(), "train")
 
 
 @needs_mnist
@@ -313,10 +313,12 @@ def mirror(tmp_path_factory):
 
 @pytest.fixture
 def dead_url():
+    """A URL whose port nobody answers on: the OS picks a free port (bind to 0) and the socket
+    stays bound, never listening, for the whole test, so no other process can take the port
+    (connections are refused) -- closing it first would let one race for it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/"  # closed: connection refused
+        yield f"http://127.0.0.1:{s.getsockname()[1]}/"
 
 
 def test_download_and_verify(tmp_path, mirror):
