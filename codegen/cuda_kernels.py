@@ -279,7 +279,7 @@ def _reduce_groups(splits: int) -> int:
 def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
-                 **ctx) -> CudaKernel:
+                 c_nfast: bool = False, **ctx) -> CudaKernel:
     if plan is None:
         plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
                          min_threads_for_rows=rowsum)
@@ -305,7 +305,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=plan.kchunk,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
-                   a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, grid=grid, rgrid=rgrid,
+                   a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
                    signature=sig, rg=rg, **ctx)
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
     if splits > 1:
@@ -360,7 +360,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
-        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan,
+        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
 
@@ -381,7 +381,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
         description=f"matmul batch {batch} ({M}x{K}{'^T' if trans_a else ''}) @ "
                     f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
-        a_kfast=not trans_a, b_kfast=trans_b, plan=plan, trans_a=trans_a, trans_b=trans_b,
+        a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
         bias=bias, relu=relu)
 
 

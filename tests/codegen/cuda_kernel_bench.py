@@ -39,6 +39,63 @@ def _time(cp, fn, runs, warm=20):
     return statistics.median(cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends))
 
 
+def _time_graph_cp(cp, fn, runs, reps=20):
+    """Device time of one fn() call: fn captured reps times into a CUDA graph (no host launch
+    gaps), graph replays timed with events; median over runs replays, divided by reps."""
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        fn()
+    st.synchronize()
+    st.begin_capture()
+    with st:
+        for _ in range(reps):
+            fn()
+    g = st.end_capture()
+    for _ in range(3):
+        g.launch(st)
+    st.synchronize()
+    ts = []
+    for _ in range(runs):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(st)
+        g.launch(st)
+        b.record(st)
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / reps)
+    return statistics.median(ts)
+
+
+def _time_graph_torch(torch, fn, runs, reps=20):
+    """As _time_graph_cp, through torch.cuda.CUDAGraph; None when capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(runs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / reps)
+        return statistics.median(ts)
+    except Exception:  # noqa: BLE001 - e.g. an op that cannot be captured
+        torch.cuda.synchronize()
+        return None
+
+
 def _cases(B):
     conv = dict(conv1=dict(N=B, C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
                 conv2=dict(N=B, C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0))
@@ -187,7 +244,8 @@ def main(argv=None):
         torch = None
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
     dev = dev.decode() if isinstance(dev, bytes) else dev
-    print(f"device: {dev}; assumed fp32 peak {PEAK_TFLOPS} TFLOP/s; median of {args.runs} runs"
+    print(f"device: {dev}; assumed fp32 peak {PEAK_TFLOPS} TFLOP/s; device time per call from CUDA-graph replays"
+          f" (median); 'eager' = median of {args.runs} individually launched calls"
           f"; torch: {'yes (TF32 off)' if torch else 'not available'}")
     rows, steps, sweeps = [], [], []
     rng = np.random.default_rng(0)
@@ -202,8 +260,10 @@ def main(argv=None):
                 bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
             scratch = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
             prepared[label] = (k, bufs, scratch, ins, refs)
-            us = _time(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scratch), args.runs)
-            row = dict(batch=B, kernel=label, name=k.name, us=round(us, 2),
+            fn = lambda: cuda_refs.run_launches(cp, mod, k, bufs, scratch)  # noqa: E731
+            us_eager = _time(cp, fn, args.runs)
+            us = _time_graph_cp(cp, fn, 30)
+            row = dict(batch=B, kernel=label, name=k.name, us=round(us, 2), us_eager=round(us_eager, 2),
                        launches=[dict(function=l.function, grid=l.grid, block=l.block) for l in k.launches],
                        plan=k.code.split("\n")[1].lstrip("/ "), scratch_bytes=k.scratch_bytes)
             if flops:
@@ -213,7 +273,10 @@ def main(argv=None):
             if torch is not None:
                 try:
                     tf = _torch_fn(torch, kind, spec, extra, ins)
-                    row["torch_us"] = round(_time(cp, tf, args.runs), 2)
+                    row["torch_us_eager"] = round(_time(cp, tf, args.runs), 2)
+                    tg = _time_graph_torch(torch, tf, 30)
+                    row["torch_us"] = round(tg, 2) if tg is not None else row["torch_us_eager"]
+                    row["torch_timing"] = "graph" if tg is not None else "eager"
                 except Exception as e:  # keep going: the comparison is optional
                     row["torch_error"] = repr(e)[:300]
                     tf = None
@@ -228,17 +291,19 @@ def main(argv=None):
         def run_step():
             for k, bufs, scratch, *_ in step:
                 cuda_refs.run_launches(cp, mod, k, bufs, scratch)
-        us = _time(cp, run_step, args.runs)
-        st = dict(batch=B, us=round(us, 2), kernels=list(CNN_STEP),
+        us = _time_graph_cp(cp, run_step, 30, reps=5)
+        st = dict(batch=B, us=round(us, 2), us_eager=round(_time(cp, run_step, args.runs), 2), kernels=list(CNN_STEP),
                   sum_of_medians=round(sum(r["us"] for r in rows if r["batch"] == B and r["kernel"] in CNN_STEP), 2))
         tfs = [t[-1] for t in step]
         if torch is not None and all(tfs):
             def torch_step():
                 for f in tfs:
                     f()
-            st["torch_us"] = round(_time(cp, torch_step, args.runs), 2)
+            tg = _time_graph_torch(torch, torch_step, 30, reps=5)
+            st["torch_us"] = round(tg if tg is not None else _time(cp, torch_step, args.runs), 2)
+            st["torch_timing"] = "graph" if tg is not None else "eager"
         steps.append(st)
-        print(f"B={B}: CNN step kernels back to back {us:.1f} us (sum of medians {st['sum_of_medians']:.1f}); "
+        print(f"B={B}: CNN step kernels in one graph {us:.1f} us (sum of per-kernel {st['sum_of_medians']:.1f}; eager {st['us_eager']:.1f}); "
               f"torch equivalents back to back {st.get('torch_us', float('nan')):.1f} us", flush=True)
         if args.sweep:
             for label, k, (kind, spec, extra), flops in cases:
@@ -257,7 +322,7 @@ def main(argv=None):
                     cuda_refs.run_launches(cp, smod, kk, bufs, scr)
                     got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
                     rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
-                    t = _time(cp, lambda: cuda_refs.run_launches(cp, smod, kk, bufs, scr), min(args.runs, 50), warm=5)
+                    t = _time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, smod, kk, bufs, scr), 10, reps=10)
                     res.append(dict(BM=p.BM, BN=p.BN, BK=p.BK, TM=p.TM, TN=p.TN, splits=p.splits,
                                     est_us=round(p.est_us, 2), us=round(t, 2), rel_err=rel))
                 res.sort(key=lambda r: r["us"])
