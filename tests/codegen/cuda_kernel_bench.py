@@ -39,6 +39,63 @@ def _time(cp, fn, runs, warm=20):
     return statistics.median(cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends))
 
 
+def _time_graph_cp(cp, fn, runs, reps=20):
+    """Device time of one fn() call: fn captured reps times into a CUDA graph (no host launch
+    gaps), graph replays timed with events; median over runs replays, divided by reps."""
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        fn()
+    st.synchronize()
+    st.begin_capture()
+    with st:
+        for _ in range(reps):
+            fn()
+    g = st.end_capture()
+    for _ in range(3):
+        g.launch(st)
+    st.synchronize()
+    ts = []
+    for _ in range(runs):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(st)
+        g.launch(st)
+        b.record(st)
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / reps)
+    return statistics.median(ts)
+
+
+def _time_graph_torch(torch, fn, runs, reps=20):
+    """As _time_graph_cp, through torch.cuda.CUDAGraph; None when capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(runs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / reps)
+        return statistics.median(ts)
+    except Exception:  # noqa: BLE001 - e.g. an op that cannot be captured
+        torch.cuda.synchronize()
+        return None
+
+
 def _cases(B):
     conv = dict(conv1=dict(N=B, C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
                 conv2=dict(N=B, C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0))
@@ -65,7 +122,67 @@ def _cases(B):
         out.append((mn, ck.render_matmul(f"b_{mn}_{B}", **m), ("matmul", m, {}), 2 * m["M"] * m["N"] * m["K"]))
     out.append(("softmax_xent", ck.render_softmax_cross_entropy(f"b_sce_{B}", N=B, C=10, with_grad=True),
                 ("sce", dict(N=B, C=10, with_grad=True), {}), 0))
+    out.append(("sgd_cnn", ck.render_sgd_update(f"b_sgd_{B}", numel=CNN_PARAMS, lr=0.05),
+                ("sgd", dict(numel=CNN_PARAMS, lr=0.05, momentum=0.0, weight_decay=0.0), {}), 0))
     return out
+
+
+#: Parameters of the MNIST CNN (conv1 16x1x3x3+16, conv2 32x16x3x3+32, linear 10x18432+10).
+CNN_PARAMS = 16 * 9 + 16 + 32 * 16 * 9 + 32 + 10 * 18432 + 10
+#: The kernels of one MNIST-CNN training step (forward, loss, backward, update).
+CNN_STEP = ("conv1_fwd", "conv2_fwd", "linear_fwd", "softmax_xent", "linear_gi", "linear_gw",
+            "conv2_gi+mask", "conv2_gw+db", "conv1_gw+db", "sgd_cnn")
+
+
+def gemm_dims(kind, spec, extra):
+    """(M, N, K, batch, a_kfast, b_kfast, rowsum) of a contraction case, as the renderers use."""
+    if kind == "matmul":
+        return (spec["M"], spec["N"], spec["K"], spec.get("batch", 1), not spec["trans_a"],
+                spec["trans_b"], False)
+    if kind not in ("conv_fwd", "conv_gi", "conv_gw"):
+        return None
+    HO, WO = cuda_refs.conv_out(spec)
+    g = spec
+    if kind == "conv_fwd":
+        return g["N"] * HO * WO, g["O"], g["C"] * g["KH"] * g["KW"], 1, False, True, False
+    if kind == "conv_gi":
+        return g["N"] * g["H"] * g["W"], g["C"], g["O"] * g["KH"] * g["KW"], 1, False, True, False
+    if kind == "conv_gw":
+        return g["O"], g["C"] * g["KH"] * g["KW"], g["N"] * HO * WO, 1, True, True, bool(extra.get("bias"))
+    return None
+
+
+def sweep_plans(kind, spec, extra, n_top):
+    """A spread of candidate plans: the model's top n_top, plus the best of each split count
+    and of each block tile among the top 300."""
+    M, N, K, batch, akf, bkf, rowsum = gemm_dims(kind, spec, extra)
+    cands = ck.plan_candidates(M, N, K, batch, a_kfast=akf, b_kfast=bkf, min_threads_for_rows=rowsum)
+    chosen = list(cands[:n_top])
+    seen_s, seen_t = set(), set()
+    for p in cands[:300]:
+        if p.splits not in seen_s:
+            seen_s.add(p.splits)
+            chosen.append(p)
+        if (p.BM, p.BN, p.TM, p.TN) not in seen_t and len(seen_t) < n_top:
+            seen_t.add((p.BM, p.BN, p.TM, p.TN))
+            chosen.append(p)
+    out, keys = [], set()
+    for p in chosen:
+        key = (p.BM, p.BN, p.BK, p.TM, p.TN, p.splits)
+        if key not in keys:
+            keys.add(key)
+            out.append(p)
+    return out[: 3 * n_top]
+
+
+def _render_with(kind, spec, extra, name, plan):
+    if kind == "conv_fwd":
+        return ck.render_conv2d_forward(name, plan=plan, **spec, **extra)
+    if kind == "conv_gi":
+        return ck.render_conv2d_grad_input(name, plan=plan, **spec, **extra)
+    if kind == "conv_gw":
+        return ck.render_conv2d_grad_weight(name, plan=plan, **spec, **extra)
+    return ck.render_matmul(name, plan=plan, **spec)
 
 
 def _torch_fn(torch, kind, spec, extra, ins):
@@ -91,6 +208,9 @@ def _torch_fn(torch, kind, spec, extra, ins):
             f = (lambda: torch.relu(torch.addmm(t["bias"], a, b))) if spec.get("relu") else (lambda: torch.addmm(t["bias"], a, b))
             return f
         return lambda: torch.matmul(a, b)
+    if kind == "sgd":
+        lr = spec["lr"]
+        return lambda: t["p"].add_(t["g"], alpha=-lr)
     if kind == "sce":
         z, lab = t["logits"].requires_grad_(False), t["labels"]
         def f():
@@ -105,6 +225,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 1024])
+    ap.add_argument("--sweep", type=int, default=0,
+                    help="also time this many of the cost model's top plans (and a spread) per contraction")
     args = ap.parse_args(argv)
     try:
         import cupy as cp
@@ -122,42 +244,107 @@ def main(argv=None):
         torch = None
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
     dev = dev.decode() if isinstance(dev, bytes) else dev
-    print(f"device: {dev}; assumed fp32 peak {PEAK_TFLOPS} TFLOP/s; median of {args.runs} runs"
+    print(f"device: {dev}; assumed fp32 peak {PEAK_TFLOPS} TFLOP/s; device time per call from CUDA-graph replays"
+          f" (median); 'eager' = median of {args.runs} individually launched calls"
           f"; torch: {'yes (TF32 off)' if torch else 'not available'}")
-    rows = []
+    rows, steps, sweeps = [], [], []
     rng = np.random.default_rng(0)
     for B in args.batches:
         cases = _cases(B)
         mod = cuda_refs.compile_module(cp, [k.code for _, k, _, _ in cases])
+        prepared = {}
         for label, k, (kind, spec, extra), flops in cases:
             ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
             bufs = {r: cp.asarray(a) for r, a in ins.items()}
             for role, ref in refs.items():
                 bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
             scratch = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
-            us = _time(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scratch), args.runs)
-            row = dict(batch=B, kernel=label, name=k.name, us=round(us, 2),
+            prepared[label] = (k, bufs, scratch, ins, refs)
+            fn = lambda: cuda_refs.run_launches(cp, mod, k, bufs, scratch)  # noqa: E731
+            us_eager = _time(cp, fn, args.runs)
+            us = _time_graph_cp(cp, fn, 30)
+            row = dict(batch=B, kernel=label, name=k.name, us=round(us, 2), us_eager=round(us_eager, 2),
                        launches=[dict(function=l.function, grid=l.grid, block=l.block) for l in k.launches],
                        plan=k.code.split("\n")[1].lstrip("/ "), scratch_bytes=k.scratch_bytes)
             if flops:
                 row["gflops"] = round(flops / us / 1e3, 1)
                 row["pct_peak"] = round(100 * flops / us / 1e6 / PEAK_TFLOPS, 1)
+            tf = None
             if torch is not None:
                 try:
                     tf = _torch_fn(torch, kind, spec, extra, ins)
-                    row["torch_us"] = round(_time(cp, tf, args.runs), 2)
+                    row["torch_us_eager"] = round(_time(cp, tf, args.runs), 2)
+                    tg = _time_graph_torch(torch, tf, 30)
+                    row["torch_us"] = round(tg, 2) if tg is not None else row["torch_us_eager"]
+                    row["torch_timing"] = "graph" if tg is not None else "eager"
                 except Exception as e:  # keep going: the comparison is optional
-                    row["torch_error"] = repr(e)
+                    row["torch_error"] = repr(e)[:300]
+                    tf = None
+            prepared[label] += (tf,)
             rows.append(row)
             print(f"B={B:<5d} {label:14s} {us:9.2f} us  {row.get('gflops', 0):9.1f} GFLOP/s "
                   f"{row.get('pct_peak', 0):5.1f}% peak   torch {row.get('torch_us', float('nan')):9.2f} us"
                   f"   [{row['plan']}]", flush=True)
-    for B in args.batches:
-        ours = sum(r["us"] for r in rows if r["batch"] == B)
-        theirs = sum(r.get("torch_us", 0) for r in rows if r["batch"] == B)
-        print(f"B={B}: sum of kernel medians {ours:.1f} us (torch equivalents {theirs:.1f} us)")
+        # The whole CNN step's kernels back to back (one timed region, launches queued).
+        step = [prepared[l] for l in CNN_STEP]
+
+        def run_step():
+            for k, bufs, scratch, *_ in step:
+                cuda_refs.run_launches(cp, mod, k, bufs, scratch)
+        us = _time_graph_cp(cp, run_step, 30, reps=5)
+        st = dict(batch=B, us=round(us, 2), us_eager=round(_time(cp, run_step, args.runs), 2), kernels=list(CNN_STEP),
+                  sum_of_medians=round(sum(r["us"] for r in rows if r["batch"] == B and r["kernel"] in CNN_STEP), 2))
+        tfs = [t[-1] for t in step]
+        if torch is not None and all(tfs):
+            def torch_step():
+                for f in tfs:
+                    f()
+            tg = _time_graph_torch(torch, torch_step, 30, reps=5)
+            st["torch_us"] = round(tg if tg is not None else _time(cp, torch_step, args.runs), 2)
+            st["torch_timing"] = "graph" if tg is not None else "eager"
+        steps.append(st)
+        print(f"B={B}: CNN step kernels in one graph {us:.1f} us (sum of per-kernel {st['sum_of_medians']:.1f}; eager {st['us_eager']:.1f}); "
+              f"torch equivalents back to back {st.get('torch_us', float('nan')):.1f} us", flush=True)
+        if args.sweep:
+            for label, k, (kind, spec, extra), flops in cases:
+                if gemm_dims(kind, spec, extra) is None or (label not in CNN_STEP and not label.startswith("mlp")):
+                    continue
+                _, bufs, _, ins, refs, _ = prepared[label]
+                plans = sweep_plans(kind, spec, extra, args.sweep)
+                kerns = [_render_with(kind, spec, extra, f"sw{i}_{label.replace('+', '_')}_{B}", p)
+                         for i, p in enumerate(plans)]
+                smod = cuda_refs.compile_module(cp, [kk.code for kk in kerns])
+                ref = refs["out"]
+                res = []
+                for p, kk in zip(plans, kerns):
+                    scr = cp.empty(max(kk.scratch_bytes // 4, 1), dtype=cp.float32)
+                    bufs["out"][...] = np.nan
+                    cuda_refs.run_launches(cp, smod, kk, bufs, scr)
+                    got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
+                    rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
+                    t = _time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, smod, kk, bufs, scr), 10, reps=10)
+                    res.append(dict(BM=p.BM, BN=p.BN, BK=p.BK, TM=p.TM, TN=p.TN, splits=p.splits,
+                                    est_us=round(p.est_us, 2), us=round(t, 2), rel_err=rel))
+                res.sort(key=lambda r: r["us"])
+                sweeps.append(dict(batch=B, kernel=label, dims=gemm_dims(kind, spec, extra), results=res))
+                b0 = res[0]
+                print(f"  sweep B={B} {label:14s} model pick {[r for r in res if r['est_us'] == min(x['est_us'] for x in res)][0]['us']:8.2f} us; "
+                      f"best {b0['us']:8.2f} us = {b0['BM']}x{b0['BN']}x{b0['BK']} t{b0['TM']}x{b0['TN']} s{b0['splits']} "
+                      f"(est {b0['est_us']}); worst rel err {max(r['rel_err'] for r in res):.1e}", flush=True)
+    print("\nsummary (us per call; % of fp32 peak; torch TF32 off)")
+    print(f"{'kernel':16s}" + "".join(f"{'B=' + str(B):>30s}" for B in args.batches))
+    labels = list(dict.fromkeys(r["kernel"] for r in rows))
+    for lab in labels:
+        line = f"{lab:16s}"
+        for B in args.batches:
+            r = next((r for r in rows if r["batch"] == B and r["kernel"] == lab), None)
+            line += f"{r['us']:10.2f} {r.get('pct_peak', 0):5.1f}% torch {r.get('torch_us', float('nan')):8.2f}" if r else " " * 30
+        print(line)
+    for st in steps:
+        print(f"B={st['batch']}: CNN step kernels {st['us']:.1f} us back to back (torch {st.get('torch_us', float('nan')):.1f} us)")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=dev, peak_tflops=PEAK_TFLOPS, runs=args.runs, rows=rows), indent=1))
+        Path(args.out).write_text(json.dumps(dict(device=dev, peak_tflops=PEAK_TFLOPS, runs=args.runs, rows=rows,
+                                                  steps=steps, sweeps=sweeps), indent=1))
         print(f"wrote {args.out}")
 
 
