@@ -485,8 +485,8 @@ def main(args: Any) -> int:
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
 
-    root = _prepare_data(args)
     try:
+        root = _prepare_data(args)
         flat = MODELS[args.model][1]
         x_train, y_train = load_mnist(root, "train", flat=flat)
         x_test, y_test = load_mnist(root, "test", flat=flat)
