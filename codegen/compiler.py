@@ -68,12 +68,31 @@ def _count(what: str) -> None:
         _stats[what] += 1
 
 
+class CacheDirError(OSError):
+    """The cache folder cannot be created or written; the message names it and $EMBER_CACHE_DIR."""
+
+
+def _cache_fault(path: Path, fault: str) -> CacheDirError:
+    return CacheDirError(f"ember's compile cache {path} {fault}; set EMBER_CACHE_DIR to a writable folder to move it")
+
+
 def cache_dir() -> Path:
     """``$EMBER_CACHE_DIR`` if set, else ``~/.cache/ember``; created on demand."""
     env = os.environ.get("EMBER_CACHE_DIR")
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "ember"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise _cache_fault(path, "is a file, not a directory") from None
+    except OSError as e:
+        raise _cache_fault(path, f"cannot be created ({e.strerror or e})") from None
     return path
+
+
+def _check_writable(root: Path) -> None:
+    """Called before a build writes anything: a read-only cache still serves its hits."""
+    if root.exists() and not os.access(root, os.W_OK | os.X_OK):
+        raise _cache_fault(root, "is not writable (permission denied)")
 
 
 class CompileError(RuntimeError):
@@ -102,9 +121,22 @@ def _cxx() -> list[str]:
     return shlex.split(os.environ.get("CXX") or "g++")
 
 
+class CompilerNotFoundError(FileNotFoundError):
+    """The C++ (or CUDA) compiler is not on PATH; the message says which and how to get one."""
+
+
+_INSTALL_GXX = ("install it (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++; macOS: brew install gcc), "
+                "or set $CXX to another C++ compiler with OpenMP, or use --device reference")
+
+
+def _found(argv: Sequence[str]) -> bool:
+    return bool(argv) and shutil.which(argv[0]) is not None
+
+
 def _require(argv: Sequence[str], why: str) -> None:
-    if not argv or shutil.which(argv[0]) is None:
-        raise FileNotFoundError(f"compiler {argv[0] if argv else '(empty $CXX)'!r} not found on PATH: {why}")
+    if not _found(argv):
+        name = argv[0] if argv else "(empty $CXX)"
+        raise CompilerNotFoundError(f"C++ compiler {name!r} not found on PATH: {why}; {_INSTALL_GXX}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,6 +158,32 @@ def _key(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str) 
     blob = json.dumps({"format": FORMAT_VERSION, "kind": kind, "compiler": ident,
                        "flags": list(flags), "source": source}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _alias(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str) -> str:
+    """The key without the compiler's identity (which needs the compiler to run): it finds a
+    library built earlier when the compiler is no longer on PATH."""
+    blob = json.dumps({"format": FORMAT_VERSION, "kind": kind, "compiler_argv": list(compiler),
+                       "flags": list(flags), "source": source}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _lookup_without_compiler(kind: str, out_ext: str, src_ext: str, argv_for: Callable[[str, str], list[str]],
+                             compiler: Sequence[str], flags: Sequence[str], source: str,
+                             cache: Path | None) -> CompiledArtifact | None:
+    t0 = time.perf_counter()
+    env_root = Path(cache) if cache is not None else None
+    try:
+        root = env_root or cache_dir()
+        key = json.loads((root / kind / "alias" / f"{_alias(kind, compiler, flags, source)}.json").read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    shard = root / kind / str(key)[:2]
+    out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
+    if _cached(out, meta) != "hit":
+        return None
+    _count("hits")
+    return CompiledArtifact(out, key, tuple(argv_for(src.name, out.name)), src, True, time.perf_counter() - t0)
 
 
 def source_key(source: str, flags: Sequence[str] = DEFAULT_CXX_FLAGS) -> str:
@@ -182,6 +240,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
     t0 = time.perf_counter()
     root = Path(cache) if cache is not None else cache_dir()
     key = _key(kind, compiler, flags, source)
+    alias = root / kind / "alias" / f"{_alias(kind, compiler, flags, source)}.json"
     shard = root / kind / key[:2]
     out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
     command = tuple(argv_for(src.name, out.name))
@@ -200,12 +259,21 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
     state = _cached(out, meta)
     if state == "hit":
         _count("hits")
-        if not src.exists():
-            _atomic_write(src, source)
+        try:  # a read-only cache still serves its hits
+            if not src.exists():
+                _atomic_write(src, source)
+            if not alias.exists():
+                _atomic_write(alias, json.dumps({"key": key}) + "\n")
+        except OSError:
+            pass
         return CompiledArtifact(out, key, command, src, True, time.perf_counter() - t0)
     _count("misses" if state == "miss" else "rebuilds")
 
-    shard.mkdir(parents=True, exist_ok=True)
+    _check_writable(root)
+    try:
+        shard.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_fault(root, f"cannot be written ({e.strerror or e})") from None
     with tempfile.TemporaryDirectory(dir=shard, prefix=f".{key[:12]}.") as tmp:
         (Path(tmp) / src.name).write_text(source)
         proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
@@ -229,6 +297,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
         "format": FORMAT_VERSION, "key": key, "sha256": digest, "command": list(command),
         "compiler_version": _identity(tuple(compiler), False).splitlines()[0],
         "flags": list(flags), "created": time.time()}, indent=1) + "\n")
+    _atomic_write(alias, json.dumps({"key": key}) + "\n")  # after the metadata: it points at a complete entry
     return CompiledArtifact(out, key, command, src, False, time.perf_counter() - t0)
 
 
@@ -243,11 +312,15 @@ def compile_cpp(source: str, *, flags: Sequence[str] = DEFAULT_CXX_FLAGS, name: 
     ``<name>.so`` there) and ``<name>.cache_key``. Raises CompileError on a failed compile.
     """
     compiler = _cxx()
-    _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu' "
-                       "(set $CXX to use another one)")
     flags = tuple(flags)
-    return _build("cpp", ".cpp", ".so", lambda s, o: [*compiler, *flags, s, "-o", o],
-                  compiler, flags, source, cache, name, dump_dir)
+    argv_for = lambda s, o: [*compiler, *flags, s, "-o", o]  # noqa: E731
+    if not _found(compiler):
+        # The cache is looked up first: a library built earlier loads without any compiler.
+        hit = _lookup_without_compiler("cpp", ".so", ".cpp", argv_for, compiler, flags, source, cache)
+        if hit is not None:
+            return hit
+        _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
+    return _build("cpp", ".cpp", ".so", argv_for, compiler, flags, source, cache, name, dump_dir)
 
 
 def compile_cuda_check(source: str, *, arch: str = "sm_90", name: str = "kernels",
@@ -257,7 +330,7 @@ def compile_cuda_check(source: str, *, arch: str = "sm_90", name: str = "kernels
     A build-time check that generated CUDA compiles (the runtime itself uses NVRTC).
     """
     if shutil.which("nvcc") is None:
-        raise FileNotFoundError("nvcc not found on PATH: compile_cuda_check needs the CUDA toolkit "
+        raise CompilerNotFoundError("nvcc not found on PATH: compile_cuda_check needs the CUDA toolkit "
                                 "(e.g. add /usr/local/cuda/bin to PATH)")
     compiler, flags = ("nvcc",), ("-cubin", f"-arch={arch}")
     return _build("cubin", ".cu", ".cubin", lambda s, o: [*compiler, *flags, s, "-o", o],

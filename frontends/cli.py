@@ -1,8 +1,15 @@
-"""The `ember` command line: one subcommand per module, each providing add_arguments() and main()."""
+"""The `ember` command line: one subcommand per module, each providing add_arguments() and main().
+
+Ordinary mistakes (a bad flag value, an unusable path, a missing compiler) end in one line,
+``ember <command>: error: ...`` on stderr and exit status 2; ``--debug`` (or ``EMBER_DEBUG=1``)
+lets the traceback through instead. Ctrl-C before training has started exits quietly with 130.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
 
 # subcommand -> (module under ember.frontends, one-line help)
@@ -12,16 +19,40 @@ COMMANDS = {
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
     "kernels": ("kernels", "write the generated sources of a model's steps for a device (no compiler or GPU needed)"),
+    "export-metrics": ("export", "replay a `--metrics-file` JSON-lines file into an experiment tracker (SwanLab)"),
 }
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ember")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="ember: a graph compiler for training small neural networks")
+    parser.add_argument("--version", action="version", version=f"ember {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (also: EMBER_DEBUG=1)")
+    # SUPPRESS: a subcommand that is not given --debug must not reset the top-level one
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error (also: EMBER_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         importlib.import_module(f"ember.frontends.{module}").add_arguments(p)
     return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user has something to fix, not that ember has a bug."""
+    from ember.codegen.compiler import CacheDirError, CompilerNotFoundError
+
+    from .checkpoint import CheckpointError
+    from .cli_checks import UsageError
+    from .metrics import MetricsError
+    return UsageError, CompilerNotFoundError, CacheDirError, CheckpointError, MetricsError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    debug = args.debug or os.environ.get("EMBER_DEBUG", "") not in ("", "0")
     module = importlib.import_module(f"ember.frontends.{COMMANDS[args.command][0]}")
-    return module.main(args)
+    try:
+        return module.main(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\nember {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if debug:
+            raise
+        print(f"ember {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -43,6 +43,13 @@ def _shape_tag(types: tuple[TensorType, ...]) -> str:
     return "x".join(str(d) for d in types[0].shape) or "scalar"
 
 
+def _check_batch(types: "tuple[TensorType, ...] | list[TensorType]", names: tuple[str, ...], what: str) -> None:
+    """A batch of 0 samples has nothing to train on (and no kernel has a 0-sized loop to render)."""
+    for name, t in zip(names, types):
+        if t.shape and t.shape[0] == 0:
+            raise ValueError(f"{what}: input {name!r} has a batch of 0 samples (type {t}); expected at least 1")
+
+
 class TrainStep:
     """A compiled training step bound to a model; see the module docstring."""
 
@@ -56,6 +63,9 @@ class TrainStep:
             raise TypeError(f"compile() expects an ember.frontends.nn.Module, got {type(model).__name__}")
         if len(example_inputs) != 2:
             raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
+        if not model.parameters():
+            raise ValueError(f"compile(): the model ({type(model).__name__}) has no parameters to train; "
+                             f"an optimizer needs at least one Parameter (a Linear, Conv2d, ...)")
         self.model = model
         self.loss_fn = loss_fn
         self.config = optimizer
@@ -71,6 +81,7 @@ class TrainStep:
         self._by_key: dict[tuple, Executor] = {}
         self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
         self._example = tuple(example_type(a) for a in example_inputs)
+        _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
 
     # ---- building ----------------------------------------------------------------------------
@@ -177,6 +188,7 @@ class TrainStep:
                 raise TypeError(f"input {name!r}: expected dtype {want.dtype.name} (as compiled, e.g. {want}), "
                                 f"got {t}; convert with .astype(np.{want.dtype.numpy_name})")
             types.append(t)
+        _check_batch(types, names, "the batch")
         return tuple(types)
 
     # ---- inspecting and checkpointing --------------------------------------------------------

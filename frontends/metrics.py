@@ -76,23 +76,46 @@ class MetricsWriter:
         self.close()
 
 
+# the numeric fields of each record type that readers (plot, trackers) compute with
+_NUMERIC: dict[str, tuple[str, ...]] = {
+    "step": ("epoch", "step", "loss", "loss_avg", "samples_per_s", "time"),
+    "epoch": ("epoch", "step", "steps", "samples", "train_loss", "test_loss", "test_acc", "samples_per_s",
+              "epoch_seconds", "eval_seconds", "time"),
+}
+
+
+def _check_types(rec: dict[str, Any], where: str) -> None:
+    for key in _NUMERIC.get(rec["type"], ()):
+        v = rec.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise MetricsError(f"{where}: field {key!r} of a {rec['type']!r} record is {v!r}; expected a number")
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics file, in order; blank lines are skipped. A line that is not a
-    JSON object with a "type" raises MetricsError naming the file and line number."""
+    JSON object with a "type", or whose step/epoch numbers are not numbers, raises MetricsError
+    naming the file and line number."""
     records = []
+    name = os.fspath(path)
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsError(f"{os.fspath(path)}:{lineno}: not valid JSON ({e.msg}); "
-                                   f"expected one JSON object per line") from None
-            if not isinstance(rec, dict) or "type" not in rec:
-                raise MetricsError(f"{os.fspath(path)}:{lineno}: expected a JSON object with a "
-                                   f"'type' field, got {line.strip()[:80]!r}")
-            records.append(rec)
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise MetricsError(f"{name}:{lineno}: not valid JSON ({e.msg}); "
+                                       f"expected one JSON object per line") from None
+                if not isinstance(rec, dict) or "type" not in rec:
+                    raise MetricsError(f"{name}:{lineno}: expected a JSON object with a "
+                                       f"'type' field, got {line.strip()[:80]!r}")
+                _check_types(rec, f"{name}:{lineno}")
+                records.append(rec)
+        except UnicodeDecodeError:
+            raise MetricsError(f"{name}:{lineno + 1}: not UTF-8 text (a binary file?); expected the JSON-lines "
+                               f"file that `ember mnist --metrics-file` writes") from None
     return records
 
 

@@ -7,6 +7,7 @@ validated (ember trains every parameter the loss depends on).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +35,13 @@ def _check_params(params: Any) -> None:
         raise ValueError("optimizer got an empty parameter list")
 
 
+def _check_finite(**values: float) -> None:
+    # torch.optim lets a NaN learning rate through (NaN < 0 is false); it only ever trains to NaN
+    for name, v in values.items():
+        if not math.isfinite(v):
+            raise ValueError(f"Invalid {name}: {v} (expected a finite number)")
+
+
 class Optimizer:
     """Base: holds the validated `config` (an `ember.passes.optimizer` dataclass)."""
 
@@ -49,6 +57,7 @@ class SGD(Optimizer):
         if maximize:
             raise NotImplementedError("SGD(maximize=True) is not supported; negate the loss instead")
         _check_params(params)
+        _check_finite(lr=float(lr), momentum=float(momentum))
         self.config = _opt.SGD(lr=float(lr), momentum=float(momentum), dampening=float(dampening),
                                nesterov=bool(nesterov), weight_decay=float(weight_decay))
 
@@ -62,6 +71,7 @@ class Adam(Optimizer):
         if amsgrad or maximize:
             raise NotImplementedError(f"{type(self).__name__}: amsgrad and maximize are not supported yet")
         _check_params(params)
+        _check_finite(lr=float(lr))
         wd = self._config.weight_decay if weight_decay is None else float(weight_decay)
         self.config = self._config(lr=float(lr), betas=tuple(betas), eps=float(eps), weight_decay=wd)
 

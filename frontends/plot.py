@@ -8,7 +8,6 @@ the figure is drawn with the non-interactive Agg backend, so no display is neede
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -106,14 +105,14 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
+    from .cli_checks import check_input_file, check_plot_file
+
+    check_plot_file("-o", args.output)
     runs = []
-    try:
-        for path in args.metrics:
-            runs.append((Path(path).stem if len(args.metrics) > 1 else "", read_metrics(path)))
-        title = args.title or (run_title(runs[0][1]) if len(runs) == 1 else None)
-        out = plot_metrics(runs, args.output, title=title)
-    except (OSError, MetricsError, ImportError) as e:
-        print(f"ember plot: {e}", file=sys.stderr)
-        return 1
+    for path in args.metrics:
+        check_input_file("metrics file", path, "a JSON-lines file from `ember mnist --metrics-file`")
+        runs.append((Path(path).stem if len(args.metrics) > 1 else "", read_metrics(path)))
+    title = args.title or (run_title(runs[0][1]) if len(runs) == 1 else None)
+    out = plot_metrics(runs, args.output, title=title)
     print(f"wrote {out}")
     return 0

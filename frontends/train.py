@@ -26,15 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from . import nn, optim
-from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from ember.runtime import target as get_target
 from ember.runtime import target_names
 
+from . import nn, optim
+from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from .cli_checks import (UsageError, check_hyperparameters, check_input_file, check_output_dir, check_output_file,
+                         check_plot_file, format_loss)
 from .compile import compile as ember_compile
 from .metrics import MetricsWriter, correct_count, cross_entropy_sum, read_metrics
 
-__all__ = ["MODELS", "build_model", "pytorch_init", "make_optimizer", "Trainer", "add_arguments", "main"]
+__all__ = ["MODELS", "build_model", "pytorch_init", "make_optimizer", "Trainer", "NonFiniteError", "add_arguments",
+           "main"]
+
+
+class NonFiniteError(ValueError):
+    """The parameters (or optimizer state) hold NaN or inf: such a state is never saved."""
 
 
 def _cnn() -> nn.Module:
@@ -148,6 +155,7 @@ class Trainer:
         self.global_step = 0     # steps completed, all epochs
         self.step_in_epoch = 0   # steps done in epoch `self.epoch` (nonzero only after a mid-epoch stop)
         self.stop_requested = False  # set (e.g. by a signal handler) to stop after the current step
+        self.diverged: dict[str, Any] | None = None  # the "diverged" record once the loss is not finite
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
@@ -201,6 +209,15 @@ class Trainer:
             if i < skip:  # resuming mid-epoch: the order is reproducible, skip what was done
                 continue
             loss = step(xb, yb)
+            if not math.isfinite(loss):
+                # every later step would train on NaN too: stop here, and never save this state
+                self.global_step += 1
+                self.step_in_epoch = i + 1
+                bar.close()
+                self.diverged = {"type": "diverged", "epoch": epoch_no, "step": self.global_step,
+                                 "step_in_epoch": self.step_in_epoch, "loss": loss}
+                self.record(self.diverged)
+                return self.diverged
             n = len(yb)
             loss_sum += loss * n
             batch_loss_sum += loss
@@ -222,15 +239,15 @@ class Trainer:
                 bar.update(1)
                 now = time.perf_counter()
                 if now - t_bar > 0.5:
-                    bar.set_postfix_str(f"loss {batch_loss_sum / steps:.4f}, {samples / (now - t_start):.0f} samples/s",
-                                        refresh=False)
+                    bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
+                                        f"{samples / (now - t_start):.0f} samples/s", refresh=False)
                     t_bar = now
             if self.stop_requested:
                 stopped = self.step_in_epoch < total
                 break
         epoch_seconds = time.perf_counter() - t_start
         if show and steps:
-            bar.set_postfix_str(f"loss {batch_loss_sum / steps:.4f}, {samples / epoch_seconds:.0f} samples/s")
+            bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, {samples / epoch_seconds:.0f} samples/s")
         bar.close()
         if stopped:
             return {"type": "stopped", "epoch": epoch_no, "step": self.global_step, "step_in_epoch": self.step_in_epoch}
@@ -270,19 +287,35 @@ class Trainer:
         self.target_epochs = epochs
         while self.epoch < epochs:
             rec = self.train_epoch() if not self.stop_requested else {"type": "stopped"}
-            if rec["type"] == "stopped":
-                if save is not None:
-                    self.save(save)
+            if rec["type"] == "diverged":
                 break
-            done.append(rec)
-            if on_epoch is not None:
-                on_epoch(rec)
+            if rec["type"] != "stopped":
+                done.append(rec)
+                if on_epoch is not None:
+                    on_epoch(rec)
+            if not self.finite():  # a finite loss, but the update it computed overflowed
+                self.diverged = {"type": "diverged", "epoch": self.epoch + (self.step_in_epoch > 0),
+                                 "step": self.global_step, "step_in_epoch": self.step_in_epoch, "loss": None,
+                                 "reason": "parameters"}
+                self.record(self.diverged)
+                break
             if save is not None:
                 self.save(save)
+            if rec["type"] == "stopped":
+                break
         return done
+
+    def finite(self) -> bool:
+        """Whether every parameter and optimizer state value is finite."""
+        return all(np.isfinite(v).all() for v in (*self.step.state_dict().values(),
+                                                   *self.step.optimizer_state_dict().values()))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
+        """Writes a checkpoint atomically; raises NonFiniteError (writing nothing) if the state
+        holds NaN or inf, so a diverged run never overwrites a good checkpoint."""
+        if not self.finite():
+            raise NonFiniteError(f"{path}: not written: the parameters or optimizer state are not finite")
         save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
                         step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config)
 
@@ -315,8 +348,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--device", choices=target_names(), default="cpu",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
     p.add_argument("--data", default=None, metavar="DIR",
-                   help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist); "
-                        "a folder without them is filled by downloading them (md5-checked)")
+                   help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist, "
+                        "where missing files are downloaded, md5-checked)")
+    p.add_argument("--download", action="store_true",
+                   help="download the MNIST files missing from --data DIR (the default folder downloads anyway)")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train in all (a resumed run continues the count)")
     p.add_argument("--batch-size", type=int, default=64, help="training batch (default 64; the last partial batch is kept)")
     p.add_argument("--eval-batch-size", type=int, default=1000, help="test-set batch of the inference graph (default 1000)")
@@ -332,7 +367,8 @@ def add_arguments(p: Any) -> None:
                    help="initial weights: .safetensors or .npz with a PyTorch-style state dict "
                         "(e.g. torch_mnist.py --dump-init FILE.npz)")
     p.add_argument("--save", default=None, metavar="FILE",
-                   help="checkpoint (safetensors) written atomically after every epoch, and on Ctrl-C")
+                   help="checkpoint (safetensors) written atomically after every epoch, and on Ctrl-C; "
+                        "never with non-finite parameters")
     p.add_argument("--resume", default=None, metavar="FILE",
                    help="continue from a checkpoint written by --save (model, optimizer state, epoch and step; "
                         "--init/--init-weights are then ignored)")
@@ -340,6 +376,9 @@ def add_arguments(p: Any) -> None:
                    help="JSON-lines metrics (step and epoch records); a resumed run appends")
     p.add_argument("--log-every", type=int, default=50, metavar="N", help="a step record every N steps (default 50)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="loss and accuracy curves at the end (matplotlib)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard event files in DIR: step loss, epoch train/test loss and accuracy "
+                        "(needs tensorboardX: pip install 'ember[tensorboard]')")
     p.add_argument("--dump-kernels", default=None, metavar="DIR",
                    help="write the graphs after every pass and the generated sources to DIR")
     p.add_argument("--limit-steps", type=int, default=None, metavar="N", help="stop each epoch after N steps")
@@ -352,20 +391,91 @@ def _error(msg: str) -> int:
     return 2
 
 
-def _prepare_data(root: Path) -> Path:
-    from ember.runtime.data import MNIST_FILES, ensure_mnist, find_mnist_file
+def _check_args(args: Any) -> None:
+    """Everything that can be checked before reading data or compiling: numbers, then every
+    path the run will write (so a typo fails now, not after an epoch or after all of them)."""
+    for name in ("epochs", "batch_size", "eval_batch_size", "limit_steps", "threads", "log_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
+    check_hyperparameters(args.lr, args.momentum)
+    if args.save:
+        check_output_file("--save", args.save)
+    if args.metrics_file:
+        check_output_file("--metrics-file", args.metrics_file)
+    if args.plot:
+        check_plot_file("--plot", args.plot)
+    if args.dump_kernels:
+        check_output_dir("--dump-kernels", args.dump_kernels)
+    elif os.environ.get("EMBER_DUMP_DIR"):
+        check_output_dir("EMBER_DUMP_DIR", os.environ["EMBER_DUMP_DIR"])
+    if args.tensorboard:
+        check_output_dir("--tensorboard", args.tensorboard)
+        try:
+            import tensorboardX  # noqa: F401  (fail now, not after the compile)
+        except ImportError:
+            from .trackers import TENSORBOARD_MISSING
+            raise UsageError(TENSORBOARD_MISSING) from None
+    if args.resume:
+        check_input_file("--resume", args.resume, "a checkpoint file written by --save")
+    elif args.init_weights:
+        check_input_file("--init-weights", args.init_weights, "a .safetensors or .npz weights file")
 
+
+def _prepare_data(args: Any) -> Path:
+    """The MNIST folder. The default one is filled by downloading; a folder given with --data
+    only with --download, so a typo is reported instead of filled with a fresh download."""
+    from ember.runtime.data import MNIST_FILES, default_data_dir, ensure_mnist, find_mnist_file
+
+    explicit = args.data is not None
+    root = Path(args.data).expanduser() if explicit else default_data_dir()
+    where = f"--data {root}" if explicit else f"the MNIST folder {root}"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{where}: is a file; expected a folder holding the four MNIST IDX files")
     stems = [s for pair in MNIST_FILES.values() for s in pair]
     missing = [s for s in stems if find_mnist_file(root, s) is None]
+    if missing and explicit and not args.download:
+        if not root.exists():
+            raise UsageError(f"--data {root}: no such folder; expected the folder holding the four MNIST IDX files "
+                             f"(add --download to download them there)")
+        raise UsageError(f"--data {root}: {len(missing)} of the 4 MNIST files missing ({', '.join(missing)}); "
+                         f"add --download to download them there")
     if missing:
+        if root.exists() or root.parent.exists():
+            check_output_dir("--data" if explicit else "MNIST folder", root)
         print(f"MNIST: {len(missing)} of 4 files missing in {root}; downloading them (md5-checked)", file=sys.stderr)
         kwargs = {"mirrors": MNIST_MIRRORS} if MNIST_MIRRORS is not None else {}
         ensure_mnist(root, **kwargs)
     return root
 
 
+def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int) -> str:
+    train = f"train loss {format_loss(rec['train_loss'])}"
+    if rec.get("resumed_at_step_in_epoch"):
+        # the steps before the resume ran in another process: their losses are not in this mean
+        train += f" (steps {rec['resumed_at_step_in_epoch'] + 1}-{rec['resumed_at_step_in_epoch'] + rec['steps']} " \
+                 f"of the epoch only, those run since the resume)"
+    return (f"epoch {rec['epoch']}/{epochs}: {train}, test loss {format_loss(rec['test_loss'])}, test accuracy "
+            f"{100 * rec['test_acc']:.2f}% ({round(rec['test_acc'] * n_test)}/{n_test}); {rec['epoch_seconds']:.1f} s, "
+            f"{rec['samples_per_s']:.0f} samples/s")
+
+
+def _divergence_message(d: dict[str, Any], args: Any) -> str:
+    if d.get("loss") is not None:
+        what = f"the training loss became {d['loss']} at epoch {d['epoch']}, step {d['step']}"
+    else:
+        what = f"the parameters became non-finite (NaN or inf) by epoch {d['epoch']}, step {d['step']}"
+    msg = f"{what}; stopped. Try a lower --lr (this run: {args.lr})"
+    if args.save:
+        kept = "keeps its previous contents" if Path(args.save).exists() else "was not written"
+        msg += f"; --save {args.save} {kept} (non-finite parameters are never saved)"
+    return msg
+
+
 def main(args: Any) -> int:
-    from ember.runtime.data import DownloadError, IDXError, default_data_dir, load_mnist
+    from ember.runtime.data import DownloadError, IDXError, load_mnist
 
     if args.device not in target_names():
         return _error(f"--device {args.device}: no such backend; available: {', '.join(target_names())}")
@@ -375,24 +485,12 @@ def main(args: Any) -> int:
             device_check()
         except RuntimeError as exc:
             return _error(f"--device {args.device}: {exc}")
-    for name in ("epochs", "batch_size", "eval_batch_size"):
-        if getattr(args, name) < 1:
-            return _error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.limit_steps is not None and args.limit_steps < 1:
-        return _error("--limit-steps must be at least 1")
+    _check_args(args)
     if args.threads is not None:
-        if args.threads < 1:
-            return _error("--threads must be at least 1")
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (fail now, not after an hour of training)
-        except ImportError:
-            return _error("--plot needs matplotlib: pip install 'ember[plot]'")
 
-    root = Path(args.data).expanduser() if args.data else default_data_dir()
     try:
-        _prepare_data(root)
+        root = _prepare_data(args)
         flat = MODELS[args.model][1]
         x_train, y_train = load_mnist(root, "train", flat=flat)
         x_test, y_test = load_mnist(root, "test", flat=flat)
@@ -400,6 +498,9 @@ def main(args: Any) -> int:
         return _error(str(e))
     except (IDXError, FileNotFoundError, OSError) as e:
         return _error(f"{e}\n(pass --data DIR, the folder holding the four MNIST IDX files)")
+    for split, x in (("training", x_train), ("test", x_test)):
+        if len(x) == 0:
+            return _error(f"--data {root}: the {split} set holds no images; expected the MNIST IDX files")
 
     config = {"model": args.model, "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum,
               "init": args.init_weights or f"{args.init} seed {args.seed}"}
@@ -407,7 +508,11 @@ def main(args: Any) -> int:
         model = build_model(args.model, args.seed, args.init)
         if args.init_weights and not args.resume:
             try:
-                model.load_state_dict(load_weights(args.init_weights))
+                weights = load_weights(args.init_weights)
+            except CheckpointError as e:  # it names the file and the fault; add the flag
+                raise UsageError(f"--init-weights {e}") from None
+            try:
+                model.load_state_dict(weights)
             except (KeyError, ValueError) as e:
                 raise CheckpointError(f"{args.init_weights}: does not fit the {args.model} model: {e}") from None
         opt = make_optimizer(args.optimizer, args.lr, args.momentum)
@@ -445,17 +550,19 @@ def main(args: Any) -> int:
         print(f"resumed from {args.resume}: {trainer.epoch} epoch(s), {trainer.global_step} steps done"
               + (f" ({trainer.step_in_epoch} into epoch {trainer.epoch + 1})" if trainer.step_in_epoch else ""),
               flush=True)
+    writers: list[Any] = []
     if args.metrics_file:
-        trainer.metrics = MetricsWriter(args.metrics_file, mode="a" if args.resume else "w")
+        writers.append(MetricsWriter(args.metrics_file, mode="a" if args.resume else "w"))
+    if args.tensorboard:
+        from .trackers import TensorBoardWriter
+        writers.append(TensorBoardWriter(args.tensorboard))
+    if writers:
+        from .trackers import Tee
+        trainer.metrics = writers[0] if len(writers) == 1 else Tee(writers)
     trainer.run_record(epochs=args.epochs, resumed_from=args.resume, threads=args.threads)
 
     def on_epoch(rec: dict[str, Any]) -> None:
-        trainer.print(f"epoch {rec['epoch']}/{args.epochs}: train loss {rec['train_loss']:.4f}, test loss "
-                      f"{rec['test_loss']:.4f}, test accuracy {100 * rec['test_acc']:.2f}% "
-                      f"({round(rec['test_acc'] * len(x_test))}/{len(x_test)}); {rec['epoch_seconds']:.1f} s, "
-                      f"{rec['samples_per_s']:.0f} samples/s")
-        if not math.isfinite(rec["train_loss"]):
-            trainer.print("warning: the training loss is not finite (lower --lr?)")
+        trainer.print(_epoch_line(rec, args.epochs, len(x_test)))
         sys.stdout.flush()
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -473,6 +580,9 @@ def main(args: Any) -> int:
             signal.signal(signal.SIGINT, previous)
         if trainer.metrics is not None:
             trainer.metrics.close()
+    if trainer.diverged is not None:
+        print(f"ember mnist: error: {_divergence_message(trainer.diverged, args)}", file=sys.stderr)
+        return 1  # the run failed, not its arguments (those exit 2)
     if trainer.stop_requested and trainer.epoch < args.epochs:
         print(f"stopped at step {trainer.global_step}" + (f"; resume with --resume {args.save}" if args.save else ""))
         return 130

@@ -244,3 +244,37 @@ def test_concurrent_compiles_of_one_key(tmp_path):
     assert meta["sha256"] == C._sha256_file(arts[0].path)
     assert compile_cpp(ADD, cache=cache).cache_hit
     assert not [p for p in cache.rglob(".*")]
+
+
+@needs_gxx
+def test_cached_library_loads_without_a_compiler(tmp_path, monkeypatch):
+    """The cache is looked up before the compiler is looked for: a machine whose g++ is gone
+    (or a container without one) still loads what was built before."""
+    built = compile_cpp(ADD, cache=tmp_path)
+    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    again = compile_cpp(ADD, cache=tmp_path)
+    assert again.cache_hit and again.path == built.path and again.key == built.key
+    assert ctypes.CDLL(str(again.path)).add(2, 3) == 5
+    with pytest.raises(C.CompilerNotFoundError, match=r"'g\+\+' not found on PATH.*apt-get install g\+\+"):
+        compile_cpp(ADD + "// another source\n", cache=tmp_path)
+
+
+def test_unusable_cache_dir_names_it_and_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(C.CacheDirError, match=r"compile cache .*file/cache cannot be created.*set EMBER_CACHE_DIR"):
+        C.cache_dir()
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(C.CacheDirError, match="is a file, not a directory"):
+        C.cache_dir()
+
+
+@needs_gxx
+def test_read_only_cache_serves_hits_and_refuses_builds_clearly(tmp_path, monkeypatch):
+    # the tests run as root, for whom a chmod'ed folder is still writable: os.access stands in
+    compile_cpp(ADD, cache=tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    assert compile_cpp(ADD, cache=tmp_path).cache_hit
+    with pytest.raises(C.CacheDirError, match=r"is not writable \(permission denied\); set EMBER_CACHE_DIR"):
+        compile_cpp(ADD + "// new\n", cache=tmp_path)

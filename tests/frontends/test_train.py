@@ -137,7 +137,7 @@ def test_metrics_file_plot_and_ember_plot(tmp_path, mnist_dir, capsys):
     (tmp_path / "bad.jsonl").write_text('{"type": "step", "step": 1, "loss": 2.0}\nnot json\n')
     with pytest.raises(MetricsError, match=r"bad\.jsonl:2: not valid JSON"):
         read_metrics(tmp_path / "bad.jsonl")
-    assert cli.main(["plot", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
+    assert cli.main(["plot", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.png")]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
@@ -160,7 +160,7 @@ def test_refusals_are_clear(tmp_path, mnist_dir, monkeypatch, capsys):
 
     # an empty folder and no reachable mirror: the error says to pass --data
     monkeypatch.setattr(train, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))
-    assert cli.main(["mnist", "--model", "mlp", "--data", str(tmp_path / "empty")]) == 2
+    assert cli.main(["mnist", "--model", "mlp", "--data", str(tmp_path / "empty"), "--download"]) == 2
     err = capsys.readouterr().err
     assert "could not download" in err and "pass --data DIR" in err
 

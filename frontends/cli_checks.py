@@ -1,0 +1,101 @@
+"""Argument and path checks of the `ember` commands, run before any data is read or step compiled.
+
+A mistake in an output path used to surface only when the file was written: after the first
+epoch (--save) or after all of them (--plot), so a long run was lost to a typo. Every check here
+raises `UsageError` with one line naming the flag, the path, the fault and what was expected;
+`ember.frontends.cli` prints it as ``ember <command>: error: ...`` and exits with 2.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+__all__ = ["UsageError", "check_output_file", "check_output_dir", "check_plot_file", "check_input_file",
+           "check_hyperparameters", "format_loss"]
+
+
+class UsageError(Exception):
+    """An ordinary user mistake: the CLI prints the message on one line, with no traceback."""
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (what a later mkdir(parents=True) starts from)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
+def _check_parent(flag: str, path: Path) -> None:
+    """The folder `path` goes in exists and is writable, or can be created (mkdir -p)."""
+    base = _nearest_existing(path.parent if path.parent != Path("") else Path("."))
+    if not base.is_dir():
+        raise UsageError(f"{flag} {path}: {base} is a file, not a directory; expected a path in a writable folder")
+    if not _writable(base):
+        raise UsageError(f"{flag} {path}: cannot write in {base} (permission denied); expected a path in a writable folder")
+
+
+def check_output_file(flag: str, path: str | os.PathLike) -> Path:
+    """A file the run will write (created, or replaced whole): not a directory, in a writable folder."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"{flag} {p}: is a directory; expected a file name")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {p}: the file is not writable (permission denied)")
+    _check_parent(flag, p)
+    return p
+
+
+def check_output_dir(flag: str, path: str | os.PathLike) -> Path:
+    """A folder the run will write into (created if missing): not a file, writable."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise UsageError(f"{flag} {p}: is a file; expected a directory (existing or to be created)")
+        if not _writable(p):
+            raise UsageError(f"{flag} {p}: cannot write in this directory (permission denied)")
+        return p
+    _check_parent(flag, p)
+    return p
+
+
+def check_plot_file(flag: str, path: str | os.PathLike) -> Path:
+    """An image matplotlib can write: its extension names a format it knows (none means PNG)."""
+    p = check_output_file(flag, path)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UsageError(f"{flag} needs matplotlib: pip install 'ember[plot]'") from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = p.suffix[1:].lower()
+    if ext and ext not in formats:
+        raise UsageError(f"{flag} {p}: unknown image format {p.suffix!r}; expected one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return p
+
+
+def check_input_file(flag: str, path: str | os.PathLike, what: str) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"{flag} {p}: is a directory; expected {what}")
+    if not p.exists():
+        raise UsageError(f"{flag} {p}: no such file; expected {what}")
+    return p
+
+
+def check_hyperparameters(lr: float, momentum: float) -> None:
+    """Refuses what would train on NaN at once (and what torch.optim refuses)."""
+    if not math.isfinite(lr) or lr < 0:
+        raise UsageError(f"--lr {lr}: expected a finite learning rate >= 0")
+    if not math.isfinite(momentum) or momentum < 0:
+        raise UsageError(f"--momentum {momentum}: expected a finite momentum >= 0")
+
+
+def format_loss(x: float) -> str:
+    """4 decimals for the usual range; exponent form where fixed point would print dozens of digits."""
+    return f"{x:.4f}" if math.isfinite(x) and abs(x) < 1e5 else f"{x:.3g}"
