@@ -250,6 +250,10 @@ def _pointer(graph: Graph, n: int, slot_of: dict[tuple[str, str], int]) -> str:
     return f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
 
 
+def _attr_text(attrs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(attrs.items()))
+
+
 def render_step(graph: Graph, profile: bool = False) -> StepSource:
     """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if `profile`)."""
     slots = _slots(graph)
@@ -270,6 +274,12 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
         elif kind == "reduction":
             code = render_reduction(name, sub, notes["core"], restrict=not in_place)
             call = f"{name}({', '.join(args + [out_ptr])})"
+        elif kind == "collective":
+            core = notes["core"]
+            raise NotImplementedError(
+                f"the CPU backend cannot compile {sub.op(core)!r} (%{n}, {_attr_text(sub.attrs(core))}, at {graph.loc(n)}): "
+                f"collectives need a communicator, which the single-process CPU step does not have; "
+                f"run it through the data-parallel runtime or evaluate it with ember.ir.run_world")
         else:
             ks, order = render_contraction(name, kind, sub, notes)
             named = {f"in{i}": a for i, a in enumerate(args)} | {"out": out_ptr}

@@ -12,6 +12,11 @@ Each group becomes one `fused` node holding its subgraph (inputs in0, in1, ... a
   reduction's input index) and those consuming it (epilogue, at its output index).
 - `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
   reshape) between them absorbed into index arithmetic.
+- `collective`: one collective op (`all_reduce`) alone, a kernel boundary: nothing is fused into
+  it and it is absorbed into no group. It is a `fused` node like any other kernel (subgraph
+  in0 -> all_reduce -> out, notes["core"] its op), so the memory planner gives its result an
+  arena buffer of its own (never the operand's, never in place) and a backend dispatches on the
+  kernel kind: on CUDA one communicator call over that buffer.
 
 A value leaves a group (and is materialised) only when something outside the group uses it, so
 no group ever needs another group's internals and no cycle can form: groups are grown from a
@@ -149,6 +154,8 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
                         f"support yet; broadcast_to the operands to a common batch shape first (at {graph.loc(core)})")
         elif op in CONV_OPS:
             kind, members, notes = op, {root}, {"core": root}
+        elif OPS[op].kind == "collective":
+            kind, members, notes = "collective", {root}, {"core": root}
         elif op in REDUCTIONS:
             kind, members = "reduction", {root}
             gr.grow(members, [root], graph.type(graph.operands(root)[0]).numel)

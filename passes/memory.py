@@ -8,7 +8,8 @@ order), and per node `notes["storage"]`:
 - "constant": a non-scalar constant, held by the runtime.
 An update of a parameter or state whose kernel reads the old value only element by element at the
 same index is written in place into that parameter's memory (`storage` = "parameter"/"state");
-the schedule then puts every other reader of the old value before it. `meta["arena_bytes"]` is
+the schedule then puts every other reader of the old value before it. Only a pointwise kernel is
+ever written in place: a `collective` kernel's result always gets an arena buffer of its own. `meta["arena_bytes"]` is
 the arena's size: the peak of simultaneously live intermediate buffers.
 """
 from __future__ import annotations
