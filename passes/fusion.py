@@ -35,6 +35,7 @@ VIEWS = {"broadcast_to", "transpose", "reshape"}
 REDUCTIONS = {"sum", "max", "argmax"}
 SOURCES = {"input", "parameter", "state", "constant"}
 CONV_OPS = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+COLLECTIVES = {name for name, op in OPS.items() if op.kind == "collective"}
 
 
 def _numel(graph: Graph, n: int) -> int:
@@ -154,7 +155,7 @@ def _groups(graph: Graph) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
                         f"support yet; broadcast_to the operands to a common batch shape first (at {graph.loc(core)})")
         elif op in CONV_OPS:
             kind, members, notes = op, {root}, {"core": root}
-        elif OPS[op].kind == "collective":
+        elif op in COLLECTIVES:
             kind, members, notes = "collective", {root}, {"core": root}
         elif op in REDUCTIONS:
             kind, members = "reduction", {root}
