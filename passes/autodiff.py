@@ -318,7 +318,7 @@ def tag_gradient(graph: Graph, node: int, *params: str) -> None:
 def carry_gradient_tags(graph: Graph, old: int, new: int) -> None:
     """Moves `old`'s gradient tags onto `new`, a node computing the same value that replaces it."""
     if old != new and old in graph and graph.notes(old).get(GRAD_TAG):
-        tag_gradient(graph, new, *graph.notes(old)[GRAD_TAG])
+        tag_gradient(graph, new, *graph.notes(old).pop(GRAD_TAG))
 
 
 def gradients(graph: Graph) -> dict[str, int]:
