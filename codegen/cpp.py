@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -173,6 +174,10 @@ def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[
     return decls
 
 
+def _attr_text(attrs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(attrs.items()))
+
+
 def render_step(graph: Graph, profile: bool = False) -> StepSource:
     """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if `profile`)."""
     slots = _slots(graph)
@@ -197,6 +202,11 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
             call = f"{name}({', '.join(args + [out])})"
+        elif spec.kind == "collective":
+            raise NotImplementedError(
+                f"the CPU backend cannot compile {sub.op(spec.core)!r} (%{n}, {_attr_text(sub.attrs(spec.core))}, "
+                f"at {graph.loc(n)}): collectives need a communicator, which the single-process CPU step does not "
+                f"have; run it through the data-parallel runtime or evaluate it with ember.ir.run_world")
         else:
             ks, order = render_contraction(name, sub, spec)
             if ks.scratch_bytes != spec.scratch_bytes:

@@ -164,6 +164,9 @@ def render_step(graph: Graph) -> CudaStepSource:
         node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {"out": ("node", n)}
         implements = graph.notes(n).get("implements", [])
         header = f"// ---- {name}: {spec.describe()} -> {graph.type(n)}\n" + "".join(f"//   implements {line}\n" for line in implements)
+        if spec.kind == "collective":
+            raise NotImplementedError(f"the CUDA step cannot compile {sub.op(spec.core)!r} (%{n}, at {graph.loc(n)}) "
+                                      f"without a communicator (NCCL, data-parallel runtime)")
         if spec.kind in ("pointwise", "reduction"):
             if spec.kind == "pointwise":
                 code, grid, block = render_pointwise(name, sub)

@@ -3,6 +3,9 @@
 `run(graph, inputs, parameters, states)` evaluates outputs and updates. With
 `precision="float64"` every float32 value is computed in float64 (the oracle for gradient and
 tolerance checks); integer and bool values keep their types.
+
+`run` is one process, i.e. a world of size 1, where a collective such as `all_reduce` is the
+identity; `ember.ir.world.run_world` runs N ranks of a graph together (a simulated world).
 """
 from __future__ import annotations
 
@@ -113,6 +116,9 @@ IMPLS: dict[str, Impl] = {
     "conv2d_grad_weight": _conv2d_grad_weight,
     "one_hot": lambda a, at, t: (a[0][..., None] == np.arange(at["num_classes"])),
     "fused": _fused,
+    # A single process is a world of one rank: the reduction over the group is the value itself.
+    # `ember.ir.world.run_world` evaluates collectives over a simulated world of N ranks.
+    "all_reduce": lambda a, at, t: a[0],
 }
 SOURCES = ("input", "parameter", "state", "constant")
 
@@ -148,25 +154,39 @@ def run(graph: Graph, inputs: Mapping[str, Any] = {}, parameters: Mapping[str, A
     """
     values: dict[int, np.ndarray] = {}
     for n in graph.topo_order():
-        op, attrs, t = graph.op(n), graph.attrs(n), graph.type(n)
-        want = _compute_dtype(t, precision)
-        if op == "constant":
-            v = attrs["value"]
-        elif op in ("input", "parameter", "state"):
-            table = {"input": inputs, "parameter": parameters, "state": states}[op]
-            v = _fetch(op, table, attrs["name"], t)
-        else:
-            impl = IMPLS.get(op)
-            if impl is None:
-                raise NotImplementedError(f"the reference interpreter has no rule for op {op!r}")
-            v = impl([values[o] for o in graph.operands(n)], attrs, t)
-        v = np.asarray(v)
-        if v.shape != t.shape:
-            raise AssertionError(f"interpreter bug: %{n} = {op} computed shape {v.shape}, its type is {t}")
-        if not keep_dtypes or op not in ("input",):
-            if v.dtype != want and not (keep_dtypes and t.dtype.is_float and v.dtype.kind == "f"):
-                v = v.astype(want)
-        values[n] = v
+        values[n] = _finish(graph, n, _compute(graph, n, values, inputs, parameters, states), precision, keep_dtypes)
+    return _result(graph, values)
+
+
+def _compute(graph: Graph, n: int, values: Mapping[int, np.ndarray], inputs: Mapping[str, Any],
+             parameters: Mapping[str, Any], states: Mapping[str, Any]) -> Any:
+    """Node n's raw value from its operands' values (or from the tables, for a source)."""
+    op, attrs, t = graph.op(n), graph.attrs(n), graph.type(n)
+    if op == "constant":
+        return attrs["value"]
+    if op in ("input", "parameter", "state"):
+        table = {"input": inputs, "parameter": parameters, "state": states}[op]
+        return _fetch(op, table, attrs["name"], t)
+    impl = IMPLS.get(op)
+    if impl is None:
+        raise NotImplementedError(f"the reference interpreter has no rule for op {op!r}")
+    return impl([values[o] for o in graph.operands(n)], attrs, t)
+
+
+def _finish(graph: Graph, n: int, v: Any, precision: str | None, keep_dtypes: bool) -> np.ndarray:
+    """Checks the computed value's shape and casts it to the dtype `run` computes node n in."""
+    op, t = graph.op(n), graph.type(n)
+    want = _compute_dtype(t, precision)
+    v = np.asarray(v)
+    if v.shape != t.shape:
+        raise AssertionError(f"interpreter bug: %{n} = {op} computed shape {v.shape}, its type is {t}")
+    if not keep_dtypes or op not in ("input",):
+        if v.dtype != want and not (keep_dtypes and t.dtype.is_float and v.dtype.kind == "f"):
+            v = v.astype(want)
+    return v
+
+
+def _result(graph: Graph, values: Mapping[int, np.ndarray]) -> Result:
     return Result({k: values[n] for k, n in graph.outputs.items()},
                   {k: values[n] for k, n in graph.updates.items()})
 

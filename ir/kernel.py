@@ -16,7 +16,9 @@ from typing import Any
 # reduction kernels are generated from their subgraphs.
 CONTRACTIONS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul")
 GENERATED = ("pointwise", "reduction")
-KERNEL_KINDS = GENERATED + CONTRACTIONS
+#: one collective op (all_reduce) alone: a kernel boundary that a communicator implements
+COLLECTIVE = "collective"
+KERNEL_KINDS = GENERATED + CONTRACTIONS + (COLLECTIVE,)
 EPILOGUES = ("bias", "relu")
 
 

@@ -40,7 +40,7 @@ class Attr:
 class OpDef:
     name: str
     arity: int | None  # None: any number of operands
-    kind: str  # source | elementwise | reduction | layout | contraction | index | fused
+    kind: str  # source | elementwise | reduction | layout | contraction | index | collective | fused
     infer: Callable[[list[TensorType], dict[str, Any]], TensorType]
     attrs: dict[str, Attr] = field(default_factory=dict)
     differentiable: bool = True  # a VJP rule is owed (completeness test)
@@ -352,6 +352,29 @@ def _one_hot(types, attrs):
     if attrs["num_classes"] < 1:
         raise ShapeError(f"one_hot needs num_classes >= 1, got {attrs['num_classes']}")
     return TensorType(t.shape + (attrs["num_classes"],), attrs["dtype"])
+
+
+# ---- collectives ----------------------------------------------------------------------------
+# A collective combines the values that every rank of a named group holds for the same node. Its
+# meaning needs a world of ranks: `ember.ir.world.run_world` evaluates N ranks in lockstep, and
+# the plain single-process `run` is a world of size 1 (all_reduce is then the identity). Passes
+# must not constant-fold a collective, and fusion keeps each one a kernel of its own.
+
+REDUCE_OPS = ("sum", "mean")
+
+
+def _reduce_op(v: Any) -> str:
+    if v not in REDUCE_OPS:
+        raise ValueError(f"expected one of {', '.join(REDUCE_OPS)}, got {v!r}")
+    return v
+
+
+@_defop("all_reduce", 1, "collective", {"reduce": Attr(_reduce_op), "group": Attr(_name, "world")})
+def _all_reduce(types, attrs):
+    """Every rank of `group` gets the sum (or mean) over the group's ranks of its operand."""
+    (t,) = types
+    _float_only("all_reduce", t)
+    return t
 
 
 # ---- fusion groups ---------------------------------------------------------------------------

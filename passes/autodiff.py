@@ -14,6 +14,22 @@ Only nodes that lie on a path from a differentiated parameter to the loss get co
 gradient is ever built for inputs or labels (the first convolution's `conv2d_grad_input` never
 exists). Where a value fans out, its cotangent contributions are summed with `add` nodes in the
 order they were produced (reverse topological order of the users), which is deterministic.
+
+Gradient tags (the contract later passes rely on, e.g. data parallelism finding the gradients to
+all-reduce after `simplify`): `grad` marks the node holding each parameter's gradient with the
+note `grad_of` = a tuple of parameter names (a tuple because one node can be the gradient of
+several parameters, or become so when CSE merges two nodes). `gradients(graph)` reads the tags
+back as {parameter name: node}. The tag means "this node's value is the gradient of p"; it does
+not mean the node is used only as a gradient: it may also be a cotangent inside the backward
+pass, or a forward value (for loss = sum(p * x) the gradient of p *is* x). A pass that replaces
+a gradient by something else (its all-reduce) must therefore redirect only the uses that lead to
+that parameter's update, never the backward pass's own uses. `simplify` keeps the tags: whenever
+it replaces a node by an equal value (CSE, constant folding, algebraic rewrites) it moves the
+node's tags onto the replacement (`carry_gradient_tags`), so after autodiff -> optimizer ->
+simplify every parameter whose update reads a gradient still has exactly one tagged node. A
+parameter the loss does not depend on gets a structural-zero gradient that the optimizer drops;
+after DCE it may have no tagged node at all. Passes that rebuild the graph (fusion) do not keep
+tags; they run after the passes that need them.
 """
 from __future__ import annotations
 
@@ -240,6 +256,18 @@ def _conv2d_grad_weight(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
     return [cx, cdy]
 
 
+def _all_reduce(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
+    # In a world of N ranks, y_r = sum_s x_s on every rank r (mean: y_r = (1/N) sum_s x_s). The
+    # objective is the sum of the ranks' losses, L = sum_r L_r(y_r) (for data parallelism with a
+    # per-shard mean loss, the mean over ranks is what all_reduce(mean) of the gradients gives).
+    # Then dL/dx_s = sum_r ct_r * dy_r/dx_s = sum_r ct_r for sum, and (1/N) sum_r ct_r for mean,
+    # where ct_r = dL_r/dy_r is rank r's own cotangent, which differs between ranks even though
+    # the forward values y_r agree. So the VJP is the same collective over the same group applied
+    # to the cotangent. In a world of one rank both sides are the identity.
+    at = b.g.attrs(n)
+    return [b.op("all_reduce", ct, reduce=at["reduce"], group=at["group"]) if needs[0] else None]
+
+
 VJP_RULES: dict[str, Rule] = {
     "neg": _unary(lambda b, x, y, ct: b.op("neg", ct)),
     "exp": _unary(lambda b, x, y, ct: b.op("mul", ct, y)),
@@ -267,12 +295,41 @@ VJP_RULES: dict[str, Rule] = {
     "conv2d": _conv2d,
     "conv2d_grad_input": _conv2d_grad_input,
     "conv2d_grad_weight": _conv2d_grad_weight,
+    "all_reduce": _all_reduce,
 }
 
 
 def missing_rules() -> list[str]:
     """Differentiable ops of the IR without a VJP rule (the completeness check)."""
     return sorted(name for name, op in OPS.items() if op.differentiable and name not in VJP_RULES)
+
+
+# ---- gradient tags ---------------------------------------------------------------------------
+
+GRAD_TAG = "grad_of"
+
+
+def tag_gradient(graph: Graph, node: int, *params: str) -> None:
+    """Marks `node` as holding the gradient of each of `params` (kept in order, no repeats)."""
+    old = graph.notes(node).get(GRAD_TAG, ())
+    graph.annotate(node, GRAD_TAG, tuple(dict.fromkeys(old + params)))
+
+
+def carry_gradient_tags(graph: Graph, old: int, new: int) -> None:
+    """Moves `old`'s gradient tags onto `new`, a node computing the same value that replaces it."""
+    if old != new and old in graph and graph.notes(old).get(GRAD_TAG):
+        tag_gradient(graph, new, *graph.notes(old).pop(GRAD_TAG))
+
+
+def gradients(graph: Graph) -> dict[str, int]:
+    """{parameter name: node holding its gradient}, from the tags, in parameter order."""
+    found: dict[str, int] = {}
+    for n in graph.g:
+        for p in graph.notes(n).get(GRAD_TAG, ()):
+            if p in found and found[p] != n:
+                raise AssertionError(f"gradient of {p!r} is tagged on two nodes, %{found[p]} and %{n}")
+            found[p] = n
+    return {p: found[p] for p in graph.parameters if p in found}
 
 
 # ---- the pass --------------------------------------------------------------------------------
@@ -303,7 +360,8 @@ def grad(graph: Graph, loss: str = "out", wrt: Sequence[str] | None = None) -> G
 
     Keeps every output of `graph` (the `loss` output renamed "loss") and adds `grad:<name>` for
     each parameter in `wrt` (default: all parameters, in declaration order). A parameter that
-    does not influence the loss gets zeros.
+    does not influence the loss gets zeros. Each gradient node is tagged (see the module
+    docstring: `gradients(graph)` finds them).
     """
     if loss not in graph.outputs:
         raise KeyError(f"grad: graph {graph.name!r} has no output {loss!r}; outputs: {list(graph.outputs)}")
@@ -314,6 +372,8 @@ def grad(graph: Graph, loss: str = "out", wrt: Sequence[str] | None = None) -> G
         if not graph.type(graph.parameters[name]).dtype.is_float:
             raise TypeError(f"grad: parameter {name!r} is {graph.type(graph.parameters[name])}; only float parameters have gradients")
     g = graph.copy()
+    for n in g.g:  # tags of an earlier grad (higher-order use) name gradients of another loss
+        g.notes(n).pop(GRAD_TAG, None)
     root = g.outputs[loss]
     lt = g.type(root)
     if lt.shape != () or not lt.dtype.is_float:
@@ -353,6 +413,7 @@ def grad(graph: Graph, loss: str = "out", wrt: Sequence[str] | None = None) -> G
         p = g.parameters[name]
         b = Builder(g, g.loc(p))
         outputs[f"grad:{name}"] = _accumulate(b, cts, p) if p in cts else b.zeros(g.type(p))
+        tag_gradient(g, outputs[f"grad:{name}"], name)
     g.outputs = outputs
     return g.verify()
 

@@ -13,6 +13,11 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   reduction's input index) and those consuming it (epilogue, at its output index).
 - `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
   reshape) between them absorbed into index arithmetic.
+- `collective`: one collective op (`all_reduce`) alone, a kernel boundary: nothing is fused into
+  it and it is absorbed into no group. It is a `fused` node like any other kernel (subgraph
+  in0 -> all_reduce -> out, its spec's core the op), so the memory planner gives its result an
+  arena buffer of its own (never the operand's, never in place) and a backend dispatches on the
+  kernel kind: on CUDA one communicator call over that buffer.
 
 A value leaves a group (and is materialised) only when something outside the group uses it, so
 no group ever needs another group's internals and no cycle can form: groups are grown from a
@@ -33,6 +38,7 @@ VIEWS = {"broadcast_to", "transpose", "reshape"}
 REDUCTIONS = {"sum", "max", "argmax"}
 SOURCES = {"input", "parameter", "state", "constant"}
 CONV_OPS = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+COLLECTIVES = {name for name, op in OPS.items() if op.kind == "collective"}
 
 
 def _numel(graph: Graph, n: int) -> int:
@@ -153,6 +159,8 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                     notes.update(a=a, b=b, trans_a=False, trans_b=False)
         elif op in CONV_OPS:
             kind, members, notes = op, {root}, {"core": root}
+        elif op in COLLECTIVES:
+            kind, members, notes = "collective", {root}, {"core": root}
         elif op in REDUCTIONS:
             kind, members = "reduction", {root}
             gr.grow(members, [root], graph.type(graph.operands(root)[0]).numel)
@@ -184,7 +192,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
 def _spec(graph: Graph, kind: str, notes: dict[str, Any], index_of: dict[int, int], submap: dict[int, int]) -> KernelSpec:
     """The typed plan of one group: roles are indices of the fused node's operands."""
     core = notes.get("core")
-    if kind in ("pointwise", "reduction"):
+    if kind in ("pointwise", "reduction", "collective"):
         return KernelSpec(kind, core=submap[core] if core is not None else None)
     if kind == "matmul":
         roles = [("a", index_of[notes["a"]]), ("b", index_of[notes["b"]])]

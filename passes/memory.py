@@ -14,6 +14,8 @@ A fused node whose `KernelSpec` asks for scratch gets `notes["scratch_offset"]`:
 while that kernel runs. `meta["arena_bytes"]` is the arena's size: the peak of simultaneously
 live buffers, inputs and scratch included. `meta["liveness"]` maps each arena buffer to its
 (first, last) schedule positions; scratch blocks are listed under `meta["scratch_liveness"]`.
+Only a pointwise kernel is ever written in place (the schedule decides): a `collective` kernel's
+result always gets an arena buffer of its own.
 """
 from __future__ import annotations
 

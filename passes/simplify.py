@@ -7,6 +7,10 @@ fixed point costs one graph copy in all.
 
 DCE keeps outputs, updates and every input, parameter and state: those are the step's signature
 (the runtime binds storage and arguments by them), even when the computation no longer reads one.
+
+Every replacement of a node by an equal value goes through `_replace`, which carries autodiff's
+gradient tags (`grad_of`) to the replacement. Collectives are never folded: their value depends
+on the other ranks.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ember.ir import IMPLS, Graph, TensorType
+from ember.ir import IMPLS, OPS, Graph, TensorType
+
+from .autodiff import carry_gradient_tags
 
 SOURCES = ("input", "parameter", "state")
 
@@ -23,6 +29,12 @@ SOURCES = ("input", "parameter", "state")
 # folding `broadcast_to(scalar)` to an activation-sized shape would bloat the graph (and every
 # generated source) with data that a broadcast describes in one line.
 FOLD_MAX_ELEMENTS = 64
+
+
+def _replace(g: Graph, old: int, new: int) -> None:
+    """Points old's uses at `new` (an equal value) and moves old's gradient tags onto it."""
+    g.replace_uses(old, new)
+    carry_gradient_tags(g, old, new)
 
 
 # ---- dead code -------------------------------------------------------------------------------
@@ -76,7 +88,7 @@ def _cse(g: Graph) -> bool:
             continue
         first = seen.setdefault(key, n)
         if first != n:
-            g.replace_uses(n, first)
+            _replace(g, n, first)
             g.remove(n)
             changed = True
     return changed
@@ -86,7 +98,7 @@ def _cse(g: Graph) -> bool:
 
 def _fold_value(g: Graph, n: int) -> np.ndarray | None:
     op = g.op(n)
-    if op in SOURCES or op in ("constant", "fused"):
+    if op in SOURCES or op in ("constant", "fused") or OPS[op].kind == "collective":
         return None
     operands = g.operands(n)
     if not operands or any(g.op(o) != "constant" for o in operands):
@@ -108,7 +120,7 @@ def _fold_constants(g: Graph) -> bool:
         if value is None:
             continue
         c = g.add_constant(value, loc=g.loc(n))
-        g.replace_uses(n, c)
+        _replace(g, n, c)
         changed = True
     if changed:
         _dce(g)
@@ -195,7 +207,7 @@ def _algebraic(g: Graph) -> bool:
             continue
         new = _rewrite(g, n)
         if new is not None and new != n:
-            g.replace_uses(n, new)
+            _replace(g, n, new)
             changed = True
     if changed:
         _dce(g)

@@ -1,6 +1,8 @@
 """Completeness of the op table: every op in ember.ir.ops.OPS has a type rule and attribute schema,
 and every op that computes something has a NumPy reference implementation in the interpreter's
-IMPLS. Sources (input, parameter, state, constant) are produced by `run` itself.
+IMPLS. Sources (input, parameter, state, constant) are produced by `run` itself. A collective
+(kind "collective") also owes a rule for the simulated world (`ember.ir.world.COLLECTIVES`), its
+meaning over N ranks; `IMPLS` holds its single-process (world of one) meaning.
 
 The checks are functions so that the test can also show that they catch a newly registered op
 that someone forgot to give an interpreter rule.
@@ -12,10 +14,10 @@ import inspect
 import pytest
 
 from ember.ir import IMPLS, OPS, Graph, ShapeError, TensorType
-from ember.ir import interpreter
+from ember.ir import interpreter, world
 from ember.ir.ops import Attr, OpDef
 
-KINDS = {"source", "elementwise", "reduction", "layout", "contraction", "index", "fused"}
+KINDS = {"source", "elementwise", "reduction", "layout", "contraction", "index", "collective", "fused"}
 
 
 def missing_shape_rules(ops: dict[str, OpDef]) -> list[str]:
@@ -33,6 +35,28 @@ def missing_shape_rules(ops: dict[str, OpDef]) -> list[str]:
 def missing_impls(ops: dict[str, OpDef], impls: dict) -> list[str]:
     return sorted(n for n, op in ops.items()
                   if n not in interpreter.SOURCES and not callable(impls.get(n)))
+
+
+def missing_world_rules(ops: dict[str, OpDef], collectives: dict) -> list[str]:
+    return sorted(n for n, op in ops.items() if op.kind == "collective" and not callable(collectives.get(n)))
+
+
+def test_every_collective_has_a_world_rule():
+    assert not missing_world_rules(OPS, world.COLLECTIVES), \
+        f"collectives the simulated world cannot run: {missing_world_rules(OPS, world.COLLECTIVES)}"
+    assert {n for n, op in OPS.items() if op.kind == "collective"} == set(world.COLLECTIVES), \
+        "world.COLLECTIVES rules for ops that are not collectives"
+    assert "all_reduce" in world.COLLECTIVES
+
+
+def test_checks_catch_a_collective_without_a_world_rule(monkeypatch):
+    fake = OpDef("all_gather", 1, "collective", lambda types, attrs: types[0])
+    monkeypatch.setitem(OPS, "all_gather", fake)
+    monkeypatch.setitem(IMPLS, "all_gather", lambda a, at, t: a[0])
+    assert missing_world_rules(OPS, world.COLLECTIVES) == ["all_gather"]
+    assert missing_shape_rules(OPS) == [] and missing_impls(OPS, IMPLS) == []
+    monkeypatch.delitem(IMPLS, "all_gather")
+    assert missing_impls(OPS, IMPLS) == ["all_gather"]
 
 
 def test_every_op_has_a_shape_rule():

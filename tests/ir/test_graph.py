@@ -442,7 +442,7 @@ def test_fused_node_evaluates_like_its_members():
     assert g.count("fused") == 1 and g.count("relu") == 0
     assert g.operands(node) == [mm, g.parameters["b"]]
     text = str(g)
-    assert "fused(%4, %2) kernel='pointwise' : f32[4,5]" in text
+    assert "fused(%4, %2) kernel=pointwise : f32[4,5]" in text
     assert "    graph fused0 {" in text and "      %2 = add(%0, %1) : f32[4,5]" in text
     after = run(g, i, p, s)
     for k in before.outputs:

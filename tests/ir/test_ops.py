@@ -600,6 +600,8 @@ def test_unknown_op_and_attribute():
 
 
 def test_every_op_is_tested():
-    computed = {n for n, op in OPS.items() if op.kind not in ("source", "fused")}
+    # Collectives have no single-process torch counterpart: tests/ir/test_world.py checks them
+    # against NumPy over a simulated world of ranks.
+    computed = {n for n, op in OPS.items() if op.kind not in ("source", "fused", "collective")}
     missing = computed - TESTED
     assert not missing, f"ops without a test against torch in tests/ir/test_ops.py: {sorted(missing)}"

@@ -179,6 +179,10 @@ ROWS = [
     Row("conv2d", _conv2d_gen, lambda at, x, w: torch.nn.functional.conv2d(x, w, stride=at["stride"], padding=at["padding"])),
     Row("conv2d_grad_input", _conv2d_gi_gen, _torch_grad_input),
     Row("conv2d_grad_weight", _conv2d_gw_gen, _torch_grad_weight),
+    # A single process is a world of one rank, where all_reduce (sum or mean) is the identity;
+    # tests/passes/test_collectives.py checks its VJP over simulated worlds of several ranks.
+    Row("all_reduce", lambda rng: ([rng.normal(size=_shape(rng))], {"reduce": ("sum", "mean")[int(rng.integers(0, 2))]}),
+        lambda at, x: x.clone()),
 ]
 SEEDS = (0, 1, 2)
 CASES = [pytest.param(row, seed, id=f"{row.op}-{seed}") for row in ROWS for seed in SEEDS]
