@@ -108,7 +108,7 @@ def test_fusion_keeps_the_collective_a_kernel_of_its_own():
     (coll,) = [n for n in fused.nodes() if fused.op(n) == "fused" and fused.attrs(n)["kernel"].kind == "collective"]
     sub = fused.attrs(coll)["graph"]
     assert [sub.op(n) for n in sub.nodes()] == ["input", "all_reduce"]
-    assert sub.attrs(fused.notes(coll)["core"]) == {"reduce": "mean", "group": "world"}
+    assert sub.attrs(fused.attrs(coll)["kernel"].core) == {"reduce": "mean", "group": "world"}
     (before,) = fused.operands(coll)
     assert fused.attrs(before)["kernel"].kind == "pointwise"
     pre = fused.attrs(before)["graph"]
