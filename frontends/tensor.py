@@ -25,9 +25,10 @@ _state = threading.local()
 def user_location() -> str | None:
     """file:line of the user code that built a node (or raised an error) while tracing.
 
-    Inside a module whose `forward` lives in ember (a layer of a `Sequential`, `nn.Linear` called
-    from a user's forward, a loss module), that is the line that constructed the module; otherwise
-    (a user-defined module's forward, a plain function) it is the innermost frame outside ember.
+    Inside a built-in module (its `forward` lives in ember) that ember code called (a layer of a
+    `Sequential`, a loss module passed to `compile`), that is the line that constructed the module;
+    otherwise (a user-defined module's forward, a built-in layer called from one, a plain function)
+    it is the innermost frame outside ember: the user's line that made the node.
     """
     stack = getattr(_state, "stack", None)
     if stack and stack[-1].scopes and stack[-1].scopes[-1][1] is not None:
