@@ -6,8 +6,9 @@ model, `optimizer/<param>` for optimizer updates) and `backward` (True for a gra
 takes the scope and loc of the forward node it differentiates). Node ids are stable names: a pass
 that edits a copy keeps them, a pass that builds a new graph copies nodes with `clone_node` (or
 `add(..., node_id=...)`) on a graph from `empty_like`, so `%51` means the same node in every dump,
-kernel header and error message; a new node takes a fresh id above every id its source graph used. An edge u -> v with key i says that u is operand i of v, so a value used twice by one
-node gives two parallel edges. Named entry points: `inputs` (fed per call), `parameters` and
+kernel header and error message; a new node takes a fresh id above every id its source graph used.
+An edge u -> v with key i says that u is operand i of v, so a value used twice by one node gives
+two parallel edges. Named entry points: `inputs` (fed per call), `parameters` and
 `states` (persistent, owned by the runtime), `outputs`, and `updates` (the new value of a
 parameter or state, written back at the end of a step).
 """
