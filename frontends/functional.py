@@ -21,7 +21,13 @@ Operand = Any  # Tensor | Parameter | np.ndarray | number
 
 def _emit(op: str, operands: Sequence[int], **attrs: Any) -> Tensor:
     ctx = current()
-    return Tensor(ctx.graph, ctx.graph.add(op, operands, loc=user_location(), **attrs))
+    return Tensor(ctx.graph, ctx.graph.add(op, operands, **ctx.provenance(), **attrs))
+
+
+def _at() -> str:
+    """Where a frontend error happened: the module path (if any) and the user's line."""
+    scope = current().scope()
+    return (f"\n  in module {scope!r}" if scope else "") + f"\n  at {user_location()}"
 
 
 def _typed(x: Operand) -> Tensor | Parameter | None:
@@ -77,11 +83,11 @@ def reshape(x: Operand, shape: Sequence[int]) -> Tensor:
     t = _tensor(x)
     shape = [int(d) for d in shape]
     if shape.count(-1) > 1:
-        raise ShapeError(f"reshape: at most one -1 allowed, got {tuple(shape)}\n  at {user_location()}")
+        raise ShapeError(f"reshape: at most one -1 allowed, got {tuple(shape)}{_at()}")
     if -1 in shape:
         known = int(np.prod([d for d in shape if d != -1]))
         if known == 0 or t.type.numel % known:
-            raise ShapeError(f"reshape: cannot reshape {t.type} to {tuple(shape)}\n  at {user_location()}")
+            raise ShapeError(f"reshape: cannot reshape {t.type} to {tuple(shape)}{_at()}")
         shape[shape.index(-1)] = t.type.numel // known
     return _emit("reshape", [t.node], shape=tuple(shape))
 
@@ -94,7 +100,7 @@ def flatten(x: Operand, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     s, e = (_axes(t, d)[0] for d in (start_dim, end_dim))
     if s > e:
         raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} for {t.type}"
-                         f"\n  at {user_location()}")
+                         f"{_at()}")
     shape = t.shape[:s] + (int(np.prod(t.shape[s:e + 1])),) + t.shape[e + 1:]
     return _emit("reshape", [t.node], shape=shape)
 
@@ -122,7 +128,7 @@ def _axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
     try:
         return normalize_axes([axis] if isinstance(axis, (int, np.integer)) else list(axis), len(x.shape))
     except ShapeError as e:
-        raise ShapeError(f"{e} (operand {x.type})\n  at {user_location()}") from None
+        raise ShapeError(f"{e} (operand {x.type}){_at()}") from None
 
 
 def sum(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
@@ -180,7 +186,7 @@ def conv2d(x: Operand, weight: Operand, bias: Operand | None = None, stride: int
     """2-D convolution, NCHW input and OIHW weight (PyTorch's layout and semantics)."""
     if np.any(np.asarray(dilation) != 1) or groups != 1:
         raise NotImplementedError(f"conv2d: dilation={dilation} and groups={groups} are not supported yet "
-                                  f"(only dilation=1, groups=1)\n  at {user_location()}")
+                                  f"(only dilation=1, groups=1){_at()}")
     y = _emit("conv2d", _nodes(x, weight), stride=stride, padding=padding)
     if bias is not None:
         o = y.shape[1]
@@ -220,10 +226,10 @@ def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean") -> 
     """PyTorch's F.cross_entropy for (N, C) logits and (N,) integer class labels."""
     z, y = _tensor(logits), _tensor(labels)
     if len(z.shape) != 2:
-        raise ShapeError(f"cross_entropy expects (N, C) logits, got {z.type}\n  at {user_location()}")
+        raise ShapeError(f"cross_entropy expects (N, C) logits, got {z.type}{_at()}")
     if y.dtype.is_float or y.shape != z.shape[:1]:
         raise ShapeError(f"cross_entropy expects integer labels of shape ({z.shape[0]},), got {y.type} "
-                         f"for logits {z.type}\n  at {user_location()}")
+                         f"for logits {z.type}{_at()}")
     picked = sum(mul(log_softmax(z, 1), one_hot(y, z.shape[1], z.dtype)), 1)
     return _reduce_loss(neg(picked), reduction)
 
@@ -231,7 +237,7 @@ def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean") -> 
 def mse_loss(pred: Operand, target: Operand, reduction: str = "mean") -> Tensor:
     p, t = _tensor(pred), _tensor(target)
     if p.shape != t.shape:
-        raise ShapeError(f"mse_loss: prediction {p.type} and target {t.type} differ in shape\n  at {user_location()}")
+        raise ShapeError(f"mse_loss: prediction {p.type} and target {t.type} differ in shape{_at()}")
     d = sub(p, t)
     return _reduce_loss(mul(d, d), reduction)
 

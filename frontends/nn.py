@@ -8,6 +8,7 @@ with `load_state_dict`.
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import functional as F
-from .tensor import Parameter, Tensor
+from .tensor import Parameter, Tensor, active, caller_location, in_ember
 
 _rng = np.random.default_rng(0)
 
@@ -31,6 +32,14 @@ def _uniform(shape: tuple[int, ...], bound: float) -> np.ndarray:
 
 
 class Module:
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Module":
+        # The construction site is recorded here rather than in __init__, so that it is known even
+        # for a subclass whose __init__ forgets super().__init__(): it is the source line of the
+        # nodes of a built-in layer (see `tensor.user_location`).
+        self = super().__new__(cls)
+        object.__setattr__(self, "_ember_loc", caller_location())
+        return self
+
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
@@ -54,16 +63,24 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        ctx = active()
+        if ctx is None:
+            return self.forward(*args, **kwargs)
+        # nodes built by forward get this module's path (and, called from ember, its line)
+        ctx.enter_module(self, in_ember(sys._getframe(1).f_code.co_filename))
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            ctx.exit_module()
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         yield prefix, self
-        for name, m in self._modules.items():
+        for name, m in self.__dict__.get("_modules", {}).items():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         for mod_name, m in self.named_modules(prefix):
-            for name, p in m._parameters.items():
+            for name, p in m.__dict__.get("_parameters", {}).items():
                 if p is not None:
                     yield (f"{mod_name}.{name}" if mod_name else name), p
 

@@ -6,6 +6,7 @@ registered for it (PyTorch's `0.weight` style names for modules).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -22,7 +23,27 @@ _state = threading.local()
 
 
 def user_location() -> str | None:
-    """file:line of the innermost frame outside ember itself: the user code that built a node.
+    """file:line of the user code that built a node (or raised an error) while tracing.
+
+    Inside a built-in module (its `forward` lives in ember) that ember code called (a layer of a
+    `Sequential`, a loss module passed to `compile`), that is the line that constructed the module;
+    otherwise (a user-defined module's forward, a built-in layer called from one, a plain function)
+    it is the innermost frame outside ember: the user's line that made the node.
+    """
+    stack = getattr(_state, "stack", None)
+    if stack and stack[-1].scopes and stack[-1].scopes[-1][1] is not None:
+        return stack[-1].scopes[-1][1]
+    return caller_location()
+
+
+@functools.lru_cache(maxsize=None)
+def in_ember(filename: str) -> bool:
+    """Whether a code object's file belongs to ember's own packages."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIRS)
+
+
+def caller_location() -> str | None:
+    """file:line of the innermost frame outside ember itself.
 
     Interpreter frames (runpy, importlib) are passed over; when ember itself built the model
     (e.g. `ember bench`), the outermost ember frame is named instead.
@@ -40,12 +61,58 @@ def user_location() -> str | None:
     return f"{fallback.f_code.co_filename}:{fallback.f_lineno}" if fallback is not None else None
 
 
+_FORWARD_IN_EMBER: dict[type, bool] = {}
+
+
+def forward_in_ember(cls: type) -> bool:
+    """Whether modules of class `cls` run a `forward` written in ember (a built-in layer)."""
+    hit = _FORWARD_IN_EMBER.get(cls)
+    if hit is None:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        hit = _FORWARD_IN_EMBER[cls] = code is not None and in_ember(code.co_filename)
+    return hit
+
+
 class TraceContext:
-    def __init__(self, graph: Graph, param_names: dict[int, str] | None = None) -> None:
+    """The graph being traced, with the names of parameters and modules (keyed by `id`) and the
+    module-call stack: (module path, fixed source line or None) per module being called."""
+
+    def __init__(self, graph: Graph, param_names: dict[int, str] | None = None,
+                 module_names: dict[int, str] | None = None) -> None:
         self.graph = graph
         self.param_names = dict(param_names or {})
+        self.module_names = dict(module_names or {})
         self.param_nodes: dict[int, int] = {}
         self.params: dict[str, "Parameter"] = {}
+        self.scopes: list[tuple[str, str | None]] = []
+
+    def enter_module(self, module: Any, called_from_ember: bool = True) -> None:
+        """Pushes `module` on the module-call stack (`Module.__call__` does this while tracing).
+
+        Its path is its qualified name under the traced root (`features.0`); a module the root does
+        not hold (a loss module called in `loss_fn`) is named by its class under the caller's path.
+        A built-in module called by ember code (a layer of a `Sequential`, the model or loss called
+        by `compile`) fixes the source line of its nodes to the user's line that constructed it;
+        otherwise (a user's forward, or a built-in layer called from one) the line is the user's
+        frame that made the node (see `user_location`)."""
+        name = self.module_names.get(id(module))
+        if name is None:
+            parent = self.scopes[-1][0] if self.scopes else ""
+            name = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
+        loc = None
+        if called_from_ember and forward_in_ember(type(module)):
+            loc = module.__dict__.get("_ember_loc")
+        self.scopes.append((name, loc))
+
+    def exit_module(self) -> None:
+        self.scopes.pop()
+
+    def scope(self) -> str:
+        return self.scopes[-1][0] if self.scopes else ""
+
+    def provenance(self) -> dict[str, Any]:
+        """`loc` and `scope` for a node built now, as keywords of `Graph.add`."""
+        return {"loc": user_location(), "scope": self.scope()}
 
     def __enter__(self) -> "TraceContext":
         stack = getattr(_state, "stack", None)
@@ -60,11 +127,22 @@ class TraceContext:
     def parameter_node(self, p: "Parameter") -> int:
         node = self.param_nodes.get(id(p))
         if node is None:
-            name = self.param_names.get(id(p)) or f"param{len(self.param_nodes)}"
-            node = self.graph.add_parameter(name, TensorType.of(p.data), loc=user_location())
+            name = self.param_names.get(id(p))
+            # scope: the parameter's own qualified name (`0.weight`); loc: where it was created
+            # (for a built-in layer, the user's line constructing the layer)
+            scope = name or self.scope()
+            name = name or f"param{len(self.param_nodes)}"
+            loc = getattr(p, "_loc", None) or user_location()
+            node = self.graph.add_parameter(name, TensorType.of(p.data), loc=loc, scope=scope)
             self.param_nodes[id(p)] = node
             self.params[name] = p
         return node
+
+
+def active() -> TraceContext | None:
+    """The innermost trace in progress, or None."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
 
 
 def current() -> TraceContext:
@@ -157,6 +235,7 @@ class Parameter(_Ops):
 
     def __init__(self, data: Any, dtype: Any = float32) -> None:
         self.data = np.ascontiguousarray(np.asarray(data, dtype=as_dtype(dtype).numpy))
+        self._loc = caller_location()  # the user's line creating it (or the layer holding it)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -196,12 +275,12 @@ def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
     if isinstance(x, Parameter):
         return ctx.parameter_node(x)
     if isinstance(x, (bool, int, float, np.number, np.bool_)) and like is not None and _scalar_fits(x, like.dtype):
-        return ctx.graph.add_constant(np.asarray(x, dtype=like.dtype.numpy), loc=user_location())
+        return ctx.graph.add_constant(np.asarray(x, dtype=like.dtype.numpy), **ctx.provenance())
     if isinstance(x, (np.ndarray, bool, int, float, np.number, np.bool_)):
         arr = np.asarray(x)
         if arr.dtype == np.float64 and not (like is not None and like.dtype.name == "float64"):
             arr = arr.astype(np.float32)  # Python floats default to the model's float32
-        return ctx.graph.add_constant(arr, loc=user_location())
+        return ctx.graph.add_constant(arr, **ctx.provenance())
     raise TypeError(f"cannot use {type(x).__name__} as a traced operand; expected a Tensor, Parameter, array or number")
 
 

@@ -46,11 +46,14 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
     """
     graph = Graph(name or getattr(fn, "__name__", type(fn).__name__))
     names: dict[int, str] = {}
+    module_names: dict[int, str] = {}  # module -> qualified name (its nodes' scope)
     # A list, not a union of dict views: that set needs hashable modules and has no stable order.
     for prefix, mod in ([("", fn)] if isinstance(fn, Module) else []) + list(dict(modules or {}).items()):
         for pname, p in mod.named_parameters(prefix):
             names[id(p)] = pname
-    with TraceContext(graph, names) as ctx:
+        for mname, m in mod.named_modules(prefix):
+            module_names.setdefault(id(m), mname)
+    with TraceContext(graph, names, module_names) as ctx:
         arg_names = input_names or _arg_names(fn, len(example_args))
         loc = user_location()
         args = [Tensor(graph, graph.add_input(n, example_type(a), loc=loc)) for n, a in zip(arg_names, example_args)]

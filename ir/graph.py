@@ -1,8 +1,14 @@
 """`Graph`: the one IR that flows through every stage, over a `networkx.MultiDiGraph`.
 
-Nodes are integers; each carries `op`, `attrs`, `type` and `loc` (the user's source line that
-built it). An edge u -> v with key i says that u is operand i of v, so a value used twice by one
-node gives two parallel edges. Named entry points: `inputs` (fed per call), `parameters` and
+Nodes are integers; each carries `op`, `attrs`, `type` and its provenance: `loc` (the user's
+file:line that built it), `scope` (the module path that made it, `features.0`; "" for the root
+model, `optimizer/<param>` for optimizer updates) and `backward` (True for a gradient node, which
+takes the scope and loc of the forward node it differentiates). Node ids are stable names: a pass
+that edits a copy keeps them, a pass that builds a new graph copies nodes with `clone_node` (or
+`add(..., node_id=...)`) on a graph from `empty_like`, so `%51` means the same node in every dump,
+kernel header and error message; a new node takes a fresh id above every id its source graph used.
+An edge u -> v with key i says that u is operand i of v, so a value used twice by one node gives
+two parallel edges. Named entry points: `inputs` (fed per call), `parameters` and
 `states` (persistent, owned by the runtime), `outputs`, and `updates` (the new value of a
 parameter or state, written back at the end of a step).
 """
@@ -23,6 +29,21 @@ class VerifyError(AssertionError):
     """The graph breaks an IR invariant (a pass bug, not a user error)."""
 
 
+def short_loc(loc: str | None) -> str:
+    """`file:line` with the file reduced to its base name (stable across checkouts)."""
+    return loc.replace("\\", "/").rsplit("/", 1)[-1] if loc else ""
+
+
+def format_provenance(scope: str, loc: str | None, backward: bool = False) -> str:
+    """`<scope> [(grad)] <file:line>`, each part left out when unknown (see `Graph.where`)."""
+    parts = [scope] if scope else []
+    if backward:
+        parts.append("(grad)")
+    if loc:
+        parts.append(short_loc(loc))
+    return " ".join(parts)
+
+
 class Graph:
     def __init__(self, name: str = "graph") -> None:
         self.name = name
@@ -36,40 +57,84 @@ class Graph:
         self._next = 0
 
     # ---- building ----------------------------------------------------------------------------
-    def add(self, op: str, operands: Sequence[int] = (), *, loc: str | None = None, **attrs: Any) -> int:
-        """Adds a node after checking its operands and attributes against the op's type rule."""
+    def add(self, op: str, operands: Sequence[int] = (), *, loc: str | None = None, scope: str = "",
+            backward: bool = False, node_id: int | None = None, **attrs: Any) -> int:
+        """Adds a node after checking its operands and attributes against the op's type rule.
+
+        `loc`, `scope` and `backward` are its provenance (see the module docstring). `node_id`
+        keeps an id the node had in another graph (a pass copying nodes); it must be free here, and
+        later fresh ids go above it. Without it the node takes a fresh id.
+        """
         for o in operands:
             if o not in self.g:
                 raise VerifyError(f"{op}: operand %{o} is not a node of graph {self.name!r}")
         try:
             ttype, attrs = infer_type(op, [self.type(o) for o in operands], attrs)
         except ShapeError as e:
-            raise ShapeError(f"{e}\n  at {loc}" if loc else str(e)) from None
-        node = self._next
-        self._next += 1
-        self.g.add_node(node, op=op, attrs=attrs, type=ttype, loc=loc, notes={})
+            where = ((f"\n  in module {scope!r}" + (" (grad)" if backward else "")) if scope else "") + (
+                f"\n  at {loc}" if loc else "")
+            raise ShapeError(f"{e}{where}") from None
+        if node_id is None:
+            node = self._next
+        else:
+            node = int(node_id)
+            if node < 0 or node in self.g:
+                raise VerifyError(f"{op}: node id %{node} is taken (or negative) in graph {self.name!r}")
+        self._next = max(self._next, node + 1)
+        self.g.add_node(node, op=op, attrs=attrs, type=ttype, loc=loc, scope=scope, backward=backward, notes={})
         for i, o in enumerate(operands):
             self.g.add_edge(o, node, key=i)
         return node
 
-    def _add_named(self, table: dict[str, int], op: str, name: str, ttype: TensorType, loc: str | None) -> int:
+    def _add_named(self, table: dict[str, int], op: str, name: str, ttype: TensorType, loc: str | None,
+                   **provenance: Any) -> int:
         if name in self.inputs or name in self.parameters or name in self.states:
             raise ValueError(f"graph {self.name!r} already has an entry named {name!r}")
-        table[name] = self.add(op, name=name, type=ttype, loc=loc)
+        table[name] = self.add(op, name=name, type=ttype, loc=loc, **provenance)
         return table[name]
 
-    def add_input(self, name: str, ttype: TensorType, loc: str | None = None) -> int:
-        return self._add_named(self.inputs, "input", name, ttype, loc)
+    def add_input(self, name: str, ttype: TensorType, loc: str | None = None, *, scope: str = "",
+                  node_id: int | None = None) -> int:
+        return self._add_named(self.inputs, "input", name, ttype, loc, scope=scope, node_id=node_id)
 
-    def add_parameter(self, name: str, ttype: TensorType, loc: str | None = None) -> int:
-        return self._add_named(self.parameters, "parameter", name, ttype, loc)
+    def add_parameter(self, name: str, ttype: TensorType, loc: str | None = None, *, scope: str = "",
+                      node_id: int | None = None) -> int:
+        return self._add_named(self.parameters, "parameter", name, ttype, loc, scope=scope, node_id=node_id)
 
-    def add_state(self, name: str, ttype: TensorType, loc: str | None = None) -> int:
-        return self._add_named(self.states, "state", name, ttype, loc)
+    def add_state(self, name: str, ttype: TensorType, loc: str | None = None, *, scope: str = "",
+                  node_id: int | None = None) -> int:
+        return self._add_named(self.states, "state", name, ttype, loc, scope=scope, node_id=node_id)
 
-    def add_constant(self, value: Any, dtype: Any = None, loc: str | None = None) -> int:
+    def add_constant(self, value: Any, dtype: Any = None, loc: str | None = None, *, scope: str = "",
+                     backward: bool = False, node_id: int | None = None) -> int:
         arr = np.asarray(value) if dtype is None else np.asarray(value, dtype=TensorType((), dtype).dtype.numpy)
-        return self.add("constant", value=arr, loc=loc)
+        return self.add("constant", value=arr, loc=loc, scope=scope, backward=backward, node_id=node_id)
+
+    def clone_node(self, source: "Graph", n: int, operands: Sequence[int] = (), *, node_id: int | None = None,
+                   **attrs: Any) -> int:
+        """Copies node `n` of `source` into this graph over `operands` (nodes of this graph): same
+        op, attributes (`attrs` overrides some), provenance and notes, and the same id unless
+        `node_id` says otherwise. An input, parameter or state is registered under its name."""
+        op = source.op(n)
+        attrs = {**source.attrs(n), **attrs}
+        nid = n if node_id is None else node_id
+        if op in ("input", "parameter", "state"):
+            table = {"input": self.inputs, "parameter": self.parameters, "state": self.states}[op]
+            node = self._add_named(table, op, attrs["name"], attrs["type"], source.loc(n), scope=source.scope(n),
+                                   node_id=nid)
+        else:
+            node = self.add(op, list(operands), node_id=nid, **source.provenance(n), **attrs)
+        self.g.nodes[node]["notes"].update(source.notes(n))
+        return node
+
+    @classmethod
+    def empty_like(cls, source: "Graph", name: str | None = None) -> "Graph":
+        """An empty graph for a pass that rebuilds `source`: same name and meta, and fresh ids that
+        start above every id `source` ever used, so kept ids and new ones never collide."""
+        new = cls(name or source.name)
+        new.meta = dict(source.meta)
+        new._next = source._next
+        return new
 
     def set_output(self, name: str, node: int) -> None:
         self.outputs[name] = node
@@ -94,6 +159,30 @@ class Graph:
 
     def loc(self, n: int) -> str | None:
         return self.g.nodes[n]["loc"]
+
+    def scope(self, n: int) -> str:
+        """The module path that made node n ("" for the root model or a plain function)."""
+        return self.g.nodes[n].get("scope", "")
+
+    def is_backward(self, n: int) -> bool:
+        """Whether node n belongs to the gradient of the node whose scope and loc it carries."""
+        return self.g.nodes[n].get("backward", False)
+
+    def provenance(self, n: int) -> dict[str, Any]:
+        """{loc, scope, backward} of node n, to pass on as `add(..., **g.provenance(n))`."""
+        d = self.g.nodes[n]
+        return {"loc": d["loc"], "scope": d.get("scope", ""), "backward": d.get("backward", False)}
+
+    def where(self, n: int) -> str:
+        """Node n's provenance in one line, as printers, kernel headers and errors show it:
+        `features.0 (grad) model.py:12` (module path, a grad marker, the file's base name and
+        line), empty when nothing is known."""
+        return format_provenance(self.scope(n), self.loc(n), self.is_backward(n))
+
+    @property
+    def next_id(self) -> int:
+        """The id the next fresh node will take (above every id this graph has used)."""
+        return self._next
 
     def operands(self, n: int) -> list[int]:
         edges = sorted(((k, u) for u, _, k in self.g.in_edges(n, keys=True)))
@@ -223,16 +312,20 @@ class Graph:
 
 def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "group", *,
                 copy_in: Callable[[int], bool] | None = None,
-                mapping: dict[int, int] | None = None) -> tuple[Graph, list[int]]:
+                mapping: dict[int, int] | None = None, keep_ids: bool = False) -> tuple[Graph, list[int]]:
     """Copies `nodes` of `graph` into a standalone graph computing `output`.
 
     Values used by the group but defined outside it become the subgraph's inputs (named in0,
     in1, ... in order of first use), except operand-free nodes for which `copy_in` says yes
     (e.g. scalar constants), which are copied in. Returns the subgraph and the outer nodes
     feeding its inputs, in order; `mapping`, if given, receives outer node -> subgraph node.
+    Nodes keep their provenance (loc, scope, backward); with `keep_ids`, copied nodes also keep
+    their ids and the inputs take fresh ids above every id of `graph`.
     """
     members = set(nodes)
     sub = Graph(name)
+    if keep_ids:
+        sub._next = graph._next
     mapping = {} if mapping is None else mapping
     outer: list[int] = []
     for n in graph.topo_order():
@@ -244,11 +337,13 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "gr
                 if o in members:
                     raise VerifyError(f"group member %{o} used before it is defined")
                 if copy_in is not None and not graph.operands(o) and copy_in(o):
-                    mapping[o] = sub.add(graph.op(o), loc=graph.loc(o), **graph.attrs(o))
+                    mapping[o] = sub.add(graph.op(o), node_id=o if keep_ids else None, **graph.provenance(o),
+                                         **graph.attrs(o))
                 else:
                     mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
                     outer.append(o)
             new_ops.append(mapping[o])
-        mapping[n] = sub.add(graph.op(n), new_ops, loc=graph.loc(n), **graph.attrs(n))
+        mapping[n] = sub.add(graph.op(n), new_ops, node_id=n if keep_ids else None, **graph.provenance(n),
+                             **graph.attrs(n))
     sub.set_output("out", mapping[output])
     return sub, outer

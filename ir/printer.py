@@ -1,7 +1,11 @@
 """Stable text and DOT forms of a `Graph`: one line per node, in the deterministic topological order.
 
-Node ids are renumbered in print order (%0, %1, ...) so that the text of two graphs built the same
-way is identical whatever ids earlier editing left behind; that makes golden tests possible.
+Nodes print under their real ids (`%51`), which passes keep (see `ember.ir.graph`), so a node has
+one name in the printer, every pass dump, kernel headers and error messages. With provenance
+shown (the default of `show_notes=True`, which pass dumps use) each node line ends in
+`  # <scope> [(grad)] <file:line>` (module path, gradient marker, base name of the user's file):
+
+    %5 = add(%2, %4) : f32[64,16,26,26]  # 0 train_mnist.py:14
 """
 from __future__ import annotations
 
@@ -26,13 +30,17 @@ def _fmt_value(v: Any) -> str:
     return str(v).replace(" ", "")
 
 
-def format_graph(graph: Graph, *, show_notes: bool = False, indent: str = "  ") -> str:
+def format_graph(graph: Graph, *, show_notes: bool = False, show_provenance: bool | None = None,
+                 indent: str = "  ") -> str:
+    """One line per node. `show_notes` adds pass decisions (`[key=value ...]`); `show_provenance`
+    (default: as `show_notes`) adds `# scope file:line`."""
+    if show_provenance is None:
+        show_provenance = show_notes
     order = graph.topo_order()
-    num = {n: i for i, n in enumerate(order)}
     lines = [f"graph {graph.name} {{"]
     for n in order:
         op, attrs = graph.op(n), dict(graph.attrs(n))
-        ops = ", ".join(f"%{num[o]}" for o in graph.operands(n))
+        ops = ", ".join(f"%{o}" for o in graph.operands(n))
         if op in ("input", "parameter", "state"):
             head = f"{op} {attrs.pop('name')!r}"
             attrs.pop("type")
@@ -41,24 +49,26 @@ def format_graph(graph: Graph, *, show_notes: bool = False, indent: str = "  ") 
         else:
             head = f"{op}({ops})"
         sub = attrs.pop("graph", None) if op == "fused" else None
-        extra = " ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(attrs.items()))
+        parts = [head] + [f"{k}={_fmt_value(v)}" for k, v in sorted(attrs.items())]
         notes = graph.notes(n)
         if show_notes and notes:
-            extra += " [" + " ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(notes.items())) + "]"
-        lines.append(f"{indent}%{num[n]} = {head}{' ' + extra if extra else ''} : {graph.type(n)}")
+            parts.append("[" + " ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(notes.items())) + "]")
+        where = graph.where(n) if show_provenance else ""
+        lines.append(f"{indent}%{n} = {' '.join(parts)} : {graph.type(n)}" + (f"  # {where}" if where else ""))
         if sub is not None:
-            lines.extend(indent * 2 + line for line in format_graph(sub, indent=indent).splitlines())
+            lines.extend(indent * 2 + line for line in format_graph(
+                sub, show_provenance=show_provenance, indent=indent).splitlines())
     for name, n in graph.outputs.items():
-        lines.append(f"{indent}output {name!r} = %{num[n]}")
+        lines.append(f"{indent}output {name!r} = %{n}")
     for name, n in graph.updates.items():
-        lines.append(f"{indent}update {name!r} = %{num[n]}")
+        lines.append(f"{indent}update {name!r} = %{n}")
     lines.append("}")
     return "\n".join(lines)
 
 
 def to_dot(graph: Graph) -> str:
     order = graph.topo_order()
-    num = {n: i for i, n in enumerate(order)}
+    num = {n: n for n in order}  # real ids, as in the text form
     lines = [f'digraph "{graph.name}" {{', "  node [shape=box, fontname=monospace];"]
     for n in order:
         op = graph.op(n)

@@ -45,12 +45,24 @@ Rule = Callable[["Builder", int, int, tuple[bool, ...]], Sequence["int | None"]]
 class Builder:
     """Thin helpers over `Graph.add` used by VJP rules (and by the optimizer pass)."""
 
-    def __init__(self, graph: Graph, loc: str | None = None) -> None:
+    def __init__(self, graph: Graph, loc: str | None = None, scope: str = "", backward: bool = False) -> None:
         self.g = graph
-        self.loc = loc  # the forward node's source line, so backward nodes point at user code
+        # provenance of every node built: for a VJP rule, the forward node's source line and module
+        # path, marked backward, so gradient nodes point at the user's layer (printed `0 (grad)`)
+        self.loc = loc
+        self.scope = scope
+        self.backward = backward
+
+    @classmethod
+    def grad_of(cls, graph: Graph, n: int) -> "Builder":
+        """A builder for the gradient nodes of forward node n (its scope and loc, backward)."""
+        return cls(graph, graph.loc(n), graph.scope(n), backward=True)
+
+    def _prov(self) -> dict:
+        return {"loc": self.loc, "scope": self.scope, "backward": self.backward}
 
     def op(self, name: str, *operands: int, **attrs) -> int:
-        return self.g.add(name, list(operands), loc=self.loc, **attrs)
+        return self.g.add(name, list(operands), **self._prov(), **attrs)
 
     def type(self, n: int) -> TensorType:
         return self.g.type(n)
@@ -60,11 +72,11 @@ class Builder:
 
     def scalar(self, value: float, like: int) -> int:
         """A rank-0 constant of `like`'s dtype (broadcasts against anything)."""
-        return self.g.add_constant(np.asarray(value, dtype=self.type(like).dtype.numpy), loc=self.loc)
+        return self.g.add_constant(np.asarray(value, dtype=self.type(like).dtype.numpy), **self._prov())
 
     def zeros(self, ttype: TensorType) -> int:
         """Zeros of `ttype` as a broadcast scalar: no large constant is stored in the graph."""
-        z = self.g.add_constant(np.zeros((), dtype=ttype.dtype.numpy), loc=self.loc)
+        z = self.g.add_constant(np.zeros((), dtype=ttype.dtype.numpy), **self._prov())
         return z if ttype.shape == () else self.op("broadcast_to", z, shape=ttype.shape)
 
     def unbroadcast(self, x: int, shape: tuple[int, ...]) -> int:
@@ -390,15 +402,15 @@ def grad(graph: Graph, loss: str = "out", wrt: Sequence[str] | None = None) -> G
 
     cts: dict[int, list[int]] = {}  # node -> cotangent contributions, in the order produced
     if root in needed:
-        cts[root] = [Builder(g, g.loc(root)).scalar(1.0, root)]
+        cts[root] = [Builder.grad_of(g, root).scalar(1.0, root)]
     for n in reversed(order):
         if n not in needed or n not in cts or g.op(n) in ("parameter", "input", "state", "constant"):
             continue
-        b = Builder(g, g.loc(n))
+        b = Builder.grad_of(g, n)
         ct = _accumulate(b, cts, n)
         rule = VJP_RULES.get(g.op(n))
         if rule is None:
-            raise NotImplementedError(f"grad: no VJP rule for op {g.op(n)!r} (node %{n} at {g.loc(n)})")
+            raise NotImplementedError(f"grad: no VJP rule for op {g.op(n)!r} (node %{n} at {g.where(n)})")
         operands = g.operands(n)
         needs = tuple(o in needed for o in operands)
         result = rule(b, n, ct, needs)
@@ -411,7 +423,7 @@ def grad(graph: Graph, loss: str = "out", wrt: Sequence[str] | None = None) -> G
     outputs = {("loss" if k == loss else k): v for k, v in g.outputs.items()}
     for name in wrt:
         p = g.parameters[name]
-        b = Builder(g, g.loc(p))
+        b = Builder.grad_of(g, p)
         outputs[f"grad:{name}"] = _accumulate(b, cts, p) if p in cts else b.zeros(g.type(p))
         tag_gradient(g, outputs[f"grad:{name}"], name)
     g.outputs = outputs

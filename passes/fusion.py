@@ -218,8 +218,9 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     may fuse: kernel kinds and the epilogues each contraction template accepts.
     """
     groups = _groups(graph, caps if caps is not None else FusionCaps())
-    out = Graph(graph.name)
-    out.meta = dict(graph.meta)
+    # Every kept node keeps its id, and a fused node takes its root's: `%51` and `k51_conv2d` name
+    # the same thing in every dump, kernel header and error.
+    out = Graph.empty_like(graph)
     mapping: dict[int, int] = {}
     owner = {m: r for r, (_, ms, _) in groups.items() for m in ms}
     for n in graph.topo_order():
@@ -227,22 +228,18 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
         if n in groups:
             kind, members, notes = groups[n]
             submap: dict[int, int] = {}
-            sub, outer = subgraph_of(graph, members, n, f"k{len(out)}_{kind}",
-                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap)
+            sub, outer = subgraph_of(graph, members, n, f"k{n}_{kind}",
+                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap, keep_ids=True)
             index_of = {o: i for i, o in enumerate(outer)}
-            node = out.add("fused", [mapping[o] for o in outer], loc=graph.loc(n), graph=sub,
+            node = out.add("fused", [mapping[o] for o in outer], node_id=n, **graph.provenance(n), graph=sub,
                            kernel=_spec(graph, kind, notes, index_of, submap))
-            out.annotate(node, "implements", [f"%{m} {graph.op(m)}" + (f" @ {graph.loc(m)}" if graph.loc(m) else "")
-                                              for m in sorted(members)])
+            out.annotate(node, "implements", [f"%{m} {graph.op(m)} {graph.where(m)}".rstrip() for m in sorted(members)])
             mapping[n] = node
         elif n in owner or (_inline_constant(graph, n) and all(u in owner for u, _ in graph.users(n))
                             and n not in graph.outputs.values()):
             continue
-        elif op in ("input", "parameter", "state"):
-            mapping[n] = out._add_named({"input": out.inputs, "parameter": out.parameters, "state": out.states}[op],
-                                        op, graph.attrs(n)["name"], graph.type(n), graph.loc(n))
-        else:  # constants and reshape aliases
-            mapping[n] = out.add(op, [mapping[o] for o in graph.operands(n)], loc=graph.loc(n), **graph.attrs(n))
+        else:  # sources, constants and reshape aliases, as they are
+            mapping[n] = out.clone_node(graph, n, [mapping[o] for o in graph.operands(n)])
     for name in graph.inputs:  # keep the signature order of the original graph
         out.inputs[name] = out.inputs.pop(name)
     for k, n in graph.outputs.items():

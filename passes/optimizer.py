@@ -108,17 +108,27 @@ class _Ops(Builder):
         """y + alpha * x: torch's `y.add(x, alpha=alpha)`."""
         return self.add(y, self.mul(self.c(alpha, x), x))
 
+    def at(self, g: Graph, name: str | None) -> "_Ops":
+        """Sets the provenance of the nodes built next: scope `optimizer/<name>` and the
+        parameter's source line for one parameter's update, `optimizer` for shared scalars."""
+        self.scope = f"{SCOPE}/{name}" if name else SCOPE
+        self.loc = g.loc(g.parameters[name]) if name else None
+        return self
 
-def _state(g: Graph, name: str, ttype: TensorType) -> int:
+
+SCOPE = "optimizer"  # module path of the optimizer's nodes; per parameter `optimizer/<param>`
+
+
+def _state(g: Graph, name: str, ttype: TensorType, o: "_Ops | None" = None) -> int:
     if name in g.parameters or name in g.states or name in g.inputs:
         raise ValueError(f"optimizer state {name!r} clashes with an existing graph entry of that name")
-    return g.add_state(name, ttype)
+    return g.add_state(name, ttype, o.loc if o else None, scope=o.scope if o else SCOPE)
 
 
 def _step_state(g: Graph) -> tuple[int, int]:
     """The scalar float32 `step` state (torch keeps it as a float32 tensor too) and step + 1."""
     step = _state(g, "step", TensorType((), float32))
-    o = _Ops(g)
+    o = _Ops(g, scope=SCOPE)
     new = o.add(step, o.c(1.0, step))
     g.set_update("step", new)
     return step, new
@@ -158,7 +168,7 @@ def _structural_zero(g: Graph, n: int) -> bool:
 
 
 def _sgd(g: Graph, cfg: SGD, grads: dict[str, int]) -> None:
-    o = _Ops(g)
+    o = _Ops(g, scope=SCOPE)
     first = None
     if cfg.momentum != 0 and cfg.dampening != 0:
         # torch sets the buffer to the gradient itself on the first step (no dampening);
@@ -167,11 +177,12 @@ def _sgd(g: Graph, cfg: SGD, grads: dict[str, int]) -> None:
         first = o.op("eq", step, o.c(0.0, step))
     for name, grad in grads.items():
         p = g.parameters[name]
+        o.at(g, name)
         d_p = grad
         if cfg.weight_decay != 0:
             d_p = o.axpy(cfg.weight_decay, p, d_p)
         if cfg.momentum != 0:
-            buf = _state(g, f"{name}.momentum_buffer", g.type(p))
+            buf = _state(g, f"{name}.momentum_buffer", g.type(p), o)
             new_buf = o.axpy(1 - cfg.dampening, d_p, o.mul(buf, o.c(cfg.momentum, buf)))
             if first is not None:
                 new_buf = o.op("where", first, d_p, new_buf)
@@ -181,7 +192,7 @@ def _sgd(g: Graph, cfg: SGD, grads: dict[str, int]) -> None:
 
 
 def _adam(g: Graph, cfg: Adam | AdamW, grads: dict[str, int], decoupled: bool) -> None:
-    o = _Ops(g)
+    o = _Ops(g, scope=SCOPE)
     beta1, beta2 = cfg.betas
     _, step = _step_state(g)
     # Scalars of the step, in float64 as torch computes them in Python:
@@ -202,16 +213,18 @@ def _adam(g: Graph, cfg: Adam | AdamW, grads: dict[str, int], decoupled: bool) -
         p = g.parameters[name]
         t = g.type(p)
         if t.dtype not in scalars:  # one rounding of the float64 scalars per parameter dtype
+            o.at(g, None)
             neg_step = o.op("cast", o.op("neg", step_size), dtype=t.dtype)
             scalars[t.dtype] = (neg_step, o.op("cast", bc2_sqrt, dtype=t.dtype))
         neg_step_size, bc2 = scalars[t.dtype]
+        o.at(g, name)
         if decoupled:
             if cfg.weight_decay != 0:
                 p = o.mul(p, o.c(1 - cfg.lr * cfg.weight_decay, p))  # param.mul_(1 - lr * wd)
         elif cfg.weight_decay != 0:
             grad = o.axpy(cfg.weight_decay, p, grad)  # grad.add(param, alpha=wd)
-        m = _state(g, f"{name}.exp_avg", t)
-        v = _state(g, f"{name}.exp_avg_sq", t)
+        m = _state(g, f"{name}.exp_avg", t, o)
+        v = _state(g, f"{name}.exp_avg_sq", t, o)
         # exp_avg.lerp_(grad, 1 - beta1): torch uses m + w * (grad - m) for |w| < 0.5.
         w = 1 - beta1
         if abs(w) < 0.5:

@@ -119,7 +119,7 @@ def _fold_constants(g: Graph) -> bool:
         value = _fold_value(g, n)
         if value is None:
             continue
-        c = g.add_constant(value, loc=g.loc(n))
+        c = g.add_constant(value, **g.provenance(n))
         _replace(g, n, c)
         changed = True
     if changed:
@@ -169,7 +169,7 @@ def _rewrite(g: Graph, n: int) -> int | None:
         if g.type(x).shape == t.shape:
             return x
         if g.op(x) == "reshape":
-            return g.add("reshape", g.operands(x), loc=g.loc(n), shape=t.shape)
+            return g.add("reshape", g.operands(x), **g.provenance(n), shape=t.shape)
         return None
     if op == "transpose":
         (x,) = operands
@@ -182,14 +182,14 @@ def _rewrite(g: Graph, n: int) -> int | None:
             (src,) = g.operands(x)
             if composed == tuple(range(len(composed))):
                 return src
-            return g.add("transpose", [src], loc=g.loc(n), perm=composed)
+            return g.add("transpose", [src], **g.provenance(n), perm=composed)
         if g.op(x) == "matmul" and perm == (1, 0) and len(g.users(x)) == 1 and x not in g.outputs.values():
             # (A B)^T = B^T A^T: the transposes then cancel or fold into the matmul's operand
             # order, so no transposed copy of the product (a weight gradient) is ever made.
             a, b = g.operands(x)
-            bt = g.add("transpose", [b], loc=g.loc(n), perm=(1, 0))
-            at = g.add("transpose", [a], loc=g.loc(n), perm=(1, 0))
-            return g.add("matmul", [bt, at], loc=g.loc(n))
+            bt = g.add("transpose", [b], **g.provenance(n), perm=(1, 0))
+            at = g.add("transpose", [a], **g.provenance(n), perm=(1, 0))
+            return g.add("matmul", [bt, at], **g.provenance(n))
         return None
     if op == "broadcast_to":
         (x,) = operands

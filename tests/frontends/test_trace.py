@@ -40,12 +40,12 @@ def assert_points_here(msg: str, marker: str) -> None:
 
 
 def cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(18432, 10))
+    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),  # CNN-0
+                         nn.Linear(18432, 10))  # CNN-5
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 30), nn.Sigmoid(), nn.Linear(30, 10))
+    return nn.Sequential(nn.Linear(784, 30), nn.Sigmoid(), nn.Linear(30, 10))  # MLP
 
 
 # ---- golden text -----------------------------------------------------------------------------
@@ -134,22 +134,35 @@ def test_user_module_forward_line():
     assert_points_here(msg, "BAD-MODULE")
 
 
-def test_library_model_points_at_the_trace_call():
+def test_library_model_points_at_the_layer_line():
+    # a layer of a Sequential reports the line that constructed it, and its module path
     with pytest.raises(ShapeError) as ei:
-        trace(mlp(), spec((64, 100)))  # BAD-MLP-INPUT
+        trace(mlp(), spec((64, 100)))
     msg = str(ei.value)
-    assert "matmul" in msg and "f32[64,100]" in msg and "f32[784,30]" in msg
-    assert_points_here(msg, "BAD-MLP-INPUT")
+    assert "matmul" in msg and "f32[64,100]" in msg and "f32[784,30]" in msg and "in module '0'" in msg
+    assert_points_here(msg, "MLP")
     with pytest.raises(ShapeError) as ei:
-        trace(cnn(), spec((64, 3, 28, 28)))  # BAD-CNN-INPUT
+        trace(cnn(), spec((64, 3, 28, 28)))
     msg = str(ei.value)
     assert "conv2d" in msg and "f32[64,3,28,28]" in msg and "f32[16,1,3,3]" in msg and "channels" in msg
-    assert_points_here(msg, "BAD-CNN-INPUT")
+    assert "in module '0'" in msg
+    assert_points_here(msg, "CNN-0")
     with pytest.raises(ShapeError) as ei:
-        trace(cnn(), spec((64, 1, 28, 28), "int32"))  # BAD-CNN-DTYPE
+        trace(cnn(), spec((64, 1, 28, 28), "int32"))
     msg = str(ei.value)
     assert "conv2d" in msg and "i32[64,1,28,28]" in msg and "f32[16,1,3,3]" in msg
-    assert_points_here(msg, "BAD-CNN-DTYPE")
+    assert_points_here(msg, "CNN-0")
+
+
+def test_linear_of_the_wrong_width_names_module_op_types_and_line():
+    model = nn.Sequential(nn.Flatten(), nn.ReLU(),
+                          nn.Linear(100, 10))  # WRONG-LINEAR
+    with pytest.raises(ShapeError) as ei:
+        trace(model, spec((64, 784)))
+    msg = str(ei.value)
+    assert msg.startswith("matmul") and "f32[64,784]" in msg and "f32[100,10]" in msg
+    assert "\n  in module '2'\n" in msg
+    assert_points_here(msg, "WRONG-LINEAR")
 
 
 def reshape_bad(x):

@@ -311,8 +311,9 @@ def test_printer_text_is_exact():
     assert format_graph(mlp_like()) == EXPECTED_TEXT
 
 
-def test_printer_is_stable_across_ids_left_by_editing():
-    # the same graph built after other nodes came and went: different ids, same text
+def test_printer_names_nodes_by_their_real_ids():
+    # node ids are stable names: the printer shows the ids editing left behind (no renumbering),
+    # so `%7` in a dump is node 7 of the graph, as in kernel headers and error messages
     g = Graph("net")
     junk = [g.add_input(f"j{i}", f32(1)) for i in range(5)]
     for j in junk:
@@ -328,8 +329,12 @@ def test_printer_is_stable_across_ids_left_by_editing():
     g.set_output("loss", g.add("sum", [h], axes=(0, 1)))
     g.set_update("step", g.add("add", [step, g.add_constant(1, "int64")]))
     assert min(g.g.nodes) == 5
-    assert str(g.verify()) == EXPECTED_TEXT
-    assert str(g.copy()) == EXPECTED_TEXT
+    text = str(g.verify())
+    assert f"  %{h} = relu(%{h - 1}) : f32[4,5]" in text and f"  %{mm} = matmul(%{x}, %{w}) : f32[4,5]" in text
+    assert f"output 'h' = %{h}" in text
+    printed = [int(m) for m in re.findall(r"^  %(\d+) = ", text, re.M)]
+    assert printed == g.topo_order() and sorted(printed) == sorted(g.g.nodes)
+    assert str(g.copy()) == text
     assert str(mlp_like()) == str(mlp_like())
 
 
@@ -478,3 +483,100 @@ def test_fused_type_rule_checks_operands():
     sub, outer = subgraph_of(g, [add], add)
     with pytest.raises(ShapeError, match="fused group expects operands"):
         g.add("fused", [outer[1], outer[0]], graph=sub)
+
+
+# ---- provenance and stable ids ---------------------------------------------------------------
+
+def provenance_graph() -> Graph:
+    g = Graph("p")
+    x = g.add_input("x", f32(4, 3), "/home/u/train.py:7")
+    w = g.add_parameter("0.weight", f32(3, 5), "/home/u/train.py:3", scope="0.weight")
+    mm = g.add("matmul", [x, w], loc="/home/u/train.py:3", scope="0")
+    r = g.add("relu", [mm], loc="/home/u/train.py:4", scope="1")
+    d = g.add("neg", [r], loc="/home/u/train.py:4", scope="1", backward=True)
+    g.set_output("y", g.add("add", [r, d]))
+    return g
+
+
+def test_add_stores_scope_and_backward_beside_loc():
+    g = provenance_graph()
+    mm, r, d = 2, 3, 4
+    assert g.scope(mm) == "0" and g.loc(mm) == "/home/u/train.py:3" and not g.is_backward(mm)
+    assert g.is_backward(d) and g.provenance(d) == {"loc": "/home/u/train.py:4", "scope": "1", "backward": True}
+    assert g.scope(g.outputs["y"]) == "" and g.loc(g.outputs["y"]) is None and g.where(g.outputs["y"]) == ""
+    assert g.where(d) == "1 (grad) train.py:4" and g.where(0) == "train.py:7"
+    assert g.verify() is g  # the verifier does not look at provenance
+
+
+def test_printer_shows_provenance_with_notes_and_base_names_only():
+    g = provenance_graph()
+    assert "#" not in str(g)  # hidden by default
+    text = format_graph(g, show_notes=True)
+    assert "  %0 = input 'x' : f32[4,3]  # train.py:7" in text
+    assert "  %1 = parameter '0.weight' : f32[3,5]  # 0.weight train.py:3" in text
+    assert "  %2 = matmul(%0, %1) : f32[4,5]  # 0 train.py:3" in text
+    assert "  %4 = neg(%3) : f32[4,5]  # 1 (grad) train.py:4" in text
+    assert "  %5 = add(%3, %4) : f32[4,5]\n" in text  # nothing known: no comment
+    assert "/home/u" not in text
+    assert format_graph(g, show_notes=False, show_provenance=True) == text
+    assert "#" not in format_graph(g, show_notes=True, show_provenance=False)
+
+
+def test_printer_notes_on_a_node_without_attributes_take_one_space():
+    g = provenance_graph()
+    g.annotate(3, "group", 1)
+    text = format_graph(g, show_notes=True, show_provenance=False)
+    assert "  %3 = relu(%2) [group=1] : f32[4,5]" in text
+    assert "  " not in text.replace("\n  ", "\n")  # no double space anywhere inside a line
+
+
+def test_copy_and_subgraph_of_carry_provenance():
+    g = provenance_graph()
+    c = g.copy()
+    assert all(c.provenance(n) == g.provenance(n) for n in g.g)
+    mapping: dict[int, int] = {}
+    sub, outer = subgraph_of(g, [3, 4], 4, mapping=mapping)
+    assert outer == [2]
+    assert sub.provenance(mapping[3]) == g.provenance(3) and sub.provenance(mapping[4]) == g.provenance(4)
+    kept, outer = subgraph_of(g, [3, 4], 4, keep_ids=True)
+    assert 3 in kept and 4 in kept and kept.op(3) == "relu" and kept.where(4) == "1 (grad) train.py:4"
+    assert kept.inputs["in0"] >= g.next_id  # inputs take fresh ids above the source graph's
+    kept.verify()
+
+
+def test_node_id_keeps_an_id_and_fresh_ids_go_above():
+    g = Graph("k")
+    a = g.add_input("a", f32(2), node_id=10)
+    assert a == 10 and g.next_id == 11
+    b = g.add("neg", [a], node_id=3)
+    assert b == 3 and g.next_id == 11
+    assert g.add("relu", [b]) == 11
+    with pytest.raises(VerifyError, match="taken"):
+        g.add("neg", [a], node_id=3)
+
+
+def test_clone_node_and_empty_like_rebuild_a_graph_under_the_same_ids():
+    g = provenance_graph()
+    g.annotate(3, "group", 7)
+    out = Graph.empty_like(g)
+    assert out.name == g.name and out.next_id == g.next_id and len(out) == 0
+    for n in g.topo_order():
+        out.clone_node(g, n, g.operands(n))
+    for k, n in g.outputs.items():
+        out.set_output(k, n)
+    out.verify()
+    assert sorted(out.g) == sorted(g.g) and out.parameters == g.parameters and out.inputs == g.inputs
+    assert format_graph(out, show_notes=True) == format_graph(g, show_notes=True)
+    assert out.notes(3) == {"group": 7}
+    fresh = out.add("relu", [2])  # a node the pass adds takes an id no source node had
+    assert fresh == g.next_id
+    over = out.clone_node(g, 3, [2], node_id=fresh + 1)
+    assert over == fresh + 1 and out.provenance(over) == g.provenance(3)
+
+
+def test_shape_error_names_module_path_and_line():
+    g = Graph("e")
+    x = g.add_input("x", f32(4, 3))
+    w = g.add_parameter("w", f32(5, 2))
+    with pytest.raises(ShapeError, match=r"matmul.*f32\[4,3\].*f32\[5,2\]\)\n  in module 'features\.0'\n  at m\.py:9$"):
+        g.add("matmul", [x, w], loc="m.py:9", scope="features.0")
