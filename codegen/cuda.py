@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -92,24 +93,55 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
     return lines
 
 
-def render_reduction(name: str, sub: Graph, core: int) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+TARGET_BLOCKS = 2 * 132  # enough blocks to fill an H200's 132 multiprocessors twice over
+
+
+@dataclass(frozen=True)
+class ReductionKernel:
+    code: str
+    launches: tuple[tuple[str, tuple[int, int, int], tuple[int, int, int], bool], ...]  # (function, grid, block, scratch?)
+    scratch_bytes: int
+
+
+def _split_count(low: Any) -> int:
+    """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU
+    and the outermost reduced loop (the batch, for a bias gradient) can be cut into chunks."""
+    if low.op not in ("sum", "max") or len(low.loops) < 2 or low.outputs >= TARGET_BLOCKS \
+            or low.loops[-1][1] < THREADS // 2:
+        return 1
+    outer = low.loops[0][1]
+    return max(1, min(outer, math.ceil(TARGET_BLOCKS / low.outputs)))
+
+
+def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
     t = sub.type(sub.outputs["out"])
     index = _index_type(sub)
     low = lower_reduction(sub, core, SPELLING, index_type=index)
     per_thread = low.reduced <= PER_THREAD_MAX
     flat_index = low.loops[0][0] if low.loops else "0"  # argmax runs one flat loop
+    common = dict(name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
+                  params=_signature(sub), prologue=low.prologue, value=low.value, epilogue=low.epilogue,
+                  result=low.result, acc_type=low.acc_type, init=reduction_init(low, SPELLING), threads=THREADS,
+                  index=index)
+    splits = 1 if per_thread else _split_count(low)
+    if splits > 1:
+        outer = low.loops[0][1]
+        chunk = math.ceil(outer / splits)
+        splits = math.ceil(outer / chunk)
+        code = ENV.get_template("reduction_split.j2").render(**common, splits=splits, chunk=chunk, outer=outer)
+        acc_bytes = {"float": 4, "double": 8}.get(low.acc_type, 8)
+        return ReductionKernel(code, ((f"{name}_part", (low.outputs, splits, 1), (THREADS, 1, 1), True),
+                                      (name, (math.ceil(low.outputs / THREADS), 1, 1), (THREADS, 1, 1), True)),
+                               splits * low.outputs * acc_bytes)
     # A block an output walks the reduced elements either as nested loops with the innermost
     # (contiguous, where the layout allows) split across the threads, which needs no division
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
     # counter divided back into loop variables.
     nested = low.op != "argmax" and len(low.loops) > 0 and low.loops[-1][1] >= THREADS // 2
-    code = ENV.get_template("reduction.j2").render(
-        name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
-        params=_signature(sub), prologue=low.prologue, value=low.value, epilogue=low.epilogue, result=low.result,
-        acc_type=low.acc_type, init=reduction_init(low, SPELLING), per_thread=per_thread, threads=THREADS,
-        loop_vars=_flat_loop_vars(low.loops, index), flat_index=flat_index, index=index, nested=nested)
+    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, nested=nested,
+                                                   loop_vars=_flat_loop_vars(low.loops, index), flat_index=flat_index)
     grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else (low.outputs, 1, 1)
-    return code, grid, (THREADS, 1, 1)
+    return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
 
 
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
@@ -145,6 +177,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
 
 def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
     """Scratch bytes the CUDA kernel of this spec needs (the target record's `kernel_scratch`)."""
+    if spec.kind == "reduction":
+        return render_reduction(sub.name, sub, spec.core).scratch_bytes
     if spec.template is None:
         return 0
     return render_contraction(sub.name, sub, spec)[0].scratch_bytes
@@ -168,12 +202,19 @@ def render_step(graph: Graph) -> CudaStepSource:
             raise NotImplementedError(f"the CUDA step cannot compile {sub.op(spec.core)!r} (%{n}, at {graph.loc(n)}) "
                                       f"without a communicator (NCCL, data-parallel runtime)")
         if spec.kind in ("pointwise", "reduction"):
+            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + (node_of["out"],)
             if spec.kind == "pointwise":
                 code, grid, block = render_pointwise(name, sub)
+                launches.append(LaunchArgs(name, grid, block, 0, args, name))
             else:
-                code, grid, block = render_reduction(name, sub, spec.core)
-            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + (node_of["out"],)
-            launches.append(LaunchArgs(name, grid, block, 0, args, name))
+                red = render_reduction(name, sub, spec.core)
+                if red.scratch_bytes != spec.scratch_bytes:
+                    raise AssertionError(f"{name}: reduction needs {red.scratch_bytes} scratch bytes, "
+                                         f"the plan reserved {spec.scratch_bytes}")
+                code = red.code
+                for function, grid, block, scratch in red.launches:
+                    launches.append(LaunchArgs(function, grid, block, 0, args + ((("scratch", n),) if scratch else ()),
+                                               name))
         else:
             kernel, roles = render_contraction(name, sub, spec)
             if kernel.scratch_bytes != spec.scratch_bytes:

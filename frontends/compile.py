@@ -154,10 +154,14 @@ class TrainStep:
         """One training step on the batch (x, y); returns the loss before the update."""
         return float(self.run(x, y))
 
-    def run(self, x: Any, y: Any) -> Any:
+    def run(self, x: Any, y: Any, *, check_labels: bool = True) -> Any:
         """One training step; returns the loss where the device holds it (a 0-d NumPy array on the
         host, a CuPy array on a GPU) without waiting for it, so a loop that reads the loss only
-        when it logs never stalls the device. Device arrays (CuPy) are accepted as inputs."""
+        when it logs never stalls the device. Device arrays (CuPy) are accepted as inputs.
+
+        Labels are checked against the number of classes on every call; checking device-resident
+        labels waits for the device, so a loop over a dataset whose labels were checked once when
+        it was loaded passes `check_labels=False`."""
         x, y = _array(x), _array(y)
         # Per-batch fast path: a dict hit on (shape, dtype) skips building TensorTypes.
         key = (x.shape, x.dtype, y.shape, y.dtype)
@@ -166,7 +170,7 @@ class TrainStep:
             executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
         self._sync()
         inputs = {"x": x, "y": y}
-        if self._classes:
+        if self._classes and check_labels:
             check_class_inputs(self._classes, inputs)
         return executor(inputs)["loss"]
 

@@ -176,7 +176,14 @@ def check_class_inputs(classes: Mapping[str, int], inputs: Mapping[str, Any]) ->
     np.min/np.max first, so a good batch costs two reductions; the index is searched only when bad.
     """
     for name, k in classes.items():
-        a = np.asarray(inputs[name])
+        a = inputs[name]
+        if hasattr(a, "__cuda_array_interface__"):  # a device array: checked where it lives (one sync)
+            import cupy
+            if a.size and bool(((a < 0) | (a >= k)).any()):
+                a = cupy.asnumpy(a)
+            else:
+                continue
+        a = np.asarray(a)
         if a.size == 0 or not np.issubdtype(a.dtype, np.integer):
             continue  # the signature check reports a wrong dtype
         if a.min() >= 0 and a.max() < k:
