@@ -175,8 +175,25 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     return k, {**inputs, "out": "out"}
 
 
+LOSS_SCRATCH = 256  # the gradient kernel also computes the loss; it writes that copy here
+
+
+def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str]]:
+    """The softmax cross-entropy kernel for a `softmax_xent` / `softmax_xent_grad` spec, and its roles."""
+    n_rows, n_cls = sub.type(sub.inputs[f"in{spec.role('logits')}"]).shape
+    grad = spec.kind == "softmax_xent_grad"
+    kernel = cuda_kernels.render_softmax_cross_entropy(name, N=n_rows, C=n_cls, with_grad=grad)
+    roles = {"logits": f"in{spec.role('logits')}", "labels": f"in{spec.role('labels')}"}
+    roles.update({"loss": "scratch", "dlogits": "out"} if grad else {"loss": "out"})
+    return kernel, roles
+
+
 def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
     """Scratch bytes the CUDA kernel of this spec needs (the target record's `kernel_scratch`)."""
+    if spec.kind == "softmax_xent_grad":
+        return LOSS_SCRATCH
+    if spec.kind == "softmax_xent":
+        return 0
     if spec.kind == "reduction":
         return render_reduction(sub.name, sub, spec.core).scratch_bytes
     if spec.template is None:
@@ -216,13 +233,16 @@ def render_step(graph: Graph) -> CudaStepSource:
                     launches.append(LaunchArgs(function, grid, block, 0, args + ((("scratch", n),) if scratch else ()),
                                                name))
         else:
-            kernel, roles = render_contraction(name, sub, spec)
-            if kernel.scratch_bytes != spec.scratch_bytes:
+            if spec.kind in ("softmax_xent", "softmax_xent_grad"):
+                kernel, roles = render_loss(name, sub, spec)
+            else:
+                kernel, roles = render_contraction(name, sub, spec)
+            if spec.kind != "softmax_xent_grad" and kernel.scratch_bytes != spec.scratch_bytes:
                 raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
                                      f"the plan reserved {spec.scratch_bytes}")
             code = kernel.code
             for launch in kernel.launches:
-                args = tuple(("scratch", n) if r == "scratch" else node_of[roles[r]] for r in launch.args)
+                args = tuple(("scratch", n) if roles.get(r, r) == "scratch" else node_of[roles[r]] for r in launch.args)
                 launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name))
         parts.append(header + code)
         kernels.append((name, spec.describe(), implements))

@@ -15,10 +15,12 @@ from typing import Any
 # Kinds a fused node may have. Contractions are implemented by templates; pointwise and
 # reduction kernels are generated from their subgraphs.
 CONTRACTIONS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul")
+#: a softmax cross-entropy (mean over the batch) and the gradient of its logits, each one kernel
+LOSSES = ("softmax_xent", "softmax_xent_grad")
 GENERATED = ("pointwise", "reduction")
 #: one collective op (all_reduce) alone: a kernel boundary that a communicator implements
 COLLECTIVE = "collective"
-KERNEL_KINDS = GENERATED + CONTRACTIONS + (COLLECTIVE,)
+KERNEL_KINDS = GENERATED + CONTRACTIONS + LOSSES + (COLLECTIVE,)
 EPILOGUES = ("bias", "relu")
 
 
@@ -61,7 +63,7 @@ class KernelSpec:
         """A reason this spec cannot describe a fused node with these operands/subgraph, or None."""
         if self.kind not in KERNEL_KINDS:
             return f"unknown kernel kind {self.kind!r} (known: {', '.join(KERNEL_KINDS)})"
-        if self.kind in CONTRACTIONS and self.template is None:
+        if self.kind in CONTRACTIONS + LOSSES and self.template is None:
             return f"{self.kind} kernel names no template"
         if self.kind != "pointwise" and self.core is None:
             return f"{self.kind} kernel names no core node"

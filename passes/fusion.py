@@ -31,6 +31,7 @@ from typing import Any
 
 from ember.ir import OPS, Graph, KernelSpec, subgraph_of
 
+from .fusion_loss import find_loss_region
 from .targets import FusionCaps
 
 ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
@@ -138,6 +139,13 @@ def _matmul_operand(graph: Graph, n: int, members: set[int], grouper: _Grouper) 
 def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
     gr = _Grouper(graph, caps)
     groups: dict[int, tuple[str, set[int], dict[str, Any]]] = {}
+    region = find_loss_region(graph) if caps.loss_kernels else None
+    if region is not None:  # two kernels share the region's forward nodes: each holds its own copy
+        groups[region.loss] = ("softmax_xent", set(region.loss_members), {"logits": region.logits, "labels": region.labels})
+        groups[region.grad] = ("softmax_xent_grad", set(region.grad_members),
+                               {"logits": region.logits, "labels": region.labels})
+        for m in region.members:
+            gr.owner[m] = region.loss if m in region.loss_members else region.grad
     for root in reversed(graph.topo_order()):
         if root in gr.owner:
             continue
@@ -189,9 +197,13 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
     return groups
 
 
-def _spec(graph: Graph, kind: str, notes: dict[str, Any], index_of: dict[int, int], submap: dict[int, int]) -> KernelSpec:
+def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: dict[int, int],
+          submap: dict[int, int]) -> KernelSpec:
     """The typed plan of one group: roles are indices of the fused node's operands."""
     core = notes.get("core")
+    if kind in ("softmax_xent", "softmax_xent_grad"):
+        return KernelSpec(kind, core=submap[root], template=kind,
+                          roles=(("logits", index_of[notes["logits"]]), ("labels", index_of[notes["labels"]])))
     if kind in ("pointwise", "reduction", "collective"):
         return KernelSpec(kind, core=submap[core] if core is not None else None)
     if kind == "matmul":
@@ -232,7 +244,7 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
                                      copy_in=lambda o: _inline_constant(graph, o), mapping=submap, keep_ids=True)
             index_of = {o: i for i, o in enumerate(outer)}
             node = out.add("fused", [mapping[o] for o in outer], node_id=n, **graph.provenance(n), graph=sub,
-                           kernel=_spec(graph, kind, notes, index_of, submap))
+                           kernel=_spec(graph, n, kind, notes, index_of, submap))
             out.annotate(node, "implements", [f"%{m} {graph.op(m)} {graph.where(m)}".rstrip() for m in sorted(members)])
             mapping[n] = node
         elif n in owner or (_inline_constant(graph, n) and all(u in owner for u, _ in graph.users(n))

@@ -36,6 +36,9 @@ class FusionCaps:
     prologues: dict[str, frozenset[str]] = field(default_factory=dict)
     #: whether one fused node may write several outputs
     multi_output: bool = False
+    #: whether a softmax cross-entropy and its gradient become the `softmax_xent` kernels
+    #: (`passes/fusion_loss.py`) instead of a dozen generic ones
+    loss_kernels: bool = False
 
     def can_fuse_epilogue(self, kind: str, epilogue: str) -> bool:
         return epilogue in self.epilogues.get(kind, frozenset())

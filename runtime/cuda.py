@@ -217,7 +217,7 @@ TARGET = targets.register(targets.Target(
     name="cuda",
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
     pipeline=pipeline.kernels,
-    fusion=targets.FusionCaps(),
+    fusion=targets.FusionCaps(kinds=targets.FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"}, loss_kernels=True),
     alignment=256,
     kernel_scratch=cuda_codegen.kernel_scratch,
     language="cuda",

@@ -1,0 +1,63 @@
+"""The softmax cross-entropy region (passes/fusion_loss.py): found by provenance in the MNIST
+training graphs, fused into two kernels only for a target that asks, the interpreter's values
+unchanged by that fusion, and a loss that is not the mean softmax cross-entropy left alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember import ir
+from ember.frontends import functional as F
+from ember.frontends import nn, spec, trace
+from ember.passes.fusion import fuse, kernel_counts
+from ember.passes.fusion_loss import find_loss_region
+from ember.passes.optimizer import SGD
+from ember.passes.pipeline import build_train_graph
+from ember.passes.simplify import simplify
+from ember.passes.targets import FusionCaps
+
+from models import cnn, mlp, params_of
+
+LOSS_CAPS = FusionCaps(kinds=FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"}, loss_kernels=True)
+
+
+def _train_graph(model, x_shape, loss_module):
+    fwd = trace(lambda x, y: loss_module(model(x), y), spec(x_shape), spec((x_shape[0],), "int64"), modules={"": model})
+    return simplify(build_train_graph(fwd, SGD(lr=0.05)))
+
+
+class ScaledLoss(nn.Module):
+    """Twice the cross-entropy: the same primitives, another function."""
+
+    def forward(self, logits, labels):
+        return F.cross_entropy(logits, labels) * 2.0
+
+
+@pytest.mark.parametrize("model,shape", [(mlp, (16, 784)), (cnn, (4, 1, 28, 28))])
+def test_the_loss_region_becomes_two_kernels_with_the_same_values(model, shape):
+    m = model()
+    g = _train_graph(m, shape, nn.CrossEntropyLoss())
+    region = find_loss_region(g)
+    assert region is not None and region.loss == g.outputs["loss"]
+    assert g.type(region.grad) == g.type(region.logits) == ir.TensorType((shape[0], 10))
+    fused = fuse(g, LOSS_CAPS)
+    counts = kernel_counts(fused)
+    assert counts["softmax_xent"] == 1 and counts["softmax_xent_grad"] == 1
+    assert sum(counts.values()) == sum(kernel_counts(fuse(g)).values()) - 10  # twelve generic kernels became two
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
+    before, after = ir.run(g, inputs, params_of(m)), ir.run(fused, inputs, params_of(m))
+    assert before.outputs["loss"] == after.outputs["loss"]
+    for k in before.updates:
+        np.testing.assert_array_equal(before.updates[k], after.updates[k])
+
+
+def test_a_target_that_does_not_ask_keeps_the_generic_kernels():
+    g = _train_graph(mlp(), (16, 784), nn.CrossEntropyLoss())
+    assert "softmax_xent" not in kernel_counts(fuse(g))
+
+
+def test_another_loss_with_the_same_primitives_is_not_matched():
+    g = _train_graph(mlp(), (16, 784), ScaledLoss())
+    assert find_loss_region(g) is None
+    assert "softmax_xent" not in kernel_counts(fuse(g, LOSS_CAPS))
