@@ -276,6 +276,12 @@ MEASURED_PLANS: dict[tuple, tuple[int, int, int, int, int, int]] = {
     (30, 784, 1024, 1, False, False, False): (16, 128, 16, 8, 2, 32),  # mlp1_gw B=1024: 7.97 us vs model pick 9.48 us
     (1024, 10, 30, 1, True, True, False): (128, 8, 30, 4, 1, 1),  # mlp2_fwd B=1024: 2.71 us vs model pick 2.93 us
     (1024, 30, 10, 1, True, False, False): (64, 64, 10, 2, 8, 1),  # mlp2_gi B=1024: 2.61 us vs model pick 3.4 us
+    # Sweep of session 2 (after the shared-memory gather tables), --sweep 3:
+    (43264, 16, 288, 1, False, True, False): (128, 16, 16, 2, 8, 1),  # conv2_gi B=64: 26.23 us vs model pick 35.82 us
+    (32, 144, 36864, 1, True, True, True): (32, 32, 32, 4, 2, 128),  # conv2_gw+db B=64: 28.21 us vs model pick 30.93 us
+    (32, 144, 589824, 1, True, True, True): (32, 32, 32, 4, 2, 256),  # conv2_gw+db B=1024: 376.4 us vs model pick 416.8 us
+    (16, 9, 43264, 1, True, True, True): (32, 16, 32, 2, 2, 451),  # conv1_gw+db B=64: 9.89 us vs model pick 11.37 us
+    (16, 9, 692224, 1, True, True, True): (16, 16, 32, 2, 2, 1031),  # conv1_gw+db B=1024: 44.6 us vs model pick 54.3 us
 }
 
 
