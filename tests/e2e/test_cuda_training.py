@@ -122,7 +122,8 @@ def test_free_running_stays_within_the_envelope(name, steps, bound):
 
 def test_mnist_one_epoch_on_the_gpu_reaches_the_accuracy_bar(tmp_path):
     from conftest import require_mnist
-from models import MNIST_DIR
+    from models import MNIST_DIR
+
     from ember.frontends.cli import main
     require_mnist()
     metrics = tmp_path / "m.jsonl"

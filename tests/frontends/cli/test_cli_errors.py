@@ -14,6 +14,7 @@ from ember.codegen import compiler as C
 from ember.frontends import nn, optim
 from ember.frontends import cli
 from ember.frontends.cli import mnist
+from ember.frontends.training import trainer
 from ember.frontends import compile as ember_compile
 from ember.frontends.training.checkpoint import load_checkpoint
 from ember.frontends.cli.cli_checks import format_loss
@@ -57,7 +58,7 @@ def no_compile(monkeypatch):
     """Any of these checks reaching the compile is a failure of the check."""
     def boom(*a, **k):
         raise AssertionError("compiled before the arguments were checked")
-    monkeypatch.setattr(train, "ember_compile", boom)
+    monkeypatch.setattr(trainer, "ember_compile", boom)
 
 
 def test_output_paths_are_checked_before_compiling(tmp_path, a_file, mnist_dir, capsys, monkeypatch, no_compile):
@@ -227,7 +228,7 @@ def test_debug_shows_the_traceback(mnist_dir, monkeypatch):
 def test_ctrl_c_during_startup_exits_quietly(mnist_dir, capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "ember_compile", interrupted)
+    monkeypatch.setattr(trainer, "ember_compile", interrupted)
     assert cli.main(_mnist(mnist_dir)) == 130
     assert capsys.readouterr().err.strip() == "ember mnist: interrupted"
 
