@@ -76,12 +76,17 @@ def test_cnn_step_takes_non_contiguous_inputs():
 
 # ------------------------------------------------------------------------------------ labels
 
-@pytest.mark.parametrize("device", ["reference", "cpu"])
-@pytest.mark.parametrize("bad", [10, 255, -1, 2**40])
-def test_step_refuses_out_of_range_labels(device, bad):
+@pytest.fixture(scope="module", params=["reference", "cpu"])
+def labelled_step(request):
+    """One compiled MLP step per device (compiling per case would dominate the test's time)."""
     x, y = _data(True, 8)
     x, y = x[:8], y[:8]
-    step = compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=device)
+    return compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=request.param), x, y
+
+
+@pytest.mark.parametrize("bad", [10, 255, -1, 2**40])
+def test_step_refuses_out_of_range_labels(labelled_step, bad):
+    step, x, y = labelled_step
     before = step.state_dict()
     y_bad = y.copy()
     y_bad[3] = bad
@@ -91,10 +96,13 @@ def test_step_refuses_out_of_range_labels(device, bad):
                             f"(expected 0..9)")
     for k, v in step.state_dict().items():  # refused before anything ran
         np.testing.assert_array_equal(v, before[k])
-    # a partial batch (another compiled step) is checked too, and good labels still train
+
+
+def test_partial_batch_step_refuses_out_of_range_labels(labelled_step):
+    step, x, y = labelled_step
     with pytest.raises(ValueError, match=r"label -1 at batch index 0 .*expected 0\.\.9"):
         step(x[:5], np.array([-1, 0, 1, 2, 3]))
-    assert np.isfinite(step(x, y))
+    assert np.isfinite(step(x, y))  # good labels still train
 
 
 def _mnist_dir(tmp_path, labels: np.ndarray):
