@@ -63,8 +63,11 @@ class Target:
     #: runtime factories, registered by the backend's runtime module
     executor: Callable[..., Any] | None = None
     storage: Callable[..., Any] | None = None
-    #: (device?) -> None or raises a one-line error when the target cannot run here (no GPU, ...)
+    #: () -> None, or raises a one-line error when the target cannot run here (no GPU, ...)
     available: Callable[[], None] | None = None
+    #: host array -> the same data in the target's memory, for datasets kept on the device (a
+    #: batch is then a slice, with no copy per step); None where the step reads host memory
+    to_device: Callable[[Any], Any] | None = None
 
     def passes(self) -> list[tuple[str, Pass]]:
         """A fresh list: callers may append to it without changing the record."""

@@ -43,6 +43,11 @@ def _cupy() -> Any:
     return cupy
 
 
+def to_device(array: np.ndarray) -> Any:
+    """A host array copied to the current GPU (a CuPy array)."""
+    return _cupy().asarray(np.ascontiguousarray(array))
+
+
 def check_available() -> None:
     """Raises a one-line RuntimeError when this process cannot run CUDA steps."""
     _cupy()
@@ -225,4 +230,5 @@ TARGET = targets.register(targets.Target(
     executor=CudaExecutor,
     storage=DeviceStorage,
     available=check_available,
+    to_device=to_device,
 ))

@@ -281,7 +281,10 @@ class DataLoader:
             n = min(bs, n_total - start)
             lo, hi = start + r * n // w, start + (r + 1) * n // w
             if order is None:
-                yield np.ascontiguousarray(self.x[lo:hi]), np.ascontiguousarray(self.y[lo:hi])
+                # a slice of host arrays is already contiguous; of device arrays (CuPy) too, and
+                # np.ascontiguousarray would pull it to the host
+                yield (self.x[lo:hi], self.y[lo:hi]) if hasattr(self.x, "__cuda_array_interface__") else \
+                    (np.ascontiguousarray(self.x[lo:hi]), np.ascontiguousarray(self.y[lo:hi]))
             else:
                 idx = order[lo:hi]
                 yield self.x[idx], self.y[idx]

@@ -1,6 +1,7 @@
 """The reusable training loop: `Trainer` compiles the step once (`ember.frontends.compile`),
-feeds it the loader's batches (views of the arrays in memory; a shuffled batch is gathered per
-batch), keeps the loss as Python floats, writes metrics records, evaluates with
+feeds it the loader's batches (views of the arrays in memory, or on the device for a target that
+keeps data there; a shuffled batch is gathered per batch), reads the loss back as Python floats
+(every step on the host; on a device only when it is logged or shown, so the GPU never waits), writes metrics records, evaluates with
 `step.inference` (the compiled inference graph on the same parameters) and saves and restores
 checkpoints. The epoch count is a target: `fit(3)` on a trainer resumed after one epoch trains
 two more.
@@ -47,11 +48,23 @@ class Trainer:
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None) -> None:
         from ember.runtime.data import DataLoader
 
+        from ember.runtime import target as get_target
+
         x, y = train
         if len(x) == 0:
             raise ValueError("the training set is empty")
         self.model = model
         self.device = device
+        # A target that keeps data on its device gets the datasets uploaded once (a batch is then
+        # a slice there). Their labels were checked when they were loaded, so the steps skip that
+        # check, which on a device would wait for it; and the loss is read back only when needed.
+        to_device = get_target(device).to_device
+        self.on_device = to_device is not None
+        example = (x[:min(batch_size, len(x))], y[:min(batch_size, len(x))])
+        if self.on_device:
+            x, y = to_device(x), to_device(y)
+            if test is not None:
+                test = (to_device(test[0]), test[1])
         self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed)
         self.test = test
         self.eval_batch_size = eval_batch_size
@@ -70,8 +83,7 @@ class Trainer:
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
-        first = min(batch_size, len(x))
-        self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=(x[:first], y[:first]),
+        self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
                                   device=device, dump_dir=dump_dir)
         self.compile_seconds = time.perf_counter() - t0
 
@@ -114,32 +126,53 @@ class Trainer:
         interval_loss, interval_samples, interval_steps = 0.0, 0, 0
         t_start = t_interval = t_bar = time.perf_counter()
         stopped = False
+        pending: list[tuple[Any, int]] = []  # (loss as the device holds it, batch size), not yet read back
+        loss = math.nan
+
+        def settle() -> dict[str, Any] | None:
+            """Reads back the pending losses, in order, into the sums; the diverged record if one is not finite."""
+            nonlocal loss, loss_sum, batch_loss_sum, samples, steps, interval_loss, interval_samples, interval_steps
+            handles = [v for v, _ in pending]
+            if handles and hasattr(handles[0], "__cuda_array_interface__"):  # one transfer for all of them
+                import cupy
+                values = [float(v) for v in cupy.stack(handles).get()]
+            else:
+                values = [float(v) for v in handles]
+            for k, (value, (_, n)) in enumerate(zip(values, pending)):
+                if not math.isfinite(value):
+                    # every later step trains on NaN too: stop here, and never save this state
+                    done = len(pending) - k - 1  # steps run after the first non-finite one (on a device)
+                    self.diverged = {"type": "diverged", "epoch": epoch_no, "step": self.global_step - done,
+                                     "step_in_epoch": self.step_in_epoch - done, "loss": value}
+                    return self.diverged
+                loss = value
+                loss_sum += value * n
+                batch_loss_sum += value
+                samples += n
+                steps += 1
+                interval_loss += value
+                interval_samples += n
+                interval_steps += 1
+            pending.clear()
+            return None
+
         for i, (xb, yb) in enumerate(loader):
             if i >= total:
                 break
             if i < skip:  # resuming mid-epoch: the order is reproducible, skip what was done
                 continue
-            loss = step(xb, yb)
-            if not math.isfinite(loss):
-                # every later step would train on NaN too: stop here, and never save this state
-                self.global_step += 1
-                self.step_in_epoch = i + 1
-                bar.close()
-                self.diverged = {"type": "diverged", "epoch": epoch_no, "step": self.global_step,
-                                 "step_in_epoch": self.step_in_epoch, "loss": loss}
-                self.record(self.diverged)
-                return self.diverged
-            n = len(yb)
-            loss_sum += loss * n
-            batch_loss_sum += loss
-            samples += n
-            steps += 1
-            interval_loss += loss
-            interval_samples += n
-            interval_steps += 1
+            pending.append((step.run(xb, yb, check_labels=not self.on_device), len(yb)))
             self.global_step += 1
             self.step_in_epoch = i + 1
-            if log_every and self.global_step % log_every == 0:
+            logging = bool(log_every) and self.global_step % log_every == 0
+            now_bar = time.perf_counter() if show else 0.0
+            # On the host every loss is read at once; on a device only when something shows it
+            if not self.on_device or logging or (show and now_bar - t_bar > 0.5) or self.stop_requested:
+                if settle() is not None:
+                    bar.close()
+                    self.record(self.diverged)
+                    return self.diverged
+            if logging:
                 now = time.perf_counter()
                 self.record({"type": "step", "epoch": epoch_no, "step": self.global_step, "loss": loss,
                              "loss_avg": interval_loss / interval_steps,
@@ -149,13 +182,17 @@ class Trainer:
             if show:
                 bar.update(1)
                 now = time.perf_counter()
-                if now - t_bar > 0.5:
+                if now - t_bar > 0.5 and steps:
                     bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
                                         f"{samples / (now - t_start):.0f} samples/s", refresh=False)
                     t_bar = now
             if self.stop_requested:
                 stopped = self.step_in_epoch < total
                 break
+        if settle() is not None:
+            bar.close()
+            self.record(self.diverged)
+            return self.diverged
         epoch_seconds = time.perf_counter() - t_start
         if show and steps:
             bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, {samples / epoch_seconds:.0f} samples/s")

@@ -132,7 +132,7 @@ def test_non_finite_parameters_are_never_saved(tmp_path, mnist_dir):
     with pytest.raises(NonFiniteError, match="not written: the parameters or optimizer state are not finite"):
         t.save(tmp_path / "c.st")
     # the epoch's losses can all be finite and its update still overflow: checked before every save
-    t.step.__class__ = type("Finite", (type(t.step),), {"__call__": lambda self, x, y: 1.0})
+    t.step.__class__ = type("Finite", (type(t.step),), {"run": lambda self, x, y, check_labels=True: np.float32(1.0)})
     t.fit(2, save=tmp_path / "c.st")
     assert t.diverged == {"type": "diverged", "epoch": 2, "step": 4, "step_in_epoch": 0, "loss": None,
                           "reason": "parameters"}
