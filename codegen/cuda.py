@@ -118,6 +118,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
     bias = "bias" in spec.epilogues
     relu = "relu" in spec.epilogues
+    known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu"}}.get(spec.kind, set())
+    if unknown := [e for e in spec.epilogues if e not in known]:
+        raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
+                                  f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape

@@ -217,7 +217,10 @@ TARGET = targets.register(targets.Target(
     name="cuda",
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
     pipeline=pipeline.kernels,
-    fusion=targets.FusionCaps(),
+    # The CUDA templates take bias/relu epilogues only (no relu_mask yet): say so, so fusion
+    # never plans a kernel they cannot emit.
+    fusion=targets.FusionCaps(epilogues={"conv2d": frozenset({"bias", "relu"}),
+                                         "matmul": frozenset({"bias", "relu"})}),
     alignment=256,
     kernel_scratch=cuda_codegen.kernel_scratch,
     language="cuda",
