@@ -79,6 +79,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
         raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 only, got {', '.join(dtypes)} "
                                   f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
     bias = "bias" in spec.epilogues
+    known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu", "relu_mask"},
+             "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
+    if unknown := [e for e in spec.epilogues if e not in known]:
+        raise NotImplementedError(f"the C++ {spec.kind} template has no {', '.join(unknown)} epilogue (at {name})")
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
         ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
@@ -86,9 +90,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
         return ks, ["x", "w", "bias" if bias else None, "out"]
     if spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], w_t.shape
+        mask = "relu_mask" in spec.epilogues
         ks = cpp_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=core["stride"], padding=core["padding"])
-        return ks, ["dy", "w", "out"]
+                                                  stride=core["stride"], padding=core["padding"], relu_mask=mask)
+        return ks, ["dy", "w", *(["mask"] if mask else []), "out"]
     if spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
         ks = cpp_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
@@ -102,8 +107,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
         *batch, m, k = x_t.shape
         ks = cpp_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=k, trans_a=spec.param("trans_a"),
                                        trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias,
-                                       relu="relu" in spec.epilogues)
-        return ks, ["a", "b", "bias" if bias else None, "out"]
+                                       relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues)
+        return ks, ["a", "b", "bias" if bias else None, *(["mask"] if "relu_mask" in spec.epilogues else []), "out"]
     raise NotImplementedError(f"no C++ template for kernel kind {spec.kind!r}")
 
 

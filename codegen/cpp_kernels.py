@@ -258,7 +258,7 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         mode = "row"
     ctx = dict(name=name, N=N, CI=CI, CO=CO, HI=HI, WI=WI, HO=HO, WO=WO, KH=KH, KW=KW,
                SH=SH, SW=SW, PT=PT, PL=PL, bias=bool(bias), relu=bool(relu), flip=bool(flip),
-               mode=mode)
+               mode=mode, relu_mask=False)
     sc = _Scratch()
     if mode == "generic":
         ctx.update(VB=1, OB=1, NOB=CO)
@@ -343,24 +343,28 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
-                             KW: int, stride=(1, 1), padding=(0, 0)) -> KernelSource:
+                             KW: int, stride=(1, 1), padding=(0, 0), relu_mask: bool = False) -> KernelSource:
     """dx (N,C,H,W) of y = conv2d(x, w) given dy (N,O,HO,WO) and w (O,C,KH,KW).
 
     C signature: ``static void NAME(const float* dy, const float* w, float* dx, float* scratch)``.
     Stride 1 is a forward convolution of dy (padded by KH-1-ph, KW-1-pw) with the transposed,
     flipped weights (see conv2d_forward.j2); other strides scatter per (n, c) plane.
+    With ``relu_mask`` (the ReLU backward as an epilogue: dx is zero where mask <= 0, mask being
+    the forward activation of dx's shape) the signature is
+    ``NAME(const float* dy, const float* w, const float* mask, float* dx, float* scratch)``.
     """
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if sh == 1 and sw == 1:
         ctx = _direct_conv_ctx(name, N=N, CI=O, CO=C, HI=HO, WI=WO, HO=H, WO=W, KH=KH, KW=KW,
                                SH=1, SW=1, PT=KH - 1 - ph, PL=KW - 1 - pw, bias=False, relu=False,
                                flip=True, allow_row=False)
+        ctx["relu_mask"] = bool(relu_mask)
         sc = ctx.pop("scratch")
         ctx.update(off=sc.offsets, entry="grad_input", transposed=True)
         nbytes = sc.nbytes
     else:
         ctx = dict(name=name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
-                   HO=HO, WO=WO, transposed=False)
+                   HO=HO, WO=WO, transposed=False, relu_mask=bool(relu_mask))
         nbytes = 0
     code = _render("conv2d_grad_input.j2", **ctx)
     return KernelSource(name, code, nbytes)
@@ -460,7 +464,8 @@ def _mm_set_conflicts(row_bytes: int, rows: int) -> bool:
 
 
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
-                  batch: int = 1, bias: bool = False, relu: bool = False) -> KernelSource:
+                  batch: int = 1, bias: bool = False, relu: bool = False,
+                  relu_mask: bool = False) -> KernelSource:
     """C[b,m,n] = relu?(sum_k opA[b,m,k] * opB[b,k,n] + bias[n]?).
 
     A is stored (batch,M,K), or (batch,K,M) with trans_a; B (batch,K,N), or (batch,N,K) with
@@ -481,7 +486,9 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
 
     Either way a C element's arithmetic does not depend on the thread that computes it (tile
     widths along n and k chunks are fixed here), so results are bit-identical for any team
-    size. Problems under ``MATMUL_SERIAL_FLOPS`` run
+    size. With ``relu_mask`` (the ReLU backward as an epilogue) the signature takes a ``mask``
+    (same shape as C) before C: ``NAME(A, B, bias, mask, C, scratch)``, and C is zero where
+    mask <= 0; it forces the axpy form (the dot form's stores are scalar). Problems under ``MATMUL_SERIAL_FLOPS`` run
     without an OpenMP region (the same work, in the same order, on the calling thread).
     """
     _check_name(name)
@@ -490,9 +497,9 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     flops = 2 * batch * M * N * K
     parallel = flops >= MATMUL_SERIAL_FLOPS
     ctx = dict(name=name, M=M, N=N, K=K, TA=ta, TB=tb, BATCH=batch,
-               bias=bool(bias), relu=bool(relu), parallel=parallel)
+               bias=bool(bias), relu=bool(relu), relu_mask=bool(relu_mask), parallel=parallel)
     sc = _Scratch()
-    if tb and not ta and K >= 64 and N <= 64:
+    if tb and not ta and K >= 64 and N <= 64 and not relu_mask:
         mode = "dot"
         # MR*NR accumulators + the smaller side's vectors kept + 1 streamed <= 16 registers.
         # MR <= 4 keeps a tile's rows of A (MR x KC) in L1 while the tile sweeps the columns

@@ -150,6 +150,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
     bias = "bias" in spec.epilogues
     relu = "relu" in spec.epilogues
+    known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu"}, "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
+    if unknown := [e for e in spec.epilogues if e not in known]:
+        raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
+                                  f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
@@ -158,7 +162,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     elif spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
         k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=core["stride"], padding=core["padding"])
+                                                  stride=core["stride"], padding=core["padding"],
+                                                  relu_mask="relu_mask" in spec.epilogues)
+        if "relu_mask" in spec.epilogues:
+            inputs["mask_src"] = inputs["mask"]  # the template's name for the forward ReLU's output
     elif spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],

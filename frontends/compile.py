@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,18 @@ class TrainStep:
         for name, p in self._params.items():
             if self.storage.host_array(name) is None:
                 np.copyto(p.data, self.storage.read(name))
+
+    def precompile(self, shape: Sequence[int]) -> None:
+        """Compiles the training step for inputs `x` of `shape` (labels of the same batch) now,
+        e.g. the last partial batch of an epoch, so the epoch does not stall on it mid-way.
+        A shape already compiled is a no-op."""
+        x_t, y_t = self._example
+        shape = tuple(int(d) for d in shape)
+        if len(shape) != len(x_t.shape) or shape[1:] != x_t.shape[1:]:
+            raise ValueError(f"precompile: shape {shape} does not match the example input {x_t} but in the batch size")
+        types = (TensorType(shape, x_t.dtype), TensorType((shape[0], *y_t.shape[1:]), y_t.dtype))
+        _check_batch(types, ("x", "y"), "precompile's shape")
+        self._train_executor(types)
 
     # ---- running -----------------------------------------------------------------------------
     def __call__(self, x: Any, y: Any) -> float:

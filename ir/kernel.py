@@ -21,7 +21,9 @@ GENERATED = ("pointwise", "reduction")
 #: one collective op (all_reduce) alone: a kernel boundary that a communicator implements
 COLLECTIVE = "collective"
 KERNEL_KINDS = GENERATED + CONTRACTIONS + LOSSES + (COLLECTIVE,)
-EPILOGUES = ("bias", "relu")
+#: bias: + a per-channel vector; relu: max(., 0); relu_mask: ReLU's backward, where(mask > 0, ., 0)
+#: with `mask` (a role: the forward ReLU's output, same shape as the result)
+EPILOGUES = ("bias", "relu", "relu_mask")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   exactly relu(add(c, bias)) / add(c, bias) / relu(c) with the contraction used only there, and
   the target's template accepts them. The operand roles (and, for matmul, transposes folded into
   trans flags) are recorded in the spec so codegen need not re-match them.
-- `conv2d_grad_input` / `conv2d_grad_weight`: one op each.
+- `conv2d_grad_input` / `conv2d_grad_weight`: one op each; grad-input (and a matmul) also takes
+  ReLU's backward as a `relu_mask` epilogue: where(gt(y, 0), c, 0) (autodiff's relu VJP, `c`
+  possibly through reshapes) with `c` used only there becomes one kernel reading `y` as its
+  `mask` operand, when the target's template accepts it.
 - `reduction`: one sum/max/argmax with the pointwise ops feeding it (prologue, evaluated at the
   reduction's input index) and those consuming it (epilogue, at its output index).
 - `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ember.ir import OPS, Graph, KernelSpec, subgraph_of
 
 from .fusion_loss import find_loss_region
@@ -44,6 +49,13 @@ COLLECTIVES = {name for name, op in OPS.items() if op.kind == "collective"}
 
 def _numel(graph: Graph, n: int) -> int:
     return graph.type(n).numel
+
+
+def _is_zero(graph: Graph, n: int) -> bool:
+    """A scalar constant 0 (autodiff's `b.scalar(0, like)`)."""
+    if not _inline_constant(graph, n):
+        return False
+    return bool(np.all(np.asarray(graph.attrs(n)["value"]) == 0))
 
 
 def _inline_constant(graph: Graph, n: int) -> bool:
@@ -118,6 +130,30 @@ class _Grouper:
         members.add(n)
         return n, members, notes
 
+    def relu_mask_epilogue(self, root: int) -> tuple[int, set[int], dict[str, Any]] | None:
+        """Matches where(gt(y, 0), reshape*(c), 0) rooted at `root` (ReLU's VJP) for c in
+        conv2d_grad_input/matmul; returns (c, members, notes) with notes["relu_mask"] = y."""
+        g = self.g
+        if g.op(root) != "where":
+            return None
+        cond, n, other = g.operands(root)
+        if g.op(cond) != "gt" or not _is_zero(g, other) or cond in self.owner \
+                or not self.users_inside(cond, {root}):
+            return None
+        y, zero = g.operands(cond)
+        if not _is_zero(g, zero) or g.type(y).shape != g.type(root).shape or g.type(y).dtype != g.type(root).dtype:
+            return None
+        members = {root, cond}
+        while g.op(n) == "reshape" and n not in self.owner and self.users_inside(n, members):
+            members.add(n)
+            (n,) = g.operands(n)
+        if g.op(n) not in ("conv2d_grad_input", "matmul") or n in self.owner or not self.users_inside(n, members) \
+                or _numel(g, n) != _numel(g, root) or g.type(n).dtype != g.type(root).dtype \
+                or not self.caps.can_fuse_epilogue(g.op(n), "relu_mask"):
+            return None
+        members.add(n)
+        return n, members, {"relu": False, "bias": None, "relu_mask": y}
+
     def claim(self, root: int, members: set[int]) -> None:
         for m in members:
             self.owner[m] = root
@@ -153,7 +189,12 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
         if op in SOURCES or op == "reshape":
             continue
         notes: dict[str, Any] = {}
-        if op in ("relu", "add", "conv2d", "matmul") and (m := gr.contraction_epilogue(root)) is not None:
+        m = None
+        if op in ("relu", "add", "conv2d", "matmul"):
+            m = gr.contraction_epilogue(root)
+        elif op == "where":
+            m = gr.relu_mask_epilogue(root)
+        if m is not None:
             core, members, notes = m
             kind = graph.op(core)
             notes["core"] = core
@@ -219,6 +260,9 @@ def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: d
         epilogues.append("bias")
     if notes.get("relu"):
         epilogues.append("relu")
+    if notes.get("relu_mask") is not None:
+        roles.append(("mask", index_of[notes["relu_mask"]]))
+        epilogues.append("relu_mask")
     return KernelSpec(kind, core=submap[core], template=kind, roles=tuple(roles), epilogues=tuple(epilogues),
                       params=params, layouts=("row-major",) * (len(index_of) + 1))
 

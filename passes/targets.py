@@ -31,7 +31,8 @@ class FusionCaps:
                                        "conv2d_grad_weight", "matmul", "collective"})
     #: contraction kind -> epilogues its template accepts
     epilogues: dict[str, frozenset[str]] = field(default_factory=lambda: {
-        "conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu"})})
+        "conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu", "relu_mask"}),
+        "conv2d_grad_input": frozenset({"relu_mask"})})
     #: contraction kind -> prologues its template accepts (none yet)
     prologues: dict[str, frozenset[str]] = field(default_factory=dict)
     #: whether one fused node may write several outputs

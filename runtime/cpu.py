@@ -20,6 +20,16 @@ import numpy as np
 from ember.codegen import cpp
 from ember.codegen.compiler import compile_cpp
 from ember.ir import Graph, TensorType
+
+# Threading between steps: GOMP's workers busy-wait ~300k spins (a fraction of a millisecond to
+# milliseconds) after every parallel region by default, so between steps (while Python, the data
+# loader or another library runs) they would burn the cores. A short spin (GOMP_SPINCOUNT=10000,
+# a few microseconds) still covers the gaps between the kernels of one step; then they sleep.
+# Read by libgomp once, when it loads: set here (unless the user set either variable) so it
+# takes effect when the first step's library is loaded, and has no effect if an OpenMP runtime
+# (e.g. PyTorch's) is already in the process. Partitions stay fixed whatever the wait policy.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 from ember.passes import pipeline, targets
 
 from .executor import HostStorage, Storage, check_inputs
@@ -110,6 +120,11 @@ TARGET = targets.register(targets.Target(
     name="cpu",
     description="generated C++ compiled with g++ and OpenMP, the whole step in one call",
     pipeline=pipeline.kernels,
+    # What the C++ templates accept (codegen/cpp.py render_contraction checks the same table):
+    # bias/relu on the forward contractions, relu_mask (ReLU's backward) on matmul and grad-input.
+    fusion=targets.FusionCaps(epilogues={"conv2d": frozenset({"bias", "relu"}),
+                                         "matmul": frozenset({"bias", "relu", "relu_mask"}),
+                                         "conv2d_grad_input": frozenset({"relu_mask"})}),
     alignment=64,
     kernel_scratch=cpp.kernel_scratch,
     language="cpp",

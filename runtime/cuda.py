@@ -222,7 +222,12 @@ TARGET = targets.register(targets.Target(
     name="cuda",
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
     pipeline=pipeline.kernels,
-    fusion=targets.FusionCaps(kinds=targets.FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"}, loss_kernels=True),
+    # What the CUDA templates take: bias/relu on the forward contractions, ReLU's backward on
+    # conv grad-input (the matmul template has no relu_mask yet), and the loss as its own kernels.
+    fusion=targets.FusionCaps(kinds=targets.FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"},
+                              epilogues={"conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu"}),
+                                         "conv2d_grad_input": frozenset({"relu_mask"})},
+                              loss_kernels=True),
     alignment=256,
     kernel_scratch=cuda_codegen.kernel_scratch,
     language="cuda",

@@ -29,6 +29,112 @@ from ..training.recipes import MODELS, build_model
 
 
 
+#: A register-bound FMA loop (independent accumulators, no memory traffic) compiled with the flags
+#: of every ember step: its rate on all threads is the machine's fp32 FMA peak, the yardstick for
+#: kernel times (% of peak). 16-lane zmm FMAs where the compiler targets AVX-512, 8-lane ymm else.
+FMA_PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VL 16
+#define NACC 24
+static inline vf fma_(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf set1_(float s) { return _mm512_set1_ps(s); }
+static inline float first_(vf v) { return _mm512_cvtss_f32(v); }
+#elif defined(__FMA__)
+typedef __m256 vf;
+#define VL 8
+#define NACC 12
+static inline vf fma_(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf set1_(float s) { return _mm256_set1_ps(s); }
+static inline float first_(vf v) { return _mm256_cvtss_f32(v); }
+#else
+typedef float vf;
+#define VL 1
+#define NACC 12
+static inline vf fma_(vf a, vf b, vf c) { return a * b + c; }
+static inline vf set1_(float s) { return s; }
+static inline float first_(vf v) { return v; }
+#endif
+extern "C" int ember_fma_lanes() { return VL * NACC; }
+// Seconds for `iters` rounds of NACC independent vector FMAs on every thread (one region).
+extern "C" double ember_fma_loop(long iters, float* sink) {
+  double t0 = omp_get_wtime();
+#pragma omp parallel
+  {
+    const vf m = set1_(0.999999f), a = set1_(1e-6f);
+    // NACC named accumulators (an array would live on the stack): 12 ymm or 24 zmm registers.
+#define EMBER_ACC(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) EMBER_ACC_HI(X)
+#if NACC > 12
+#define EMBER_ACC_HI(X) X(12) X(13) X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#else
+#define EMBER_ACC_HI(X)
+#endif
+#define DECL(i) vf a##i = set1_((float)i);
+#define STEP(i) a##i = fma_(a##i, m, a);
+#define SUM(i) s += first_(a##i);
+    EMBER_ACC(DECL)
+    for (long it = 0; it < iters; ++it) {
+      EMBER_ACC(STEP)
+    }
+    float s = 0;
+    EMBER_ACC(SUM)
+    sink[omp_get_thread_num() % 64] = s;
+  }
+  return omp_get_wtime() - t0;
+}
+"""
+
+
+def fma_peak_gflops(threads: int, seconds: float = 0.2, repeats: int = 5) -> float:
+    """The machine's measured fp32 FMA peak in GFLOP/s on `threads` OpenMP threads: the best of
+    `repeats` runs of FMA_PEAK_SOURCE (compiled like an ember step), 2 FLOP per FMA lane."""
+    import ctypes
+
+    from ember.codegen.compiler import compile_cpp
+    lib = ctypes.CDLL(str(compile_cpp(FMA_PEAK_SOURCE, name="fma_peak").path))
+    lib.ember_fma_loop.restype = ctypes.c_double
+    lib.ember_fma_loop.argtypes = [ctypes.c_long, ctypes.c_void_p]
+    sink = np.zeros(64, dtype=np.float32)
+    lanes = lib.ember_fma_lanes()
+    iters = 100_000
+    t = lib.ember_fma_loop(iters, sink.ctypes.data)          # warm-up (threads start, clocks rise)
+    iters = max(iters, int(iters * seconds / max(t, 1e-6)))
+    best = 0.0
+    for _ in range(repeats):
+        t = lib.ember_fma_loop(iters, sink.ctypes.data)
+        best = max(best, 2.0 * lanes * iters * threads / t / 1e9)
+    return best
+
+
+def kernel_flops(graph: Any) -> dict[str, float]:
+    """FLOPs of each contraction kernel (by its C name, k<id>_<kind>) of a planned graph: 2 per
+    multiply-add; the generated pointwise/reduction kernels are memory-bound and left out."""
+    import math
+    out: dict[str, float] = {}
+    for n in graph.g:
+        if graph.op(n) != "fused":
+            continue
+        spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+        if spec.kind not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"):
+            continue
+        core = spec.core
+        a_t, b_t = (sub.type(o) for o in sub.operands(core))
+        if spec.kind == "matmul":
+            k = a_t.shape[-1]
+            flops = 2.0 * sub.type(core).numel * k
+        elif spec.kind == "conv2d":
+            o, c, kh, kw = b_t.shape
+            flops = 2.0 * sub.type(core).numel * c * kh * kw
+        elif spec.kind == "conv2d_grad_input":
+            flops = 2.0 * a_t.numel * math.prod(b_t.shape[1:])  # dy elements x C*KH*KW
+        else:  # grad_weight: dw numel * N*HO*WO
+            flops = 2.0 * sub.type(core).numel * (b_t.numel // b_t.shape[1])
+        out[f"k{n}_{spec.kind}"] = flops
+    return out
+
+
 def _input_shape(model: str) -> tuple[int, ...]:
     return (784,) if MODELS[model][1] else (1, 28, 28)
 
@@ -125,7 +231,18 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
               rounds: int = 4, seed: int = 0, profile: bool = False, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     threads = threads or os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {}}
+    # Threads must not spin between blocks: ember's team and PyTorch's share one libgomp in this
+    # process (PyTorch's bundled libgomp.so.1 is loaded first and ember's steps bind to it), and
+    # after each block its workers would otherwise busy-wait (GOMP's default ~300k spins) while
+    # the other system runs. A short spin keeps the barriers inside a step cheap. Only effective
+    # when set before libgomp loads (i.e. before `import torch`); the report records the values.
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    os.environ.setdefault("OMP_WAIT_POLICY", "active" if os.environ["GOMP_SPINCOUNT"] != "0" else "passive")
+    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {},
+                              "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")}}
+    if device == "cpu":
+        report["fma_peak_gflops"] = fma_peak_gflops(threads)
+        log(f"measured fp32 FMA peak on {threads} thread(s): {report['fma_peak_gflops']:.1f} GFLOP/s")
     try:
         import torch  # noqa: F401
         have_torch = True
@@ -155,6 +272,7 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         per_round = max(1, -(-steps // rounds))
         for r in range(rounds):
             for fn, res in systems:
+                time.sleep(0.05)  # the previous system's threads have gone to sleep (short spin)
                 for i in range(per_round):
                     x, y = batches[(r * per_round + i) % len(batches)]
                     t0 = time.perf_counter()
@@ -164,8 +282,18 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         if profile:
             step = systems[0][0]
             calls = warmup + rounds * per_round
-            report.setdefault("kernels", {})[name] = [
-                {"kernel": k, "implements": what, "ms_per_step": sec / calls * 1e3} for k, what, sec in step.kernel_times()]
+            flops = kernel_flops(step.train_graph)
+            peak = report.get("fma_peak_gflops")
+            rows_k = []
+            for k, what, sec in step.kernel_times():
+                ms = sec / calls * 1e3
+                row = {"kernel": k, "implements": what, "ms_per_step": ms}
+                if k in flops and ms > 0:
+                    row["gflops"] = flops[k] / (ms * 1e6)
+                    if peak:
+                        row["pct_of_peak"] = 100.0 * row["gflops"] / peak
+                rows_k.append(row)
+            report.setdefault("kernels", {})[name] = rows_k
         ember_ms = systems[0][1].median_ms
         rows = []
         for _, res in systems:
@@ -178,7 +306,9 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}",
+    peak = report.get("fma_peak_gflops")
+    lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
+             + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "") + f" omp={report.get('omp')}",
              f"{'model':5} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
     for model, rows in report["models"].items():
         for r in rows:
@@ -191,7 +321,8 @@ def format_table(report: dict[str, Any]) -> str:
         total = sum(k["ms_per_step"] for k in kernels)
         lines.append(f"\n{model}: ember kernels by time (profiled build; {total:.3f} ms per step in kernels)")
         for k in sorted(kernels, key=lambda k: -k["ms_per_step"]):
-            lines.append(f"  {k['kernel']:26} {k['ms_per_step']:8.3f} ms {100 * k['ms_per_step'] / total:5.1f}%  {k['implements']}")
+            eff = f"{k['gflops']:7.1f} GF/s {k['pct_of_peak']:5.1f}% peak" if "pct_of_peak" in k else " " * 24
+            lines.append(f"  {k['kernel']:26} {k['ms_per_step']:8.3f} ms {100 * k['ms_per_step'] / total:5.1f}% {eff}  {k['implements']}")
     return "\n".join(lines)
 
 

@@ -85,6 +85,11 @@ class Trainer:
         t0 = time.perf_counter()
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
                                   device=device, dump_dir=dump_dir)
+        # The last partial batch has its own shape: compile its step now, not mid-epoch.
+        last = len(x) % batch_size if len(x) > batch_size else 0
+        reaches_end = not self.limit_steps or self.limit_steps >= len(self.loader)
+        if last and reaches_end and not getattr(self.loader, "drop_last", False):
+            self.step.precompile((last, *x.shape[1:]))
         self.compile_seconds = time.perf_counter() - t0
 
     # ---- records -----------------------------------------------------------------------------

@@ -360,3 +360,60 @@ def test_scratch_and_names():
         ck.render_conv2d_forward("bad name", N=1, C=1, H=3, W=3, O=1, KH=3, KW=3, bias=False, relu=False)
     with pytest.raises(ValueError):
         ck.render_conv2d_forward("k", N=1, C=1, H=2, W=2, O=1, KH=3, KW=3, bias=False, relu=False)
+
+
+# --------------------------------------------------------------------------- relu_mask epilogue
+
+# (id, kind, shape parameters): grad-input at stride 1 (flat tiles, direct and staged stores) and
+# stride 2 (scatter), and matmuls that would take each form (relu_mask forces axpy).
+MASK_CASES = [
+    ("gin_mnist2", "gin", dict(N=4, C=16, H=26, W=26, O=32, KH=3, KW=3, stride=(1, 1), padding=(0, 0))),
+    ("gin_pad1", "gin", dict(N=2, C=3, H=8, W=8, O=7, KH=3, KW=3, stride=(1, 1), padding=(1, 1))),
+    ("gin_stride2", "gin", dict(N=2, C=3, H=9, W=11, O=5, KH=3, KW=3, stride=(2, 2), padding=(0, 0))),
+    ("mm_axpy", "mm", dict(M=64, N=18432, K=10, trans_a=False, trans_b=False)),
+    ("mm_odd", "mm", dict(M=13, N=29, K=7, trans_a=True, trans_b=False)),
+    ("mm_dotform", "mm", dict(M=64, N=10, K=300, trans_a=False, trans_b=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def mask_lib(tmp_path_factory):
+    ks = []
+    for cid, kind, p in MASK_CASES:
+        if kind == "gin":
+            ks.append(ck.render_conv2d_grad_input(f"mk_{cid}", relu_mask=True, **p))
+        else:
+            ks.append(ck.render_matmul(f"mk_{cid}", relu_mask=True, **p))
+    parts = []
+    for k, (cid, kind, _) in zip(ks, MASK_CASES):
+        n = 5 if kind == "gin" else 6   # with the scratch pointer Lib appends
+        params = ", ".join(f"float* a{i}" for i in range(n))
+        parts += [k.code, f'extern "C" void call_{k.name}({params}) {{ {k.name}({", ".join(f"a{i}" for i in range(n))}); }}\n']
+    art = compile_cpp("\n".join(parts), cache=tmp_path_factory.mktemp("ember_mask_cache"), name="mask_kernels")
+    return Lib(art.path, ks)
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_relu_mask_epilogue(mask_lib, case):
+    """out = where(mask > 0, contraction, 0), bit-identical to the unmasked kernel's values."""
+    cid, kind, p = case
+    rng = _rng(7)
+    if kind == "gin":
+        N, C, H, W, O, KH, KW = (p[k] for k in ("N", "C", "H", "W", "O", "KH", "KW"))
+        HO, WO = _out_hw(H, W, KH, KW, p["stride"], p["padding"])
+        dy, w = _f32(rng, N, O, HO, WO), _f32(rng, O, C, KH, KW)
+        mask = np.maximum(_f32(rng, N, C, H, W), 0)      # a ReLU output: about half zeros
+        out = np.full((N, C, H, W), np.nan, np.float32)
+        mask_lib(f"mk_{cid}", dy, w, mask, out)
+        ref, red = conv_grad_input_ref(dy, w, (N, C, H, W), p["stride"], p["padding"]), O * KH * KW
+    else:
+        M, Nn, K, ta, tb = (p[k] for k in ("M", "N", "K", "trans_a", "trans_b"))
+        A = _f32(rng, *((K, M) if ta else (M, K)))
+        B = _f32(rng, *((Nn, K) if tb else (K, Nn)))
+        mask = np.maximum(_f32(rng, M, Nn), 0)
+        out = np.full((M, Nn), np.nan, np.float32)
+        mask_lib(f"mk_{cid}", A, B, None, mask, out)
+        ref, red = matmul_ref(A, B, None, ta, tb, False), K
+    assert not np.isnan(out).any()
+    assert (out[mask <= 0] == 0).all()
+    assert_close(out, np.where(mask > 0, ref, 0).astype(np.float32), red)

@@ -44,10 +44,11 @@ def test_mlp_forward_kernels():
     assert kernel_counts(fused) == {"matmul": 2, "pointwise": 1}  # the sigmoid stands alone
 
 
-# The designed structure: contractions with their bias/ReLU epilogues; the loss (log-softmax +
-# cross-entropy, forward and backward), the ReLU masks, bias gradients and SGD updates as
-# pointwise/reduction groups. A change here is a change of the fusion design: update on purpose.
-CNN_TRAIN_KERNELS = {"conv2d": 2, "conv2d_grad_input": 1, "conv2d_grad_weight": 2, "matmul": 3, "pointwise": 12,
+# The designed structure: contractions with their bias/ReLU epilogues, ReLU's backward as a
+# relu_mask epilogue of the grad contractions (dy @ W for conv2's output, conv2's grad-input for
+# conv1's: 12 -> 10 pointwise kernels); the loss (log-softmax + cross-entropy, forward and
+# backward), bias gradients and SGD updates as pointwise/reduction groups. A change here is a change of the fusion design: update on purpose.
+CNN_TRAIN_KERNELS = {"conv2d": 2, "conv2d_grad_input": 1, "conv2d_grad_weight": 2, "matmul": 3, "pointwise": 10,
                      "reduction": 8}
 MLP_TRAIN_KERNELS = {"matmul": 5, "pointwise": 11, "reduction": 7}
 
