@@ -30,7 +30,10 @@ def _align(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def plan_memory(graph: Graph, alignment: int = ALIGN) -> Graph:
+def plan_memory(graph: Graph, alignment: int = ALIGN, reuse: bool = True) -> Graph:
+    """The arena plan (see the module docstring). `reuse=False` gives every buffer memory of its
+    own: a bigger arena, but no two kernels then share memory, so a target that runs independent
+    kernels concurrently (CUDA streams) orders them only by their data."""
     out = (graph if "schedule" in graph.meta else make_schedule(graph)).copy()
     steps = out.meta["schedule"]
     position = {n: i for i, n in enumerate(steps)}
@@ -83,7 +86,7 @@ def plan_memory(graph: Graph, alignment: int = ALIGN) -> Graph:
     placed: list[tuple[int, int, int, int]] = []  # (start, stop, offset, size)
     for (what, n), (start, stop), nbytes in sorted(buffers, key=lambda b: (-b[2], b[1][0], b[0])):
         size = _align(max(nbytes, 1), alignment)
-        busy = sorted((off, off + sz) for s, e, off, sz in placed if not (e < start or stop < s))
+        busy = sorted((off, off + sz) for s, e, off, sz in placed if not reuse or not (e < start or stop < s))
         offset = 0
         for lo, hi in busy:
             if offset + size <= lo:

@@ -41,7 +41,7 @@ def kernels(target: "targets.Target") -> list[tuple[str, Pass]]:
             ("fusion", functools.partial(fuse, caps=target.fusion)),
             ("select", functools.partial(select_kernels, target=target)),
             ("schedule", schedule),
-            ("memory", functools.partial(plan_memory, alignment=target.alignment))]
+            ("memory", functools.partial(plan_memory, alignment=target.alignment, reuse=target.reuse_memory))]
 
 
 def passes_for(target: str) -> list[tuple[str, Pass]]:

@@ -55,6 +55,9 @@ class Target:
     fusion: FusionCaps = field(default_factory=FusionCaps)
     #: byte alignment of every planned buffer
     alignment: int = 64
+    #: whether buffers whose lifetimes do not overlap share arena memory (False: memory traded
+    #: for kernels that may run concurrently)
+    reuse_memory: bool = True
     #: (fused subgraph, spec) -> scratch bytes its kernel needs; None: kernels need none
     kernel_scratch: Callable[[Graph, KernelSpec], int] | None = None
     #: name of the codegen spelling table the target's generated kernels use ("cpp", "cuda"), or None

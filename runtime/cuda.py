@@ -26,7 +26,10 @@ from ember.codegen import cuda as cuda_codegen
 from ember.ir import Graph, TensorType
 from ember.passes import pipeline, targets
 
+from .cuda_streams import place
 from .executor import Storage, check_inputs
+
+STREAMS = 4  # streams a step's independent kernels spread over inside its CUDA graph
 
 
 def _cupy() -> Any:
@@ -138,6 +141,12 @@ class CudaExecutor:
                               or graph.notes(n).get("name") != k]
         self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
                            tuple(self._arg(a) for a in la.args)) for la in self.source.launches]
+        # Kernels with no memory hazard between them overlap on other streams inside the graph.
+        kernel_nodes = [n for n in graph.meta["schedule"] if graph.op(n) == "fused"]
+        self._placements = place(graph, kernel_nodes, STREAMS)
+        by_kernel = {graph.attrs(n)["graph"].name: i for i, n in enumerate(kernel_nodes)}
+        self._kernel_of_launch = [by_kernel[la.kernel] for la in self.source.launches]
+        self._streams = [cp.cuda.Stream(non_blocking=True) for _ in range(STREAMS - 1)]
         # A blocking stream: work on the legacy default stream (where CuPy's `get()` and a user's
         # own CuPy calls run) waits for the step, so reading the loss later needs no explicit sync.
         self.stream = cp.cuda.Stream(non_blocking=False)
@@ -163,9 +172,34 @@ class CudaExecutor:
             return self.arena[off:off + self.graph.attrs(n)["kernel"].scratch_bytes]
         return self._view(n)
 
-    def _launch_all(self) -> None:
-        for fn, grid, block, shared, args in self._launches:
-            fn(grid, block, args, shared_mem=shared)
+    def _launch_all(self, concurrent: bool = True) -> None:
+        """Every launch of the step, then the copied-back updates, issued on the current stream;
+        with `concurrent`, kernels go to the streams `place` chose, ordered by events, and
+        everything joins the current stream again before the updates."""
+        if not concurrent:
+            for fn, grid, block, shared, args in self._launches:
+                fn(grid, block, args, shared_mem=shared)
+        else:
+            cp = self._cp
+            origin = cp.cuda.get_current_stream()
+            streams = [origin] + self._streams
+            start = origin.record()
+            for s in self._streams:  # fork: every stream starts after what came before the step
+                s.wait_event(start)
+            done: dict[int, Any] = {}
+            previous = None
+            for (fn, grid, block, shared, args), k in zip(self._launches, self._kernel_of_launch):
+                placement = self._placements[k]
+                stream = streams[placement.stream]
+                if k != previous:
+                    for j in placement.waits:
+                        stream.wait_event(done[j])
+                with stream:
+                    fn(grid, block, args, shared_mem=shared)
+                done[k] = stream.record()
+                previous = k
+            for s in self._streams:  # join
+                origin.wait_event(s.record())
         for dst, src in self._copy_updates:
             dst[...] = src
 
@@ -191,8 +225,8 @@ class CudaExecutor:
         """One step with plain launches (no graph): for tests that compare replay with launches."""
         self._load(inputs)
         with self.stream:
-            self._launch_all()
-        return {k: v.copy() for k, v in self._outputs.items()}
+            self._launch_all(concurrent=False)
+            return {k: v.copy() for k, v in self._outputs.items()}
 
     def _load(self, inputs: Mapping[str, Any]) -> None:
         cp = self._cp
@@ -204,8 +238,11 @@ class CudaExecutor:
                 if value.shape != buffer.shape or value.dtype != buffer.dtype:
                     raise TypeError(f"input {name!r}: expected {self.signature[name]}, got a device array "
                                     f"{value.dtype}{list(value.shape)}")
-                with self.stream:
-                    cp.copyto(buffer, value)
+                if value.flags.c_contiguous:  # a plain device-to-device copy: no kernel to launch
+                    buffer.data.copy_from_device_async(value.data, value.nbytes, self.stream)
+                else:
+                    with self.stream:
+                        cp.copyto(buffer, value)
                 continue
             if type(value) is not np.ndarray or value.shape != buffer.shape or value.dtype != buffer.dtype:
                 value = check_inputs(self.signature, inputs)[name]
@@ -214,8 +251,14 @@ class CudaExecutor:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         self._load(inputs)
         self._replay()
-        with self.stream:
-            return {k: v.copy() for k, v in self._outputs.items()}
+        return {k: self._copy_out(v) for k, v in self._outputs.items()}
+
+    def _copy_out(self, view: Any) -> Any:
+        """A copy of an output buffer (the next step overwrites it), made by one async memcpy on the
+        step's stream rather than a copy kernel: this runs every step, so its host cost counts."""
+        out = self._cp.empty(view.shape, view.dtype)
+        out.data.copy_from_device_async(view.data, view.nbytes, self.stream)
+        return out
 
 
 TARGET = targets.register(targets.Target(
@@ -229,6 +272,7 @@ TARGET = targets.register(targets.Target(
                                          "conv2d_grad_input": frozenset({"relu_mask"})},
                               loss_kernels=True),
     alignment=256,
+    reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
     kernel_scratch=cuda_codegen.kernel_scratch,
     language="cuda",
     source=lambda graph: cuda_codegen.render_step(graph).code,

@@ -149,7 +149,7 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     for n in graph.g:
         if graph.op(n) == "fused":
             spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
-            if spec.template is not None:
+            if spec.kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"):
                 a, b = (sub.type(o) for o in sub.operands(spec.core))
                 out = sub.type(spec.core)
                 if spec.kind == "matmul":
