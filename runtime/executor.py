@@ -178,9 +178,8 @@ def check_class_inputs(classes: Mapping[str, int], inputs: Mapping[str, Any]) ->
     for name, k in classes.items():
         a = inputs[name]
         if hasattr(a, "__cuda_array_interface__"):  # a device array: checked where it lives (one sync)
-            import cupy
             if a.size and bool(((a < 0) | (a >= k)).any()):
-                a = cupy.asnumpy(a)
+                a = a.get()  # the index search below, on the host
             else:
                 continue
         a = np.asarray(a)

@@ -137,12 +137,7 @@ class Trainer:
         def settle() -> dict[str, Any] | None:
             """Reads back the pending losses, in order, into the sums; the diverged record if one is not finite."""
             nonlocal loss, loss_sum, batch_loss_sum, samples, steps, interval_loss, interval_samples, interval_steps
-            handles = [v for v, _ in pending]
-            if handles and hasattr(handles[0], "__cuda_array_interface__"):  # one transfer for all of them
-                import cupy
-                values = [float(v) for v in cupy.stack(handles).get()]
-            else:
-                values = [float(v) for v in handles]
+            values = [float(v) for v, _ in pending]  # on a device the first waits; the rest are ready
             for k, (value, (_, n)) in enumerate(zip(values, pending)):
                 if not math.isfinite(value):
                     # every later step trains on NaN too: stop here, and never save this state
