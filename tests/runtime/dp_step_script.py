@@ -31,7 +31,7 @@ def main(out: str, batch: int = 12, steps: int = 1) -> None:
         with open(os.path.join(os.environ["EMBER_TEST_PIDDIR"], str(rank)), "w") as f:
             f.write(str(os.getpid()))
     if os.environ.get("EMBER_TEST_FAIL_RANK") == str(rank):
-        sys.exit(3)
+        os._exit(3)  # not sys.exit: mpi4py's atexit MPI_Finalize would wait for the other ranks
     if os.environ.get("EMBER_TEST_HANG"):
         import time
         time.sleep(600)

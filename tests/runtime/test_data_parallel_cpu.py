@@ -84,3 +84,65 @@ def test_mpiexec_ranks_equal_one_rank_on_the_whole_batch(tmp_path, size):
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     _check(out, size)
+
+
+def _ember(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember.frontends.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env | extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_ember_launch_ranks_equal_one_rank_on_the_whole_batch(tmp_path, size):
+    _mpiexec()
+    out = tmp_path / "res.json"
+    r = _ember("launch", "--nproc-per-node", str(size), "--", sys.executable, str(SCRIPT), str(out), env=_clean_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check(out, size)
+
+
+def test_launch_sets_the_torchrun_variables(tmp_path):
+    code = ("import os; k='RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT'.split(); "
+            f"open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(' '.join(os.environ[x] for x in k))")
+    r = _ember("launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+               "--master-port", "1234", "--", sys.executable, "-c", code, env=_clean_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "2").read_text() == "2 0 4 2 10.0.0.1 1234"
+    assert (tmp_path / "3").read_text() == "3 1 4 2 10.0.0.1 1234"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_one_rank_failing_stops_the_launch_within_30s(tmp_path, how):
+    import signal
+    import time
+    _mpiexec()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = _clean_env(EMBER_TEST_PIDDIR=str(pids), EMBER_TEST_HANG="1")
+    if how == "exit":
+        env["EMBER_TEST_FAIL_RANK"] = "1"
+    p = subprocess.Popen([sys.executable, "-m", "ember.frontends.cli", "launch", "--nproc-per-node", "3", "--",
+                          sys.executable, str(SCRIPT), str(tmp_path / "res.json")], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    if how == "kill":
+        while len(list(pids.iterdir())) < 3 and time.monotonic() - t0 < 120:
+            time.sleep(0.1)
+        os.kill(int((pids / "1").read_text()), signal.SIGKILL)
+        t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=150 if how == "exit" else 30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert time.monotonic() - t0 < 30 or how == "exit"
+    assert p.returncode != 0
+    assert "rank 1 failed" in err, err
+    assert ("exit code 3" if how == "exit" else "SIGKILL") in err, err
