@@ -44,12 +44,24 @@ class Trainer:
                  shuffle: bool = False, seed: int = 0, eval_batch_size: int = 1000, limit_steps: int | None = None,
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
-                 print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None) -> None:
+                 print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
+                 communicator: Any = None) -> None:
         from ember.runtime.data import DataLoader
 
         x, y = train
         if len(x) == 0:
             raise ValueError("the training set is empty")
+        # data parallel: rank r trains on the r-th of `size` equal contiguous shards (the tail
+        # that does not divide evenly is dropped), so every rank runs the same number of steps;
+        # batch_size is per rank, the global batch is batch_size * size
+        self.rank, self.world_size = (communicator.rank, communicator.size) if communicator is not None else (0, 1)
+        self.dropped_tail = 0
+        if self.world_size > 1:
+            per = len(x) // self.world_size
+            if per == 0:
+                raise ValueError(f"{len(x)} training samples cannot be sharded over {self.world_size} ranks")
+            self.dropped_tail = len(x) - per * self.world_size
+            x, y = x[self.rank * per:(self.rank + 1) * per], y[self.rank * per:(self.rank + 1) * per]
         self.model = model
         self.device = device
         self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed)
@@ -72,7 +84,7 @@ class Trainer:
         t0 = time.perf_counter()
         first = min(batch_size, len(x))
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=(x[:first], y[:first]),
-                                  device=device, dump_dir=dump_dir)
+                                  device=device, dump_dir=dump_dir, communicator=communicator)
         self.compile_seconds = time.perf_counter() - t0
 
     # ---- records -----------------------------------------------------------------------------
@@ -86,6 +98,9 @@ class Trainer:
                "shuffle": self.loader.shuffle, "seed": self.loader.seed, "limit_steps": self.limit_steps,
                "compile_seconds": round(self.compile_seconds, 4), "peak_bytes": self.step.peak_bytes,
                "start_epoch": self.epoch, "start_step": self.global_step, **extra}
+        if self.world_size > 1:
+            rec.update(world_size=self.world_size, global_batch_size=self.loader.batch_size * self.world_size,
+                       dropped_tail=self.dropped_tail)
         self.record(rec)
         return rec
 

@@ -146,3 +146,23 @@ def test_one_rank_failing_stops_the_launch_within_30s(tmp_path, how):
     assert p.returncode != 0
     assert "rank 1 failed" in err, err
     assert ("exit code 3" if how == "exit" else "SIGKILL") in err, err
+
+
+@pytest.mark.slow
+def test_mnist_over_two_ranks_rank0_alone_writes_metrics(tmp_path):
+    from models import MNIST_DIR
+    if not MNIST_DIR.exists():
+        pytest.skip(f"no MNIST at {MNIST_DIR}")
+    _mpiexec()
+    metrics = tmp_path / "m.jsonl"
+    r = _ember("launch", "--nproc-per-node", "2", "--", sys.executable, "-m", "ember.frontends.cli", "mnist",
+               "--model", "mlp", "--device", "cpu", "--epochs", "1", "--limit-steps", "4", "--log-every", "2",
+               "--data", str(MNIST_DIR), "--metrics-file", str(metrics), "--no-progress", "--eval-batch-size", "5000",
+               env=_clean_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ember mnist: mlp") == 1  # rank 0 alone prints
+    assert "global batch 128" in r.stdout and "0 dropped" in r.stdout
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    runs = [x for x in recs if x["type"] == "run"]
+    assert len(runs) == 1 and runs[0]["world_size"] == 2 and runs[0]["global_batch_size"] == 128
+    assert [x["step"] for x in recs if x["type"] == "step"] == [2, 4]
