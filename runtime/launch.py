@@ -29,8 +29,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# `sh -c` body: run the command, record its status under $EMBER_LAUNCH_STATUS/<rank>, pass it on
-_RANK_SHELL = 'trap "" INT; "$@"; rc=$?; echo $rc > "$EMBER_LAUNCH_STATUS/$RANK.tmp" && ' \
+# `sh -c` body: run the command, record its status under $EMBER_LAUNCH_STATUS/<rank>, pass it on.
+# The trap (a command, not "ignore") keeps sh alive to record a signalled status, while the
+# command itself gets the default dispositions back (ignored signals would stay ignored).
+_RANK_SHELL = 'trap : INT TERM; "$@"; rc=$?; echo $rc > "$EMBER_LAUNCH_STATUS/$RANK.tmp" && ' \
               'mv "$EMBER_LAUNCH_STATUS/$RANK.tmp" "$EMBER_LAUNCH_STATUS/$RANK"; exit $rc'
 
 
@@ -64,16 +66,28 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+def _signal(p: subprocess.Popen, signum: int, group: bool) -> None:
+    """To the process, or to its whole process group (a plain rank: its `sh` and the command, which
+    the trap in `sh` would otherwise shield; mpiexec forwards signals to its ranks itself)."""
+    try:
+        if group:
+            os.killpg(p.pid, signum)
+        elif p.poll() is None:
+            p.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float, group: bool) -> None:
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            _signal(p, signal.SIGTERM, group)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal(p, signal.SIGKILL, True)
             p.wait()
 
 
@@ -119,8 +133,7 @@ def launch(command: Sequence[str], nproc_per_node: int, *, nnodes: int = 1, node
     def forward(signum, frame):  # noqa: ARG001
         received.append(signum)
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+            _signal(p, signum, not mpi)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -135,8 +148,9 @@ def launch(command: Sequence[str], nproc_per_node: int, *, nnodes: int = 1, node
                 else:
                     i = next(i for i, c in enumerate(codes) if c not in (None, 0))
                     code, rank = codes[i], ranks[i]
-                _stop(procs, grace)
-                raise LaunchError(f"rank {rank} failed ({_describe(code)}); stopped the other ranks",
+                _stop(procs, grace, not mpi)
+                why = f"interrupted by {signal.Signals(received[0]).name}: " if received else ""
+                raise LaunchError(f"{why}rank {rank} failed ({_describe(code)}); stopped the other ranks",
                                   code if 0 < code < 256 else 1)
             if all(c is not None for c in codes):
                 if any(codes):
@@ -149,5 +163,5 @@ def launch(command: Sequence[str], nproc_per_node: int, *, nnodes: int = 1, node
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _stop(procs, grace)
+        _stop(procs, grace, not mpi)
         shutil.rmtree(status, ignore_errors=True)

@@ -93,6 +93,17 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(rec)
 
+    def _agree_to_stop(self) -> bool:
+        """stop_requested, agreed by every rank (a 1-value all-reduce per step in data parallel):
+        a Ctrl-C reaches the ranks at different steps, and a rank that stopped alone would leave
+        the others waiting in their next all-reduce."""
+        if self.world_size == 1:
+            return self.stop_requested
+        flag = np.array([1.0 if self.stop_requested else 0.0])
+        self.step.comm.all_reduce(flag, "sum")
+        self.stop_requested = bool(flag[0])
+        return self.stop_requested
+
     def run_record(self, **extra: Any) -> dict[str, Any]:
         rec = {"type": "run", **self.config, "device": self.device, "batch_size": self.loader.batch_size,
                "shuffle": self.loader.shuffle, "seed": self.loader.seed, "limit_steps": self.limit_steps,
@@ -168,7 +179,7 @@ class Trainer:
                     bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
                                         f"{samples / (now - t_start):.0f} samples/s", refresh=False)
                     t_bar = now
-            if self.stop_requested:
+            if self._agree_to_stop():
                 stopped = self.step_in_epoch < total
                 break
         epoch_seconds = time.perf_counter() - t_start

@@ -166,3 +166,26 @@ def test_mnist_over_two_ranks_rank0_alone_writes_metrics(tmp_path):
     runs = [x for x in recs if x["type"] == "run"]
     assert len(runs) == 1 and runs[0]["world_size"] == 2 and runs[0]["global_batch_size"] == 128
     assert [x["step"] for x in recs if x["type"] == "step"] == [2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mpi", [True, False], ids=["mpi", "no-mpi"])
+def test_sigint_reaches_every_rank(tmp_path, mpi):
+    import signal
+    import time
+    if mpi:
+        _mpiexec()
+    code = ("import os, sys, time\n"
+            f"open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write('up')\n"
+            "try:\n    time.sleep(120)\nexcept KeyboardInterrupt:\n"
+            f"    open(os.path.join({str(tmp_path)!r}, 'int' + os.environ['RANK']), 'w').write('x'); sys.exit(130)\n")
+    args = ["launch", "--nproc-per-node", "2"] + ([] if mpi else ["--no-mpi"]) + ["--", sys.executable, "-c", code]
+    p = subprocess.Popen([sys.executable, "-m", "ember.frontends.cli", *args], env=_clean_env(),
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not all((tmp_path / r).exists() for r in "01") and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert (tmp_path / "int0").exists() and (tmp_path / "int1").exists()  # each rank saw its KeyboardInterrupt
