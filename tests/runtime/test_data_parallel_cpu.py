@@ -73,6 +73,7 @@ def _check(out: Path, size: int) -> None:
     assert res["size"] == size and res["ranks_equal"]
     assert res["max_rel"] <= 1e-5, res
     assert res["loss_rel"] <= 1e-5, res
+    assert res["api_rel"] <= 1e-5 and res["api_loss_rel"] <= 1e-5, res  # compile(communicator=) too
 
 
 @pytest.mark.slow
