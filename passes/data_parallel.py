@@ -5,7 +5,7 @@ batch). It inserts one `all_reduce(mean)` over the group "world" per parameter g
 the tags autodiff puts on them (`autodiff.gradients`), makes every optimizer update read the
 reduced gradient instead of the local one, and averages the logged loss over the ranks.
 
-Buckets are metadata, not a flat buffer: the IR has no concat op, and a reshape+concat bucket
+Buckets are metadata, not a graph-level flat buffer: the IR has no concat op, and a reshape+concat bucket
 would force the memory planner to copy every gradient into it. So each gradient gets an
 all_reduce of its own, depending on that gradient alone (the scheduler may place it right after
 the gradient is computed), and the pass groups them into buckets recorded on the graph:
@@ -15,7 +15,8 @@ all_reduce. A bucket holds parameters in reverse order of their first use in the
 filled greedily up to `bucket_bytes` (a gradient larger than that is a bucket alone). A runtime
 coalesces the all_reduces that become ready together into one communicator call over a flat
 buffer (`ember.runtime.comm`); the CPU executor does so for all the collectives that meet at
-one segment boundary.
+one segment boundary, and `schedule` runs the readers of collectives (the updates) last, so on
+the CPU (where communication does not overlap compute anyway) they all meet at one boundary.
 
 Which uses are redirected: autodiff's tag contract says a tagged node may also be a cotangent
 inside the backward pass or a forward value, so only uses outside the "local" part of the step

@@ -133,3 +133,15 @@ def test_pipeline_inserts_the_pass_after_simplify_only_for_several_ranks():
         assert [n for n, _ in with_data_parallel(base, 1)] == [n for n, _ in base]
         names = [n for n, _ in with_data_parallel(base, 2)]
         assert names[names.index("simplify") + 1] == "data_parallel"
+
+
+def test_schedule_gathers_the_collectives_at_one_point():
+    # the updates (readers of the collectives) wait until nothing else is ready, so on the CPU
+    # every all_reduce of the step meets at one segment boundary: one flat communicator call
+    import ember.runtime
+    from ember.codegen.cpp import render_step
+    from ember.passes.pipeline import run_passes
+    step, _, _ = _case(cnn, (2, 1, 28, 28))
+    planned = run_passes(data_parallel(step, 2), ember.runtime.target("cpu").passes())
+    src = render_step(planned)
+    assert len(src.collectives) == 1 and len(src.collectives[0]) == len(gradients(step)) + 1
