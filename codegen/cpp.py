@@ -136,6 +136,10 @@ class StepSource:
     slots: list[tuple[str, str]]  # (storage kind, name) per ext slot
     arena_bytes: int
     kernels: list[KernelCode] = field(default_factory=list)
+    # a data-parallel step: kernel indices of each segment, and after segment s (but the last) the
+    # collectives the runtime runs there, each (operand node, result node, op attributes)
+    segments: list[list[int]] = field(default_factory=list)
+    collectives: list[list[tuple[int, int, dict]]] = field(default_factory=list)
 
 
 def _slots(graph: Graph) -> list[tuple[str, str]]:
@@ -190,6 +194,8 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
     kernels: list[KernelCode] = []
     used: list[int] = []
     scratch_decls: list[str] = []
+    segments: list[list[int]] = [[]]
+    collectives: list[list[tuple[int, int, dict]]] = []
     for n in graph.meta["schedule"]:
         if graph.op(n) != "fused":
             continue
@@ -208,10 +214,15 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
             call = f"{name}({', '.join(args + [out])})"
         elif spec.kind == "collective":
-            raise NotImplementedError(
-                f"the CPU backend cannot compile {sub.op(spec.core)!r} (%{n}, {_attr_text(sub.attrs(spec.core))}, "
-                f"at {graph.loc(n)}): collectives need a communicator, which the single-process CPU step does not "
-                f"have; run it through the data-parallel runtime or evaluate it with ember.ir.run_world")
+            # not compiled: the step ends a segment here and the runtime's communicator runs it;
+            # collectives with no kernel between them meet at one boundary (one flat bucket)
+            if sub.op(spec.core) != "all_reduce":
+                raise NotImplementedError(f"the CPU backend cannot run {sub.op(spec.core)!r} (%{n}, at {graph.loc(n)})")
+            if segments[-1] or not collectives:
+                collectives.append([])
+                segments.append([])
+            collectives[-1].append((operands[0], n, dict(sub.attrs(spec.core))))
+            continue
         else:
             ks, order = render_contraction(name, sub, spec)
             if ks.scratch_bytes != spec.scratch_bytes:
@@ -226,9 +237,13 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
             call_args = [named[a] if a is not None else "nullptr" for a in order] + [scratch]
             code = ks.code
             call = f"{name}({', '.join(call_args)})"
+        segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
                                   code, call))
-    code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, arena_bytes=graph.meta["arena_bytes"],
+    seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
+    code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, segments=seg_kernels,
+                                              arena_bytes=graph.meta["arena_bytes"],
                                               profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
                                               buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
-    return StepSource(code, slots, graph.meta["arena_bytes"], kernels)
+    return StepSource(code, slots, graph.meta["arena_bytes"], kernels,
+                      segments if collectives else [list(range(len(kernels)))], collectives)

@@ -24,8 +24,9 @@ import numpy as np
 
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
-from ember.passes.pipeline import run_passes, train_passes
+from ember.passes.pipeline import run_passes, train_passes, with_data_parallel
 from ember.runtime import target as get_target
+from ember.runtime.comm import broadcast_parameters
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
 from .nn import Module
@@ -55,8 +56,14 @@ class TrainStep:
 
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
-                 dump_dir: str | os.PathLike | None = None, profile: bool = False) -> None:
-        self.target = get_target(device)  # a one-line error naming the registered devices
+                 dump_dir: str | os.PathLike | None = None, profile: bool = False,
+                 communicator: Any = None) -> None:
+        self.target = get_target(device)
+        # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
+        # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
+        self.comm = communicator if communicator is not None and communicator.size > 1 else None
+        if self.comm is not None and device != "cpu":
+            raise ValueError(f"data parallel over a communicator runs on device 'cpu' only, not {device!r}")  # a one-line error naming the registered devices
         if self.target.available is not None:
             self.target.available()
         if not isinstance(model, Module):
@@ -83,6 +90,8 @@ class TrainStep:
         self._example = tuple(example_type(a) for a in example_inputs)
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
+        if self.comm is not None:  # every rank starts from rank 0's parameters and state (checked by hash)
+            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:
@@ -111,12 +120,17 @@ class TrainStep:
             model, loss_fn = self.model, self.loss_fn
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
             dump = self._dump_subdir("train", types)
-            graph = run_passes(forward, train_passes(self.config) + self.target.passes(), dump_dir=dump)
+            passes = train_passes(self.config) + self.target.passes()
+            extra = {}
+            if self.comm is not None:
+                passes, extra = with_data_parallel(passes, self.comm.size), {"communicator": self.comm}
+            graph = run_passes(forward, passes, dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
             # Every shape traces the same loss, so one graph fixes which inputs are labels.
             self._classes = class_inputs(forward)
-            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
+            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
+                                                                    **extra))
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
@@ -282,7 +296,7 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "reference",
-            dump_dir: str | os.PathLike | None = None, profile: bool = False) -> TrainStep:
+            dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None) -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
@@ -290,9 +304,11 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     dump_dir (or $EMBER_DUMP_DIR): the graph after every pass, per compiled step, in
     `<dump_dir>/train-<x shape>/` and `<dump_dir>/inference-<x shape>/`.
     profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
+    communicator: an `ember.runtime.comm` communicator of several ranks (`comm.from_env()` under
+    `ember launch` or `mpiexec`): data parallel, each rank's batch is its shard of the global one.
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
-                     profile=profile)
+                     profile=profile, communicator=communicator)
 
 
 __all__ = ["compile", "plan", "TrainStep"]

@@ -18,6 +18,7 @@ from ember.ir import Graph, format_graph, to_dot
 
 from . import targets
 from .autodiff import grad
+from .data_parallel import DEFAULT_BUCKET_BYTES, data_parallel
 from .fusion import fuse
 from .memory import plan_memory
 from .optimizer import OptimizerConfig, apply_optimizer
@@ -47,6 +48,18 @@ def kernels(target: "targets.Target") -> list[tuple[str, Pass]]:
 def passes_for(target: str) -> list[tuple[str, Pass]]:
     """A fresh copy of the ordered pass list of the registered target `target`."""
     return targets.get(target).passes()
+
+
+def with_data_parallel(passes: Sequence[tuple[str, Pass]], world_size: int,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[str, Pass]]:
+    """A target's train pass list with `data_parallel` right after `simplify` when world_size > 1
+    (it needs autodiff's gradient tags, which fusion does not keep); unchanged for one process."""
+    out = list(passes)
+    if world_size <= 1:
+        return out
+    at = next((i + 1 for i, (name, _) in enumerate(out) if name == "simplify"), 0)
+    out.insert(at, ("data_parallel", functools.partial(data_parallel, world_size=world_size, bucket_bytes=bucket_bytes)))
+    return out
 
 
 def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> list[tuple[str, Pass]]:

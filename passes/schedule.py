@@ -34,14 +34,26 @@ def reads_elementwise(graph: Graph, fused: int, source: int) -> bool:
     return True
 
 
-def order(graph: Graph, extra: list[tuple[int, int]]) -> list[int] | None:
-    """The deterministic topological order of `graph` plus `extra` edges, or None if they make a cycle."""
+def after_collectives(graph: Graph) -> set[int]:
+    """Nodes that read the result of a collective kernel (the updates of a data-parallel step)."""
+    late: set[int] = set()
+    for n in graph.g:
+        if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind == "collective":
+            late |= nx.descendants(graph.g, n)
+    return late
+
+
+def order(graph: Graph, extra: list[tuple[int, int]], late: set[int] = frozenset()) -> list[int] | None:
+    """The deterministic topological order of `graph` plus `extra` edges, or None if they make a cycle.
+    Nodes in `late` run only when nothing else is ready: so the collectives of a data-parallel step
+    meet at one point (one communicator call over a flat buffer on the CPU) instead of alternating
+    with the updates that read them. Without collectives the order is the plain smallest-id-first."""
     g = graph.g.copy()
     for u, v in extra:
         g.add_edge(u, v, key=-1)
     if not nx.is_directed_acyclic_graph(g):
         return None
-    return list(nx.lexicographical_topological_sort(g, key=lambda n: n))
+    return list(nx.lexicographical_topological_sort(g, key=lambda n: (n in late, n)))
 
 
 def schedule(graph: Graph) -> Graph:
@@ -49,6 +61,7 @@ def schedule(graph: Graph) -> Graph:
     out = graph.copy()
     accepted: set[int] = set()
     extra: list[tuple[int, int]] = []
+    late = after_collectives(out)
     for name, node in out.updates.items():
         kind = "parameter" if name in out.parameters else "state"
         source = out.parameters.get(name, out.states.get(name))
@@ -57,11 +70,11 @@ def schedule(graph: Graph) -> Graph:
         if node in out.outputs.values() or any(n == node for k, n in out.updates.items() if k != name):
             continue
         edges = [(u, node) for u, _ in out.users(source) if u != node]
-        if order(out, extra + edges) is not None:
+        if order(out, extra + edges, late) is not None:
             extra += edges
             accepted.add(node)
             out.notes(node).update(storage=kind, name=name)
-    steps = order(out, extra)
+    steps = order(out, extra, late)
     assert steps is not None
     out.meta.update(schedule=steps, schedule_edges=extra)
     return out

@@ -32,6 +32,7 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 from ember.passes import pipeline, targets
 
+from . import comm as _comm
 from .executor import HostStorage, Storage, check_inputs
 
 
@@ -45,7 +46,7 @@ class CpuExecutor:
     """One compiled CPU step of a fused, memory-planned graph, bound to `storage`."""
 
     def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
-                 profile: bool | None = None) -> None:
+                 profile: bool | None = None, communicator: "_comm.Communicator | None" = None) -> None:
         storage.check(graph)
         self.graph = graph
         self.storage = storage
@@ -59,8 +60,19 @@ class CpuExecutor:
         if self.lib.ember_abi_version() != cpp.ABI_VERSION:
             raise RuntimeError(f"{self.artifact.path}: ABI version {self.lib.ember_abi_version()}, "
                                f"expected {cpp.ABI_VERSION} (a stale cache entry? remove it)")
-        self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self.lib.ember_step.restype = None
+        # A step with collectives is compiled as segments (codegen/cpp.py): the executor calls
+        # segment 0, runs the collectives after it through the communicator (those meeting at one
+        # boundary as one flat bucket), then segment 1, and so on. Simpler than calling back
+        # from C++ into Python, and the communicator stays a Python object.
+        self.comm = None
+        self.comm_seconds = 0.0
+        if self.source.collectives:
+            self.comm = communicator if communicator is not None else _comm.from_env()
+            self.lib.ember_segment.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+            self.lib.ember_segment.restype = None
+        else:
+            self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            self.lib.ember_step.restype = None
         self.arena = _aligned(max(self.source.arena_bytes, 64))
         self.peak_bytes = self.source.arena_bytes
         self._constants: dict[str, np.ndarray] = {}
@@ -78,6 +90,15 @@ class CpuExecutor:
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
         self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data)
+        # per boundary: [(op, [(operand view, result view), ...]), ...] grouped by reduce op
+        self._boundaries = []
+        for calls in self.source.collectives:
+            by_op: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+            for src, dst, attrs in calls:
+                if attrs.get("group", "world") != "world":
+                    raise NotImplementedError(f"the CPU communicator reduces over the whole world only, not group {attrs['group']!r}")
+                by_op.setdefault(attrs["reduce"], []).append((self._view(src), self._view(dst)))
+            self._boundaries.append(list(by_op.items()))
 
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
@@ -110,10 +131,24 @@ class CpuExecutor:
             if type(value) is not np.ndarray or value.shape != buffer.shape or value.dtype != buffer.dtype:
                 value = check_inputs(self.signature, inputs)[name]  # the slow path raises the clear error
             np.copyto(buffer, value)  # any layout in, the planned buffer out
-        self.lib.ember_step(*self._args)
+        if self.comm is None:
+            self.lib.ember_step(*self._args)
+        else:
+            self._run_segments()
         for name, view in self._copy_updates:
             np.copyto(self.storage[name], view)
         return {k: v.copy() for k, v in self._outputs.items()}
+
+    def _run_segments(self) -> None:
+        for s, boundary in enumerate(self._boundaries):
+            self.lib.ember_segment(*self._args, s)
+            t0 = time.perf_counter()
+            for op, pairs in boundary:
+                for src, dst in pairs:
+                    np.copyto(dst, src)
+                _comm.all_reduce_many(self.comm, [dst for _, dst in pairs], op)
+            self.comm_seconds += time.perf_counter() - t0
+        self.lib.ember_segment(*self._args, len(self._boundaries))
 
 
 TARGET = targets.register(targets.Target(

@@ -21,6 +21,7 @@ COMMANDS = {
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
     "kernels": ("kernels", "write the generated sources of a model's steps for a device (no compiler or GPU needed)"),
+    "launch": ("launch", "start the ranks of a data-parallel job (RANK, WORLD_SIZE, ...: the torchrun contract)"),
     "export-metrics": ("export", "replay a `--metrics-file` JSON-lines file into an experiment tracker (SwanLab)"),
 }
 

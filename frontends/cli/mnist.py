@@ -182,6 +182,7 @@ def main(args: Any) -> int:
         except RuntimeError as exc:
             return _error(f"--device {args.device}: {exc}")
     _check_args(args)
+    comm = _data_parallel_world(args)
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
 
@@ -234,7 +235,11 @@ def main(args: Any) -> int:
     trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
                       batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
                       eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
-                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config)
+                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm)
+    if trainer.world_size > 1:
+        print(f"data parallel: {trainer.world_size} ranks x batch {args.batch_size} = global batch "
+              f"{args.batch_size * trainer.world_size}; {len(trainer.loader.x)} "
+              f"training images per rank, {trainer.dropped_tail} dropped (the tail that does not divide evenly)", flush=True)
     print(f"compiled the training step in {trainer.compile_seconds:.2f} s"
           + (f" (planned peak memory {trainer.step.peak_bytes / 2**20:.1f} MiB)" if trainer.step.peak_bytes else ""),
           flush=True)
@@ -291,6 +296,23 @@ def main(args: Any) -> int:
         print(f"wrote {args.plot}")
     print(f"done in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _data_parallel_world(args: Any) -> Any:
+    """This process's communicator under `ember launch` / `mpiexec` (None alone). Every rank
+    trains; rank 0 alone prints and writes metrics, checkpoints and plots."""
+    from ember.runtime import comm as C
+
+    if C.world_from_env()[1] <= 1:
+        return None
+    if args.device != "cpu":
+        raise UsageError(f"--device {args.device}: data parallel over MPI runs on --device cpu only")
+    comm = C.from_env()
+    if comm.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        args.metrics_file = args.tensorboard = args.save = args.plot = None
+        args.no_progress = True
+    return comm
 
 
 def _main_thread() -> bool:

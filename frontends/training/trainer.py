@@ -45,7 +45,8 @@ class Trainer:
                  shuffle: bool = False, seed: int = 0, eval_batch_size: int = 1000, limit_steps: int | None = None,
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
-                 print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None) -> None:
+                 print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
+                 communicator: Any = None) -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -53,6 +54,17 @@ class Trainer:
         x, y = train
         if len(x) == 0:
             raise ValueError("the training set is empty")
+        # data parallel: rank r trains on the r-th of `size` equal contiguous shards (the tail
+        # that does not divide evenly is dropped), so every rank runs the same number of steps;
+        # batch_size is per rank, the global batch is batch_size * size
+        self.rank, self.world_size = (communicator.rank, communicator.size) if communicator is not None else (0, 1)
+        self.dropped_tail = 0
+        if self.world_size > 1:
+            per = len(x) // self.world_size
+            if per == 0:
+                raise ValueError(f"{len(x)} training samples cannot be sharded over {self.world_size} ranks")
+            self.dropped_tail = len(x) - per * self.world_size
+            x, y = x[self.rank * per:(self.rank + 1) * per], y[self.rank * per:(self.rank + 1) * per]
         self.model = model
         self.device = device
         # A target that keeps data on its device gets the datasets uploaded once (a batch is then
@@ -84,7 +96,7 @@ class Trainer:
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
-                                  device=device, dump_dir=dump_dir)
+                                  device=device, dump_dir=dump_dir, communicator=communicator)
         # The last partial batch has its own shape: compile its step now, not mid-epoch.
         last = len(x) % batch_size if len(x) > batch_size else 0
         reaches_end = not self.limit_steps or self.limit_steps >= len(self.loader)
@@ -98,11 +110,25 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(rec)
 
+    def _agree_to_stop(self) -> bool:
+        """stop_requested, agreed by every rank (a 1-value all-reduce per step in data parallel):
+        a Ctrl-C reaches the ranks at different steps, and a rank that stopped alone would leave
+        the others waiting in their next all-reduce."""
+        if self.world_size == 1:
+            return self.stop_requested
+        flag = np.array([1.0 if self.stop_requested else 0.0])
+        self.step.comm.all_reduce(flag, "sum")
+        self.stop_requested = bool(flag[0])
+        return self.stop_requested
+
     def run_record(self, **extra: Any) -> dict[str, Any]:
         rec = {"type": "run", **self.config, "device": self.device, "batch_size": self.loader.batch_size,
                "shuffle": self.loader.shuffle, "seed": self.loader.seed, "limit_steps": self.limit_steps,
                "compile_seconds": round(self.compile_seconds, 4), "peak_bytes": self.step.peak_bytes,
                "start_epoch": self.epoch, "start_step": self.global_step, **extra}
+        if self.world_size > 1:
+            rec.update(world_size=self.world_size, global_batch_size=self.loader.batch_size * self.world_size,
+                       dropped_tail=self.dropped_tail)
         self.record(rec)
         return rec
 
@@ -186,7 +212,7 @@ class Trainer:
                     bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
                                         f"{samples / (now - t_start):.0f} samples/s", refresh=False)
                     t_bar = now
-            if self.stop_requested:
+            if self._agree_to_stop():
                 stopped = self.step_in_epoch < total
                 break
         if settle() is not None:
