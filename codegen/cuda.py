@@ -26,6 +26,7 @@ from .lowering import Spelling, c_literal, lower_pointwise, lower_reduction, max
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cuda"),
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 THREADS = 256
+COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator carries out
 PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output
 
 SPELLING = Spelling("CUDA", {
@@ -223,8 +224,15 @@ def render_step(graph: Graph) -> CudaStepSource:
         implements = graph.notes(n).get("implements", [])
         header = f"// ---- {name}: {spec.describe()} -> {graph.type(n)}\n" + "".join(f"//   implements {line}\n" for line in implements)
         if spec.kind == "collective":
-            raise NotImplementedError(f"the CUDA step cannot compile {sub.op(spec.core)!r} (%{n}, at {graph.loc(n)}) "
-                                      f"without a communicator (NCCL, data-parallel runtime)")
+            attrs = sub.attrs(spec.core)
+            if sub.op(spec.core) != "all_reduce" or attrs["group"] != "world":
+                raise NotImplementedError(f"the CUDA step runs all_reduce over the whole world only, not "
+                                          f"{sub.op(spec.core)!r} over {attrs.get('group')!r} (%{n}, at {graph.loc(n)})")
+            # no kernel: the runtime's communicator (NCCL) reduces in0 into out on the step's stream
+            launches.append(LaunchArgs(f"{COLLECTIVE_PREFIX}{attrs['reduce']}", (0, 0, 0), (0, 0, 0), 0,
+                                       (node_of["in0"], node_of["out"]), name))
+            kernels.append((name, spec.describe(), implements))
+            continue
         if spec.kind in ("pointwise", "reduction"):
             args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + (node_of["out"],)
             if spec.kind == "pointwise":

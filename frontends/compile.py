@@ -62,8 +62,9 @@ class TrainStep:
         # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
         # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
-        if self.comm is not None and device != "cpu":
-            raise ValueError(f"data parallel over a communicator runs on device 'cpu' only, not {device!r}")  # a one-line error naming the registered devices
+        if self.comm is not None and device not in ("cpu", "cuda"):
+            raise ValueError(f"data parallel over a communicator runs on devices 'cpu' (MPI) and 'cuda' (NCCL), "
+                             f"not {device!r}")
         if self.target.available is not None:
             self.target.available()
         if not isinstance(model, Module):
@@ -91,7 +92,10 @@ class TrainStep:
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
         if self.comm is not None:  # every rank starts from rank 0's parameters and state (checked by hash)
-            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+            if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
+                self.comm.broadcast_storage(self.storage)
+            else:
+                broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:

@@ -107,7 +107,7 @@ class CudaExecutor:
     """One compiled CUDA step of a fused, memory-planned graph, bound to a `DeviceStorage`."""
 
     def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
-                 profile: bool | None = None) -> None:
+                 profile: bool | None = None, communicator: Any = None) -> None:
         cp = self._cp = _cupy()
         storage.check(graph)
         if not isinstance(storage, DeviceStorage):
@@ -128,7 +128,15 @@ class CudaExecutor:
         os.environ.setdefault("CUPY_CACHE_DIR", str(Path(os.environ.get("EMBER_CACHE_DIR") or
                                                          Path.home() / ".cache" / "ember") / "cupy"))
         self.module = cp.RawModule(code=self.source.code, options=options)
-        self.functions = {la.function: self.module.get_function(la.function) for la in self.source.launches}
+        collectives = [la for la in self.source.launches if la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)]
+        if collectives and not getattr(communicator, "device_collectives", False):
+            raise ValueError(f"the CUDA step all-reduces ({len(collectives)} collectives) and needs a device "
+                             f"communicator (ember.runtime.cuda_comm: NCCL), got {type(communicator).__name__}")
+        self.communicator = communicator
+        self.functions = {la.function: (self.module.get_function(la.function)
+                                        if not la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)
+                                        else self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):]))
+                          for la in self.source.launches}
         self.compile_seconds = time.perf_counter() - t0
         self.arena = cp.zeros(max(self.source.arena_bytes, 256), dtype=cp.uint8)
         self.peak_bytes = self.source.arena_bytes
@@ -152,6 +160,14 @@ class CudaExecutor:
         self.stream = cp.cuda.Stream(non_blocking=False)
         self._graph = None
         self.profile = bool(profile)
+
+    def _collective(self, op: str) -> Any:
+        """A launch-shaped callable that all-reduces its first argument into its second, on the
+        current stream (captured into the step's graph with the kernels around it)."""
+        def launch(grid: Any, block: Any, args: tuple[Any, Any], shared_mem: int = 0) -> None:
+            src, dst = args
+            self.communicator.all_reduce_device(src, dst, op, self._cp.cuda.get_current_stream())
+        return launch
 
     def _view(self, n: int) -> Any:
         notes, t = self.graph.notes(n), self.graph.type(n)

@@ -70,14 +70,18 @@ def dependencies(graph: Graph, kernels: list[int]) -> list[set[int]]:
 
 
 def place(graph: Graph, kernels: list[int], streams: int = 4) -> list[Placement]:
-    """A stream for every kernel and the cross-stream waits it needs (see the module docstring)."""
+    """A stream for every kernel and the cross-stream waits it needs (see the module docstring).
+    Collectives all go to stream 0: NCCL needs every rank to run them in one order, and calls on
+    several streams of one communicator could meet in different orders on different ranks."""
     deps = dependencies(graph, kernels)
     tail: list[int | None] = [None] * streams   # last kernel on each stream
     last_used = [-1] * streams
     out: list[Placement] = []
     for i, d in enumerate(deps):
         continuing = [s for s in range(streams) if tail[s] is not None and tail[s] in d]
-        if continuing:
+        if graph.attrs(kernels[i])["kernel"].kind == "collective":
+            stream = 0
+        elif continuing:
             stream = max(continuing, key=lambda s: tail[s])  # follow the latest dependency's stream
         else:
             free = [s for s in range(streams) if tail[s] is None or all(tail[s] != j for j in d)]
