@@ -1,0 +1,396 @@
+"""`from_torch(module, example_inputs) -> nn.Module`: bring a PyTorch model into ember.
+
+The torch module is captured once with `torch.fx` (symbolic tracing, with the user's stack
+traces recorded), and every fx node is checked against the tables below before anything is
+built, so an unsupported layer, function or argument fails at import with one line naming the
+fx node, the PyTorch call and the user's source line, never as a silently different graph.
+
+The result is an ember `nn.Module` tree mirroring the torch one: a mapped leaf (Linear, Conv2d)
+becomes ember's own layer, every other submodule a `_Holder`, so parameters keep the torch names
+("0.weight", "features.conv1.bias") and `compile()`, `state_dict()` and checkpoints work as for
+a native model. Its forward replays the fx graph with ember ops.
+
+torch is imported only here (it is a test/extra dependency, not one of ember's).
+"""
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import functional as F
+from . import nn
+from .tensor import Parameter, Tensor
+from .tracing import trace
+
+
+class TorchImportError(NotImplementedError):
+    """A PyTorch construct that `from_torch` cannot (yet) translate faithfully."""
+
+
+class _Unsupported(Exception):
+    """Raised by a table entry for an argument value it cannot translate (the reason)."""
+
+
+def _refuse(reason: str) -> None:
+    raise _Unsupported(reason)
+
+
+# ---- modules: torch class name -> builder(torch module) -> ember module ------------------------
+
+def _param(t: Any) -> Parameter:
+    return Parameter(t.detach().cpu().numpy().astype(np.float32))
+
+
+def _linear(m: Any) -> nn.Module:
+    e = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+    e.weight = _param(m.weight)
+    e.bias = _param(m.bias) if m.bias is not None else None
+    return e
+
+
+def _conv2d(m: Any) -> nn.Module:
+    if isinstance(m.padding, str):
+        _refuse(f"padding={m.padding!r} (only integer padding)")
+    if m.padding_mode != "zeros":
+        _refuse(f"padding_mode={m.padding_mode!r} (only 'zeros')")
+    if tuple(m.dilation) != (1, 1) or m.groups != 1:
+        _refuse(f"dilation={m.dilation}, groups={m.groups} (only dilation=1, groups=1)")
+    e = nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, tuple(m.stride), tuple(m.padding),
+                  bias=m.bias is not None)
+    e.weight = _param(m.weight)
+    e.bias = _param(m.bias) if m.bias is not None else None
+    return e
+
+
+class _Fn(nn.Module):
+    """A parameterless torch layer, replayed as one ember function."""
+
+    def __init__(self, name: str, fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.name, self.fn = name, fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def _fn(fn: Callable[..., Tensor]) -> Callable[[Any], nn.Module]:
+    """A builder for a parameterless layer whose checks and forward are `fn(m)`."""
+    def build(m: Any) -> nn.Module:
+        return _Fn(type(m).__name__, fn(m))
+    return build
+
+
+def _dim(m: Any) -> int:
+    if m.dim is None:  # torch's implicit-dim legacy: refused rather than guessed
+        _refuse("dim=None (pass dim explicitly)")
+    return m.dim
+
+
+def _dropout(m: Any) -> Callable[[Tensor], Tensor]:
+    # p=0 is the identity in both modes; anything else needs ember's (not yet written) RNG.
+    if m.p != 0:
+        _refuse(f"p={m.p} (ember has no dropout yet; only p=0, or remove the layer)")
+    return lambda x: x
+
+
+MODULES: dict[str, Callable[[Any], nn.Module]] = {
+    "Linear": _linear,
+    "Conv2d": _conv2d,
+    "ReLU": _fn(lambda m: F.relu),
+    "Sigmoid": _fn(lambda m: F.sigmoid),
+    "Tanh": _fn(lambda m: F.tanh),
+    "Identity": _fn(lambda m: lambda x: x),
+    "Flatten": _fn(lambda m: lambda x: F.flatten(x, m.start_dim, m.end_dim)),
+    "Softmax": _fn(lambda m: lambda x, d=_dim(m): F.softmax(x, d)),
+    "LogSoftmax": _fn(lambda m: lambda x, d=_dim(m): F.log_softmax(x, d)),
+    "Dropout": _fn(_dropout),
+}
+
+
+# ---- functions and methods: torch callable -> ember implementation ----------------------------
+# Each implementation takes the torch signature (defaults included) and refuses, via _refuse,
+# any argument value it cannot reproduce.
+
+def _no(name: str, value: Any, ok: Any) -> None:
+    if value != ok:
+        _refuse(f"{name}={value!r} (only {name}={ok!r})")
+
+
+def _relu(x: Tensor, inplace: bool = False) -> Tensor:
+    return F.relu(x)  # inplace only changes aliasing, which a traced graph does not have
+
+
+def _flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    return F.flatten(x, start_dim, end_dim)
+
+
+def _softmax(fn: Callable[[Tensor, int], Tensor]) -> Callable[..., Tensor]:
+    def f(x: Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Tensor:
+        if dim is None:
+            _refuse("dim=None (pass dim explicitly)")
+        _no("dtype", dtype, None)
+        return fn(x, dim)
+    return f
+
+
+def _view(x: Tensor, *shape: Any) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return F.reshape(x, shape)
+
+
+def _size(x: Tensor, dim: int | None = None) -> Any:
+    return x.shape if dim is None else x.shape[dim]
+
+
+def _reduce(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def f(x: Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
+        _no("dtype", dtype, None)
+        return fn(x, dim, keepdim)
+    return f
+
+
+def _dropout_fn(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    if p != 0 and training:
+        _refuse(f"p={p}, training=True (ember has no dropout yet)")
+    return x
+
+
+def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """torch.add / Tensor.add with torch's alpha; plain Python operators on ints (shapes) too."""
+    def f(a: Any, b: Any, *, alpha: Any = 1) -> Any:
+        _no("alpha", alpha, 1)
+        return op(a, b)
+    return f
+
+
+def _getattr(x: Any, name: str) -> Any:
+    if isinstance(x, Tensor) and name not in ("shape", "ndim"):
+        _refuse(f"tensor attribute {name!r} (only .shape, .ndim)")
+    return getattr(x, name)
+
+
+def _getitem(x: Any, i: Any) -> Any:
+    if isinstance(x, Tensor):
+        _refuse("tensor indexing/slicing (only shapes may be indexed)")
+    return x[i]
+
+
+def _torch_functions() -> tuple[dict[Any, Callable[..., Any]], dict[str, Callable[..., Any]]]:
+    import torch
+    import torch.nn.functional as TF
+    functions: dict[Any, Callable[..., Any]] = {
+        TF.relu: _relu, torch.relu: _relu,
+        torch.sigmoid: F.sigmoid, TF.sigmoid: F.sigmoid,
+        torch.tanh: F.tanh, TF.tanh: F.tanh,
+        torch.exp: F.exp, torch.log: F.log, torch.sqrt: F.sqrt, torch.abs: F.abs,
+        torch.flatten: _flatten, torch.reshape: _view,
+        TF.linear: F.linear,
+        TF.softmax: _softmax(F.softmax), torch.softmax: _softmax(F.softmax),
+        TF.log_softmax: _softmax(F.log_softmax), torch.log_softmax: _softmax(F.log_softmax),
+        TF.dropout: _dropout_fn,
+        torch.add: _arith(operator.add), torch.sub: _arith(operator.sub),
+        torch.mul: F.mul, torch.div: F.div, torch.matmul: F.matmul,
+        torch.mean: _reduce(F.mean), torch.sum: _reduce(F.sum),
+        operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
+        operator.truediv: operator.truediv, operator.floordiv: operator.floordiv,
+        operator.neg: operator.neg, operator.matmul: operator.matmul,
+        operator.getitem: _getitem, getattr: _getattr,
+    }
+    methods: dict[str, Callable[..., Any]] = {
+        "view": _view, "reshape": _view, "flatten": _flatten,
+        "size": _size, "dim": lambda x: len(x.shape),
+        "contiguous": lambda x, memory_format=None: x,
+        "relu": _relu, "sigmoid": F.sigmoid, "tanh": F.tanh, "exp": F.exp, "log": F.log,
+        "sqrt": F.sqrt, "abs": F.abs,
+        "softmax": _softmax(F.softmax), "log_softmax": _softmax(F.log_softmax),
+        "add": _arith(operator.add), "sub": _arith(operator.sub), "mul": F.mul, "div": F.div,
+        "matmul": F.matmul, "mean": _reduce(F.mean), "sum": _reduce(F.sum),
+        "permute": lambda x, *p: F.transpose(x, p[0] if len(p) == 1 and isinstance(p[0], (tuple, list)) else p),
+        "transpose": lambda x, a, b: F.swapaxes(x, a, b),
+        "t": lambda x: F.transpose(x, (1, 0)),
+    }
+    return functions, methods
+
+
+# ---- the imported module ---------------------------------------------------------------------
+
+class _Holder(nn.Module):
+    """A torch container or custom module: holds the children and direct parameters under the
+    torch names; its computation is part of the root's replayed fx graph."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_kind", kind)
+
+    def extra_repr(self) -> str:
+        return self._kind
+
+
+_TORCH_FILE = re.compile(r"[/\\](torch|torch_\w+)[/\\]")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)')
+
+
+def _user_line(node: Any) -> str:
+    """The user's source line of an fx node: the innermost stack frame outside torch itself."""
+    frames = _FRAME.findall(node.stack_trace or "")
+    user = [f for f in frames if not _TORCH_FILE.search(f[0])]
+    if not user:
+        return "unknown source line"
+    path, line, code = user[-1] if len(user) > 1 and "forward" not in user[0][2] else user[0]
+    return f"{path}:{line}: {code.strip()}"
+
+
+def _call_name(node: Any) -> str:
+    if node.op == "call_module":
+        return f"module self.{node.target}"
+    if node.op == "get_attr":
+        return f"attribute self.{node.target}"
+    if node.op == "call_method":
+        return f"method Tensor.{node.target}"
+    t = node.target
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__qualname__", getattr(t, "__name__", repr(t)))
+    if mod in ("_operator", "operator"):
+        mod = "operator"
+    elif mod.startswith("torch._C") or not mod or "_VariableFunctions" in name:
+        mod, name = "torch", getattr(t, "__name__", name)  # torch.cumsum, not its C binding's class
+    return f"function {mod}.{name}"
+
+
+def _fail(node: Any, what: str, hint: str = "") -> TorchImportError:
+    return TorchImportError(f"from_torch: {what} at fx node {node.name!r} ({node.op} {_call_name(node)}), "
+                            f"{_user_line(node)}" + (f"; {hint}" if hint else ""))
+
+
+class TorchModel(nn.Module):
+    """An ember module replaying a PyTorch module's fx graph (see the module docstring)."""
+
+    def __init__(self, graph_module: Any, functions: dict[Any, Callable[..., Any]],
+                 methods: dict[str, Callable[..., Any]], torch_name: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_fx", graph_module.graph)
+        object.__setattr__(self, "_functions", functions)
+        object.__setattr__(self, "_methods", methods)
+        object.__setattr__(self, "_torch_name", torch_name)
+
+    def _resolve(self, path: str) -> Any:
+        obj: Any = self
+        for part in path.split("."):
+            obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
+        return obj
+
+    def forward(self, x: Tensor, *rest: Tensor) -> Any:
+        # `x` named: compile() traces a one-input model's input under the name "x"
+        from torch.fx.node import map_arg
+        env: dict[Any, Any] = {}
+        it = iter((x,) + rest)
+        for node in self._fx.nodes:
+            args = map_arg(node.args, lambda n: env[n])
+            kwargs = map_arg(node.kwargs, lambda n: env[n])
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "get_attr":
+                env[node] = self._resolve(node.target)
+            elif node.op == "output":
+                return args[0]
+            else:
+                fn = (self._resolve(node.target) if node.op == "call_module" else
+                      self._methods[node.target] if node.op == "call_method" else self._functions[node.target])
+                try:
+                    env[node] = fn(*args, **kwargs)
+                except _Unsupported as e:
+                    raise _fail(node, f"unsupported argument {e}") from None
+                except TypeError as e:
+                    if "argument" not in str(e):  # a signature mismatch: an argument the table does not take
+                        raise
+                    raise _fail(node, f"unsupported arguments ({e})") from None
+        raise AssertionError("fx graph without an output node")
+
+    def extra_repr(self) -> str:
+        return f"from torch {self._torch_name}"
+
+
+def _mirror(tm: Any, em: nn.Module, prefix: str, called: dict[str, Any]) -> None:
+    """Copies tm's direct parameters onto em, then its children (mapped if called, else held)."""
+    for name, p in tm.named_parameters(recurse=False):
+        setattr(em, name, _param(p))
+    buffers = [n for n, _ in tm.named_buffers(recurse=False)]
+    if buffers:
+        raise TorchImportError(f"from_torch: module {prefix or 'the root'} ({type(tm).__name__}) has buffers "
+                               f"{buffers}; ember modules have parameters only (BatchNorm is not supported yet)")
+    for name, child in tm.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if path in called:
+            setattr(em, name, called[path])
+            continue
+        holder = _Holder(type(child).__name__)
+        setattr(em, name, holder)
+        _mirror(child, holder, path, called)
+
+
+def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
+    """An ember `nn.Module` computing what the PyTorch `module` computes, starting from its
+    parameters (same names). Raises `TorchImportError` (one line: fx node, PyTorch call, user's
+    source line) for anything it cannot translate faithfully."""
+    import torch
+    import torch.fx
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")
+    examples = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = True  # fills node.stack_trace: the user's line in every error
+    try:
+        graph = tracer.trace(module)
+    except torch.fx.proxy.TraceError as e:
+        raise TorchImportError(
+            f"from_torch: torch.fx cannot trace {type(module).__name__}: {e}; make the branch depend on Python "
+            f"values only (not tensor values), pass those values as constructor arguments, or compute the "
+            f"data-dependent part outside the model") from e
+    gm = torch.fx.GraphModule(tracer.root, graph)
+    functions, methods = _torch_functions()
+    called: dict[str, nn.Module] = {}
+    params = dict(module.named_parameters())
+    for node in graph.nodes:
+        if node.op == "call_module":
+            tm = gm.get_submodule(node.target)
+            build = MODULES.get(type(tm).__name__) if type(tm).__module__.startswith("torch.nn") else None
+            if build is None:
+                raise _fail(node, f"unsupported module {type(tm).__module__}.{type(tm).__name__}",
+                            f"supported modules: {', '.join(sorted(MODULES))}")
+            if node.target not in called:
+                try:
+                    called[node.target] = build(tm)
+                except _Unsupported as e:
+                    raise _fail(node, f"unsupported argument {e} of {type(tm).__name__}") from None
+        elif node.op == "get_attr" and node.target not in params:
+            raise _fail(node, "unsupported buffer or constant tensor (ember modules hold parameters only)",
+                        "ember has no buffers yet: pass the tensor as a model input instead")
+        elif node.op == "call_method" and node.target not in methods:
+            raise _fail(node, f"unsupported tensor method .{node.target}()",
+                        f"supported methods: {', '.join(sorted(methods))}")
+        elif node.op == "call_function" and node.target not in functions:
+            raise _fail(node, "unsupported function", "see ember.frontends.from_torch for the supported calls")
+    model = TorchModel(gm, functions, methods, type(module).__name__)
+    _mirror(module, model, "", called)
+    expected = [k for k, _ in module.named_parameters()]
+    got = [k for k, _ in model.named_parameters()]
+    if sorted(expected) != sorted(got):  # a builder bug, caught at import rather than at load
+        raise AssertionError(f"from_torch: parameter names {got} differ from torch's {expected}")
+    # one trace now, on the example inputs: shape errors surface here, with the fx node named
+    trace(model, *[_example(x) for x in examples])
+    return model
+
+
+def _example(x: Any) -> Any:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
