@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ember.ir import ShapeError
+
 from . import functional as F
 from . import nn
 from .tensor import Parameter, Tensor
@@ -100,6 +102,41 @@ def _dropout(m: Any) -> Callable[[Tensor], Tensor]:
     return lambda x: x
 
 
+def _pool_checks(kind: str, ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: Any = None,
+                 dilation: Any = 1, return_indices: bool = False) -> None:
+    _no("ceil_mode", ceil_mode, False)
+    _no("count_include_pad", count_include_pad, True)
+    _no("divisor_override", divisor_override, None)
+    if np.any(np.asarray(dilation) != 1):
+        _refuse(f"dilation={dilation} (only 1)")
+    _no("return_indices", return_indices, False)
+
+
+def _avg_pool(m: Any) -> Callable[[Tensor], Tensor]:
+    _pool_checks("AvgPool2d", m.ceil_mode, m.count_include_pad, m.divisor_override)
+    return lambda x: F.avg_pool2d(x, m.kernel_size, m.stride, m.padding)
+
+
+def _max_pool(m: Any) -> Callable[[Tensor], Tensor]:
+    _pool_checks("MaxPool2d", m.ceil_mode, dilation=m.dilation, return_indices=m.return_indices)
+    return lambda x: F.max_pool2d(x, m.kernel_size, m.stride, m.padding)
+
+
+def _adaptive_avg(m: Any) -> Callable[[Tensor], Tensor]:
+    if tuple(np.atleast_1d(m.output_size)) not in ((1,), (1, 1)):
+        _refuse(f"output_size={m.output_size} (only 1: global average pooling)")
+    return lambda x: F.adaptive_avg_pool2d(x, 1)
+
+
+def _layer_norm(m: Any) -> nn.Module:
+    if not m.elementwise_affine:
+        return _Fn("LayerNorm", lambda x: F.layer_norm(x, m.normalized_shape, None, None, m.eps))
+    e = nn.LayerNorm(m.normalized_shape, m.eps, bias=m.bias is not None)
+    e.weight = _param(m.weight)
+    e.bias = _param(m.bias) if m.bias is not None else None
+    return e
+
+
 MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "Linear": _linear,
     "Conv2d": _conv2d,
@@ -111,6 +148,11 @@ MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "Softmax": _fn(lambda m: lambda x, d=_dim(m): F.softmax(x, d)),
     "LogSoftmax": _fn(lambda m: lambda x, d=_dim(m): F.log_softmax(x, d)),
     "Dropout": _fn(_dropout),
+    "GELU": _fn(lambda m: lambda x: F.gelu(x, m.approximate)),
+    "AvgPool2d": _fn(_avg_pool),
+    "MaxPool2d": _fn(_max_pool),
+    "AdaptiveAvgPool2d": _fn(_adaptive_avg),
+    "LayerNorm": _layer_norm,
 }
 
 
@@ -171,6 +213,22 @@ def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     return f
 
 
+def _avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                count_include_pad: bool = True, divisor_override: Any = None) -> Tensor:
+    _pool_checks("avg_pool2d", ceil_mode, count_include_pad, divisor_override)
+    return F.avg_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding)
+
+
+def _max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    _pool_checks("max_pool2d", ceil_mode, dilation=dilation, return_indices=return_indices)
+    return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding)
+
+
+def _cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    return F.concat(list(tensors), dim)
+
+
 def _getattr(x: Any, name: str) -> Any:
     if isinstance(x, Tensor) and name not in ("shape", "ndim"):
         _refuse(f"tensor attribute {name!r} (only .shape, .ndim)")
@@ -196,6 +254,12 @@ def _torch_functions() -> tuple[dict[Any, Callable[..., Any]], dict[str, Callabl
         TF.softmax: _softmax(F.softmax), torch.softmax: _softmax(F.softmax),
         TF.log_softmax: _softmax(F.log_softmax), torch.log_softmax: _softmax(F.log_softmax),
         TF.dropout: _dropout_fn,
+        torch.erf: F.erf, TF.gelu: lambda x, approximate="none": F.gelu(x, approximate),
+        TF.avg_pool2d: _avg_pool2d, TF.max_pool2d: _max_pool2d,
+        TF.adaptive_avg_pool2d: F.adaptive_avg_pool2d,
+        TF.layer_norm: lambda x, normalized_shape, weight=None, bias=None, eps=1e-5:
+            F.layer_norm(x, normalized_shape, weight, bias, eps),
+        torch.cat: _cat, torch.concat: _cat,
         torch.add: _arith(operator.add), torch.sub: _arith(operator.sub),
         torch.mul: F.mul, torch.div: F.div, torch.matmul: F.matmul,
         torch.mean: _reduce(F.mean), torch.sum: _reduce(F.sum),
@@ -312,6 +376,10 @@ class TorchModel(nn.Module):
                     if "argument" not in str(e):  # a signature mismatch: an argument the table does not take
                         raise
                     raise _fail(node, f"unsupported arguments ({e})") from None
+                except TorchImportError:
+                    raise
+                except (NotImplementedError, ShapeError) as e:  # ember refused it: say which torch call
+                    raise _fail(node, str(e).splitlines()[0]) from None
         raise AssertionError("fx graph without an output node")
 
     def extra_repr(self) -> str:

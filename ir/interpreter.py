@@ -9,6 +9,7 @@ identity; `ember.ir.world.run_world` runs N ranks of a graph together (a simulat
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,11 @@ def _fused(args, attrs, t):
     return res.outputs["out"]
 
 
+# NumPy has no erf: math.erf per element (double precision, then cast), the reference's accuracy
+# matters more than its speed.
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
 IMPLS: dict[str, Impl] = {
     "neg": lambda a, at, t: -a[0],
     "exp": lambda a, at, t: np.exp(a[0]),
@@ -88,6 +94,7 @@ IMPLS: dict[str, Impl] = {
     "sigmoid": lambda a, at, t: _sigmoid(a[0]),
     "tanh": lambda a, at, t: np.tanh(a[0]),
     "abs": lambda a, at, t: np.abs(a[0]),
+    "erf": lambda a, at, t: np.asarray(_erf(a[0]), dtype=a[0].dtype),
     "add": lambda a, at, t: a[0] + a[1],
     "sub": lambda a, at, t: a[0] - a[1],
     "mul": lambda a, at, t: a[0] * a[1],

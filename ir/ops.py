@@ -155,7 +155,7 @@ def _constant(types, attrs):
 
 # ---- elementwise -----------------------------------------------------------------------------
 
-UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs")
+UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf")  # erf: exact GELU
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 

@@ -127,6 +127,15 @@ def _abs(b: Builder, x: int, y: int, ct: int) -> int:
     return b.op("where", b.op("gt", x, zero), ct, neg)
 
 
+def _inexact(b: Builder, value: float, like: int) -> int:
+    """A constant not exact in `like`'s dtype, as hi + lo (each exact there): computed in that
+    dtype the sum rounds to hi, and the float64 oracle run (`precision="float64"`) sees the
+    constant to double precision instead of float32's rounding of it."""
+    hi = np.asarray(value, dtype=b.type(like).dtype.numpy)
+    lo = np.asarray(value - float(hi), dtype=hi.dtype)
+    return b.op("add", b.scalar(float(hi), like), b.scalar(float(lo), like))
+
+
 def _binary(fn: Callable[[Builder, int, int, int, int, tuple[bool, ...]], tuple["int | None", "int | None"]]) -> Rule:
     """Wraps fn(b, a, bb, y, ct, needs) -> (ca, cb) in the broadcast result's shape, then sums
     each back to its operand's shape."""
@@ -290,6 +299,9 @@ VJP_RULES: dict[str, Rule] = {
     "sigmoid": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("mul", b.op("sub", b.scalar(1, y), y), y))),
     "tanh": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("sub", b.scalar(1, y), b.op("mul", y, y)))),
     "abs": _unary(_abs),
+    # d erf(x)/dx = 2/sqrt(pi) * exp(-x^2)
+    "erf": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("mul", _inexact(b, 2 / np.sqrt(np.pi), x),
+                                                        b.op("exp", b.op("neg", b.op("mul", x, x)))))),
     "add": _binary(lambda b, a, c, y, ct, needs: (ct, ct)),
     "sub": _binary(lambda b, a, c, y, ct, needs: (ct, b.op("neg", ct) if needs[1] else None)),
     "mul": _binary(_mul),

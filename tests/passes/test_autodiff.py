@@ -159,6 +159,7 @@ ROWS = [
     Row("sigmoid", _unary(lambda rng, s: 3 * rng.normal(size=s)), lambda at, x: torch.sigmoid(x)),
     Row("tanh", _unary(_normal), lambda at, x: torch.tanh(x)),
     Row("abs", _unary(_away), lambda at, x: torch.abs(x)),
+    Row("erf", _unary(_normal), lambda at, x: torch.erf(x)),
     Row("add", _binary(_normal), lambda at, a, b: a + b),
     Row("sub", _binary(_normal), lambda at, a, b: a - b),
     Row("mul", _binary(_normal), lambda at, a, b: a * b),
