@@ -25,7 +25,7 @@ from ember.ir import ShapeError
 
 from . import functional as F
 from . import nn
-from .tensor import Parameter, Tensor
+from .tensor import Buffer, Parameter, Tensor
 from .tracing import trace
 
 
@@ -137,6 +137,20 @@ def _layer_norm(m: Any) -> nn.Module:
     return e
 
 
+def _batch_norm(m: Any) -> nn.Module:
+    if m.momentum is None:
+        _refuse("momentum=None (cumulative averaging; only a float momentum)")
+    if not m.track_running_stats:
+        _refuse("track_running_stats=False (only True)")
+    e = nn.BatchNorm2d(m.num_features, m.eps, m.momentum, affine=m.affine)
+    if m.affine:
+        e.weight, e.bias = _param(m.weight), _param(m.bias)
+    e.running_mean = Buffer(m.running_mean.detach().cpu().numpy())
+    e.running_var = Buffer(m.running_var.detach().cpu().numpy())
+    e.num_batches_tracked = Buffer(m.num_batches_tracked.detach().cpu().numpy(), "int64")
+    return e
+
+
 MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "Linear": _linear,
     "Conv2d": _conv2d,
@@ -153,6 +167,7 @@ MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "MaxPool2d": _fn(_max_pool),
     "AdaptiveAvgPool2d": _fn(_adaptive_avg),
     "LayerNorm": _layer_norm,
+    "BatchNorm2d": _batch_norm,
 }
 
 
@@ -393,7 +408,7 @@ def _mirror(tm: Any, em: nn.Module, prefix: str, called: dict[str, Any]) -> None
     buffers = [n for n, _ in tm.named_buffers(recurse=False)]
     if buffers:
         raise TorchImportError(f"from_torch: module {prefix or 'the root'} ({type(tm).__name__}) has buffers "
-                               f"{buffers}; ember modules have parameters only (BatchNorm is not supported yet)")
+                               f"{buffers} outside a mapped layer (ember imports buffers only for BatchNorm2d)")
     for name, child in tm.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if path in called:
@@ -449,10 +464,10 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
             raise _fail(node, "unsupported function", "see ember.frontends.from_torch for the supported calls")
     model = TorchModel(gm, functions, methods, type(module).__name__)
     _mirror(module, model, "", called)
-    expected = [k for k, _ in module.named_parameters()]
-    got = [k for k, _ in model.named_parameters()]
+    model.train(module.training)
+    expected, got = list(module.state_dict()), list(model.state_dict())
     if sorted(expected) != sorted(got):  # a builder bug, caught at import rather than at load
-        raise AssertionError(f"from_torch: parameter names {got} differ from torch's {expected}")
+        raise AssertionError(f"from_torch: state names {got} differ from torch's {expected}")
     # one trace now, on the example inputs: shape errors surface here, with the fx node named
     trace(model, *[_example(x) for x in examples])
     return model

@@ -145,7 +145,7 @@ def test_unsupported_module_names_node_call_and_line():
     msg = str(e.value)
     assert "\n" not in msg
     assert "unsupported module torch.nn.modules.rnn.GRU" in msg and "fx node 'rnn'" in msg
-    assert f"{THIS}:" in msg and "return self.rnn(x)" in msg and "supported modules: AdaptiveAvgPool2d, AvgPool2d, Conv2d" in msg
+    assert f"{THIS}:" in msg and "return self.rnn(x)" in msg and "supported modules: AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d" in msg
 
 
 class BadFunction(tnn.Module):

@@ -169,5 +169,45 @@ def test_refusals_name_the_fx_node():
         from_torch(tnn.Sequential(tnn.MaxPool2d(2, ceil_mode=True)), torch.zeros(1, 1, 6, 6))
     with pytest.raises(TorchImportError, match=r"output_size=2 \(only 1: global average pooling\)"):
         from_torch(tnn.Sequential(tnn.AdaptiveAvgPool2d(2)), torch.zeros(1, 1, 6, 6))
-    with pytest.raises(TorchImportError, match=r"unsupported module torch.nn.modules.batchnorm.BatchNorm2d"):
-        from_torch(tnn.Sequential(tnn.BatchNorm2d(1)), torch.zeros(1, 1, 6, 6))
+    with pytest.raises(TorchImportError, match=r"unsupported argument momentum=None .* of BatchNorm2d"):
+        from_torch(tnn.Sequential(tnn.BatchNorm2d(1, momentum=None)), torch.zeros(1, 1, 6, 6))
+
+
+class BN(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = tnn.Conv2d(1, 4, 3)
+        self.bn = tnn.BatchNorm2d(4, momentum=0.2)
+        self.fc = tnn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(TF.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_batch_norm_trains_and_tracks_running_stats_like_torch(device):
+    tm = BN()
+    ref = copy.deepcopy(tm)
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((8, 1, 6, 6)).astype(np.float32)
+    y0 = rng.integers(0, 10, 8)
+    model = from_torch(tm, torch.from_numpy(x0))
+    assert list(model.state_dict()) == list(tm.state_dict())
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x0, y0), device=device)
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(4):
+        x = (rng.standard_normal((8, 1, 6, 6)) * 2 + 1).astype(np.float32)
+        y = rng.integers(0, 10, 8)
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5, (i, ours, loss.item())
+    sd, tsd = step.state_dict(), ref.state_dict()
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        np.testing.assert_allclose(sd[k], tsd[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    model.eval()
+    ref.eval()
+    np.testing.assert_allclose(step.inference(x0), ref(torch.from_numpy(x0)).detach().numpy(), rtol=1e-5, atol=1e-5)
