@@ -1,9 +1,15 @@
-"""ember.frontends: what a user touches: traced tensors, `nn`, `trace()`, `compile()` and the CLI."""
+"""ember.frontends: the compiler API: traced tensors, `nn`, `optim`, `trace()`, `compile()`.
+
+Its names below (`__all__`) are the public API. Above it stand two application layers that use
+only those names: `ember.frontends.training` (the trainer, the MNIST recipes, checkpoints,
+metrics, trackers, plotting, dataset download) and `ember.frontends.cli` (the `ember` commands).
+"""
 from . import functional, nn, optim
-from .compile import TrainStep, compile
+from .compile import TrainStep, compile, plan
 from .from_torch import TorchImportError, from_torch
 from .nn import manual_seed
 from .tensor import Parameter, Tensor, spec
 from .tracing import trace
 
-__all__ = ["compile", "TrainStep", "functional", "nn", "optim", "manual_seed", "Parameter", "Tensor", "spec", "trace", "from_torch", "TorchImportError"]
+__all__ = ["compile", "plan", "TrainStep", "functional", "nn", "optim", "manual_seed", "Parameter", "Tensor", "spec", "trace",
+           "from_torch", "TorchImportError"]

@@ -1,6 +1,8 @@
-"""Datasets and loaders: IDX files, MNIST (load and download), and a sharded batch loader.
+"""Datasets and loaders: IDX files, MNIST loaded from a folder, and a sharded batch loader.
 
 Only NumPy and the standard library, so that reading data never depends on a device backend.
+Fetching the files (mirrors, md5 checks) is not the runtime's business: it is
+`ember.frontends.training.datasets`.
 The loader owns *where samples go* (order, batching, which rank gets which rows); what is
 computed on them is the compiled step's business.
 """
@@ -8,26 +10,20 @@ computed on them is the compiled step's business.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
-import http.client
 import math
 import os
 import struct
 import tempfile
-import urllib.error
-import urllib.request
 import zlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 __all__ = [
     "IDXError", "read_idx", "write_idx",
-    "MNIST_FILES", "MNIST_MD5", "DEFAULT_MIRRORS", "DownloadError", "ChecksumError",
-    "default_data_dir", "find_mnist_file", "load_mnist", "check_labels", "ensure_mnist", "MNIST", "DataLoader",
+    "MNIST_FILES", "DATA_HINT", "default_data_dir", "find_mnist_file", "load_mnist", "check_labels", "DataLoader",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +149,7 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# MNIST: files, loading, download
+# MNIST: files and loading
 # ---------------------------------------------------------------------------------------------
 
 #: split -> (images file stem, labels file stem); each file is found as `<stem>.gz` or `<stem>`.
@@ -161,19 +157,7 @@ MNIST_FILES: dict[str, tuple[str, str]] = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-#: md5 of the published `<stem>.gz` files (what the mirrors serve).
-MNIST_MD5: dict[str, str] = {
-    "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-    "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432",
-    "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
-    "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
-}
-#: Base URLs tried in order; `<base>/<stem>.gz` is fetched.
-DEFAULT_MIRRORS: tuple[str, ...] = (
-    "https://ossci-datasets.s3.amazonaws.com/mnist/",
-    "https://storage.googleapis.com/cvdf-datasets/mnist/",
-)
-_HINT = ("pass --data DIR (the folder holding the four MNIST IDX files) "
+DATA_HINT = ("pass --data DIR (the folder holding the four MNIST IDX files) "
          "or set EMBER_DATA")
 
 
@@ -195,7 +179,7 @@ def _require(root: Path, stem: str) -> Path:
     p = find_mnist_file(root, stem)
     if p is None:
         raise FileNotFoundError(f"MNIST file not found: {root / (stem + '.gz')} (or "
-                                f"{root / stem}); {_HINT}")
+                                f"{root / stem}); {DATA_HINT}")
     return p
 
 
@@ -236,104 +220,6 @@ def check_labels(labels: np.ndarray, num_classes: int, source: str) -> None:
         i = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
         raise ValueError(f"{source}: label {int(labels[i])} at index {i} is out of range for "
                          f"{num_classes} classes (expected 0..{num_classes - 1})")
-
-
-class DownloadError(RuntimeError):
-    """No mirror delivered a file; the message lists every URL tried and why it failed."""
-
-
-class ChecksumError(DownloadError):
-    """A mirror delivered bytes whose md5 differs from the published one (and none matched)."""
-
-
-class _NetworkError(Exception):
-    pass
-
-
-def _fetch(url: str, dest: Path, md5: str, timeout: float) -> None:
-    """Download `url` to a temp file next to `dest`, check its md5, then rename to `dest`.
-
-    Nothing is left behind on any failure (network, checksum, Ctrl-C): only a verified file
-    ever gets `dest`'s name. Raises _NetworkError or ChecksumError.
-    """
-    req = urllib.request.Request(url, headers={"User-Agent": "ember"})
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        digest, size = hashlib.md5(), 0
-        with os.fdopen(fd, "wb") as f:
-            try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    length = resp.headers.get("Content-Length")
-                    while chunk := resp.read(1 << 20):
-                        f.write(chunk)
-                        digest.update(chunk)
-                        size += len(chunk)
-            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-                raise _NetworkError(f"{type(e).__name__}: {e}") from None
-        if length is not None and int(length) != size:
-            raise _NetworkError(f"download interrupted: got {size} of {length} bytes")
-        if digest.hexdigest() != md5:
-            raise ChecksumError(f"md5 {digest.hexdigest()}, expected {md5}")
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def ensure_mnist(root: str | os.PathLike | None = None,
-                 mirrors: Sequence[str] = DEFAULT_MIRRORS,
-                 md5s: dict[str, str] | None = None, timeout: float = 30.0) -> Path:
-    """Make sure `root` (default: `default_data_dir()`) holds the four MNIST files; return it.
-
-    Each missing file is fetched as `<stem>.gz` from `mirrors` in turn and kept only if its md5
-    matches `md5s` (default: the published MNIST_MD5); files already present (raw or .gz) are
-    not touched or re-checked. Mirrors and checksums are parameters so tests can serve small
-    files from a local server. Raises DownloadError (ChecksumError if some mirror answered with
-    wrong bytes) listing every URL tried.
-    """
-    root = Path(root) if root is not None else default_data_dir()
-    md5s = MNIST_MD5 if md5s is None else md5s
-    stems = [s for pair in MNIST_FILES.values() for s in pair]
-    missing = [s for s in stems if find_mnist_file(root, s) is None]
-    if not missing:
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    for stem in missing:
-        failures: list[tuple[str, BaseException]] = []
-        for base in mirrors:
-            url = base.rstrip("/") + f"/{stem}.gz"
-            try:
-                _fetch(url, root / f"{stem}.gz", md5s[stem], timeout)
-                break
-            except (_NetworkError, ChecksumError) as e:
-                failures.append((url, e))
-        else:
-            tried = "\n".join(f"  {url}: {e}" for url, e in failures) or "  (no mirrors given)"
-            if any(isinstance(e, ChecksumError) for _, e in failures):
-                raise ChecksumError(f"could not download {stem}.gz into {root}: checksum "
-                                    f"mismatch (nothing was kept). URLs tried:\n{tried}\n"
-                                    f"Or {_HINT}.")
-            raise DownloadError(f"could not download {stem}.gz into {root}. URLs tried:\n"
-                                f"{tried}\nNo network? {_HINT}.")
-    return root
-
-
-@dataclass
-class MNIST:
-    """Both MNIST splits in memory: float32 images (see load_mnist) and int64 labels."""
-
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-
-    @classmethod
-    def load(cls, root: str | os.PathLike | None = None, flat: bool = False,
-             download: bool = False) -> "MNIST":
-        """Load both splits from `root`; with `download`, fetch missing files first."""
-        if download:
-            root = ensure_mnist(root)
-        return cls(*load_mnist(root, "train", flat), *load_mnist(root, "test", flat))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from ember.frontends import compile, nn, optim
-from ember.frontends.align import format_alignment, run_alignment
-from ember.frontends.train import build_model
+from ember.frontends.cli.align import format_alignment, run_alignment
+from ember.frontends.training import build_model
 from ember.runtime.data import load_mnist
 
 from conftest import require_mnist

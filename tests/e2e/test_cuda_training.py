@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ember.frontends import compile, nn, optim
-from ember.frontends.train import build_model
+from ember.frontends.training import build_model
 
 pytestmark = pytest.mark.cuda
 
@@ -62,7 +62,7 @@ def test_two_runs_give_identical_losses(name):
 
 def _torch_model(name, state, dtype, device):
     import torch
-    from ember.frontends.bench_cuda import _torch_model as make
+    from ember.frontends.cli.bench_cuda import _torch_model as make
     model = make(name)
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
     return model.to(device=device, dtype=dtype)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ember.frontends import compile, nn, optim
-from ember.frontends.train import build_model
+from ember.frontends.training import build_model
 from ember.runtime.data import load_mnist
 
 from conftest import torch_threads

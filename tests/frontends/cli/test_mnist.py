@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from ember.frontends import cli, train
-from ember.frontends.checkpoint import load_checkpoint
-from ember.frontends.metrics import MetricsError, read_metrics
-from ember.frontends.train import Trainer, build_model, make_optimizer
+from ember.frontends import cli
+from ember.frontends.cli import mnist
+from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.training.metrics import MetricsError, read_metrics
+from ember.frontends.training import Trainer, build_model, make_optimizer
 
 from conftest import require_mnist
 
@@ -159,7 +160,7 @@ def test_refusals_are_clear(tmp_path, mnist_dir, monkeypatch, capsys):
         assert "--device cuda: device 'cuda' needs CuPy: pip install 'ember[cuda13]'" in capsys.readouterr().err
 
     # an empty folder and no reachable mirror: the error says to pass --data
-    monkeypatch.setattr(train, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))
+    monkeypatch.setattr(mnist, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))
     assert cli.main(["mnist", "--model", "mlp", "--data", str(tmp_path / "empty"), "--download"]) == 2
     err = capsys.readouterr().err
     assert "could not download" in err and "pass --data DIR" in err
@@ -179,7 +180,7 @@ def test_refusals_are_clear(tmp_path, mnist_dir, monkeypatch, capsys):
 @pytest.mark.parametrize("name,seed", [("cnn", 0), ("mlp", 0), ("mlp", 12345)])
 def test_default_init_is_pytorchs_bit_for_bit(name, seed):
     torch = pytest.importorskip("torch")
-    from ember.frontends.align import _torch_model
+    from ember.frontends.cli.align import _torch_model
     torch.manual_seed(seed)
     want = {k: v.numpy() for k, v in _torch_model(name).state_dict().items()}
     got = build_model(name, seed).state_dict()  # init="torch" is the default

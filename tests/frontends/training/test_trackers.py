@@ -9,7 +9,7 @@ import math
 import pytest
 
 from ember.frontends import cli
-from ember.frontends.metrics import read_metrics
+from ember.frontends.training.metrics import read_metrics
 
 from models import MNIST_DIR
 

@@ -14,9 +14,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import nn, optim
-from .compile import compile as ember_compile
-from .train import MODELS, build_model
+from ember.frontends import compile as ember_compile
+from ember.frontends import nn, optim
+
+from ..training.recipes import MODELS, build_model
 
 FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet fp32 (non-tensor) rate: the scale for "% of peak"
 

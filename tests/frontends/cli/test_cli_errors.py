@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from ember.codegen import compiler as C
-from ember.frontends import cli, nn, optim, train
+from ember.frontends import nn, optim
+from ember.frontends import cli
+from ember.frontends.cli import mnist
+from ember.frontends.training import trainer
 from ember.frontends import compile as ember_compile
-from ember.frontends.checkpoint import load_checkpoint
-from ember.frontends.cli_checks import format_loss
-from ember.frontends.metrics import read_metrics
+from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.cli.cli_checks import format_loss
+from ember.frontends.training.metrics import read_metrics
 
 from models import MNIST_DIR
 
@@ -55,7 +58,7 @@ def no_compile(monkeypatch):
     """Any of these checks reaching the compile is a failure of the check."""
     def boom(*a, **k):
         raise AssertionError("compiled before the arguments were checked")
-    monkeypatch.setattr(train, "ember_compile", boom)
+    monkeypatch.setattr(trainer, "ember_compile", boom)
 
 
 def test_output_paths_are_checked_before_compiling(tmp_path, a_file, mnist_dir, capsys, monkeypatch, no_compile):
@@ -119,7 +122,7 @@ def test_diverged_run_stops_and_keeps_the_good_checkpoint(tmp_path, mnist_dir, c
 
 
 def test_non_finite_parameters_are_never_saved(tmp_path, mnist_dir):
-    from ember.frontends.train import NonFiniteError, Trainer, build_model, make_optimizer
+    from ember.frontends.training import NonFiniteError, Trainer, build_model, make_optimizer
     from ember.runtime.data import load_mnist
     x, y = load_mnist(mnist_dir, "train", flat=True)
     t = Trainer(build_model("mlp"), make_optimizer("sgd", 0.05), (x[:256], y[:256]), device="cpu", limit_steps=2)
@@ -175,7 +178,7 @@ def test_data_paths(tmp_path, a_file, mnist_dir, capsys, monkeypatch, no_compile
     (tmp_path / "empty").mkdir()
     assert "4 of the 4 MNIST files missing" in _fail(capsys, _mnist(str(tmp_path / "empty")))
     # the default folder (no --data) still downloads: here from a mirror that is not there
-    monkeypatch.setattr(train, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))
+    monkeypatch.setattr(mnist, "MNIST_MIRRORS", ("http://127.0.0.1:9/",))
     monkeypatch.setenv("EMBER_DATA", str(tmp_path / "default"))
     assert cli.main(["mnist", "--model", "mlp", "--no-progress"]) == 2
     assert "could not download" in capsys.readouterr().err
@@ -214,7 +217,7 @@ def test_missing_compiler_and_unusable_cache(tmp_path, a_file, mnist_dir, capsys
 
 
 def test_debug_shows_the_traceback(mnist_dir, monkeypatch):
-    from ember.frontends.cli_checks import UsageError
+    from ember.frontends.cli.cli_checks import UsageError
     with pytest.raises(UsageError, match="--batch-size 0"):
         cli.main(_mnist(mnist_dir, "--batch-size", "0", "--debug"))
     monkeypatch.setenv("EMBER_DEBUG", "1")
@@ -225,7 +228,7 @@ def test_debug_shows_the_traceback(mnist_dir, monkeypatch):
 def test_ctrl_c_during_startup_exits_quietly(mnist_dir, capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "ember_compile", interrupted)
+    monkeypatch.setattr(trainer, "ember_compile", interrupted)
     assert cli.main(_mnist(mnist_dir)) == 130
     assert capsys.readouterr().err.strip() == "ember mnist: interrupted"
 
@@ -256,7 +259,7 @@ def test_epoch_line_after_a_mid_epoch_resume_says_what_the_loss_covers(tmp_path,
     ck = tmp_path / "c.st"
     trainer_args = _mnist(mnist_dir, "--limit-steps", "6", "--save", str(ck))
     # a checkpoint 4 steps into epoch 1, as Ctrl-C leaves it
-    from ember.frontends.train import Trainer, build_model, make_optimizer
+    from ember.frontends.training import Trainer, build_model, make_optimizer
     from ember.runtime.data import load_mnist
     x, y = load_mnist(mnist_dir, "train", flat=True)
     t = Trainer(build_model("mlp"), make_optimizer("sgd", 0.05), (x[:640], y[:640]), device="cpu", limit_steps=4,

@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import nn, optim
+from ember.frontends import compile as ember_compile
+from ember.frontends import nn, optim
 from ember.runtime import target_names
 
-from .compile import compile as ember_compile
-from .train import MODELS, build_model
+from ..training.recipes import MODELS, build_model
 
 
 

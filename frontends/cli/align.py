@@ -30,11 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from . import nn, optim
+from ember.frontends import compile as ember_compile
+from ember.frontends import nn, optim, trace
 from ember.runtime import target_names
-
-from .compile import compile as ember_compile
-from .tracing import trace
 
 __all__ = ["ember_gradients", "run_alignment", "Alignment", "format_alignment", "add_arguments", "main"]
 
@@ -174,7 +172,7 @@ def run_alignment(model_name: str, x: np.ndarray, y: np.ndarray, *, steps: int =
     x0, y0 = batches[0]
 
     # ---- ember: batch 0 at the initial weights, then the free run ----
-    from .train import build_model
+    from ..training.recipes import build_model
     t0 = time.perf_counter()
     model = build_model(model_name)
     model.load_state_dict(init)
@@ -314,10 +312,11 @@ def main(args: Any) -> int:
     except ImportError:
         print(f"ember align: {TORCH_MISSING}", file=sys.stderr)
         return 2
-    from ember.runtime.data import DownloadError, IDXError, default_data_dir, ensure_mnist, load_mnist
+    from ember.runtime.data import IDXError, default_data_dir, load_mnist
     from pathlib import Path
 
-    from .checkpoint import CheckpointError, load_weights
+    from ..training.checkpoint import CheckpointError, load_weights
+    from ..training.datasets import DownloadError, ensure_mnist
     root = Path(args.data).expanduser() if args.data else default_data_dir()
     try:
         ensure_mnist(root)

@@ -1,4 +1,6 @@
-"""The `ember` command line: one subcommand per module, each providing add_arguments() and main().
+"""The `ember` command line: one subcommand per module of this package, each providing
+add_arguments() and main(). The commands are application code: they use the compiler through
+`ember.frontends`' public names and the training layer (`ember.frontends.training`).
 
 Ordinary mistakes (a bad flag value, an unusable path, a missing compiler) end in one line,
 ``ember <command>: error: ...`` on stderr and exit status 2; ``--debug`` (or ``EMBER_DEBUG=1``)
@@ -12,9 +14,9 @@ import importlib.metadata
 import os
 import sys
 
-# subcommand -> (module under ember.frontends, one-line help)
+# subcommand -> (module under ember.frontends.cli, one-line help)
 COMMANDS = {
-    "mnist": ("train", "train the MNIST CNN or MLP with a compiled step (the main job)"),
+    "mnist": ("mnist", "train the MNIST CNN or MLP with a compiled step (the main job)"),
     "plot": ("plot", "plot loss and accuracy curves from `ember mnist --metrics-file` JSON lines"),
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
-        importlib.import_module(f"ember.frontends.{module}").add_arguments(p)
+        importlib.import_module(f"{__name__}.{module}").add_arguments(p)
     return parser
 
 
@@ -49,9 +51,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user has something to fix, not that ember has a bug."""
     from ember.codegen.compiler import CacheDirError, CompilerNotFoundError
 
-    from .checkpoint import CheckpointError
+    from ..training.checkpoint import CheckpointError
+    from ..training.metrics import MetricsError
     from .cli_checks import UsageError
-    from .metrics import MetricsError
     return UsageError, CompilerNotFoundError, CacheDirError, CheckpointError, MetricsError
 
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = args.debug or os.environ.get("EMBER_DEBUG", "") not in ("", "0")
-    module = importlib.import_module(f"ember.frontends.{COMMANDS[args.command][0]}")
+    module = importlib.import_module(f"{__name__}.{COMMANDS[args.command][0]}")
     try:
         return module.main(args)
     except KeyboardInterrupt:
@@ -77,5 +79,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["COMMANDS", "build_parser", "main"]

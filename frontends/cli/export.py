@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..training.metrics import read_metrics
+from ..training.trackers import scalars
 from .cli_checks import UsageError, check_input_file, check_output_dir
-from .metrics import read_metrics
-from .trackers import scalars
 
 __all__ = ["export_swanlab", "add_arguments", "main"]
 

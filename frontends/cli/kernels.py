@@ -17,9 +17,9 @@ from ember.ir import format_graph
 from ember.runtime import target as get_target
 from ember.runtime import target_names
 
-from . import nn
-from .compile import plan
-from .train import MODELS, build_model, make_optimizer
+from ember.frontends import nn, plan
+
+from ..training.recipes import MODELS, build_model, make_optimizer
 
 EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
 

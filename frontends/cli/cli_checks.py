@@ -11,6 +11,8 @@ import math
 import os
 from pathlib import Path
 
+from ..training.metrics import format_loss  # re-exported: the commands print losses with it
+
 __all__ = ["UsageError", "check_output_file", "check_output_dir", "check_plot_file", "check_input_file",
            "check_hyperparameters", "format_loss"]
 
@@ -94,8 +96,3 @@ def check_hyperparameters(lr: float, momentum: float) -> None:
         raise UsageError(f"--lr {lr}: expected a finite learning rate >= 0")
     if not math.isfinite(momentum) or momentum < 0:
         raise UsageError(f"--momentum {momentum}: expected a finite momentum >= 0")
-
-
-def format_loss(x: float) -> str:
-    """4 decimals for the usual range; exponent form where fixed point would print dozens of digits."""
-    return f"{x:.4f}" if math.isfinite(x) and abs(x) < 1e5 else f"{x:.3g}"

@@ -1,4 +1,4 @@
-"""`ember plot metrics.jsonl [more.jsonl ...] -o curves.png`: loss and accuracy curves of a run.
+"""Loss and accuracy curves of one or more runs, from their metrics records (`ember plot`).
 
 Left: training loss against the global step (the step records' interval means, and each
 epoch's mean train loss, drawn at the middle of the epoch) and the test loss after each epoch. Right: test accuracy per epoch.
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .metrics import MetricsError, read_metrics
+from .metrics import MetricsError
 
-__all__ = ["plot_metrics", "add_arguments", "main"]
+__all__ = ["plot_metrics", "run_title"]
 
 _MISSING = "plotting needs matplotlib: pip install 'ember[plot]' (or pip install matplotlib)"
 
@@ -96,23 +96,3 @@ def run_title(records: Sequence[dict[str, Any]]) -> str | None:
         return None
     return (f"MNIST {run.get('model', '?')} on {run.get('device', '?')}: {run.get('optimizer', '?')} "
             f"lr {run.get('lr', '?')}, batch {run.get('batch_size', '?')}")
-
-
-def add_arguments(p: Any) -> None:
-    p.add_argument("metrics", nargs="+", help="metrics file(s) written by `ember mnist --metrics-file` (JSON lines)")
-    p.add_argument("-o", "--output", default="curves.png", help="PNG to write (default: curves.png)")
-    p.add_argument("--title", default=None, help="figure title (default: from the run record)")
-
-
-def main(args: Any) -> int:
-    from .cli_checks import check_input_file, check_plot_file
-
-    check_plot_file("-o", args.output)
-    runs = []
-    for path in args.metrics:
-        check_input_file("metrics file", path, "a JSON-lines file from `ember mnist --metrics-file`")
-        runs.append((Path(path).stem if len(args.metrics) > 1 else "", read_metrics(path)))
-    title = args.title or (run_title(runs[0][1]) if len(runs) == 1 else None)
-    out = plot_metrics(runs, args.output, title=title)
-    print(f"wrote {out}")
-    return 0

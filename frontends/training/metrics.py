@@ -24,7 +24,8 @@ from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "cross_entropy_sum", "correct_count", "epoch_records"]
+__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "cross_entropy_sum", "correct_count", "epoch_records",
+           "format_loss"]
 
 
 class MetricsError(ValueError):
@@ -134,3 +135,8 @@ def correct_count(logits: np.ndarray, labels: np.ndarray) -> int:
 
 def epoch_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("type") == "epoch"]
+
+
+def format_loss(x: float) -> str:
+    """4 decimals for the usual range; exponent form where fixed point would print dozens of digits."""
+    return f"{x:.4f}" if math.isfinite(x) and abs(x) < 1e5 else f"{x:.3g}"

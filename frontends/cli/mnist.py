@@ -1,0 +1,298 @@
+"""`ember mnist`: train the MNIST CNN or MLP with a compiled step.
+
+    ember mnist --model cnn --device cpu --epochs 1 --data ../shared/data/mnist
+
+The recipe by default is the reference one (`../shared/reference/torch_mnist.py`): PyTorch's
+default initialisation for seed 0 (reproduced bit for bit, see `pytorch_init`), pixels/255, the
+training set in file order, batch 64 with the last partial batch kept, plain SGD lr 0.05, mean
+cross-entropy, evaluation on the 10k test images after every epoch.
+
+The command checks its arguments, reads (and if asked downloads) the data, builds the recipe
+(`ember.frontends.training.recipes`) and hands the loop to `ember.frontends.training.Trainer`.
+The epoch count is a target: `--epochs 3 --resume ckpt` trains until 3 epochs are done in all.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ember.runtime import target as get_target
+from ember.runtime import target_names
+
+from ..training.checkpoint import CheckpointError, load_checkpoint, load_weights
+from ..training.metrics import MetricsWriter, format_loss, read_metrics
+from ..training.recipes import INITS, MODELS, build_model, make_optimizer
+from ..training.trainer import Trainer, check_config
+from .cli_checks import (UsageError, check_hyperparameters, check_input_file, check_output_dir, check_output_file,
+                         check_plot_file)
+
+__all__ = ["add_arguments", "main"]
+
+# Where a missing MNIST folder is filled from (a module attribute so tests can point it elsewhere).
+MNIST_MIRRORS: tuple[str, ...] | None = None
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default) or mlp")
+    p.add_argument("--device", choices=target_names(), default="cpu",
+                   help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist, "
+                        "where missing files are downloaded, md5-checked)")
+    p.add_argument("--download", action="store_true",
+                   help="download the MNIST files missing from --data DIR (the default folder downloads anyway)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to train in all (a resumed run continues the count)")
+    p.add_argument("--batch-size", type=int, default=64, help="training batch (default 64; the last partial batch is kept)")
+    p.add_argument("--eval-batch-size", type=int, default=1000, help="test-set batch of the inference graph (default 1000)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffled order")
+    p.add_argument("--init", choices=INITS, default="torch",
+                   help="initial weights: torch (default): PyTorch's default initialisation for --seed, bit for bit, "
+                        "as the reference recipe (PyTorch not needed); ember: ember's own generator")
+    p.add_argument("--shuffle", action="store_true", help="a new seeded order each epoch (default: file order)")
+    p.add_argument("--init-weights", default=None, metavar="FILE",
+                   help="initial weights: .safetensors or .npz with a PyTorch-style state dict "
+                        "(e.g. torch_mnist.py --dump-init FILE.npz)")
+    p.add_argument("--save", default=None, metavar="FILE",
+                   help="checkpoint (safetensors) written atomically after every epoch, and on Ctrl-C; "
+                        "never with non-finite parameters")
+    p.add_argument("--resume", default=None, metavar="FILE",
+                   help="continue from a checkpoint written by --save (model, optimizer state, epoch and step; "
+                        "--init/--init-weights are then ignored)")
+    p.add_argument("--metrics-file", default=None, metavar="FILE",
+                   help="JSON-lines metrics (step and epoch records); a resumed run appends")
+    p.add_argument("--log-every", type=int, default=50, metavar="N", help="a step record every N steps (default 50)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="loss and accuracy curves at the end (matplotlib)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard event files in DIR: step loss, epoch train/test loss and accuracy "
+                        "(needs tensorboardX: pip install 'ember[tensorboard]')")
+    p.add_argument("--dump-kernels", default=None, metavar="DIR",
+                   help="write the graphs after every pass and the generated sources to DIR")
+    p.add_argument("--limit-steps", type=int, default=None, metavar="N", help="stop each epoch after N steps")
+    p.add_argument("--threads", type=int, default=None, help="OpenMP threads of the cpu device (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _error(msg: str) -> int:
+    print(f"ember mnist: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: Any) -> None:
+    """Everything that can be checked before reading data or compiling: numbers, then every
+    path the run will write (so a typo fails now, not after an epoch or after all of them)."""
+    for name in ("epochs", "batch_size", "eval_batch_size", "limit_steps", "threads", "log_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
+    check_hyperparameters(args.lr, args.momentum)
+    if args.save:
+        check_output_file("--save", args.save)
+    if args.metrics_file:
+        check_output_file("--metrics-file", args.metrics_file)
+    if args.plot:
+        check_plot_file("--plot", args.plot)
+    if args.dump_kernels:
+        check_output_dir("--dump-kernels", args.dump_kernels)
+    elif os.environ.get("EMBER_DUMP_DIR"):
+        check_output_dir("EMBER_DUMP_DIR", os.environ["EMBER_DUMP_DIR"])
+    if args.tensorboard:
+        check_output_dir("--tensorboard", args.tensorboard)
+        try:
+            import tensorboardX  # noqa: F401  (fail now, not after the compile)
+        except ImportError:
+            from ..training.trackers import TENSORBOARD_MISSING
+            raise UsageError(TENSORBOARD_MISSING) from None
+    if args.resume:
+        check_input_file("--resume", args.resume, "a checkpoint file written by --save")
+    elif args.init_weights:
+        check_input_file("--init-weights", args.init_weights, "a .safetensors or .npz weights file")
+
+
+def _prepare_data(args: Any) -> Path:
+    """The MNIST folder. The default one is filled by downloading; a folder given with --data
+    only with --download, so a typo is reported instead of filled with a fresh download."""
+    from ember.runtime.data import default_data_dir
+
+    from ..training.datasets import ensure_mnist, missing_mnist_files
+
+    explicit = args.data is not None
+    root = Path(args.data).expanduser() if explicit else default_data_dir()
+    where = f"--data {root}" if explicit else f"the MNIST folder {root}"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{where}: is a file; expected a folder holding the four MNIST IDX files")
+    missing = missing_mnist_files(root)
+    if missing and explicit and not args.download:
+        if not root.exists():
+            raise UsageError(f"--data {root}: no such folder; expected the folder holding the four MNIST IDX files "
+                             f"(add --download to download them there)")
+        raise UsageError(f"--data {root}: {len(missing)} of the 4 MNIST files missing ({', '.join(missing)}); "
+                         f"add --download to download them there")
+    if missing:
+        if root.exists() or root.parent.exists():
+            check_output_dir("--data" if explicit else "MNIST folder", root)
+        print(f"MNIST: {len(missing)} of 4 files missing in {root}; downloading them (md5-checked)", file=sys.stderr)
+        kwargs = {"mirrors": MNIST_MIRRORS} if MNIST_MIRRORS is not None else {}
+        ensure_mnist(root, **kwargs)
+    return root
+
+
+def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int) -> str:
+    train = f"train loss {format_loss(rec['train_loss'])}"
+    if rec.get("resumed_at_step_in_epoch"):
+        # the steps before the resume ran in another process: their losses are not in this mean
+        train += f" (steps {rec['resumed_at_step_in_epoch'] + 1}-{rec['resumed_at_step_in_epoch'] + rec['steps']} " \
+                 f"of the epoch only, those run since the resume)"
+    return (f"epoch {rec['epoch']}/{epochs}: {train}, test loss {format_loss(rec['test_loss'])}, test accuracy "
+            f"{100 * rec['test_acc']:.2f}% ({round(rec['test_acc'] * n_test)}/{n_test}); {rec['epoch_seconds']:.1f} s, "
+            f"{rec['samples_per_s']:.0f} samples/s")
+
+
+def _divergence_message(d: dict[str, Any], args: Any) -> str:
+    if d.get("loss") is not None:
+        what = f"the training loss became {d['loss']} at epoch {d['epoch']}, step {d['step']}"
+    else:
+        what = f"the parameters became non-finite (NaN or inf) by epoch {d['epoch']}, step {d['step']}"
+    msg = f"{what}; stopped. Try a lower --lr (this run: {args.lr})"
+    if args.save:
+        kept = "keeps its previous contents" if Path(args.save).exists() else "was not written"
+        msg += f"; --save {args.save} {kept} (non-finite parameters are never saved)"
+    return msg
+
+
+def main(args: Any) -> int:
+    from ember.runtime.data import IDXError, load_mnist
+
+    from ..training.datasets import DownloadError
+
+    if args.device not in target_names():
+        return _error(f"--device {args.device}: no such backend; available: {', '.join(target_names())}")
+    device_check = get_target(args.device).available
+    if device_check is not None:
+        try:
+            device_check()
+        except RuntimeError as exc:
+            return _error(f"--device {args.device}: {exc}")
+    _check_args(args)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
+
+    try:
+        root = _prepare_data(args)
+        flat = MODELS[args.model][1]
+        x_train, y_train = load_mnist(root, "train", flat=flat)
+        x_test, y_test = load_mnist(root, "test", flat=flat)
+    except DownloadError as e:
+        return _error(str(e))
+    except (IDXError, FileNotFoundError, OSError) as e:
+        return _error(f"{e}\n(pass --data DIR, the folder holding the four MNIST IDX files)")
+    for split, x in (("training", x_train), ("test", x_test)):
+        if len(x) == 0:
+            return _error(f"--data {root}: the {split} set holds no images; expected the MNIST IDX files")
+
+    config = {"model": args.model, "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum,
+              "init": args.init_weights or f"{args.init} seed {args.seed}"}
+    try:
+        model = build_model(args.model, args.seed, args.init)
+        if args.init_weights and not args.resume:
+            try:
+                weights = load_weights(args.init_weights)
+            except CheckpointError as e:  # it names the file and the fault; add the flag
+                raise UsageError(f"--init-weights {e}") from None
+            try:
+                model.load_state_dict(weights)
+            except (KeyError, ValueError) as e:
+                raise CheckpointError(f"{args.init_weights}: does not fit the {args.model} model: {e}") from None
+        opt = make_optimizer(args.optimizer, args.lr, args.momentum)
+    except (ValueError, OSError) as e:
+        return _error(str(e))
+
+    ckpt = None
+    if args.resume:  # read and check it before compiling anything
+        try:
+            ckpt = load_checkpoint(args.resume)
+            check_config(ckpt, config, ("model", "optimizer"), args.resume)
+        except (CheckpointError, OSError) as e:
+            return _error(str(e))
+        if ckpt.epoch >= args.epochs:
+            print(f"nothing to do: {args.resume} has {ckpt.epoch} epoch(s) done and --epochs is {args.epochs} "
+                  f"(the epoch count is the total; pass a larger --epochs to continue)")
+            return 0
+
+    started = time.perf_counter()
+    print(f"ember mnist: {args.model} on {args.device}, {args.optimizer} lr {args.lr}"
+          + (f" momentum {args.momentum}" if args.momentum else "")
+          + f", batch {args.batch_size}, {len(x_train)} training / {len(x_test)} test images from {root}", flush=True)
+    trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
+                      batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
+                      eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
+                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config)
+    print(f"compiled the training step in {trainer.compile_seconds:.2f} s"
+          + (f" (planned peak memory {trainer.step.peak_bytes / 2**20:.1f} MiB)" if trainer.step.peak_bytes else ""),
+          flush=True)
+    if ckpt is not None:
+        try:
+            trainer.load(ckpt)
+        except (CheckpointError, OSError) as e:
+            return _error(str(e))
+        print(f"resumed from {args.resume}: {trainer.epoch} epoch(s), {trainer.global_step} steps done"
+              + (f" ({trainer.step_in_epoch} into epoch {trainer.epoch + 1})" if trainer.step_in_epoch else ""),
+              flush=True)
+    writers: list[Any] = []
+    if args.metrics_file:
+        writers.append(MetricsWriter(args.metrics_file, mode="a" if args.resume else "w"))
+    if args.tensorboard:
+        from ..training.trackers import TensorBoardWriter
+        writers.append(TensorBoardWriter(args.tensorboard))
+    if writers:
+        from ..training.trackers import Tee
+        trainer.metrics = writers[0] if len(writers) == 1 else Tee(writers)
+    trainer.run_record(epochs=args.epochs, resumed_from=args.resume, threads=args.threads)
+
+    def on_epoch(rec: dict[str, Any]) -> None:
+        trainer.print(_epoch_line(rec, args.epochs, len(x_test)))
+        sys.stdout.flush()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        print("\ninterrupted: stopping after this step" + (f" and saving {args.save}" if args.save else "")
+              + " (Ctrl-C again to abort at once)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+    try:
+        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if trainer.metrics is not None:
+            trainer.metrics.close()
+    if trainer.diverged is not None:
+        print(f"ember mnist: error: {_divergence_message(trainer.diverged, args)}", file=sys.stderr)
+        return 1  # the run failed, not its arguments (those exit 2)
+    if trainer.stop_requested and trainer.epoch < args.epochs:
+        print(f"stopped at step {trainer.global_step}" + (f"; resume with --resume {args.save}" if args.save else ""))
+        return 130
+    if args.save:
+        print(f"saved {args.save}")
+    if args.plot:
+        from ..training.plotting import plot_metrics, run_title
+        records = read_metrics(args.metrics_file) if args.metrics_file else trainer.records
+        plot_metrics(records, args.plot, title=run_title(records))
+        print(f"wrote {args.plot}")
+    print(f"done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

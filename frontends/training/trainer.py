@@ -1,0 +1,252 @@
+"""The reusable training loop: `Trainer` compiles the step once (`ember.frontends.compile`),
+feeds it the loader's batches (views of the arrays in memory; a shuffled batch is gathered per
+batch), keeps the loss as Python floats, writes metrics records, evaluates with
+`step.inference` (the compiled inference graph on the same parameters) and saves and restores
+checkpoints. The epoch count is a target: `fit(3)` on a trainer resumed after one epoch trains
+two more.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ember.frontends import compile as ember_compile
+from ember.frontends import nn
+
+from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from .metrics import MetricsWriter, correct_count, cross_entropy_sum, format_loss
+
+__all__ = ["Trainer", "NonFiniteError", "check_config"]
+
+
+class NonFiniteError(ValueError):
+    """The parameters (or optimizer state) hold NaN or inf: such a state is never saved."""
+
+
+class Trainer:
+    """Trains `model` with a compiled step on in-memory arrays; evaluates, logs and checkpoints.
+
+    train, test: (x, y) arrays (float32 inputs, int64 labels); test may be None.
+    limit_steps: stop each epoch after this many steps (CI and smoke runs). loss_fn: the training
+    loss (default cross-entropy; evaluation reports cross-entropy and accuracy of the logits).
+    metrics: a MetricsWriter (or None) that receives every record; records are also kept in
+    `self.records`. config: settings stored in checkpoints and in the run record.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, train: tuple[np.ndarray, np.ndarray],
+                 test: tuple[np.ndarray, np.ndarray] | None = None, *, device: str = "cpu", batch_size: int = 64,
+                 shuffle: bool = False, seed: int = 0, eval_batch_size: int = 1000, limit_steps: int | None = None,
+                 log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
+                 dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
+                 print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None) -> None:
+        from ember.runtime.data import DataLoader
+
+        x, y = train
+        if len(x) == 0:
+            raise ValueError("the training set is empty")
+        self.model = model
+        self.device = device
+        self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed)
+        self.test = test
+        self.eval_batch_size = eval_batch_size
+        self.limit_steps = limit_steps
+        self.log_every = log_every
+        self.metrics = metrics
+        self.progress = progress
+        self.config = dict(config or {})
+        self.print = print_fn or print
+        self.records: list[dict[str, Any]] = []
+        self.epoch = 0           # epochs completed
+        self.global_step = 0     # steps completed, all epochs
+        self.step_in_epoch = 0   # steps done in epoch `self.epoch` (nonzero only after a mid-epoch stop)
+        self.stop_requested = False  # set (e.g. by a signal handler) to stop after the current step
+        self.diverged: dict[str, Any] | None = None  # the "diverged" record once the loss is not finite
+        self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
+        self._t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        first = min(batch_size, len(x))
+        self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=(x[:first], y[:first]),
+                                  device=device, dump_dir=dump_dir)
+        self.compile_seconds = time.perf_counter() - t0
+
+    # ---- records -----------------------------------------------------------------------------
+    def record(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        if self.metrics is not None:
+            self.metrics.write(rec)
+
+    def run_record(self, **extra: Any) -> dict[str, Any]:
+        rec = {"type": "run", **self.config, "device": self.device, "batch_size": self.loader.batch_size,
+               "shuffle": self.loader.shuffle, "seed": self.loader.seed, "limit_steps": self.limit_steps,
+               "compile_seconds": round(self.compile_seconds, 4), "peak_bytes": self.step.peak_bytes,
+               "start_epoch": self.epoch, "start_step": self.global_step, **extra}
+        self.record(rec)
+        return rec
+
+    # ---- training ----------------------------------------------------------------------------
+    def steps_per_epoch(self) -> int:
+        n = len(self.loader)
+        return min(n, self.limit_steps) if self.limit_steps else n
+
+    def train_epoch(self) -> dict[str, Any]:
+        """Trains epoch `self.epoch` (from `step_in_epoch` on), evaluates, returns its record.
+
+        If `stop_requested` becomes true mid-epoch, returns early with {"type": "stopped", ...}
+        and leaves epoch/step counters where they are (a checkpoint then resumes mid-epoch).
+        """
+        from tqdm import tqdm
+
+        loader, step, log_every, show = self.loader, self.step, self.log_every, self.progress
+        loader.set_epoch(self.epoch)
+        total, skip = self.steps_per_epoch(), self.step_in_epoch
+        epoch_no = self.epoch + 1
+        desc = f"epoch {epoch_no}" + (f"/{self.target_epochs}" if self.target_epochs else "")
+        bar = tqdm(total=total, initial=skip, desc=desc, unit="step", disable=not self.progress,
+                   file=sys.stderr, dynamic_ncols=True, leave=True)
+        loss_sum = batch_loss_sum = 0.0  # per-sample sum and per-batch sum, over this run's part of the epoch
+        samples = steps = 0
+        interval_loss, interval_samples, interval_steps = 0.0, 0, 0
+        t_start = t_interval = t_bar = time.perf_counter()
+        stopped = False
+        for i, (xb, yb) in enumerate(loader):
+            if i >= total:
+                break
+            if i < skip:  # resuming mid-epoch: the order is reproducible, skip what was done
+                continue
+            loss = step(xb, yb)
+            if not math.isfinite(loss):
+                # every later step would train on NaN too: stop here, and never save this state
+                self.global_step += 1
+                self.step_in_epoch = i + 1
+                bar.close()
+                self.diverged = {"type": "diverged", "epoch": epoch_no, "step": self.global_step,
+                                 "step_in_epoch": self.step_in_epoch, "loss": loss}
+                self.record(self.diverged)
+                return self.diverged
+            n = len(yb)
+            loss_sum += loss * n
+            batch_loss_sum += loss
+            samples += n
+            steps += 1
+            interval_loss += loss
+            interval_samples += n
+            interval_steps += 1
+            self.global_step += 1
+            self.step_in_epoch = i + 1
+            if log_every and self.global_step % log_every == 0:
+                now = time.perf_counter()
+                self.record({"type": "step", "epoch": epoch_no, "step": self.global_step, "loss": loss,
+                             "loss_avg": interval_loss / interval_steps,
+                             "samples_per_s": interval_samples / max(now - t_interval, 1e-12),
+                             "time": now - self._t0})
+                interval_loss, interval_samples, interval_steps, t_interval = 0.0, 0, 0, now
+            if show:
+                bar.update(1)
+                now = time.perf_counter()
+                if now - t_bar > 0.5:
+                    bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
+                                        f"{samples / (now - t_start):.0f} samples/s", refresh=False)
+                    t_bar = now
+            if self.stop_requested:
+                stopped = self.step_in_epoch < total
+                break
+        epoch_seconds = time.perf_counter() - t_start
+        if show and steps:
+            bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, {samples / epoch_seconds:.0f} samples/s")
+        bar.close()
+        if stopped:
+            return {"type": "stopped", "epoch": epoch_no, "step": self.global_step, "step_in_epoch": self.step_in_epoch}
+        rec: dict[str, Any] = {"type": "epoch", "epoch": epoch_no, "step": self.global_step, "steps": steps,
+                               "samples": samples, "train_loss": loss_sum / max(samples, 1),
+                               "train_loss_batch_mean": batch_loss_sum / max(steps, 1)}
+        if skip:
+            rec["resumed_at_step_in_epoch"] = skip
+        t_eval = time.perf_counter()
+        if self.test is not None:
+            rec["test_loss"], rec["test_acc"] = self.evaluate()
+        rec.update(samples_per_s=samples / max(epoch_seconds, 1e-12), epoch_seconds=epoch_seconds,
+                   eval_seconds=time.perf_counter() - t_eval, time=time.perf_counter() - self._t0)
+        self.epoch += 1
+        self.step_in_epoch = 0
+        self.record(rec)
+        return rec
+
+    def evaluate(self, data: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) of the current parameters on `data` (default: the test
+        set), through the compiled inference graph in batches of `eval_batch_size`."""
+        x, y = data if data is not None else self.test  # type: ignore[misc]
+        bs = self.eval_batch_size
+        loss = 0.0
+        correct = 0
+        for s in range(0, len(x), bs):
+            logits = self.step.inference(x[s:s + bs])
+            loss += cross_entropy_sum(logits, y[s:s + bs])
+            correct += correct_count(logits, y[s:s + bs])
+        return loss / len(x), correct / len(x)
+
+    def fit(self, epochs: int, save: str | os.PathLike | None = None,
+            on_epoch: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Trains until `epochs` epochs are done in all (a resumed trainer continues its count);
+        saves a checkpoint to `save` after every epoch and when stopped early."""
+        done = []
+        self.target_epochs = epochs
+        while self.epoch < epochs:
+            rec = self.train_epoch() if not self.stop_requested else {"type": "stopped"}
+            if rec["type"] == "diverged":
+                break
+            if rec["type"] != "stopped":
+                done.append(rec)
+                if on_epoch is not None:
+                    on_epoch(rec)
+            if not self.finite():  # a finite loss, but the update it computed overflowed
+                self.diverged = {"type": "diverged", "epoch": self.epoch + (self.step_in_epoch > 0),
+                                 "step": self.global_step, "step_in_epoch": self.step_in_epoch, "loss": None,
+                                 "reason": "parameters"}
+                self.record(self.diverged)
+                break
+            if save is not None:
+                self.save(save)
+            if rec["type"] == "stopped":
+                break
+        return done
+
+    def finite(self) -> bool:
+        """Whether every parameter and optimizer state value is finite."""
+        return all(np.isfinite(v).all() for v in (*self.step.state_dict().values(),
+                                                   *self.step.optimizer_state_dict().values()))
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes a checkpoint atomically; raises NonFiniteError (writing nothing) if the state
+        holds NaN or inf, so a diverged run never overwrites a good checkpoint."""
+        if not self.finite():
+            raise NonFiniteError(f"{path}: not written: the parameters or optimizer state are not finite")
+        save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
+                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config)
+
+    def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
+        """Restores parameters, optimizer state and progress from a checkpoint (a path or a loaded
+        `Checkpoint`). The settings in `check` must match (a mismatch raises CheckpointError)."""
+        ckpt = source if isinstance(source, Checkpoint) else load_checkpoint(source)
+        where = ckpt.path if isinstance(source, Checkpoint) else source
+        check_config(ckpt, self.config, check, where)
+        try:
+            self.step.load_state_dict(ckpt.model)
+            self.step.load_optimizer_state_dict(ckpt.optimizer)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{where}: does not fit this model and optimizer: {e}") from None
+        self.epoch, self.global_step, self.step_in_epoch = ckpt.epoch, ckpt.step, ckpt.step_in_epoch
+        self.resumed_config = ckpt.config
+
+
+def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...], where: Any) -> None:
+    for key in keys:
+        have, want = ckpt.config.get(key), config.get(key)
+        if have is not None and want is not None and have != want:
+            raise CheckpointError(f"{where}: checkpoint was written with {key}={have!r}, this run has {key}={want!r}")
