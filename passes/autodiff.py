@@ -277,6 +277,23 @@ def _conv2d_grad_weight(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
     return [cx, cdy]
 
 
+def _pool_attrs(b: Builder, n: int) -> dict:
+    at = b.g.attrs(n)
+    return {"kernel": at["kernel"], "stride": at["stride"], "padding": at["padding"]}
+
+
+def _max_pool2d(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
+    (x,) = _operands(b, n)
+    return [b.op("max_pool2d_grad", x, ct, **_pool_attrs(b, n)) if needs[0] else None]
+
+
+def _max_pool2d_grad(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
+    # Its adjoint in dy is a gather at each window's argmax, an op ember does not have yet; a
+    # clear refusal rather than treating the node as a constant (a silently wrong gradient).
+    raise NotImplementedError(f"grad: second-order gradients through max pooling are not supported "
+                              f"(node %{n} at {b.g.where(n)})")
+
+
 def _all_reduce(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
     # In a world of N ranks, y_r = sum_s x_s on every rank r (mean: y_r = (1/N) sum_s x_s). The
     # objective is the sum of the ranks' losses, L = sum_r L_r(y_r) (for data parallelism with a
@@ -319,6 +336,8 @@ VJP_RULES: dict[str, Rule] = {
     "conv2d": _conv2d,
     "conv2d_grad_input": _conv2d_grad_input,
     "conv2d_grad_weight": _conv2d_grad_weight,
+    "max_pool2d": _max_pool2d,
+    "max_pool2d_grad": _max_pool2d_grad,
     "all_reduce": _all_reduce,
 }
 

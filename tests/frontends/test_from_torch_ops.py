@@ -157,14 +157,37 @@ def test_mse_and_nll_losses_match_torch():
 
 
 class OverlappingMax(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = tnn.Conv2d(1, 2, 3)
+        self.fc = tnn.Linear(2 * 3 * 3, 3)
+
     def forward(self, x):
-        return TF.max_pool2d(x, 3, stride=1)
+        return self.fc(TF.max_pool2d(self.conv(x), 3, stride=2, padding=1).flatten(1))
+
+
+def test_overlapping_max_pool_trains_on_reference_and_cpu_says_so():
+    tm = OverlappingMax()
+    ref = copy.deepcopy(tm)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 7, 7)).astype(np.float32)
+    y = rng.integers(0, 3, 4)
+    model = from_torch(tm, torch.from_numpy(x))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y))
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5
+    with pytest.raises(NotImplementedError, match=r"fusion has no kernel kind for op 'max_pool2d(_grad)?' .*device='reference'"):
+        compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device="cpu")(x, y)
 
 
 def test_refusals_name_the_fx_node():
-    with pytest.raises(TorchImportError, match=r"max_pool2d: only non-overlapping windows .* at fx node 'max_pool2d' "
-                       r"\(call_function function torch.nn.functional.*return TF.max_pool2d\(x, 3, stride=1\)"):
-        from_torch(OverlappingMax(), torch.zeros(1, 1, 6, 6))
     with pytest.raises(TorchImportError, match=r"unsupported argument ceil_mode=True \(only ceil_mode=False\) of MaxPool2d"):
         from_torch(tnn.Sequential(tnn.MaxPool2d(2, ceil_mode=True)), torch.zeros(1, 1, 6, 6))
     with pytest.raises(TorchImportError, match=r"output_size=2 \(only 1: global average pooling\)"):
