@@ -234,3 +234,28 @@ def test_batch_norm_trains_and_tracks_running_stats_like_torch(device):
     model.eval()
     ref.eval()
     np.testing.assert_allclose(step.inference(x0), ref(torch.from_numpy(x0)).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_round_trip_keeps_batch_norm_state(tmp_path):
+    from ember.frontends.training.checkpoint import load_checkpoint, save_checkpoint
+    rng = np.random.default_rng(0)
+    batches = [((rng.standard_normal((8, 1, 6, 6)) + 1).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+
+    def fresh():
+        model = from_torch(BN(), torch.from_numpy(batches[0][0]))
+        return model, compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              batches[0], device="cpu")
+
+    _, a = fresh()
+    for x, y in batches[:2]:
+        a(x, y)
+    save_checkpoint(tmp_path / "ck.safetensors", a.state_dict(), a.optimizer_state_dict(), step=2)
+    ck = load_checkpoint(tmp_path / "ck.safetensors")
+    assert "bn.running_var" in ck.model and "bn.num_batches_tracked" in ck.model
+    _, b = fresh()
+    b.load_state_dict(ck.model)
+    b.load_optimizer_state_dict(ck.optimizer)
+    for x, y in batches[2:]:
+        assert a(x, y) == b(x, y)
+    for k, v in a.state_dict().items():
+        np.testing.assert_array_equal(b.state_dict()[k], v, err_msg=k)
