@@ -240,6 +240,35 @@ def _max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 
     return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding)
 
 
+def _loss_checks(weight: Any, size_average: Any, reduce: Any, ignore_index: int = -100,
+                 label_smoothing: float = 0.0) -> None:
+    # ignore_index keeps torch's default: ember's label check refuses a label outside [0, C) anyway
+    _no("weight", weight, None)
+    _no("size_average", size_average, None)
+    _no("reduce", reduce, None)
+    _no("ignore_index", ignore_index, -100)
+    _no("label_smoothing", label_smoothing, 0.0)
+
+
+def _cross_entropy(input: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
+                   ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                   label_smoothing: float = 0.0) -> Tensor:
+    _loss_checks(weight, size_average, reduce, ignore_index, label_smoothing)
+    return F.cross_entropy(input, target, reduction)
+
+
+def _nll_loss(input: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
+              ignore_index: int = -100, reduce: Any = None, reduction: str = "mean") -> Tensor:
+    _loss_checks(weight, size_average, reduce, ignore_index)
+    return F.nll_loss(input, target, reduction)
+
+
+def _mse_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None,
+              reduction: str = "mean", weight: Any = None) -> Tensor:
+    _loss_checks(weight, size_average, reduce)
+    return F.mse_loss(input, target, reduction)
+
+
 def _cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     return F.concat(list(tensors), dim)
 
@@ -275,6 +304,7 @@ def _torch_functions() -> tuple[dict[Any, Callable[..., Any]], dict[str, Callabl
         TF.layer_norm: lambda x, normalized_shape, weight=None, bias=None, eps=1e-5:
             F.layer_norm(x, normalized_shape, weight, bias, eps),
         torch.cat: _cat, torch.concat: _cat,
+        TF.cross_entropy: _cross_entropy, TF.nll_loss: _nll_loss, TF.mse_loss: _mse_loss,
         torch.add: _arith(operator.add), torch.sub: _arith(operator.sub),
         torch.mul: F.mul, torch.div: F.div, torch.matmul: F.matmul,
         torch.mean: _reduce(F.mean), torch.sum: _reduce(F.sum),
@@ -323,7 +353,7 @@ def _user_line(node: Any) -> str:
     user = [f for f in frames if not _TORCH_FILE.search(f[0])]
     if not user:
         return "unknown source line"
-    path, line, code = user[-1] if len(user) > 1 and "forward" not in user[0][2] else user[0]
+    path, line, code = user[-1]  # frames run outermost first: the last is the line that made the node
     return f"{path}:{line}: {code.strip()}"
 
 
@@ -334,14 +364,31 @@ def _call_name(node: Any) -> str:
         return f"attribute self.{node.target}"
     if node.op == "call_method":
         return f"method Tensor.{node.target}"
-    t = node.target
+    return f"function {_function_name(node.target)}"
+
+
+_PUBLIC_NAMES: dict[int, str] = {}
+
+
+def _function_name(t: Any) -> str:
+    """torch.cumsum, torch.nn.functional.relu, operator.add: how the user would spell it (the
+    public name of the object, since torch's own __module__ is often a C binding's)."""
+    if not _PUBLIC_NAMES:
+        import torch
+        import torch.nn.functional as TF
+        for prefix, space in (("torch", torch), ("torch.nn.functional", TF)):  # F's name wins
+            for n in dir(space):
+                if not n.startswith("_"):
+                    _PUBLIC_NAMES[id(getattr(space, n))] = f"{prefix}.{n}"
+    if id(t) in _PUBLIC_NAMES:
+        return _PUBLIC_NAMES[id(t)]
     mod = getattr(t, "__module__", None) or ""
     name = getattr(t, "__qualname__", getattr(t, "__name__", repr(t)))
     if mod in ("_operator", "operator"):
         mod = "operator"
     elif mod.startswith("torch._C") or not mod or "_VariableFunctions" in name:
         mod, name = "torch", getattr(t, "__name__", name)  # torch.cumsum, not its C binding's class
-    return f"function {mod}.{name}"
+    return f"{mod}.{name}"
 
 
 def _fail(node: Any, what: str, hint: str = "") -> TorchImportError:
@@ -461,7 +508,8 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
             raise _fail(node, f"unsupported tensor method .{node.target}()",
                         f"supported methods: {', '.join(sorted(methods))}")
         elif node.op == "call_function" and node.target not in functions:
-            raise _fail(node, "unsupported function", "see ember.frontends.from_torch for the supported calls")
+            raise _fail(node, "unsupported function", "supported functions: "
+                        + ", ".join(sorted({_function_name(f) for f in functions})))
     model = TorchModel(gm, functions, methods, type(module).__name__)
     _mirror(module, model, "", called)
     model.train(module.training)

@@ -229,3 +229,37 @@ def test_buffers_are_refused():
 def test_not_a_torch_module():
     with pytest.raises(TypeError, match="expects a torch.nn.Module"):
         from_torch(nn.Linear(2, 2), np.zeros((1, 2), np.float32))
+
+
+@pytest.mark.parametrize("loss", ["CrossEntropyLoss", "NLLLoss", "MSELoss"])
+def test_torch_loss_modules_import_as_loss_functions(loss):
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((6, 4)).astype(np.float32)
+    y = rng.standard_normal((6, 4)).astype(np.float32) if loss == "MSELoss" else rng.integers(0, 4, 6)
+    for reduction in ("mean", "sum"):
+        tl = getattr(tnn, loss)(reduction=reduction)
+        ours = from_torch(tl, (torch.from_numpy(z), torch.from_numpy(y)))
+        from ember.frontends import trace
+        from ember.ir.interpreter import run
+        got = run(trace(ours, z, y, input_names=["z", "y"]), {"z": z, "y": y}).outputs["out"]
+        np.testing.assert_allclose(got, tl(torch.from_numpy(z), torch.from_numpy(y)).item(), rtol=1e-6)
+    with pytest.raises(TorchImportError, match=r"unsupported argument label_smoothing=0.1 \(only label_smoothing=0.0\) "
+                       r"at fx node 'cross_entropy'"):
+        from_torch(tnn.CrossEntropyLoss(label_smoothing=0.1), (torch.from_numpy(z), torch.from_numpy(y)))
+
+
+def test_imported_loss_trains_an_imported_model():
+    tm = TorchMLP()
+    ref = copy.deepcopy(tm)
+    x, y = _batch(8, (1, 28, 28))
+    model = from_torch(tm, torch.from_numpy(x))
+    loss_fn = from_torch(tnn.CrossEntropyLoss(), (torch.zeros(8, 10), torch.from_numpy(y)))
+    step = compile(model, loss_fn, optim.SGD(model.parameters(), lr=0.05), (x, y))
+    topt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for _ in range(2):
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = tnn.CrossEntropyLoss()(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5
