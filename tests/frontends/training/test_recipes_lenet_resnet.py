@@ -86,3 +86,23 @@ def test_recipe_matches_its_pytorch_twin(name):
         np.testing.assert_allclose(step.inference(x0), tm(torch.from_numpy(x0)).numpy(), rtol=1e-4, atol=1e-5)
     for k, v in tm.state_dict().items():
         np.testing.assert_allclose(step.state_dict()[k], v.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_trainer_evaluates_batch_norm_in_eval_mode():
+    from ember.frontends.training import Trainer
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, 16)
+    model = build_model("resnet8")
+    trainer = Trainer(model, optim.SGD(lr=0.05), (x, y), (x, y), device="reference", batch_size=8, eval_batch_size=8)
+    before = {k: v.copy() for k, v in model.state_dict().items()}
+    loss, _ = trainer.evaluate()
+    assert model.training  # restored
+    for k, v in model.state_dict().items():  # evaluation leaves the running statistics alone
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    torch.manual_seed(0)
+    tm = TResNet8().eval()
+    tm.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in before.items()})
+    with torch.no_grad():
+        ref = TF.cross_entropy(tm(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    assert abs(loss - ref) < 1e-5
