@@ -466,6 +466,24 @@ def _mirror(tm: Any, em: nn.Module, prefix: str, called: dict[str, Any]) -> None
         _mirror(child, holder, path, called)
 
 
+def _check_inplace(gm: Any, node: Any) -> None:
+    """An in-place op changes its input for every later reader; the replay is out of place, so it
+    is faithful only when nothing else reads that input (`self.relu(out)` in a ResNet block)."""
+    if node.op == "call_module":
+        inplace = getattr(gm.get_submodule(node.target), "inplace", False)
+    elif node.op in ("call_function", "call_method"):
+        inplace = bool(node.kwargs.get("inplace", False)) or (
+            node.op == "call_function" and len(node.args) > 1 and node.args[-1] is True
+            and getattr(node.target, "__name__", "") in ("relu", "dropout"))
+    else:
+        return
+    src = node.args[0] if node.args else None
+    if inplace and hasattr(src, "users") and len(src.users) > 1:
+        raise _fail(node, f"inplace=True on {src.name!r}, which is also read by "
+                          f"{sorted(u.name for u in src.users if u is not node)}",
+                    "use inplace=False (ember computes out of place)")
+
+
 def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
     """An ember `nn.Module` computing what the PyTorch `module` computes, starting from its
     parameters (same names). Raises `TorchImportError` (one line: fx node, PyTorch call, user's
@@ -490,6 +508,7 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
     called: dict[str, nn.Module] = {}
     params = dict(module.named_parameters())
     for node in graph.nodes:
+        _check_inplace(gm, node)
         if node.op == "call_module":
             tm = gm.get_submodule(node.target)
             build = MODULES.get(type(tm).__name__) if type(tm).__module__.startswith("torch.nn") else None

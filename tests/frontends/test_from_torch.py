@@ -263,3 +263,29 @@ def test_imported_loss_trains_an_imported_model():
         loss.backward()
         topt.step()
         assert abs(ours - loss.item()) < 1e-5
+
+
+class InplaceShared(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = tnn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = x * 2
+        z = self.relu(y)
+        return y + z  # torch's y is the relu'd y here
+
+
+class InplaceAlone(tnn.Module):
+    def forward(self, x):
+        return TF.relu(x * 2, inplace=True) + 1
+
+
+def test_inplace_is_refused_only_when_the_input_is_read_again():
+    with pytest.raises(TorchImportError, match=r"inplace=True on 'mul', which is also read by \['add'\] at fx node 'relu'"):
+        from_torch(InplaceShared(), torch.zeros(2, 3))
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    from ember.frontends import trace
+    from ember.ir.interpreter import evaluate
+    model = from_torch(InplaceAlone(), torch.from_numpy(x))
+    np.testing.assert_allclose(evaluate(trace(model, x), x), _forward(InplaceAlone(), x), rtol=1e-6)
