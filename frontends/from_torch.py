@@ -95,11 +95,23 @@ def _dim(m: Any) -> int:
     return m.dim
 
 
-def _dropout(m: Any) -> Callable[[Tensor], Tensor]:
-    # p=0 is the identity in both modes; anything else needs ember's (not yet written) RNG.
-    if m.p != 0:
-        _refuse(f"p={m.p} (ember has no dropout yet; only p=0, or remove the layer)")
-    return lambda x: x
+class _Dropout(nn.Module):
+    """The identity in eval mode (and for p=0), as in PyTorch; training with p > 0 needs ember's
+    (not yet written) counter-based RNG, so tracing it then is refused rather than ignored."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and self.p != 0:
+            raise _Unsupported(f"p={self.p} in training mode (ember has no dropout yet: call model.eval() "
+                               f"for inference, or use p=0)")
+        return x
+
+
+def _dropout(m: Any) -> nn.Module:
+    return _Dropout(m.p)
 
 
 def _pool_checks(kind: str, ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: Any = None,
@@ -161,7 +173,7 @@ MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "Flatten": _fn(lambda m: lambda x: F.flatten(x, m.start_dim, m.end_dim)),
     "Softmax": _fn(lambda m: lambda x, d=_dim(m): F.softmax(x, d)),
     "LogSoftmax": _fn(lambda m: lambda x, d=_dim(m): F.log_softmax(x, d)),
-    "Dropout": _fn(_dropout),
+    "Dropout": _dropout,
     "GELU": _fn(lambda m: lambda x: F.gelu(x, m.approximate)),
     "AvgPool2d": _fn(_avg_pool),
     "MaxPool2d": _fn(_max_pool),
@@ -351,8 +363,8 @@ def _user_line(node: Any) -> str:
     """The user's source line of an fx node: the innermost stack frame outside torch itself."""
     frames = _FRAME.findall(node.stack_trace or "")
     user = [f for f in frames if not _TORCH_FILE.search(f[0])]
-    if not user:
-        return "unknown source line"
+    if not user:  # e.g. a layer of a torch Sequential: only torch's own frames made the node
+        return "no user source line (called by PyTorch's own code)"
     path, line, code = user[-1]  # frames run outermost first: the last is the line that made the node
     return f"{path}:{line}: {code.strip()}"
 
