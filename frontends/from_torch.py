@@ -533,8 +533,8 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
                 except _Unsupported as e:
                     raise _fail(node, f"unsupported argument {e} of {type(tm).__name__}") from None
         elif node.op == "get_attr" and node.target not in params:
-            raise _fail(node, "unsupported buffer or constant tensor (ember modules hold parameters only)",
-                        "ember has no buffers yet: pass the tensor as a model input instead")
+            raise _fail(node, "unsupported buffer or constant tensor read by forward (ember imports buffers only "
+                        "inside BatchNorm2d)", "pass the tensor as a model input instead")
         elif node.op == "call_method" and node.target not in methods:
             raise _fail(node, f"unsupported tensor method .{node.target}()",
                         f"supported methods: {', '.join(sorted(methods))}")
