@@ -33,6 +33,7 @@ SPELLING = Spelling("C++", {
     "neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
     "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
     "tanh": "std::tanh({0})", "abs": "std::abs({0})", "stop_gradient": "{0}",
+    "erf": "std::erf({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "floordiv": "em_floordiv({0}, {1})",
     "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",

@@ -6,8 +6,10 @@ metrics, trackers, plotting, dataset download) and `ember.frontends.cli` (the `e
 """
 from . import functional, nn, optim
 from .compile import TrainStep, compile, plan
+from .from_torch import TorchImportError, from_torch
 from .nn import manual_seed
 from .tensor import Parameter, Tensor, spec
 from .tracing import trace
 
-__all__ = ["compile", "plan", "TrainStep", "functional", "nn", "optim", "manual_seed", "Parameter", "Tensor", "spec", "trace"]
+__all__ = ["compile", "plan", "TrainStep", "functional", "nn", "optim", "manual_seed", "Parameter", "Tensor", "spec", "trace",
+           "from_torch", "TorchImportError"]

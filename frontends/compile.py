@@ -85,7 +85,7 @@ class TrainStep:
         self._params: dict[str, Parameter] = {}
         self._host: dict[str, np.ndarray] = {}  # name -> the array `Parameter.data` was last synchronised with
         self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
-        self._inference: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        self._inference: dict[tuple[Any, ...], tuple[Graph, Executor]] = {}  # (types, training)
         self._by_key: dict[tuple, Executor] = {}
         self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
         self._example = tuple(example_type(a) for a in example_inputs)
@@ -101,7 +101,9 @@ class TrainStep:
     def _bind(self, graph: Graph) -> None:
         """Adds the parameters the graph's trace touched (the model's own arrays) and any
         optimizer state not yet held to the shared storage."""
-        for name, p in graph.meta.get("parameters", {}).items():
+        # buffers (module state) are held like parameters: storage shares the model's arrays
+        held = {**graph.meta.get("parameters", {}), **graph.meta.get("buffers", {})}
+        for name, p in held.items():
             if name in self._params:
                 if self._params[name] is not p:
                     raise ValueError(f"parameter name {name!r} now names a different Parameter object")
@@ -138,7 +140,8 @@ class TrainStep:
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
-        hit = self._inference.get(types)
+        key = (types, self.model.training)  # train/eval mode changes the graph (BatchNorm)
+        hit = self._inference.get(key)
         if hit is None:
             forward = trace(self.model, *types, name="inference")
             if list(forward.outputs) != ["out"]:
@@ -146,7 +149,7 @@ class TrainStep:
             dump = self._dump_subdir("inference", types)
             graph = run_passes(forward, self.target.passes(), dump_dir=dump)
             self._bind(forward)
-            hit = self._inference[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
+            hit = self._inference[key] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
         return hit[1]
 
     def _sync(self) -> None:

@@ -53,8 +53,8 @@ def _unary(op: str):
     return f
 
 
-neg, exp, log, sqrt, reciprocal, relu, sigmoid, tanh, abs = (
-    _unary(o) for o in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs"))
+neg, exp, log, sqrt, reciprocal, relu, sigmoid, tanh, abs, erf = (
+    _unary(o) for o in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf"))
 
 
 def _binary(op: str):
@@ -240,6 +240,117 @@ def mse_loss(pred: Operand, target: Operand, reduction: str = "mean") -> Tensor:
         raise ShapeError(f"mse_loss: prediction {p.type} and target {t.type} differ in shape{_at()}")
     d = sub(p, t)
     return _reduce_loss(mul(d, d), reduction)
+
+
+def nll_loss(log_probs: Operand, labels: Operand, reduction: str = "mean") -> Tensor:
+    """PyTorch's F.nll_loss for (N, C) log-probabilities and (N,) integer labels (no weights)."""
+    z, y = _tensor(log_probs), _tensor(labels)
+    if len(z.shape) != 2 or y.dtype.is_float or y.shape != z.shape[:1]:
+        raise ShapeError(f"nll_loss expects (N, C) log-probabilities and (N,) integer labels, got {z.type} "
+                         f"and {y.type}{_at()}")
+    return _reduce_loss(neg(sum(mul(z, one_hot(y, z.shape[1], z.dtype)), 1)), reduction)
+
+
+def gelu(x: Operand, approximate: str = "none") -> Tensor:
+    """PyTorch's GELU: x * Phi(x) with the exact erf, or its tanh approximation."""
+    t = _tensor(x)
+    if approximate == "none":
+        return mul(mul(t, 0.5), add(erf(mul(t, float(1 / np.sqrt(2.0)))), 1.0))
+    if approximate == "tanh":
+        inner = mul(add(t, mul(mul(mul(t, t), t), 0.044715)), float(np.sqrt(2.0 / np.pi)))
+        return mul(mul(t, 0.5), add(tanh(inner), 1.0))
+    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _nchw(name: str, x: Operand) -> Tensor:
+    t = _tensor(x)
+    if len(t.shape) != 4:
+        raise ShapeError(f"{name} expects an NCHW input, got {t.type}{_at()}")
+    return t
+
+
+def adaptive_avg_pool2d(x: Operand, output_size: int | Sequence[int]) -> Tensor:
+    """Only output size 1 (global average pooling): the mean over H and W, kept as 1x1."""
+    if tuple(np.atleast_1d(output_size)) not in ((1,), (1, 1)):
+        raise NotImplementedError(f"adaptive_avg_pool2d: output_size={output_size} is not supported "
+                                  f"(only 1){_at()}")
+    return mean(_nchw("adaptive_avg_pool2d", x), (2, 3), keepdims=True)
+
+
+def avg_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+               padding: int | Sequence[int] = 0) -> Tensor:
+    """PyTorch's avg_pool2d (count_include_pad=True, ceil_mode=False): a convolution of every
+    channel on its own with a constant 1/(kh*kw) kernel, so it reuses conv2d's kernels and VJPs."""
+    t = _nchw("avg_pool2d", x)
+    kh, kw = (int(kernel_size),) * 2 if np.isscalar(kernel_size) else tuple(int(k) for k in kernel_size)
+    n, c, h, w = t.shape
+    weight = np.full((1, 1, kh, kw), 1.0 / (kh * kw), dtype=t.dtype.numpy)
+    y = conv2d(reshape(t, (n * c, 1, h, w)), weight, None, stride if stride is not None else (kh, kw), padding)
+    return reshape(y, (n, c) + y.shape[2:])
+
+
+def max_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+               padding: int | Sequence[int] = 0) -> Tensor:
+    """PyTorch's max_pool2d (dilation 1, floor mode). Non-overlapping windows (stride == kernel,
+    no padding, H and W divisible) compile everywhere: the input viewed as
+    (N, C, H/kh, kh, W/kw, kw) and reduced by max over the window axes. At ties the
+    gradient is shared evenly among the maximal elements (ember's max), where PyTorch gives it all
+    to one; after a ReLU the only likely ties are zeros, whose gradient the ReLU stops anyway.
+    Other windows are the `max_pool2d` op (PyTorch's tie rule), run by device="reference"."""
+    t = _nchw("max_pool2d", x)
+    k = (int(kernel_size),) * 2 if np.isscalar(kernel_size) else tuple(int(v) for v in kernel_size)
+    s = k if stride is None else ((int(stride),) * 2 if np.isscalar(stride) else tuple(int(v) for v in stride))
+    p = (int(padding),) * 2 if np.isscalar(padding) else tuple(int(v) for v in padding)
+    n, c, h, w = t.shape
+    if s != k or p != (0, 0) or h % k[0] or w % k[1]:
+        # the general case: its own op (interpreter only until a backend has a pooling kernel)
+        return _emit("max_pool2d", [t.node], kernel=k, stride=s, padding=p)
+    windows = reshape(t, (n, c, h // k[0], k[0], w // k[1], k[1]))
+    return max(windows, (3, 5))
+
+
+def layer_norm(x: Operand, normalized_shape: int | Sequence[int], weight: Operand | None = None,
+               bias: Operand | None = None, eps: float = 1e-5) -> Tensor:
+    """PyTorch's layer_norm over the trailing `normalized_shape` axes (biased variance)."""
+    t = _tensor(x)
+    dims = (int(normalized_shape),) if np.isscalar(normalized_shape) else tuple(int(d) for d in normalized_shape)
+    if tuple(t.shape[len(t.shape) - len(dims):]) != dims:
+        raise ShapeError(f"layer_norm: normalized_shape {dims} does not match the trailing axes of {t.type}{_at()}")
+    axes = tuple(range(len(t.shape) - len(dims), len(t.shape)))
+    centred = sub(t, mean(t, axes, keepdims=True))
+    y = div(centred, sqrt(add(mean(mul(centred, centred), axes, keepdims=True), float(eps))))
+    if weight is not None:
+        y = mul(y, weight)
+    return add(y, bias) if bias is not None else y
+
+
+def concat(xs: Sequence[Operand], axis: int = 0) -> Tensor:
+    """torch.cat, as a sum of matmuls with constant 0/1 placement matrices along `axis` (moved
+    last): exact for finite values (each output is one x * 1 plus zeros), differentiable through
+    matmul (whose VJP is the slice), and compiled by every backend with no new kernel. A NaN or
+    inf in one piece spreads to the others (0 * inf); the O(D^2) cost suits small models."""
+    ts = [_tensor(v) for v in xs]
+    if not ts:
+        raise ValueError(f"concat needs at least one tensor{_at()}")
+    rank = len(ts[0].shape)
+    (a,) = _axes(ts[0], axis)
+    for t in ts[1:]:
+        if len(t.shape) != rank or any(d != e for i, (d, e) in enumerate(zip(t.shape, ts[0].shape)) if i != a):
+            raise ShapeError(f"concat: {t.type} and {ts[0].type} differ outside axis {a}{_at()}")
+    if len(ts) == 1:
+        return ts[0]
+    perm = tuple(i for i in range(rank) if i != a) + (a,)
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    total = int(np.sum([t.shape[a] for t in ts]))
+    out, start = None, 0
+    for t in ts:
+        d = t.shape[a]
+        place = np.zeros((d, total), dtype=t.dtype.numpy)
+        place[np.arange(d), start + np.arange(d)] = 1
+        part = matmul(transpose(t, perm), place)
+        out = part if out is None else add(out, part)
+        start += d
+    return transpose(out, inverse)
 
 
 def _reduce_loss(x: Tensor, reduction: str) -> Tensor:

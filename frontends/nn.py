@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import functional as F
-from .tensor import Parameter, Tensor, active, caller_location, in_ember
+from .tensor import Buffer, Parameter, Tensor, active, caller_location, in_ember
 
 _rng = np.random.default_rng(0)
 
@@ -43,6 +43,7 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -51,7 +52,10 @@ class Module:
         params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
         params.pop(name, None)
         modules.pop(name, None)
-        if isinstance(value, Parameter):
+        self.__dict__.get("_buffers", {}).pop(name, None)
+        if isinstance(value, Buffer):
+            self.__dict__["_buffers"][name] = value
+        elif isinstance(value, Parameter):
             params[name] = value
         elif isinstance(value, Module):
             modules[name] = value
@@ -84,14 +88,27 @@ class Module:
                 if p is not None:
                     yield (f"{mod_name}.{name}" if mod_name else name), p
 
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Buffer]]:
+        for mod_name, m in self.named_modules(prefix):
+            for name, b in m.__dict__.get("_buffers", {}).items():
+                yield (f"{mod_name}.{name}" if mod_name else name), b
+
+    def _named_state(self) -> Iterator[tuple[str, Parameter | Buffer]]:
+        """Parameters then buffers of each module, module by module: PyTorch's state_dict order."""
+        for mod_name, m in self.named_modules():
+            for table in ("_parameters", "_buffers"):
+                for name, p in m.__dict__.get(table, {}).items():
+                    if p is not None:
+                        yield (f"{mod_name}.{name}" if mod_name else name), p
+
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        return OrderedDict((k, p.data.copy()) for k, p in self.named_parameters())
+        return OrderedDict((k, p.data.copy()) for k, p in self._named_state())
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        own = dict(self.named_parameters())
+        own = dict(self._named_state())
         missing = [k for k in own if k not in state]
         unexpected = [k for k in state if k not in own]
         if strict and (missing or unexpected):
@@ -222,3 +239,111 @@ class MSELoss(Module):
 
     def forward(self, pred: Tensor, target: Tensor) -> Tensor:
         return F.mse_loss(pred, target, self.reduction)
+
+
+class NLLLoss(Module):
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, log_probs: Tensor, labels: Tensor) -> Tensor:
+        return F.nll_loss(log_probs, labels, self.reduction)
+
+
+class GELU(Module):
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x, self.approximate)
+
+
+class LogSoftmax(Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.log_softmax(x, self.dim)
+
+
+class AdaptiveAvgPool2d(Module):
+    def __init__(self, output_size: int = 1) -> None:
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.adaptive_avg_pool2d(x, self.output_size)
+
+
+class AvgPool2d(Module):
+    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+                 padding: int | tuple[int, int] = 0) -> None:
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class MaxPool2d(AvgPool2d):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class LayerNorm(Module):
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps = eps
+        # PyTorch's initialisation: weight ones, bias zeros
+        self.weight = Parameter(np.ones(self.normalized_shape, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(self.normalized_shape, np.float32)) if elementwise_affine and bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class BatchNorm2d(Module):
+    """PyTorch's BatchNorm2d. Training: normalises by the batch's statistics (biased variance) and
+    updates the running mean and (unbiased) variance with `momentum`, as graph state written by
+    the compiled step; eval (`model.eval()`): normalises by the running statistics."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True) -> None:
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = Parameter(np.ones(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, np.float32)) if affine else None
+        self.running_mean = Buffer(np.zeros(num_features, np.float32))
+        self.running_var = Buffer(np.ones(num_features, np.float32))
+        self.num_batches_tracked = Buffer(np.zeros((), np.int64), "int64")
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = self.num_features
+        if len(x.shape) != 4 or x.shape[1] != c:
+            raise ValueError(f"BatchNorm2d({c}) expects an (N, {c}, H, W) input, got {x.type}")
+        ctx = active()
+        if self.training:
+            mean = F.mean(x, (0, 2, 3), keepdims=True)
+            centred = F.sub(x, mean)
+            var = F.mean(F.mul(centred, centred), (0, 2, 3), keepdims=True)
+            count = x.shape[0] * x.shape[2] * x.shape[3]
+            if ctx is not None:
+                m = float(self.momentum)
+                unbiased = F.mul(F.reshape(var, (c,)), count / max(count - 1, 1))
+                ctx.set_state(self.running_mean, F.add(F.mul(self.running_mean, 1 - m), F.mul(F.reshape(mean, (c,)), m)))
+                ctx.set_state(self.running_var, F.add(F.mul(self.running_var, 1 - m), F.mul(unbiased, m)))
+                ctx.set_state(self.num_batches_tracked, F.add(self.num_batches_tracked, 1))
+        else:
+            mean = F.reshape(self.running_mean, (1, c, 1, 1))
+            centred = F.sub(x, mean)
+            var = F.reshape(self.running_var, (1, c, 1, 1))
+        y = F.div(centred, F.sqrt(F.add(var, float(self.eps))))
+        if self.weight is not None:
+            y = F.add(F.mul(y, F.reshape(self.weight, (1, c, 1, 1))), F.reshape(self.bias, (1, c, 1, 1)))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

@@ -85,6 +85,9 @@ class TraceContext:
         self.param_nodes: dict[int, int] = {}
         self.params: dict[str, "Parameter"] = {}
         self.scopes: list[tuple[str, str | None]] = []
+        self.buffer_names: dict[int, str] = {}
+        self.buffer_nodes: dict[int, int] = {}
+        self.buffers: dict[str, "Buffer"] = {}
 
     def enter_module(self, module: Any, called_from_ember: bool = True) -> None:
         """Pushes `module` on the module-call stack (`Module.__call__` does this while tracing).
@@ -123,6 +126,25 @@ class TraceContext:
 
     def __exit__(self, *exc: Any) -> None:
         _state.stack.pop()
+
+    def state_node(self, buf: "Buffer") -> int:
+        """The `state` node of a module buffer (BatchNorm's running statistics): persistent, not
+        trained, read at the start of the step and written back through `set_state`."""
+        node = self.buffer_nodes.get(id(buf))
+        if node is None:
+            name = self.buffer_names.get(id(buf))
+            if name is None:
+                raise ValueError("a buffer of a module that is not part of the traced model; "
+                                 "register it on a submodule of the model")
+            node = self.graph.add_state(name, TensorType.of(buf.data), user_location(), scope=name)
+            self.buffer_nodes[id(buf)] = node
+            self.buffers[name] = buf
+        return node
+
+    def set_state(self, buf: "Buffer", value: Any) -> None:
+        """The buffer's value after this step (an update of its state node)."""
+        self.state_node(buf)
+        self.graph.set_update(self.buffer_names[id(buf)], as_node(value))
 
     def parameter_node(self, p: "Parameter") -> int:
         node = self.param_nodes.get(id(p))
@@ -252,6 +274,21 @@ class Parameter(_Ops):
         return f"Parameter({TensorType.of(self.data)})"
 
 
+class Buffer:
+    """A module's persistent, untrained array (PyTorch's buffer): running statistics. Traced as a
+    graph `state`; `compile()` holds it in storage next to the parameters and the step updates it."""
+
+    def __init__(self, data: Any, dtype: Any = float32) -> None:
+        self.data = np.ascontiguousarray(np.asarray(data, dtype=TensorType((), dtype).dtype.numpy))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def __repr__(self) -> str:
+        return f"Buffer(shape={self.shape}, dtype={self.data.dtype})"
+
+
 def _scalar_fits(x: Any, dtype) -> bool:
     """Whether a Python/NumPy scalar takes the dtype of the tensor it meets without changing value
     class: any number for a float tensor, integers (and bools) for an integer tensor, bools for a
@@ -274,6 +311,8 @@ def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
         return x.node
     if isinstance(x, Parameter):
         return ctx.parameter_node(x)
+    if isinstance(x, Buffer):
+        return ctx.state_node(x)
     if isinstance(x, (bool, int, float, np.number, np.bool_)) and like is not None and _scalar_fits(x, like.dtype):
         return ctx.graph.add_constant(np.asarray(x, dtype=like.dtype.numpy), **ctx.provenance())
     if isinstance(x, (np.ndarray, bool, int, float, np.number, np.bool_)):

@@ -47,13 +47,17 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
     graph = Graph(name or getattr(fn, "__name__", type(fn).__name__))
     names: dict[int, str] = {}
     module_names: dict[int, str] = {}  # module -> qualified name (its nodes' scope)
+    buffer_names: dict[int, str] = {}  # buffer -> qualified name (its state's name)
     # A list, not a union of dict views: that set needs hashable modules and has no stable order.
     for prefix, mod in ([("", fn)] if isinstance(fn, Module) else []) + list(dict(modules or {}).items()):
         for pname, p in mod.named_parameters(prefix):
             names[id(p)] = pname
         for mname, m in mod.named_modules(prefix):
             module_names.setdefault(id(m), mname)
+        for bname, buf in mod.named_buffers(prefix):
+            buffer_names[id(buf)] = bname
     with TraceContext(graph, names, module_names) as ctx:
+        ctx.buffer_names.update(buffer_names)
         arg_names = input_names or _arg_names(fn, len(example_args))
         loc = user_location()
         args = [Tensor(graph, graph.add_input(n, example_type(a), loc=loc)) for n, a in zip(arg_names, example_args)]
@@ -71,4 +75,5 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
             raise TypeError(f"output {k!r} is not a tensor of this trace: {t!r}")
         graph.set_output(k, t.node)
     graph.meta["parameters"] = ctx.params  # name -> Parameter, for compile()
+    graph.meta["buffers"] = ctx.buffers  # name -> Buffer (module state), for compile()
     return graph.verify()

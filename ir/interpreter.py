@@ -9,6 +9,7 @@ identity; `ember.ir.world.run_world` runs N ranks of a graph together (a simulat
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,31 @@ def _conv2d_grad_input(args, attrs, t):
     return np.ascontiguousarray(dxp[:, :, ph: ph + h, pw: pw + wd])
 
 
+def _pool_windows(x: np.ndarray, attrs) -> np.ndarray:
+    """(N, C, Ho, Wo, KH*KW) windows of x padded with -inf."""
+    (kh, kw), (ph, pw) = attrs["kernel"], attrs["padding"]
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) if ph or pw else x
+    win = _windows(xp, kh, kw, attrs["stride"], (0, 0))
+    return win.reshape(win.shape[:4] + (kh * kw,))
+
+
+def _max_pool2d(args, attrs, t):
+    return _pool_windows(args[0], attrs)[:, :, : t.shape[2], : t.shape[3]].max(axis=-1)
+
+
+def _max_pool2d_grad(args, attrs, t):
+    x, dy = args
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    n, c, ho, wo = dy.shape
+    first = _pool_windows(x, attrs)[:, :, :ho, :wo].argmax(axis=-1)  # the first maximum, as PyTorch
+    rows = np.arange(ho)[:, None] * sh + first // kw
+    cols = np.arange(wo)[None, :] * sw + first % kw
+    dxp = np.zeros((n, c, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw), dtype=dy.dtype)
+    ni, ci = np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None]
+    np.add.at(dxp, (ni, ci, rows, cols), dy)  # overlapping windows may pick the same element
+    return dxp[:, :, ph: ph + x.shape[2], pw: pw + x.shape[3]]
+
+
 def _reduce(fn):
     return lambda a, at, t: np.asarray(fn(a[0], axis=tuple(at["axes"]), keepdims=at["keepdims"]))
 
@@ -76,6 +102,11 @@ def _fused(args, attrs, t):
     sub: Graph = attrs["graph"]
     res = run(sub, dict(zip(sub.inputs, args)), keep_dtypes=True)
     return res.outputs["out"]
+
+
+# NumPy has no erf: math.erf per element (double precision, then cast), the reference's accuracy
+# matters more than its speed.
+_erf = np.frompyfunc(math.erf, 1, 1)
 
 
 IMPLS: dict[str, Impl] = {
@@ -88,6 +119,7 @@ IMPLS: dict[str, Impl] = {
     "sigmoid": lambda a, at, t: _sigmoid(a[0]),
     "tanh": lambda a, at, t: np.tanh(a[0]),
     "abs": lambda a, at, t: np.abs(a[0]),
+    "erf": lambda a, at, t: np.asarray(_erf(a[0]), dtype=a[0].dtype),
     "add": lambda a, at, t: a[0] + a[1],
     "sub": lambda a, at, t: a[0] - a[1],
     "mul": lambda a, at, t: a[0] * a[1],
@@ -114,6 +146,8 @@ IMPLS: dict[str, Impl] = {
     "conv2d": _conv2d,
     "conv2d_grad_input": _conv2d_grad_input,
     "conv2d_grad_weight": _conv2d_grad_weight,
+    "max_pool2d": _max_pool2d,
+    "max_pool2d_grad": _max_pool2d_grad,
     "one_hot": lambda a, at, t: (a[0][..., None] == np.arange(at["num_classes"])),
     "fused": _fused,
     # A single process is a world of one rank: the reduction over the group is the value itself.

@@ -155,7 +155,7 @@ def _constant(types, attrs):
 
 # ---- elementwise -----------------------------------------------------------------------------
 
-UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs")
+UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf")  # erf: exact GELU
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
@@ -340,6 +340,43 @@ def _conv2d_grad_weight(types, attrs):
     if dy.shape != expected:
         raise ShapeError(f"conv2d_grad_weight: output gradient {dy} does not match conv output shape {expected}")
     return wt
+
+
+# ---- pooling ---------------------------------------------------------------------------------
+# Windowed like conv2d (kind "contraction": no pass branches on it; fusion names its kernels per
+# op). max_pool2d pads with -inf; max_pool2d_grad(x, dy) sends each window's cotangent to the
+# window's first maximal element (row-major), PyTorch's choice, so both need x.
+
+_POOL_ATTRS = {"kernel": Attr(_pair), "stride": Attr(_pair), "padding": Attr(_pair, (0, 0))}
+
+
+def _pool_out(name: str, x: TensorType, attrs) -> tuple[int, int, int, int]:
+    _float_only(name, x)
+    if x.rank != 4:
+        raise ShapeError(f"{name} needs a 4-D NCHW input, got {x}")
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    if min(kh, kw, sh, sw) < 1 or ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
+        raise ShapeError(f"{name}: kernel and stride must be >= 1 and padding at most half the kernel, got kernel "
+                         f"{attrs['kernel']} stride {attrs['stride']} padding {attrs['padding']}")
+    ho, wo = conv_out_dim(x.shape[2], kh, sh, ph), conv_out_dim(x.shape[3], kw, sw, pw)
+    if ho < 1 or wo < 1:
+        raise ShapeError(f"{name}: kernel {attrs['kernel']} larger than the padded input {x.shape[2:]}")
+    return x.shape[0], x.shape[1], ho, wo
+
+
+@_defop("max_pool2d", 1, "contraction", dict(_POOL_ATTRS))
+def _max_pool2d(types, attrs):
+    (x,) = types
+    return x.with_shape(_pool_out("max_pool2d", x, attrs))
+
+
+@_defop("max_pool2d_grad", 2, "contraction", dict(_POOL_ATTRS))
+def _max_pool2d_grad(types, attrs):
+    x, dy = types
+    _same_dtype(types)
+    if dy.shape != _pool_out("max_pool2d_grad", x, attrs):
+        raise ShapeError(f"max_pool2d_grad: output gradient {dy} does not match the pooled shape of {x}")
+    return x
 
 
 # ---- indexing --------------------------------------------------------------------------------

@@ -127,6 +127,15 @@ def _abs(b: Builder, x: int, y: int, ct: int) -> int:
     return b.op("where", b.op("gt", x, zero), ct, neg)
 
 
+def _inexact(b: Builder, value: float, like: int) -> int:
+    """A constant not exact in `like`'s dtype, as hi + lo (each exact there): computed in that
+    dtype the sum rounds to hi, and the float64 oracle run (`precision="float64"`) sees the
+    constant to double precision instead of float32's rounding of it."""
+    hi = np.asarray(value, dtype=b.type(like).dtype.numpy)
+    lo = np.asarray(value - float(hi), dtype=hi.dtype)
+    return b.op("add", b.scalar(float(hi), like), b.scalar(float(lo), like))
+
+
 def _binary(fn: Callable[[Builder, int, int, int, int, tuple[bool, ...]], tuple["int | None", "int | None"]]) -> Rule:
     """Wraps fn(b, a, bb, y, ct, needs) -> (ca, cb) in the broadcast result's shape, then sums
     each back to its operand's shape."""
@@ -268,6 +277,23 @@ def _conv2d_grad_weight(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
     return [cx, cdy]
 
 
+def _pool_attrs(b: Builder, n: int) -> dict:
+    at = b.g.attrs(n)
+    return {"kernel": at["kernel"], "stride": at["stride"], "padding": at["padding"]}
+
+
+def _max_pool2d(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
+    (x,) = _operands(b, n)
+    return [b.op("max_pool2d_grad", x, ct, **_pool_attrs(b, n)) if needs[0] else None]
+
+
+def _max_pool2d_grad(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
+    # Its adjoint in dy is a gather at each window's argmax, an op ember does not have yet; a
+    # clear refusal rather than treating the node as a constant (a silently wrong gradient).
+    raise NotImplementedError(f"grad: second-order gradients through max pooling are not supported "
+                              f"(node %{n} at {b.g.where(n)})")
+
+
 def _all_reduce(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
     # In a world of N ranks, y_r = sum_s x_s on every rank r (mean: y_r = (1/N) sum_s x_s). The
     # objective is the sum of the ranks' losses, L = sum_r L_r(y_r) (for data parallelism with a
@@ -290,6 +316,9 @@ VJP_RULES: dict[str, Rule] = {
     "sigmoid": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("mul", b.op("sub", b.scalar(1, y), y), y))),
     "tanh": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("sub", b.scalar(1, y), b.op("mul", y, y)))),
     "abs": _unary(_abs),
+    # d erf(x)/dx = 2/sqrt(pi) * exp(-x^2)
+    "erf": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("mul", _inexact(b, 2 / np.sqrt(np.pi), x),
+                                                        b.op("exp", b.op("neg", b.op("mul", x, x)))))),
     "add": _binary(lambda b, a, c, y, ct, needs: (ct, ct)),
     "sub": _binary(lambda b, a, c, y, ct, needs: (ct, b.op("neg", ct) if needs[1] else None)),
     "mul": _binary(_mul),
@@ -307,6 +336,8 @@ VJP_RULES: dict[str, Rule] = {
     "conv2d": _conv2d,
     "conv2d_grad_input": _conv2d_grad_input,
     "conv2d_grad_weight": _conv2d_grad_weight,
+    "max_pool2d": _max_pool2d,
+    "max_pool2d_grad": _max_pool2d_grad,
     "all_reduce": _all_reduce,
 }
 

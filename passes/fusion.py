@@ -229,7 +229,8 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                     notes["core"] = r
                     gr.grow(members, [r], graph.type(graph.operands(r)[0]).numel)
         else:
-            raise NotImplementedError(f"fusion has no kernel kind for op {op!r} (%{root}, at {graph.loc(root)})")
+            raise NotImplementedError(f"fusion has no kernel kind for op {op!r} (%{root}, at {graph.loc(root)}); "
+                                      f"compile with device='reference' (the interpreter runs every op)")
         if kind not in caps.kinds:
             raise NotImplementedError(f"the target cannot compile a {kind} kernel (%{root} {op}, at {graph.loc(root)}); "
                                       f"it compiles {', '.join(sorted(caps.kinds))}")

@@ -37,7 +37,7 @@ MNIST_MIRRORS: tuple[str, ...] | None = None
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default) or mlp")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default), mlp, lenet5 or resnet8")
     p.add_argument("--device", choices=target_names(), default="cpu",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
     p.add_argument("--data", default=None, metavar="DIR",

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from ember.frontends import functional as F
 from ember.frontends import nn, optim
 
-__all__ = ["MODELS", "INITS", "build_model", "pytorch_init", "make_optimizer"]
+__all__ = ["ResNet8", "BasicBlock", "MODELS", "INITS", "build_model", "pytorch_init", "make_optimizer"]
 
 
 def _cnn() -> nn.Module:
@@ -25,8 +26,55 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(784, 30), nn.Sigmoid(), nn.Linear(30, 10))
 
 
-# name -> (builder, whether it takes flat 784-pixel rows). The same models as torch_mnist.py.
-MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {"cnn": (_cnn, False), "mlp": (_mlp, True)}
+def _lenet5() -> nn.Module:
+    """LeNet-5 with ReLU and max pooling (28x28 input padded to LeNet's 32x32 by the first conv)."""
+    return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv + BatchNorm, plus the input (through a 1x1 conv + BN
+    where the shape changes); layers registered in torchvision's order (pytorch_init draws in it)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x: Any) -> Any:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet8(nn.Module):
+    """ResNet-8 for 28x28 MNIST: a 3x3 stem, three one-block stages (16, 32, 64 channels; the
+    last two halve the resolution), global average pooling and a linear head: 8 weighted layers."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU()
+        self.layer1 = BasicBlock(16, 16, 1)
+        self.layer2 = BasicBlock(16, 32, 2)
+        self.layer3 = BasicBlock(32, 64, 2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, classes)
+
+    def forward(self, x: Any) -> Any:
+        x = self.layer3(self.layer2(self.layer1(self.relu(self.bn1(self.conv1(x))))))
+        return self.fc(F.flatten(self.avgpool(x), 1))
+
+
+# name -> (builder, whether it takes flat 784-pixel rows). cnn and mlp are torch_mnist.py's models.
+MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {"cnn": (_cnn, False), "mlp": (_mlp, True),
+                                                           "lenet5": (_lenet5, False), "resnet8": (ResNet8, False)}
 
 def pytorch_init(model: nn.Module, seed: int = 0) -> nn.Module:
     """Sets `model`'s Linear and Conv2d parameters, in place, to exactly the values PyTorch's
@@ -55,6 +103,8 @@ def pytorch_init(model: nn.Module, seed: int = 0) -> nn.Module:
             uniform(m.weight, math.sqrt(3.0) * (math.sqrt(2.0 / (1 + 5)) / math.sqrt(fan_in)) if fan_in else 0.0)
             if m.bias is not None:
                 uniform(m.bias, 1.0 / math.sqrt(fan_in) if fan_in else 0.0)
+        elif isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
+            pass  # PyTorch initialises these to ones and zeros, drawing nothing from the generator
         elif m._parameters:
             raise NotImplementedError(f"pytorch_init: no PyTorch initialisation rule for {type(m).__name__} ({name!r})")
     return model

@@ -247,10 +247,16 @@ class Trainer:
         bs = self.eval_batch_size
         loss = 0.0
         correct = 0
-        for s in range(0, len(x), bs):
-            logits = self.step.inference(x[s:s + bs])
-            loss += cross_entropy_sum(logits, y[s:s + bs])
-            correct += correct_count(logits, y[s:s + bs])
+        model = self.step.model
+        was_training = model.training
+        model.eval()  # BatchNorm normalises by its running statistics (and leaves them), as in PyTorch
+        try:
+            for s in range(0, len(x), bs):
+                logits = self.step.inference(x[s:s + bs])
+                loss += cross_entropy_sum(logits, y[s:s + bs])
+                correct += correct_count(logits, y[s:s + bs])
+        finally:
+            model.train(was_training)
         return loss / len(x), correct / len(x)
 
     def fit(self, epochs: int, save: str | os.PathLike | None = None,

@@ -117,6 +117,7 @@ TORCH_UNARY = {
     "neg": (torch.neg, (-1, 1)), "exp": (torch.exp, (-3, 3)), "log": (torch.log, (0.05, 4)),
     "sqrt": (torch.sqrt, (0.0, 4)), "reciprocal": (torch.reciprocal, (0.1, 2)), "relu": (torch.relu, (-1, 1)),
     "sigmoid": (torch.sigmoid, (-12, 12)), "tanh": (torch.tanh, (-4, 4)), "abs": (torch.abs, (-1, 1)),
+    "erf": (torch.erf, (-3, 3)),
 }
 
 
@@ -566,6 +567,33 @@ def test_one_hot_bad():
     expect_shape_error("one_hot", [f32(4)], "integer labels", num_classes=3)
     expect_shape_error("one_hot", [TensorType((4,), bool_)], "integer labels", num_classes=3)
     expect_shape_error("one_hot", [TensorType((4,), int64)], "num_classes", num_classes=0)
+
+
+# ---- pooling ---------------------------------------------------------------------------------
+
+POOL_CASES = [((2, 3, 7, 6), 3, 2, 1), ((1, 2, 6, 6), 2, 2, 0), ((2, 1, 5, 5), 3, 1, 0), ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0))]
+
+
+@covers("max_pool2d", "max_pool2d_grad")
+@pytest.mark.parametrize("shape,k,s,p", POOL_CASES)
+@pytest.mark.parametrize("precision", [None, "float64"])
+def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, precision):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., 0, :2] = 0.5  # ties: both pick the first maximum of the window
+    out = interp("max_pool2d", [x], precision, kernel=k, stride=s, padding=p)
+    tx = T(x, precision).requires_grad_(True)
+    ref = TF.max_pool2d(tx, k, s, p)
+    close(out, ref, precision)
+    dy = rng.standard_normal(ref.shape).astype(np.float32)
+    ref.backward(T(dy, precision))
+    close(interp("max_pool2d_grad", [x, dy], precision, kernel=k, stride=s, padding=p), tx.grad, precision)
+
+
+def test_max_pool2d_bad():
+    expect_shape_error("max_pool2d", [f32(1, 1, 4, 4)], "padding at most half", kernel=2, stride=2, padding=2)
+    expect_shape_error("max_pool2d", [f32(4, 4)], "4-D NCHW", kernel=2, stride=2)
+    expect_shape_error("max_pool2d_grad", [f32(1, 1, 4, 4), f32(1, 1, 3, 3)], "does not match", kernel=2, stride=2)
 
 
 # ---- float64 graphs ---------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""The layers `from_torch` maps beyond the MNIST models (GELU, pooling, LayerNorm, cat, residual,
+LogSoftmax + NLLLoss): forward and parameter gradients equal PyTorch's, gradients equal float64
+central differences, and a model using all of them trains on device="cpu" as in PyTorch."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tnn = torch.nn
+TF = torch.nn.functional
+
+from ember.frontends import TorchImportError, compile, from_torch, nn, optim, trace  # noqa: E402
+from ember.frontends import functional as F  # noqa: E402
+from ember.ir.interpreter import run  # noqa: E402
+from ember.passes.autodiff import grad  # noqa: E402
+
+
+class Wrap(tnn.Module):
+    """conv -> the layer under test -> flatten -> linear, so every gradient reaches a parameter."""
+
+    def __init__(self, layer: "tnn.Module", channels: int = 3, flat: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = tnn.Conv2d(2, channels, 3, padding=1)
+        self.layer = layer
+        self.fc = tnn.LazyLinear(4) if flat is None else tnn.Linear(flat, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.layer(self.conv(x)), 1))
+
+
+class Cat(tnn.Module):
+    def forward(self, x):
+        return torch.cat([TF.relu(x), x * 2, x], dim=1)
+
+
+class Residual(tnn.Module):
+    def forward(self, x):
+        return TF.gelu(x, approximate="tanh") + x
+
+
+LAYERS = {
+    "gelu": (tnn.GELU(), 3 * 6 * 6),
+    "gelu_tanh": (tnn.GELU(approximate="tanh"), 3 * 6 * 6),
+    "avg_pool": (tnn.AvgPool2d(3, stride=2, padding=1), 3 * 3 * 3),
+    "max_pool": (tnn.MaxPool2d(2), 3 * 3 * 3),
+    "adaptive_avg_pool": (tnn.AdaptiveAvgPool2d(1), 3),
+    "layer_norm": (tnn.LayerNorm([6, 6]), 3 * 6 * 6),
+    "cat": (Cat(), 9 * 6 * 6),
+    "residual": (Residual(), 3 * 6 * 6),
+}
+
+
+def _setup(name: str):
+    layer, flat = LAYERS[name]
+    tm = Wrap(copy.deepcopy(layer), flat=flat)
+    if name == "layer_norm":  # away from its ones/zeros initialisation
+        with torch.no_grad():
+            tm.layer.weight.uniform_(0.5, 1.5)
+            tm.layer.bias.uniform_(-0.5, 0.5)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 2, 6, 6)).astype(np.float32)
+    ct = rng.standard_normal((2, 4)).astype(np.float32)
+    model = from_torch(tm, torch.from_numpy(x))
+    g = grad(trace(lambda x, ct: F.sum(F.mul(model(x), ct)), x, ct, modules={"": model}))
+    params = {k: p.data for k, p in model.named_parameters()}
+    return tm, model, g, params, x, ct
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_forward_and_gradients_match_torch(name):
+    tm, model, g, params, x, ct = _setup(name)
+    res = run(g, {"x": x, "ct": ct}, params).outputs
+    out = tm(torch.from_numpy(x))
+    loss = (out * torch.from_numpy(ct)).sum()
+    loss.backward()
+    np.testing.assert_allclose(res["loss"], loss.item(), rtol=1e-5, atol=1e-5)
+    for k, p in tm.named_parameters():
+        np.testing.assert_allclose(res[f"grad:{k}"], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_gradients_match_float64_central_differences(name):
+    _, model, g, params, x, ct = _setup(name)
+    p64 = {k: v.astype(np.float64) for k, v in params.items()}
+    res = run(g, {"x": x, "ct": ct}, p64, precision="float64").outputs
+    rng = np.random.default_rng(1)
+    h = 1e-6
+    for k in ("conv.weight", "conv.bias"):
+        for idx in [tuple(rng.integers(0, d) for d in p64[k].shape) for _ in range(3)]:
+            plus, minus = {**p64, k: p64[k].copy()}, {**p64, k: p64[k].copy()}
+            plus[k][idx] += h
+            minus[k][idx] -= h
+            numeric = (run(g, {"x": x, "ct": ct}, plus, precision="float64").outputs["loss"]
+                       - run(g, {"x": x, "ct": ct}, minus, precision="float64").outputs["loss"]) / (2 * h)
+            np.testing.assert_allclose(res[f"grad:{k}"][idx], numeric, rtol=1e-5, atol=1e-7, err_msg=f"{k}{idx}")
+
+
+class Everything(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = tnn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = tnn.Conv2d(4, 4, 3, padding=1)
+        self.norm = tnn.LayerNorm([4, 4])
+        self.pool = tnn.MaxPool2d(2)
+        self.avg = tnn.AvgPool2d(2)
+        self.gap = tnn.AdaptiveAvgPool2d(1)
+        self.fc = tnn.Linear(4 * 2 * 2 + 8, 10)
+
+    def forward(self, x):
+        h = self.pool(TF.relu(self.conv1(x)))  # 8x8 -> 4x4
+        h = TF.gelu(self.conv2(h)) + h  # residual
+        h = self.norm(h)
+        feats = torch.cat([self.avg(h).flatten(1), self.gap(h).flatten(1), self.gap(-h).view(h.size(0), -1)], 1)
+        return TF.log_softmax(self.fc(feats), dim=1)
+
+
+def test_everything_trains_on_cpu_like_torch():
+    tm = Everything()
+    ref = copy.deepcopy(tm)
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((8, 1, 8, 8)).astype(np.float32)
+    y0 = rng.integers(0, 10, 8)
+    model = from_torch(tm, torch.from_numpy(x0))
+    step = compile(model, nn.NLLLoss(), optim.SGD(model.parameters(), lr=0.1), (x0, y0), device="cpu")
+    np.testing.assert_allclose(step.inference(x0), ref(torch.from_numpy(x0)).detach().numpy(), rtol=1e-5, atol=1e-5)
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(5):
+        x = rng.standard_normal((8, 1, 8, 8)).astype(np.float32)
+        y = rng.integers(0, 10, 8)
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = TF.nll_loss(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5, (i, ours, loss.item())
+
+
+def test_mse_and_nll_losses_match_torch():
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((5, 3)).astype(np.float32)
+    t = rng.standard_normal((5, 3)).astype(np.float32)
+    y = rng.integers(0, 3, 5)
+    for reduction in ("mean", "sum"):
+        g = trace(lambda z, y: F.nll_loss(F.log_softmax(z, 1), y, reduction), z, y)
+        got = run(g, {"z": z, "y": y}).outputs["out"]
+        ref = TF.nll_loss(TF.log_softmax(torch.from_numpy(z), 1), torch.from_numpy(y), reduction=reduction)
+        np.testing.assert_allclose(got, ref.item(), rtol=1e-6)
+        g = trace(lambda z, t: nn.MSELoss(reduction)(z, t), z, t)
+        got = run(g, {"z": z, "t": t}).outputs["out"]
+        np.testing.assert_allclose(got, TF.mse_loss(torch.from_numpy(z), torch.from_numpy(t), reduction=reduction).item(),
+                                   rtol=1e-6)
+
+
+class OverlappingMax(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = tnn.Conv2d(1, 2, 3)
+        self.fc = tnn.Linear(2 * 3 * 3, 3)
+
+    def forward(self, x):
+        return self.fc(TF.max_pool2d(self.conv(x), 3, stride=2, padding=1).flatten(1))
+
+
+def test_overlapping_max_pool_trains_on_reference_and_cpu_says_so():
+    tm = OverlappingMax()
+    ref = copy.deepcopy(tm)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 7, 7)).astype(np.float32)
+    y = rng.integers(0, 3, 4)
+    model = from_torch(tm, torch.from_numpy(x))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y))
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5
+    with pytest.raises(NotImplementedError, match=r"fusion has no kernel kind for op 'max_pool2d(_grad)?' .*device='reference'"):
+        compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device="cpu")(x, y)
+
+
+def test_refusals_name_the_fx_node():
+    with pytest.raises(TorchImportError, match=r"unsupported argument ceil_mode=True \(only ceil_mode=False\) of MaxPool2d"):
+        from_torch(tnn.Sequential(tnn.MaxPool2d(2, ceil_mode=True)), torch.zeros(1, 1, 6, 6))
+    with pytest.raises(TorchImportError, match=r"output_size=2 \(only 1: global average pooling\)"):
+        from_torch(tnn.Sequential(tnn.AdaptiveAvgPool2d(2)), torch.zeros(1, 1, 6, 6))
+    with pytest.raises(TorchImportError, match=r"unsupported argument momentum=None .* of BatchNorm2d"):
+        from_torch(tnn.Sequential(tnn.BatchNorm2d(1, momentum=None)), torch.zeros(1, 1, 6, 6))
+
+
+class BN(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = tnn.Conv2d(1, 4, 3)
+        self.bn = tnn.BatchNorm2d(4, momentum=0.2)
+        self.fc = tnn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(TF.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_batch_norm_trains_and_tracks_running_stats_like_torch(device):
+    tm = BN()
+    ref = copy.deepcopy(tm)
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((8, 1, 6, 6)).astype(np.float32)
+    y0 = rng.integers(0, 10, 8)
+    model = from_torch(tm, torch.from_numpy(x0))
+    assert list(model.state_dict()) == list(tm.state_dict())
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x0, y0), device=device)
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(4):
+        x = (rng.standard_normal((8, 1, 6, 6)) * 2 + 1).astype(np.float32)
+        y = rng.integers(0, 10, 8)
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5, (i, ours, loss.item())
+    sd, tsd = step.state_dict(), ref.state_dict()
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        np.testing.assert_allclose(sd[k], tsd[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    model.eval()
+    ref.eval()
+    np.testing.assert_allclose(step.inference(x0), ref(torch.from_numpy(x0)).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_round_trip_keeps_batch_norm_state(tmp_path):
+    from ember.frontends.training.checkpoint import load_checkpoint, save_checkpoint
+    rng = np.random.default_rng(0)
+    batches = [((rng.standard_normal((8, 1, 6, 6)) + 1).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
+
+    def fresh():
+        model = from_torch(BN(), torch.from_numpy(batches[0][0]))
+        return model, compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              batches[0], device="cpu")
+
+    _, a = fresh()
+    for x, y in batches[:2]:
+        a(x, y)
+    save_checkpoint(tmp_path / "ck.safetensors", a.state_dict(), a.optimizer_state_dict(), step=2)
+    ck = load_checkpoint(tmp_path / "ck.safetensors")
+    assert "bn.running_var" in ck.model and "bn.num_batches_tracked" in ck.model
+    _, b = fresh()
+    b.load_state_dict(ck.model)
+    b.load_optimizer_state_dict(ck.optimizer)
+    for x, y in batches[2:]:
+        assert a(x, y) == b(x, y)
+    for k, v in a.state_dict().items():
+        np.testing.assert_array_equal(b.state_dict()[k], v, err_msg=k)
