@@ -22,7 +22,7 @@ import jinja2
 from ember.ir import Graph, KernelSpec, TensorType
 
 from . import cpp_kernels
-from .lowering import Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
+from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cpp"),
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
@@ -30,16 +30,9 @@ PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than 
 ABI_VERSION = 2
 
 SPELLING = Spelling("C++", {
-    "neg": "(-{0})", "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})",
-    "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
-    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "stop_gradient": "{0}",
-    "erf": "std::erf({0})",
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "floordiv": "em_floordiv({0}, {1})",
-    "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
-    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
-    "cast": "static_cast<{ctype}>({0})", "where": "({0} ? {1} : {2})",
-    "one_hot": "static_cast<{ctype}>({0} == {1})",
+    **C_OPERATORS,
+    "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})", "sigmoid": "em_sigmoid({0})",
+    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "std::erf({0})",
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
 }, c_literal)
 

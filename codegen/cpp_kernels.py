@@ -28,6 +28,8 @@ from pathlib import Path
 
 import jinja2
 
+from .shapes import ceil_div, check_positive, pair, round_up
+
 __all__ = [
     "KernelSource", "MAX_THREADS", "VEC_PRELUDE",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
@@ -170,19 +172,10 @@ def _render(template: str, **ctx) -> str:
     return _env.get_template(template).render(prelude=VEC_PRELUDE, MAX_THREADS=MAX_THREADS, **ctx)
 
 
-def _pair(v, what: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        v = (v, v)
-    a, b = (int(t) for t in v)
-    return a, b
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 def _check_name(name: str) -> None:
@@ -190,10 +183,6 @@ def _check_name(name: str) -> None:
         raise ValueError(f"kernel name {name!r} is not a C identifier")
 
 
-def _check_positive(**dims: int) -> None:
-    for k, v in dims.items():
-        if int(v) < 1:
-            raise ValueError(f"{k} must be >= 1, got {v}")
 
 
 class _Scratch:
@@ -205,7 +194,7 @@ class _Scratch:
 
     def add(self, key: str, floats: int) -> None:
         self.offsets[key] = self.total
-        self.total += _round_up(max(int(floats), 0), _ALIGN)
+        self.total += round_up(max(int(floats), 0), _ALIGN)
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +263,7 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         VB = 3
     OB = {1: 8, 2: 6, 3: 4}[VB]
     OB = min(OB, CO)
-    NOB = _ceil_div(CO, OB)
+    NOB = ceil_div(CO, OB)
     ctx.update(VB=VB, OB=OB, NOB=NOB)
     sc.add("wk", NOB * OB * CI * KH * KW)     # weights repacked [ob][c][kh][kw][OB], zero-padded
     sc.add("bk", NOB * OB)                    # bias padded to NOB*OB
@@ -286,11 +275,11 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         HP = HO + KH - 1                      # padded rows
         Q = (HO - 1) * P + WO                 # flat output positions that hold real pixels
         T = VB * VL
-        NT = _ceil_div(Q, T)
+        NT = ceil_div(Q, T)
         QP = NT * T
         # every load in[c*CSP + q + kh*P + kw] with q < QP must be inside the channel's slot
-        CSP = _round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
-        G = min(NOB, max(1, _ceil_div(2 * MAX_THREADS, N)))  # channel-block groups per image
+        CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
+        G = min(NOB, max(1, ceil_div(2 * MAX_THREADS, N)))  # channel-block groups per image
         ctx.update(P=P, HP=HP, Q=Q, T=T, NT=NT, QP=QP, CSP=CSP, G=G, NTASK=N * G)
         # Tiles near the top and bottom read zero padding rows for some kh: each tile gets the
         # kh range that can reach data (zero-padding taps skipped; 7% of the FMAs for the
@@ -306,7 +295,7 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         if KH > 5 or combos == [(0, KH)]:
             combos, ranges = [(0, KH)], [(0, KH)] * NT
         ctx.update(KH_COMBOS=combos, KH_RANGE=[combos.index(r) for r in ranges])
-        per_thread = _round_up(CI * CSP, _ALIGN) + _round_up(OB * QP, _ALIGN)
+        per_thread = round_up(CI * CSP, _ALIGN) + round_up(OB * QP, _ALIGN)
         ctx["PER_THREAD"] = per_thread
         sc.add("thr", MAX_THREADS * per_thread)
     ctx["scratch"] = sc
@@ -317,9 +306,9 @@ def _conv_geometry(name: str, N: int, C: int, H: int, W: int, O: int, KH: int, K
                    stride, padding) -> tuple[int, int, int, int, int, int]:
     """Validates a convolution's arguments; returns (sh, sw, ph, pw, HO, WO)."""
     _check_name(name)
-    _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
-    sh, sw = _pair(stride, "stride")
-    ph, pw = _pair(padding, "padding")
+    check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
+    sh, sw = pair(stride, "stride")
+    ph, pw = pair(padding, "padding")
     if sh < 1 or sw < 1 or ph < 0 or pw < 0:
         raise ValueError("stride must be >= 1 and padding >= 0")
     HO, WO = _conv_out(H, W, KH, KW, sh, sw, ph, pw)
@@ -394,9 +383,9 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         OB = max(1, min(8, (16 - KW - 1) // KW))
         if O < OB:
             OB = O
-        NOB = _ceil_div(O, OB)
+        NOB = ceil_div(O, OB)
         S = min(N, _GW_SLOTS)                                  # partial-sum slots
-        G = min(NOB, max(1, _ceil_div(2 * MAX_THREADS, S)))    # channel-block groups per slot
+        G = min(NOB, max(1, ceil_div(2 * MAX_THREADS, S)))    # channel-block groups per slot
         CKK = C * KH * KW
         ctx.update(OB=OB, NOB=NOB, S=S, G=G, CKK=CKK)
         sc.add("dw", S * NOB * OB * CKK)
@@ -405,11 +394,11 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
             P = _flat_pitch(WO, W, KW, pw)
             HP = HO + KH - 1
             Q = (HO - 1) * P + WO
-            QP = _round_up(Q, VL)
-            CSP = _round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
-            OBG = _ceil_div(NOB, G) * OB                       # channels per group (max)
-            QPA = _round_up(QP, _ALIGN)
-            per_thread = _round_up(C * CSP, _ALIGN) + OBG * QPA
+            QP = round_up(Q, VL)
+            CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
+            OBG = ceil_div(NOB, G) * OB                       # channels per group (max)
+            QPA = round_up(QP, _ALIGN)
+            per_thread = round_up(C * CSP, _ALIGN) + OBG * QPA
             ctx.update(P=P, HP=HP, Q=Q, QP=QP, QPA=QPA, CSP=CSP, OBG=OBG, PER_THREAD=per_thread)
             sc.add("thr", MAX_THREADS * per_thread)
     ctx["off"] = sc.offsets
@@ -492,7 +481,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     without an OpenMP region (the same work, in the same order, on the calling thread).
     """
     _check_name(name)
-    _check_positive(M=M, N=N, K=K, batch=batch)
+    check_positive(M=M, N=N, K=K, batch=batch)
     ta, tb = bool(trans_a), bool(trans_b)
     flops = 2 * batch * M * N * K
     parallel = flops >= MATMUL_SERIAL_FLOPS
@@ -509,23 +498,23 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
         # k chunks: B's chunk (N x KC) stays in L2 (<= 256 KiB) while the rows of A pass; one
         # chunk when K fits (64x30x784 in two chunks of 392 was 10% slower than in one).
         kc_max = min(2048, max(256, (64 * 1024 // N) // VL * VL))
-        NKC = _ceil_div(K, kc_max)
-        KC = _round_up(_ceil_div(K, NKC), VL)
+        NKC = ceil_div(K, kc_max)
+        KC = round_up(ceil_div(K, NKC), VL)
         # Threads split the columns when A is small enough for every thread to read all of it
         # (from L2), else the rows. Splitting columns, no thread but one reads a given row of
         # B: in the MLP step (64x30x784) the serial SGD update of W1 that follows was 25 us
         # after a row split (both cores held all of W1) and 16 us after a column split.
-        split_cols = _ceil_div(N, NR) >= 2 and 4 * batch * M * K <= 512 * 1024
+        split_cols = ceil_div(N, NR) >= 2 and 4 * batch * M * K <= 512 * 1024
         ctx.update(MR=MR, NR=NR, KC=KC, SPLIT_COLS=split_cols)
     else:
         mode = "axpy"
         # MR*NV accumulators + NV B vectors + 1 broadcast <= 16 registers. Ties go to 4x3
         # (best of 2-thread runs, 64x18432x10: 4x3 175 us, 6x2 201; 30x784x64: 4x3, 6x2 and 5x2
         # within 4% of each other).
-        MR, NV = _mm_pick_tile(M, _ceil_div(N, VL), [(4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3),
+        MR, NV = _mm_pick_tile(M, ceil_div(N, VL), [(4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3),
                                                      (14, 1), (1, 7)])
         NT8 = VL * NV
-        NTL = _ceil_div(N, NT8)
+        NTL = ceil_div(N, NT8)
         # Pack B when its rows are not n-contiguous (trans_b), or rows of B a multiple of 4 KiB
         # apart would share L1 sets (N = 18432: 72 KiB; read in place they thrashed: 8 ms
         # instead of 0.3 for 64x10x18432).
@@ -535,7 +524,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
         BT = max(1, min(NTL, _MM_BLOCK_BYTES // (4 * K * NT8)))
         ctx.update(MR=MR, NV=NV, BT=BT, PACK=pack)
         if pack:
-            panel = _round_up(K * BT * NT8, _ALIGN)
+            panel = round_up(K * BT * NT8, _ALIGN)
             ctx["PANEL"] = panel
             sc.add("panel", (MAX_THREADS if parallel else 1) * panel)
     ctx["mode"] = mode

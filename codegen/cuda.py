@@ -21,7 +21,7 @@ import jinja2
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_kernels
-from .lowering import Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
+from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
 
 ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cuda"),
                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
@@ -30,16 +30,10 @@ COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator
 PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output
 
 SPELLING = Spelling("CUDA", {
-    "neg": "(-{0})", "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})",
-    "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "sigmoid": "em_sigmoid({0})",
-    "tanh": "em_tanh({0})", "abs": "em_abs({0})", "stop_gradient": "{0}",
+    **C_OPERATORS,
+    "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})", "sigmoid": "em_sigmoid({0})",
+    "tanh": "em_tanh({0})", "abs": "em_abs({0})",
     "erf": "erf({0})",  # CUDA's C++ math overloads: erf(float) is erff
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "floordiv": "em_floordiv({0}, {1})",
-    "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})", "eq": "({0} == {1})", "ne": "({0} != {1})",
-    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
-    "cast": "static_cast<{ctype}>({0})", "where": "({0} ? {1} : {2})",
-    "one_hot": "static_cast<{ctype}>({0} == {1})",
     "lowest": "em_lowest<{ctype}>()",
 }, c_literal)
 

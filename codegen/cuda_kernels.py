@@ -38,6 +38,8 @@ from pathlib import Path
 
 import jinja2
 
+from .shapes import ceil_div, check_positive, pair, round_up
+
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "NUM_SMS", "plan_gemm", "plan_candidates",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
@@ -84,19 +86,10 @@ def _render(template: str, **ctx) -> str:
 
 # --------------------------------------------------------------------------- validation
 
-def _pair(v, what: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        v = (v, v)
-    a, b = (int(t) for t in v)
-    return a, b
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 def _check_name(name: str) -> None:
@@ -104,18 +97,14 @@ def _check_name(name: str) -> None:
         raise ValueError(f"kernel name {name!r} is not a C identifier")
 
 
-def _check_positive(**dims: int) -> None:
-    for k, v in dims.items():
-        if int(v) < 1:
-            raise ValueError(f"{k} must be >= 1, got {v}")
 
 
 def _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding):
     """Validates a convolution's arguments; returns (sh, sw, ph, pw, HO, WO)."""
     _check_name(name)
-    _check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
-    sh, sw = _pair(stride, "stride")
-    ph, pw = _pair(padding, "padding")
+    check_positive(N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW)
+    sh, sw = pair(stride, "stride")
+    ph, pw = pair(padding, "padding")
     if sh < 1 or sw < 1 or ph < 0 or pw < 0:
         raise ValueError("stride must be >= 1 and padding >= 0")
     HO = (H + 2 * ph - KH) // sh + 1
@@ -159,17 +148,17 @@ def _pick_bk(K: int) -> int:
 
 def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     threads = (BM // TM) * (BN // TN)
-    kchunk = _round_up(_ceil_div(K, splits), BK)
-    splits = _ceil_div(K, kchunk)
-    tiles = _ceil_div(M, BM) * _ceil_div(N, BN) * batch
+    kchunk = round_up(ceil_div(K, splits), BK)
+    splits = ceil_div(K, kchunk)
+    tiles = ceil_div(M, BM) * ceil_div(N, BN) * batch
     blocks = tiles * splits
-    la = _ceil_div(BM * BK, threads)
-    lb = _ceil_div(BN * BK, threads)
+    la = ceil_div(BM * BK, threads)
+    lb = ceil_div(BN * BK, threads)
     # Accumulators, operand vectors, the prefetched next tile and its hoisted gather offsets.
     regs = TM * TN + TM + TN + 3 * (la + lb) + 24
     if regs > 200 or la + lb > 20:
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
-    regs = _round_up(regs, 8)
+    regs = round_up(regs, 8)
     smem = 4 * BK * (BM + BN)
     occ = min(2048 // threads, 65536 // (threads * regs), (228 * 1024) // (smem + 1024), 32)
     if occ < 1:
@@ -183,7 +172,7 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     ntx = BM // TM
     dm = min(32, ntx)
     dn = min(BN // TN, max(1, 32 // ntx))
-    lds_k = gm * _ceil_div(dm * min(TM, 4) * 4, 128) + gn * _ceil_div(dn * min(TN, 4) * 4, 128)
+    lds_k = gm * ceil_div(dm * min(TM, 4) * 4, 128) + gn * ceil_div(dn * min(TN, 4) * 4, 128)
     lds_k += 2.0 * (la + lb) / BK  # the stores of the next tile (some bank conflicts)
     ktiles = kchunk // BK
     warps = threads // 32 if threads >= 32 else 1
@@ -192,7 +181,7 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     wps = occ * warps / 4
     latency = 1.0 if wps >= 2 else (0.5 + 0.25 * wps)
     block_cycles = warps * ktiles * (BK * max(per_k / 4, lds_k) + 20) / latency + 600
-    waves = _ceil_div(blocks, NUM_SMS * occ)
+    waves = ceil_div(blocks, NUM_SMS * occ)
     sm_cycles = waves * occ * block_cycles
     # ... and a partial last wave only costs its share once there are many waves.
     if waves > 1:
@@ -201,7 +190,7 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     compulsory = 4 * batch * (M * K + K * N + M * N)
     t = max(t, compulsory / _DRAM_BPS)
     # Operand re-reads (through L2) grow with the number of tiles on the other side.
-    reread = 4 * batch * (M * K * _ceil_div(N, BN) + K * N * _ceil_div(M, BM))
+    reread = 4 * batch * (M * K * ceil_div(N, BN) + K * N * ceil_div(M, BM))
     t = max(t, reread / (3 * _DRAM_BPS))
     if splits > 1:
         t += (4 * (splits + 1) * batch * M * N) / _DRAM_BPS + _LAUNCH_US * 1e-6
@@ -232,9 +221,9 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
     BK = _pick_bk(K)
     plans = {}
     for BM, BN, TM, TN in _tile_candidates():
-        if BM > _round_up(M, 8) * 2 and BM > 8:
+        if BM > round_up(M, 8) * 2 and BM > 8:
             continue  # mostly empty tiles
-        if BN > _round_up(N, 4) * 2 and BN > 4:
+        if BN > round_up(N, 4) * 2 and BN > 4:
             continue
         threads = (BM // TM) * (BN // TN)
         if min_threads_for_rows and threads < BM:
@@ -245,9 +234,9 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
             while s <= K // (2 * BK) and s <= 1024:
                 split_opts.add(s)
                 s *= 2
-            tiles = _ceil_div(M, BM) * _ceil_div(N, BN) * batch
+            tiles = ceil_div(M, BM) * ceil_div(N, BN) * batch
             for target in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
-                s = _ceil_div(target, tiles)
+                s = ceil_div(target, tiles)
                 if 1 < s <= K // (2 * BK):
                     split_opts.add(s)
         for s in sorted(split_opts):
@@ -302,7 +291,7 @@ def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast:
 def _reduce_groups(splits: int) -> int:
     """Split groups per output in the reduce launch: each thread sums at most ~8 partials."""
     rg = 1
-    while rg < 32 and _ceil_div(splits, rg) > 8:
+    while rg < 32 and ceil_div(splits, rg) > 8:
         rg *= 2
     return rg
 
@@ -319,15 +308,15 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     splits = plan.splits
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
-    rsum_off = _round_up(part_floats, SCRATCH_ALIGN // 4)
+    rsum_off = round_up(part_floats, SCRATCH_ALIGN // 4)
     rsum_floats = splits * batch * M if (splits > 1 and rowsum) else 0
     scratch_floats = rsum_off + rsum_floats if splits > 1 else 0
-    grid = (_ceil_div(M, plan.BM), _ceil_div(N, plan.BN), batch * splits)
+    grid = (ceil_div(M, plan.BM), ceil_div(N, plan.BN), batch * splits)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"grid {grid} too large")
     outs = batch * M * N + (batch * M if rowsum else 0)
     rg = _reduce_groups(splits)
-    rgrid = _ceil_div(outs, 32)
+    rgrid = ceil_div(outs, 32)
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
     sig = ", ".join(
         ("const float* __restrict__ " if r in inputs else "float* __restrict__ ") + r for r in roles)
@@ -403,7 +392,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
     trans_b; all row-major contiguous."""
     _check_name(name)
-    _check_positive(M=M, N=N, K=K, batch=batch)
+    check_positive(M=M, N=N, K=K, batch=batch)
     if max(batch * M * K, batch * K * N, batch * M * N) >= 2**40:
         raise ValueError("matmul too large")
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
@@ -433,7 +422,7 @@ def render_softmax_cross_entropy(name: str, *, N: int, C: int, with_grad: bool,
     (up to 1024 threads, one row per thread per pass); an out-of-range label contributes a zero
     one-hot row (as ``one_hot`` does). grad_scale defaults to 1/N (the gradient of the mean)."""
     _check_name(name)
-    _check_positive(N=N, C=C)
+    check_positive(N=N, C=C)
     if grad_scale is None:
         grad_scale = 1.0 / N
     threads = 32
@@ -451,11 +440,11 @@ def render_sgd_update(name: str, *, numel: int, lr: float, momentum: float = 0.0
     """p -= lr * (g + weight_decay * p) (with momentum: v = momentum * v + g'; p -= lr * v), in
     place. Roles p, g[, v]; pointers must be 16-byte aligned (float4 body, scalar tail)."""
     _check_name(name)
-    _check_positive(numel=numel)
+    check_positive(numel=numel)
     numel4 = numel // 4 * 4
     items = numel4 // 4 + (numel - numel4)
     code = _render("sgd_update.j2", name=name, numel=numel, numel4=numel4, lr=lr,
                    momentum=momentum, weight_decay=weight_decay, lr_lit=_float_literal(lr),
                    mom_lit=_float_literal(momentum), wd_lit=_float_literal(weight_decay))
     roles = ("p", "g") + (("v",) if momentum else ())
-    return CudaKernel(name, code, (Launch(f"{name}_sgd", (_ceil_div(items, 256), 1, 1), (256, 1, 1), 0, roles),), 0)
+    return CudaKernel(name, code, (Launch(f"{name}_sgd", (ceil_div(items, 256), 1, 1), (256, 1, 1), 0, roles),), 0)

@@ -40,6 +40,19 @@ class Spelling:
     literal: Callable[[Any, str], str]
 
 
+# Operators and helpers every C-family target spells alike (C++, CUDA C++); a target's table adds
+# its math functions to these. em_max/em_min/em_floordiv are NaN- and sign-correct helpers each
+# target's prelude defines.
+C_OPERATORS = {
+    "neg": "(-{0})", "reciprocal": "({one} / {0})", "relu": "({0} < 0 ? {zero} : {0})", "stop_gradient": "{0}",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "floordiv": "em_floordiv({0}, {1})", "maximum": "em_max({0}, {1})", "minimum": "em_min({0}, {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})",
+    "ge": "({0} >= {1})", "cast": "static_cast<{ctype}>({0})", "where": "({0} ? {1} : {2})",
+    "one_hot": "static_cast<{ctype}>({0} == {1})",
+}
+
+
 def c_literal(value: Any, ctype: str) -> str:
     """A C/C++/CUDA literal of `value` as `ctype` (shared by the C-family spellings)."""
     v = np.asarray(value).reshape(()).item()

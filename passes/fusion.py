@@ -45,6 +45,9 @@ REDUCTIONS = {"sum", "max", "argmax"}
 SOURCES = {"input", "parameter", "state", "constant"}
 CONV_OPS = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
 COLLECTIVES = {name for name, op in OPS.items() if op.kind == "collective"}
+# Ops no compiled target has a kernel for yet: fusion refuses them with a message pointing at
+# device='reference' (the interpreter runs every op).
+INTERPRETER_ONLY = {"max_pool2d", "max_pool2d_grad"}
 
 
 def _numel(graph: Graph, n: int) -> int:
@@ -228,7 +231,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                     members.add(r)
                     notes["core"] = r
                     gr.grow(members, [r], graph.type(graph.operands(r)[0]).numel)
-        else:
+        else:  # INTERPRETER_ONLY, or an op added without a fusion rule
             raise NotImplementedError(f"fusion has no kernel kind for op {op!r} (%{root}, at {graph.loc(root)}); "
                                       f"compile with device='reference' (the interpreter runs every op)")
         if kind not in caps.kinds:
