@@ -99,6 +99,21 @@ class DeviceStorage(Storage):
         return len(self._arrays)
 
 
+_STEP_STREAMS: dict[int, Any] = {}
+
+
+def _step_stream(cp: Any) -> Any:
+    """The one stream every step on the current GPU runs on. Steps of one model (the training
+    step, the one compiled for the last partial batch, the inference step) share its parameters,
+    and one stream keeps them in call order without waiting on the host; and it is a blocking
+    stream, so work on the legacy default stream (where CuPy's `get()` and a user's own CuPy
+    calls run) waits for the steps: reading a loss later needs no explicit synchronisation."""
+    device = cp.cuda.Device().id
+    if device not in _STEP_STREAMS:
+        _STEP_STREAMS[device] = cp.cuda.Stream(non_blocking=False)
+    return _STEP_STREAMS[device]
+
+
 def _arch(cp: Any) -> str:
     return f"sm_{cp.cuda.Device().compute_capability}"  # CuPy gives "90" for compute capability 9.0
 
@@ -155,9 +170,7 @@ class CudaExecutor:
         by_kernel = {graph.attrs(n)["graph"].name: i for i, n in enumerate(kernel_nodes)}
         self._kernel_of_launch = [by_kernel[la.kernel] for la in self.source.launches]
         self._streams = [cp.cuda.Stream(non_blocking=True) for _ in range(STREAMS - 1)]
-        # A blocking stream: work on the legacy default stream (where CuPy's `get()` and a user's
-        # own CuPy calls run) waits for the step, so reading the loss later needs no explicit sync.
-        self.stream = cp.cuda.Stream(non_blocking=False)
+        self.stream = _step_stream(cp)
         self._graph = None
         self.profile = bool(profile)
 

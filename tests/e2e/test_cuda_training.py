@@ -132,3 +132,23 @@ def test_mnist_one_epoch_on_the_gpu_reaches_the_accuracy_bar(tmp_path):
     import json
     epoch = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "epoch"][-1]
     assert epoch["test_acc"] >= 0.965, epoch
+
+
+def test_training_evaluation_and_partial_batch_steps_share_one_stream_and_repeat_exactly():
+    """The training step, the step of the last partial batch and the inference step share the
+    parameters on the device: run back to back without host waits they must still give the same
+    figures every time (they are ordered on one stream)."""
+    import cupy
+
+    from ember.frontends.training import Trainer, make_optimizer
+    rng = np.random.default_rng(3)
+    x = rng.random((64 * 20 + 32, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, len(x)).astype(np.int64)
+    test = (x[:500], y[:500])
+    runs = []
+    for _ in range(2):
+        t = Trainer(build_model("cnn"), make_optimizer("sgd", 0.05), (x, y), test, device="cuda", log_every=0)
+        rec = t.fit(1)[-1]
+        runs.append((rec["train_loss"], rec["test_loss"], rec["test_acc"]))
+        cupy.cuda.Device().synchronize()
+    assert runs[0] == runs[1]
