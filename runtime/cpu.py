@@ -33,7 +33,7 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 from ember.passes import pipeline, targets
 
 from . import comm as _comm
-from .executor import HostStorage, Storage, check_inputs
+from .executor import HostStorage, Storage, check_inputs, planned_view
 
 
 def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
@@ -111,17 +111,7 @@ class CpuExecutor:
 
     def _view(self, n: int) -> np.ndarray:
         """The array where node n's value lives after a call (arena view or external array)."""
-        notes = self.graph.notes(n)
-        t = self.graph.type(n)
-        storage = notes["storage"]
-        if storage == "alias":
-            return self._view(notes["alias_of"]).reshape(t.shape)
-        if storage in ("arena", "input"):
-            off = notes["offset"]
-            return self.arena[off:off + t.nbytes].view(t.dtype.numpy).reshape(t.shape)
-        if storage == "constant":
-            return self._constants[str(n)]
-        return self.storage[notes["name"]]
+        return planned_view(self.graph, n, self.arena, lambda m: self._constants[str(m)], self.storage.__getitem__)
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if len(inputs) != len(self._inputs):

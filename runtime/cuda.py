@@ -27,7 +27,7 @@ from ember.ir import Graph, TensorType
 from ember.passes import pipeline, targets
 
 from .cuda_streams import place
-from .executor import Storage, check_inputs
+from .executor import Storage, check_inputs, planned_view
 
 STREAMS = 4  # streams a step's independent kernels spread over inside its CUDA graph
 
@@ -183,16 +183,7 @@ class CudaExecutor:
         return launch
 
     def _view(self, n: int) -> Any:
-        notes, t = self.graph.notes(n), self.graph.type(n)
-        storage = notes["storage"]
-        if storage == "alias":
-            return self._view(notes["alias_of"]).reshape(t.shape)
-        if storage in ("arena", "input"):
-            off = notes["offset"]
-            return self.arena[off:off + t.nbytes].view(t.dtype.numpy).reshape(t.shape)
-        if storage == "constant":
-            return self._constants[n]
-        return self.storage.device_array(notes["name"])
+        return planned_view(self.graph, n, self.arena, self._constants.__getitem__, self.storage.device_array)
 
     def _arg(self, ref: tuple[str, int]) -> Any:
         kind, n = ref

@@ -124,6 +124,22 @@ class HostStorage(Storage):
         return TensorType.of(self._arrays[name])
 
 
+def planned_view(graph: Graph, n: int, arena: Any, constant: Any, stored: Any) -> Any:
+    """The array where node n's value lives after a compiled step, from the memory plan's notes:
+    a view of `arena` (a NumPy or CuPy byte array), `constant(n)`, or `stored(name)` for memory the
+    target's storage owns. Shared by every executor that runs a planned graph."""
+    notes, t = graph.notes(n), graph.type(n)
+    storage = notes["storage"]
+    if storage == "alias":
+        return planned_view(graph, notes["alias_of"], arena, constant, stored).reshape(t.shape)
+    if storage in ("arena", "input"):
+        off = notes["offset"]
+        return arena[off:off + t.nbytes].view(t.dtype.numpy).reshape(t.shape)
+    if storage == "constant":
+        return constant(n)
+    return stored(notes["name"])
+
+
 def check_inputs(signature: Mapping[str, TensorType], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Validates call arguments against a step's signature; returns them as contiguous arrays.
 
