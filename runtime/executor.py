@@ -186,13 +186,21 @@ def class_inputs(graph: Graph) -> dict[str, int]:
     return out
 
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def check_class_inputs(classes: Mapping[str, int], inputs: Mapping[str, Any]) -> None:
     """Raises ValueError naming the first label outside 0..k-1 (PyTorch's cross-entropy raises too).
 
-    np.min/np.max first, so a good batch costs two reductions; the index is searched only when bad.
+    A good batch costs one reduction: signed labels viewed as unsigned put every negative one
+    above any class count, so `max < k` checks both bounds (this runs every step); the index is
+    searched only when a label is bad.
     """
     for name, k in classes.items():
         a = inputs[name]
+        if type(a) is np.ndarray and a.dtype == np.int64 and a.flags.c_contiguous and a.size \
+                and a.view(np.uint64).max() < k:
+            continue  # the usual batch, checked in one reduction
         if hasattr(a, "__cuda_array_interface__"):  # a device array: checked where it lives (one sync)
             if a.size and bool(((a < 0) | (a >= k)).any()):
                 a = a.get()  # the index search below, on the host
@@ -201,7 +209,10 @@ def check_class_inputs(classes: Mapping[str, int], inputs: Mapping[str, Any]) ->
         a = np.asarray(a)
         if a.size == 0 or not np.issubdtype(a.dtype, np.integer):
             continue  # the signature check reports a wrong dtype
-        if a.min() >= 0 and a.max() < k:
+        unsigned = _UNSIGNED.get(a.dtype.itemsize) if a.flags.c_contiguous and a.dtype.kind == "i" else None
+        if unsigned is not None and a.view(unsigned).max() < k:
+            continue
+        if unsigned is None and a.min() >= 0 and a.max() < k:
             continue
         flat = a.reshape(-1)
         i = int(np.flatnonzero((flat < 0) | (flat >= k))[0])
