@@ -14,18 +14,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import jinja2
 
 from ember.ir import Graph, KernelSpec, TensorType
 
 from . import cpp_kernels
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
+from .templates_env import environment
 
-ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cpp"),
-                         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+ENV = environment("cpp")  # shared with the kernel templates
 PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
 ABI_VERSION = 2
 

@@ -24,11 +24,9 @@ depend on ``-ffp-contract``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-import jinja2
 
 from .shapes import ceil_div, check_positive, pair, round_up
+from .templates_env import environment
 
 __all__ = [
     "KernelSource", "MAX_THREADS", "VEC_PRELUDE",
@@ -45,7 +43,6 @@ _ALIGN = 16
 #: Number of per-slot partial sums grad-weight reduces over (fixed: independent of threads).
 _GW_SLOTS = 16
 
-TEMPLATES_DIR = Path(__file__).resolve().parent / "templates" / "cpp"
 
 
 @dataclass(frozen=True)
@@ -159,13 +156,7 @@ static inline int thread_id() {
 """.strip("\n")
 
 
-_env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
-    undefined=jinja2.StrictUndefined,
-    trim_blocks=True,
-    lstrip_blocks=True,
-    keep_trailing_newline=True,
-)
+_env = environment("cpp")
 
 
 def _render(template: str, **ctx) -> str:

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import jinja2
 
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_kernels
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
+from .templates_env import environment
 
-ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates" / "cuda"),
-                         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+ENV = environment("cuda")  # shared with the kernel templates
 THREADS = 256
 COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator carries out
 PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output

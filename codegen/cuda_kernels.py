@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-
-import jinja2
 
 from .shapes import ceil_div, check_positive, pair, round_up
+from .templates_env import environment
 
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "NUM_SMS", "plan_gemm", "plan_candidates",
@@ -46,7 +44,6 @@ __all__ = [
     "render_matmul", "render_softmax_cross_entropy", "render_sgd_update",
 ]
 
-TEMPLATES_DIR = Path(__file__).resolve().parent / "templates" / "cuda"
 
 #: Streaming multiprocessors of the target (H200 SXM). Only affects tile / split choices.
 NUM_SMS = 132
@@ -71,13 +68,7 @@ class CudaKernel:
     scratch_bytes: int            # device scratch the launches need (0: none)
 
 
-_env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
-    undefined=jinja2.StrictUndefined,
-    trim_blocks=True,
-    lstrip_blocks=True,
-    keep_trailing_newline=True,
-)
+_env = environment("cuda")
 
 
 def _render(template: str, **ctx) -> str:
