@@ -18,7 +18,9 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_kernels
-from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
+from .indexing import delinearize
+from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
+                       reduction_init)
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -137,6 +139,21 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
 
 
+def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEpilogue | None:
+    """The generated epilogue of a contraction spec with a `pointwise` one: the subgraph from the
+    contraction's value (`red` in the body) to the output, at the flat output index `i`."""
+    if "pointwise" not in spec.epilogues:
+        return None
+    out = sub.outputs["out"]
+    t = sub.type(out)
+    index = _index_type(sub)
+    body = Body(sub, SPELLING, prefix="e", index_type=index)
+    body.core = spec.param("epilogue_from")
+    result = body.value(out, delinearize("i", t.numel, t.shape))
+    inputs = tuple(sorted(i for role, i in spec.roles if role == f"in{i}"))
+    return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
+
+
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
@@ -144,32 +161,36 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     bias = "bias" in spec.epilogues
     relu = "relu" in spec.epilogues
     known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu"}, "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
+    known = known | {"pointwise"}  # every template takes the generated epilogue
     if unknown := [e for e in spec.epilogues if e not in known]:
         raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
                                   f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
+    epilogue = pointwise_epilogue(sub, spec)
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
         k = cuda_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                               padding=core["padding"], bias=bias, relu=relu)
+                                               padding=core["padding"], bias=bias, relu=relu,
+                                               epilogue=epilogue)
     elif spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
         k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
                                                   stride=core["stride"], padding=core["padding"],
-                                                  relu_mask="relu_mask" in spec.epilogues)
+                                                  relu_mask="relu_mask" in spec.epilogues, epilogue=epilogue)
         if "relu_mask" in spec.epilogues:
             inputs["mask_src"] = inputs["mask"]  # the template's name for the forward ReLU's output
     elif spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False)
+                                                   padding=core["padding"], bias=False, epilogue=epilogue)
     elif spec.kind == "matmul":
         if a_t.shape[:-2] != b_t.shape[:-2]:
             raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "
                                       f"templates do not support yet; broadcast_to the operands first")
         *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
         k = cuda_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=kk, trans_a=spec.param("trans_a"),
-                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu)
+                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu,
+                                       epilogue=epilogue)
     else:
         raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
     return k, {**inputs, "out": "out"}

@@ -39,7 +39,7 @@ from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
-    "Launch", "CudaKernel", "GemmPlan", "NUM_SMS", "plan_gemm", "plan_candidates",
+    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "NUM_SMS", "plan_gemm", "plan_candidates",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_sgd_update",
 ]
@@ -66,6 +66,21 @@ class CudaKernel:
     code: str                     # CUDA C++ source: the extern "C" __global__ functions NAME_*
     launches: tuple[Launch, ...]  # made in order on one stream
     scratch_bytes: int            # device scratch the launches need (0: none)
+
+
+@dataclass(frozen=True)
+class PointwiseEpilogue:
+    """A generated epilogue: statements computing the stored value from `red` (the contraction's
+    value after the template's own epilogues) at flat output index `i`, reading the kernel's
+    operands in<k> for k in `inputs` (extra roles of the launch, after the template's)."""
+    body: tuple[str, ...]
+    result: str
+    inputs: tuple[int, ...]
+    index_type: str = "int"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(f"in{k}" for k in self.inputs)
 
 
 _env = environment("cuda")
@@ -290,12 +305,19 @@ def _reduce_groups(splits: int) -> int:
 def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
-                 c_nfast: bool = False, **ctx) -> CudaKernel:
+                 c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, **ctx) -> CudaKernel:
     if plan is None:
         plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
                          min_threads_for_rows=rowsum)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
+    # The generated epilogue's operands follow the template's roles; they and the output are not
+    # __restrict__: an in-place update reads a parameter through one and writes it through the other.
+    unrestricted: tuple[str, ...] = ()
+    if epilogue is not None:
+        roles = tuple(roles) + tuple(r for r in epilogue.roles if r not in roles)
+        inputs = tuple(inputs) + epilogue.roles
+        unrestricted = epilogue.roles + ("out",)
     splits = plan.splits
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
@@ -309,15 +331,15 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     rg = _reduce_groups(splits)
     rgrid = ceil_div(outs, 32)
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
-    sig = ", ".join(
-        ("const float* __restrict__ " if r in inputs else "float* __restrict__ ") + r for r in roles)
+    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
+                    for r in roles)
     sig += ", float* __restrict__ scratch" if splits > 1 else ""
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=plan.kchunk,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
                    a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
-                   signature=sig, rg=rg, **ctx)
+                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, **ctx)
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
     if splits > 1:
         launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args))
@@ -327,7 +349,8 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
 # --------------------------------------------------------------------------- convolution
 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
-                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None) -> CudaKernel:
+                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None,
+                          epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
     """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
     out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -339,12 +362,13 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
         M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        bias=bias, relu=relu)
+        bias=bias, relu=relu, epilogue=epilogue)
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                              KW: int, stride=(1, 1), padding=(0, 0),
-                             relu_mask: bool = False, plan: GemmPlan | None = None) -> CudaKernel:
+                             relu_mask: bool = False, plan: GemmPlan | None = None,
+                             epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
     [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -356,11 +380,12 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
         M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        relu_mask=relu_mask)
+        relu_mask=relu_mask, epilogue=epilogue)
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
-                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None) -> CudaKernel:
+                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None,
+                              epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
     """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
     dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
     K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused."""
@@ -371,14 +396,15 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
-        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True,
+        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
 
 # --------------------------------------------------------------------------- matmul
 
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
-                  batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None) -> CudaKernel:
+                  batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None,
+                  epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
     """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
     trans_b; all row-major contiguous."""
@@ -393,7 +419,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
                     f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
         a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
-        bias=bias, relu=relu)
+        bias=bias, relu=relu, epilogue=epilogue)
 
 
 # --------------------------------------------------------------------------- loss, update

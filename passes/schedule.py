@@ -18,7 +18,12 @@ from ember.ir import OPS, Graph
 
 def reads_elementwise(graph: Graph, fused: int, source: int) -> bool:
     """True when `fused` reads `source` only at the index it writes (so writing in place is safe)."""
-    if graph.op(fused) != "fused" or graph.attrs(fused)["kernel"].kind != "pointwise":
+    if graph.op(fused) != "fused":
+        return False
+    spec = graph.attrs(fused)["kernel"]
+    # A contraction reads its operands everywhere; with a pointwise epilogue, the epilogue's own
+    # operands are read per output element like a pointwise kernel's (the users check below).
+    if spec.kind != "pointwise" and "pointwise" not in spec.epilogues:
         return False
     sub = graph.attrs(fused)["graph"]
     out_type = sub.type(sub.outputs["out"])

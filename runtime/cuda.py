@@ -286,10 +286,14 @@ TARGET = targets.register(targets.Target(
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
     pipeline=pipeline.kernels,
     # What the CUDA templates take: bias/relu on the forward contractions, ReLU's backward on
-    # conv grad-input (the matmul template has no relu_mask yet), and the loss as its own kernels.
+    # conv grad-input, a generated pointwise epilogue on every contraction (on a GPU each kernel
+    # is a launch and a pass over memory: a sigmoid backward, ReLU's backward behind a reshape or
+    # an SGD update rides in the kernel that produces its input), and the loss as its own kernels.
     fusion=targets.FusionCaps(kinds=targets.FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"},
-                              epilogues={"conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu"}),
-                                         "conv2d_grad_input": frozenset({"relu_mask"})},
+                              epilogues={"conv2d": frozenset({"bias", "relu", "pointwise"}),
+                                         "matmul": frozenset({"bias", "relu", "pointwise"}),
+                                         "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}),
+                                         "conv2d_grad_weight": frozenset({"pointwise"})},
                               loss_kernels=True),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
