@@ -12,12 +12,13 @@ pointers by the runtime; codegen never allocates.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_kernels
+from . import cuda_direct, cuda_kernels
 from .indexing import delinearize
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
                        reduction_init)
@@ -88,7 +89,10 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
     return lines
 
 
-TARGET_BLOCKS = 2 * 132  # enough blocks to fill an H200's 132 multiprocessors twice over
+# A split reduction is bandwidth-bound: it needs enough warps in flight on each of an H200's 132
+# multiprocessors to hide memory latency (measured: 2 blocks of 256 per SM read a bias gradient's
+# 75 MB at 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
+TARGET_BLOCKS = 8 * 132
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,36 @@ def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEp
     return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
 
 
+#: "direct" (default): stride-1 convolutions with enough window work per staged input use the
+#: direct kernels (`cuda_direct`), others the implicit GEMM; "gemm": always the implicit GEMM (for
+#: comparisons: EMBER_CUDA_CONV=gemm ember bench --device cuda). TF32 runs on the GEMM's tensor cores.
+CONV_ALGORITHM = os.environ.get("EMBER_CUDA_CONV", "direct")
+DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
+
+
+def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
+    """The direct kernel for a convolution spec where one applies (see CONV_ALGORITHM), else None."""
+    if tf32 or CONV_ALGORITHM != "direct" or spec.kind not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+        return None
+    core = sub.attrs(spec.core)
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    if spec.kind == "conv2d":
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
+    elif spec.kind == "conv2d_grad_input":
+        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
+    else:
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
+    window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
+    if window < DIRECT_MIN_WINDOW:
+        return None
+    geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
+    if spec.kind == "conv2d_grad_weight":
+        return cuda_direct.render_direct_grad_weight(name, epilogue=epilogue, **geometry)
+    return cuda_direct.render_direct(name, grad_input=spec.kind == "conv2d_grad_input", bias="bias" in spec.epilogues,
+                                     relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues,
+                                     epilogue=epilogue, **geometry)
+
+
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
@@ -167,22 +201,28 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
                                   f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
     epilogue = pointwise_epilogue(sub, spec)
-    if spec.kind == "conv2d":
+    tf32 = bool(spec.param("tf32"))  # precision="tf32": tensor cores (stamped by kernel selection)
+    direct = _direct_convolution(name, sub, spec, epilogue, tf32)
+    if direct is not None:
+        k = direct
+        if spec.kind == "conv2d_grad_input" and "relu_mask" in spec.epilogues:
+            inputs["mask_src"] = inputs["mask"]
+    elif spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
         k = cuda_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
                                                padding=core["padding"], bias=bias, relu=relu,
-                                               epilogue=epilogue)
+                                               epilogue=epilogue, tf32=tf32)
     elif spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
         k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
                                                   stride=core["stride"], padding=core["padding"],
-                                                  relu_mask="relu_mask" in spec.epilogues, epilogue=epilogue)
+                                                  relu_mask="relu_mask" in spec.epilogues, epilogue=epilogue, tf32=tf32)
         if "relu_mask" in spec.epilogues:
             inputs["mask_src"] = inputs["mask"]  # the template's name for the forward ReLU's output
     elif spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False, epilogue=epilogue)
+                                                   padding=core["padding"], bias=False, epilogue=epilogue, tf32=tf32)
     elif spec.kind == "matmul":
         if a_t.shape[:-2] != b_t.shape[:-2]:
             raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "
@@ -190,7 +230,7 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
         *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
         k = cuda_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=kk, trans_a=spec.param("trans_a"),
                                        trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu,
-                                       epilogue=epilogue)
+                                       epilogue=epilogue, tf32=tf32)
     else:
         raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
     return k, {**inputs, "out": "out"}

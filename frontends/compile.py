@@ -57,8 +57,10 @@ class TrainStep:
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                 communicator: Any = None) -> None:
+                 communicator: Any = None, precision: str = "float32") -> None:
         self.target = get_target(device)
+        check_precision(precision, self.target)
+        self.precision = precision
         # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
         # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
@@ -125,6 +127,7 @@ class TrainStep:
         if hit is None:
             model, loss_fn = self.model, self.loss_fn
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+            forward.meta["precision"] = self.precision
             dump = self._dump_subdir("train", types)
             passes = train_passes(self.config) + self.target.passes()
             extra = {}
@@ -144,6 +147,7 @@ class TrainStep:
         hit = self._inference.get(key)
         if hit is None:
             forward = trace(self.model, *types, name="inference")
+            forward.meta["precision"] = self.precision
             if list(forward.outputs) != ["out"]:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
@@ -287,23 +291,28 @@ class TrainStep:
 
 
 def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, example_inputs: tuple[Any, Any],
-         device: str = "cpu", dump_dir: str | os.PathLike | None = None) -> dict[str, Graph]:
+         device: str = "cpu", dump_dir: str | os.PathLike | None = None, precision: str = "float32") -> dict[str, Graph]:
     """The training and inference graphs of `model` after every pass of `device`, without
     building or running anything: what `ember kernels` renders. Needs no GPU for device="cuda"."""
     target = get_target(device)
+    check_precision(precision, target)
     types = tuple(example_type(a) for a in example_inputs)
     root = Path(dump_dir) if dump_dir is not None else None
     forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+    forward.meta["precision"] = precision
     train = run_passes(forward, train_passes(as_config(optimizer)) + target.passes(),
                        dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
-    inference = run_passes(trace(model, types[0], name="inference"), target.passes(),
+    inference_forward = trace(model, types[0], name="inference")
+    inference_forward.meta["precision"] = precision
+    inference = run_passes(inference_forward, target.passes(),
                            dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
     return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "reference",
-            dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None) -> TrainStep:
+            dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None,
+            precision: str = "float32") -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
@@ -313,9 +322,24 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
     communicator: an `ember.runtime.comm` communicator of several ranks (`comm.from_env()` under
     `ember launch` or `mpiexec`): data parallel, each rank's batch is its shard of the global one.
+    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
+    "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
+    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
-                     profile=profile, communicator=communicator)
+                     profile=profile, communicator=communicator, precision=precision)
+
+
+PRECISIONS = ("float32", "tf32")
+
+
+def check_precision(precision: Any, target: Any) -> None:
+    """A one-line ValueError unless `precision` is a mode `target` computes in."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
+    if precision not in target.precisions:
+        raise ValueError(f"precision={precision!r} is not available on device {target.name!r} "
+                         f"(it computes in {', '.join(sorted(target.precisions))}); TF32 is a CUDA tensor-core mode")
 
 
 __all__ = ["compile", "plan", "TrainStep"]

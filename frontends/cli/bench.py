@@ -332,7 +332,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (cuda: 64 and 1024)")
-    p.add_argument("--tf32", action="store_true", help="cuda: let PyTorch use TF32 (ember's kernels are exact fp32)")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor cores for ember (precision='tf32') and PyTorch (allow_tf32) alike")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")

@@ -40,6 +40,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default), mlp, lenet5 or resnet8")
     p.add_argument("--device", choices=target_names(), default="cpu",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
+    p.add_argument("--tf32", action="store_true",
+                   help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
+                        "as PyTorch's allow_tf32); default: exact float32")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist, "
                         "where missing files are downloaded, md5-checked)")
@@ -94,6 +97,8 @@ def _check_args(args: Any) -> None:
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
     check_hyperparameters(args.lr, args.momentum)
+    if getattr(args, "tf32", False) and args.device != "cuda":
+        raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {args.device} computes in float32")
     if args.save:
         check_output_file("--save", args.save)
     if args.metrics_file:
@@ -200,7 +205,8 @@ def main(args: Any) -> int:
             return _error(f"--data {root}: the {split} set holds no images; expected the MNIST IDX files")
 
     config = {"model": args.model, "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum,
-              "init": args.init_weights or f"{args.init} seed {args.seed}"}
+              "init": args.init_weights or f"{args.init} seed {args.seed}",
+              "precision": "tf32" if args.tf32 else "float32"}
     try:
         model = build_model(args.model, args.seed, args.init)
         if args.init_weights and not args.resume:
@@ -235,7 +241,8 @@ def main(args: Any) -> int:
     trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
                       batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
                       eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
-                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm)
+                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm,
+                      precision=config["precision"])
     if trainer.world_size > 1:
         print(f"data parallel: {trainer.world_size} ranks x batch {args.batch_size} = global batch "
               f"{args.batch_size * trainer.world_size}; {len(trainer.loader.x)} "

@@ -46,7 +46,7 @@ class Trainer:
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
-                 communicator: Any = None) -> None:
+                 communicator: Any = None, precision: str = "float32") -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -96,7 +96,7 @@ class Trainer:
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
-                                  device=device, dump_dir=dump_dir, communicator=communicator)
+                                  device=device, dump_dir=dump_dir, communicator=communicator, precision=precision)
         # The last partial batch has its own shape: compile its step now, not mid-epoch.
         last = len(x) % batch_size if len(x) > batch_size else 0
         reaches_end = not self.limit_steps or self.limit_steps >= len(self.loader)

@@ -22,10 +22,12 @@ def _nvcc() -> str:
     return nvcc
 
 
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
-def test_every_generated_cuda_source_compiles_with_nvcc(model, tmp_path, capsys):
+def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, capsys):
     nvcc = _nvcc()
-    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]
+                      + (["--tf32"] if tf32 else [])) == 0
     sources = sorted(tmp_path.glob("*.cu"))
     assert [p.name for p in sources] == [f"{model}-inference-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu",
                                          f"{model}-train-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu"]
@@ -35,6 +37,7 @@ def test_every_generated_cuda_source_compiles_with_nvcc(model, tmp_path, capsys)
         assert r.returncode == 0 and not r.stderr.strip(), f"{src.name}:\n{r.stderr}"
     text = (tmp_path / sources[-1].name).read_text()
     assert "extern \"C\" __global__" in text and "implements" in text
+    assert ("mma.sync.aligned.m16n8k8" in text) == tf32  # tensor cores exactly when asked
 
 
 def test_kernels_command_refuses_a_device_without_sources(tmp_path, capsys):
