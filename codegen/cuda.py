@@ -163,6 +163,15 @@ def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEp
 #: comparisons: EMBER_CUDA_CONV=gemm ember bench --device cuda). TF32 runs on the GEMM's tensor cores.
 CONV_ALGORITHM = os.environ.get("EMBER_CUDA_CONV", "direct")
 DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
+# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
+# for the MNIST CNN's conv2 (tests/codegen/cuda_direct_try.py), at batch 64 (37k positions) the
+# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
+# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
+DIRECT_MIN_POSITIONS = 1 << 17
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
 
 
 def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
@@ -178,7 +187,8 @@ def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, 
     else:
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
     window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
-    if window < DIRECT_MIN_WINDOW:
+    positions = n * (h - kh + 1 + 2 * _pair(core["padding"])[0]) * (w - kw + 1 + 2 * _pair(core["padding"])[1])
+    if window < DIRECT_MIN_WINDOW or positions < DIRECT_MIN_POSITIONS:
         return None
     geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
     if spec.kind == "conv2d_grad_weight":

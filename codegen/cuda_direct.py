@@ -63,7 +63,13 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
                 blocks = N * ceil_div(HO, RB)
                 fill = min(1.0, blocks / (2 * NUM_SMS))
                 staging = (RB + KH - 1) / RB  # halo rows staged per output row
-                score = useful * fill / (1 + 3 * lds) / (1 + 0.05 * staging)
+                # Measured on an H200 (tests/codegen/cuda_direct_try.py, conv2 of the MNIST CNN):
+                # 96-256 threads and 32 accumulators a thread run best (more registers or more
+                # threads cut the blocks resident per multiprocessor; fewer starve it), and blocks
+                # of many rows (24-26) ran 1.5x slower than 8-row ones.
+                shape = (1.0 if 96 <= threads <= 256 else 0.6) * (1.0 if OT * PT <= 32 else 0.8) \
+                    * (1.0 if RB <= 12 else 0.8)
+                score = useful * fill * shape / (1 + 3 * lds) / (1 + 0.05 * staging)
                 if best is None or score > best.score:
                     best = DirectPlan(OT, PT, RB, CC, ncg, threads, score)
     return best

@@ -83,6 +83,30 @@ def main() -> None:
         out = executor._outputs["loss"]
         row["host_copy_out_us"] = _host_per_call(cp, lambda i: executor._copy_out(out))
         row["host_executor_call_us"] = _host_per_call(cp, lambda i: executor(inputs))
+        # A/B of the ways to enqueue one device-to-device copy of the x batch (host time per call)
+        buf, src = executor._inputs["x"], xl[0]
+        rt, sp = cp.cuda.runtime, executor.stream.ptr
+        row["host_copy_memptr_us"] = _host_per_call(
+            cp, lambda i: buf.data.copy_from_device_async(src.data, src.nbytes, executor.stream))
+        row["host_copy_raw_d2d_us"] = _host_per_call(cp, lambda i: rt.memcpyAsync(buf.data.ptr, src.data.ptr, src.nbytes,
+                                                                                  3, sp))
+        row["host_copy_raw_default_us"] = _host_per_call(
+            cp, lambda i: rt.memcpyAsync(buf.data.ptr, src.data.ptr, src.nbytes, 4, sp))
+        bp, spp, nb = buf.data.ptr, src.data.ptr, src.nbytes
+        row["host_copy_raw_cached_ptrs_us"] = _host_per_call(cp, lambda i: rt.memcpyAsync(bp, spp, nb, 3, sp))
+        row["host_empty_scalar_us"] = _host_per_call(cp, lambda i: cp.empty((), cp.float32))
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(2000):
+            run(i)
+        prof.disable()
+        cp.cuda.Device().synchronize()
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime")
+        row["profile_top"] = [f"{fn[2]} ({fn[0].split('/')[-1]}:{fn[1]}): {st[2] / 2000 * 1e6:.2f} us/step"
+                              for fn, st in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:14]]
         try:
             import torch
 

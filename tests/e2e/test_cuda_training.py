@@ -155,25 +155,39 @@ def test_training_evaluation_and_partial_batch_steps_share_one_stream_and_repeat
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_tf32_steps_track_float32_within_tf32_rounding(name):
-    """precision="tf32" (tensor cores) from the same weights on the same batches as float32: TF32
-    rounds each operand to 10 mantissa bits (2**-11 relative), so a step's loss moves by ~1e-3
-    relative, and over 30 steps the trajectories stay within 2e-2 of each other (measured on an
-    H200: see the closing note of the CUDA issue); deterministic like float32 (two runs equal)."""
-    xs, ys = _batches(name, 30, seed=4)
+def test_tf32_steps_stay_within_tf32_rounding_of_float32(name):
+    """precision="tf32" (tensor cores) against float32, per step from the same weights (free
+    running is chaotic in the first steps and would measure that, not TF32): TF32 rounds each
+    operand to 10 mantissa bits (2**-11 relative), so each product is off by up to ~1e-3 of
+    itself and a step's loss and parameter update move by about that much: the loss within
+    2e-3 relative and the update within 2e-2 (relative L2 over all parameters) of float32's. The
+    update must also differ measurably (> 1e-5): equal updates would mean TF32 never ran. Two
+    TF32 runs are identical (deterministic like float32)."""
+    xs, ys = _batches(name, 20, seed=4)
+    fp32 = _step(name)
 
-    def losses():
-        model = build_model(name)
-        step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(xs[0], ys[0]),
+    def tf32_step():
+        step = compile(build_model(name), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(xs[0], ys[0]),
                        device="cuda", precision="tf32")
-        assert all(s.param("tf32") for s in (step.train_graph.attrs(n)["kernel"] for n in step.train_graph.g
-                                             if step.train_graph.op(n) == "fused")
-                   if s.kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"))
-        return [float(step(x, y)) for x, y in zip(xs, ys)]
+        graph = step.train_graph
+        specs = [graph.attrs(n)["kernel"] for n in graph.g if graph.op(n) == "fused"]
+        assert all(s.param("tf32") for s in specs if s.kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight",
+                                                                 "matmul"))
+        return step
 
-    fp32 = [float(_step(name)(x, y)) for x, y in zip(xs, ys)]
-    tf32_a, tf32_b = losses(), losses()
-    assert tf32_a == tf32_b
-    rel = [abs(a - b) / abs(b) for a, b in zip(tf32_a, fp32)]
-    assert rel[0] <= 5e-3, rel[0]
-    assert max(rel) <= 2e-2, rel
+    tf32, again = tf32_step(), tf32_step()
+    rel_updates = []
+    for x, y in zip(xs, ys):
+        before = fp32.state_dict()
+        tf32.load_state_dict(before)
+        again.load_state_dict(before)
+        loss32, loss_tf = float(fp32(x, y)), float(tf32(x, y))
+        assert float(again(x, y)) == loss_tf
+        assert abs(loss_tf - loss32) <= 2e-3 * abs(loss32), (loss_tf, loss32)
+        after32, after_tf = fp32.state_dict(), tf32.state_dict()
+        num = np.sqrt(sum(np.sum(((after_tf[k] - before[k]) - (after32[k] - before[k])).astype(np.float64) ** 2)
+                          for k in before))
+        den = np.sqrt(sum(np.sum((after32[k] - before[k]).astype(np.float64) ** 2) for k in before))
+        rel_updates.append(num / den)
+    assert max(rel_updates) <= 2e-2, rel_updates
+    assert min(rel_updates) > 1e-5, rel_updates
