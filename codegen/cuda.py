@@ -198,6 +198,16 @@ def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, 
                                      epilogue=epilogue, **geometry)
 
 
+def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:
+    """The short-contraction matmul kernel where it applies (K <= 16, one batch), else None."""
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    if a_t.rank != 2 or b_t.rank != 2:
+        return None
+    (m, kk), n = a_t.shape, sub.type(spec.core).shape[-1]
+    return cuda_direct.render_matmul_thin(name, M=m, N=n, K=kk, trans_a=spec.param("trans_a"),
+                                          trans_b=spec.param("trans_b"), bias=bias, relu=relu, epilogue=epilogue)
+
+
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
@@ -233,6 +243,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
                                                    padding=core["padding"], bias=False, epilogue=epilogue, tf32=tf32)
+    elif spec.kind == "matmul" and not tf32 and (thin := _thin_matmul(name, sub, spec, epilogue, bias, relu)):
+        k = thin
     elif spec.kind == "matmul":
         if a_t.shape[:-2] != b_t.shape[:-2]:
             raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "

@@ -1,4 +1,5 @@
-"""Direct (non-GEMM) CUDA convolutions for stride 1: forward, grad-input and grad-weight.
+"""Direct (non-GEMM) CUDA kernels: stride-1 convolutions (forward, grad-input, grad-weight) and
+matmuls with a short contraction.
 
 The implicit-GEMM kernels of `cuda_kernels` gather every input element KH*KW times (once per
 window position that reads it) and pay index arithmetic on each gather; with few channels (the
@@ -8,6 +9,10 @@ block and slide a register window along each row, so nearly every instruction in
 is an FMA (templates `conv2d_direct.j2`, `conv2d_direct_gw.j2`). Same contract as the GEMM
 kernels (roles, scratch, epilogues, no float atomics, fixed summation orders); the summation
 order differs from theirs, so results differ in the last bits, within the same tolerances.
+
+A matmul with K <= 16 (`render_matmul_thin`) is a pass over memory: one thread writes 4
+neighbouring outputs of a row with one float4 store, where the GEMM skeleton's scalar stores
+reached a third of the memory bandwidth.
 
 `direct_forward_plan` / `direct_grad_weight_plan` return None where a geometry does not suit
 (stride > 1, too many channels for one block, windows wider than a row): codegen then uses the
@@ -124,26 +129,31 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     return CudaKernel(name, code, (Launch(f"{name}_direct", grid, (plan.threads, 1, 1), 0, roles),), 0)
 
 
-def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> tuple[int, int] | None:
-    """(OT, blocks) for the direct grad-weight kernel, or None where it does not suit."""
+def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> tuple[int, int, int] | None:
+    """(OT, RB, blocks) for the direct grad-weight kernel, or None where it does not suit."""
     for OT in (4, 2, 1):
         if O % OT or OT * KH * KW > 64:
             continue
         threads = O // OT * C
-        if 64 <= threads <= 512:
-            smem = 4 * (WO * (O + 4) + C * KH * (WO + KW - 1))
-            if smem > SMEM_LIMIT:
-                return None
-            # Enough blocks for ~4 per multiprocessor, but not so many that the partials (and the
-            # reduce launch) outweigh the rows each block walks.
-            blocks = max(1, min(N * HO, 4 * NUM_SMS, (N * HO) // 2 or 1))
-            return OT, blocks
+        if not 64 <= threads <= 512:
+            continue
+        # Rows staged per barrier pair: more rows amortise the barriers and share x's halo rows.
+        for RB in (4, 3, 2, 1):
+            if 4 * (RB * WO * (O + 4) + C * (RB + KH - 1) * (WO + KW - 1)) <= SMEM_LIMIT:
+                break
+        else:
+            return None
+        units = N * ceil_div(HO, RB)
+        # Enough blocks for ~4 per multiprocessor, but not so many that the partials (and the
+        # reduce launch) outweigh the rows each block walks.
+        blocks = max(1, min(units, 4 * NUM_SMS, units // 2 or 1))
+        return OT, RB, blocks
     return None
 
 
 def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                               stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
-                              blocks: int | None = None) -> CudaKernel | None:
+                              blocks: int | None = None, rows: int | None = None) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) for stride 1: roles x, dy, out (O,C,KH,KW); None where no
     direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -152,9 +162,11 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     choice = direct_grad_weight_plan(N, C, O, KH, KW, HO, WO)
     if choice is None:
         return None
-    OT, nblocks = choice
+    OT, RB, nblocks = choice
     if blocks is not None:
         nblocks = blocks
+    if rows is not None:
+        RB = rows
     roles, inputs, unrestricted = _with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
     outs = O * C * KH * KW
     rg = _reduce_groups(nblocks)
@@ -162,7 +174,7 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     code = _env.get_template("conv2d_direct_gw.j2").render(
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
-        blocks=nblocks, dy_pad=4, roles=roles, inputs=inputs, unrestricted=unrestricted,
+        blocks=nblocks, RB=RB, dy_pad=4, min_blocks=max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)
@@ -172,4 +184,30 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
                       scratch)
 
 
-__all__ = ["DirectPlan", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight"]
+THIN_MAX_K = 16
+
+
+def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
+                       bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
+                       rows: int | None = None) -> CudaKernel | None:
+    """out = op(a) @ b [+ bias][relu][epilogue] for K <= 16, b row-major (K, N), N % 4 == 0, one
+    batch: roles a, b, [bias], out; None where the shape does not suit."""
+    if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
+        return None
+    threads = 128 if N >= 512 else 32 * ceil_div(N // 4, 32)
+    col_blocks = ceil_div(N // 4, threads)
+    # rows a block: enough blocks to fill the GPU several times over, each thread >= 4 rows
+    RM = rows or max(4, min(64, ceil_div(M * col_blocks, 8 * NUM_SMS)))
+    roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
+    roles, inputs, unrestricted = _with_epilogue(roles, ("a", "b", "bias"), epilogue)
+    grid = (col_blocks, ceil_div(M, RM), 1)
+    code = _env.get_template("matmul_thin.j2").render(
+        name=name, description=f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}){' +bias' if bias else ''}"
+                               f"{' +relu' if relu else ''}",
+        M=M, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
+        roles=roles, inputs=inputs, unrestricted=unrestricted, signature=_signature(roles, inputs, unrestricted, False))
+    return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
+
+
+__all__ = ["DirectPlan", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight",
+           "render_matmul_thin"]

@@ -87,6 +87,16 @@ def direct_kernels(batches=(64, 1024)):
         k = cd.render_direct_grad_weight(f"{tag}_dgw", **g)
         if k is not None:
             out.append((k, ("conv_gw", g, dict(bias=False))))
+    # short-contraction matmuls (K <= 16): the CNN's linear grad-input and odd shapes
+    thin = [(f"linear_gi_thin_{B}", dict(M=B, N=18432, K=10, trans_a=False, trans_b=False)) for B in batches]
+    thin += [("thin_odd0", dict(M=7, N=12, K=5, trans_a=True, trans_b=False)),
+             ("thin_odd1", dict(M=33, N=36, K=16, trans_a=False, trans_b=False, bias=True, relu=True)),
+             ("thin_odd2", dict(M=1000, N=4, K=1, trans_a=False, trans_b=False, bias=True)),
+             ("thin_odd3", dict(M=5, N=1028, K=3, trans_a=True, trans_b=False, relu=True))]
+    for tag, m in thin:
+        k = cd.render_matmul_thin(tag, **m)
+        assert k is not None, tag
+        out.append((k, ("matmul", m, {})))
     return out
 
 

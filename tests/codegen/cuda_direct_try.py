@@ -71,12 +71,17 @@ def main() -> None:
                                     cd.render_direct(f"d{i}_gi_{B}", grad_input=True, relu_mask=True, plan=p, **spec)))
             else:
                 kernels.append(("gemm", ck.render_conv2d_grad_weight(f"g_gw_{B}", bias=False, **spec)))
-                for blocks in (132, 264, 528, 1056):
-                    kernels.append((f"direct blocks {blocks}",
-                                    cd.render_direct_grad_weight(f"d{blocks}_gw_{B}", blocks=blocks, **spec)))
+                for blocks in (264, 528, 1056):
+                    for rows in (1, 2, 4):
+                        kernels.append((f"direct blocks {blocks} rows {rows}",
+                                        cd.render_direct_grad_weight(f"d{blocks}r{rows}_gw_{B}", blocks=blocks,
+                                                                     rows=rows, **spec)))
             cases.append((kind, extra, [(label, k) for label, k in kernels if k is not None]))
+        mm = dict(M=B, N=18432, K=10, trans_a=False, trans_b=False)
+        cases.append(("matmul", {}, [("gemm", ck.render_matmul(f"g_mm_{B}", **mm))] +
+                      [(f"thin rows {r}", cd.render_matmul_thin(f"t{r}_mm_{B}", rows=r, **mm)) for r in (4, 16, 35, 64)]))
         for kind, extra, kernels in cases:
-            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+            ins, refs, _ = cuda_refs.make_case(kind, mm if kind == "matmul" else spec, extra, rng)
             bufs = {r: cp.asarray(a) for r, a in ins.items()}
             for role, ref in refs.items():
                 bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
@@ -89,8 +94,9 @@ def main() -> None:
                 got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
                 rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
                 t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+                flops = 2 * B * 18432 * 10 if kind == "matmul" else 2 * B * 32 * 16 * 9 * HO * WO
                 r = dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel,
-                         pct_fp32_peak=round(100 * 2 * B * 32 * 16 * 9 * HO * WO / (t * 1e-6) / 67e12, 1))
+                         pct_fp32_peak=round(100 * flops / (t * 1e-6) / 67e12, 1))
                 out.append(r)
                 print(f"B={B:<5d} {kind:9s} {label:34s} {t:9.2f} us {r['pct_fp32_peak']:5.1f}% peak  rel {rel:.1e}",
                       flush=True)
