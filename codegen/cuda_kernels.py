@@ -304,6 +304,11 @@ MEASURED_PLANS: dict[tuple, tuple[int, int, int, int, int, int]] = {
     (32, 144, 589824, 1, True, True, True): (32, 32, 32, 4, 2, 256),  # conv2_gw+db B=1024: 376.4 us vs model pick 416.8 us
     (16, 9, 43264, 1, True, True, True): (32, 16, 32, 2, 2, 451),  # conv1_gw+db B=64: 9.89 us vs model pick 11.37 us
     (16, 9, 692224, 1, True, True, True): (16, 16, 32, 2, 2, 1031),  # conv1_gw+db B=1024: 44.6 us vs model pick 54.3 us
+    # Sweep of session 3 (tests/codegen/cuda_direct_try.py --sweep-only): the fused step's
+    # conv1 grad-weight has no bias row sum (its key differs from the +db kernel's above).
+    (1024, 10, 18432, 1, True, True, False): (128, 16, 32, 4, 2, 32),  # linear_fwd B=1024: 41.4 us vs model pick 46.1 us
+    (16, 9, 692224, 1, True, True, False): (16, 16, 32, 4, 1, 1031),  # conv1_gw B=1024: 40.6 us vs model pick 50.8 us
+    (16, 9, 43264, 1, True, True, False): (16, 16, 32, 4, 1, 451),  # conv1_gw B=64: 7.81 us vs model pick 10.7 us
 }
 
 

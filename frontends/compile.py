@@ -35,9 +35,19 @@ from .tensor import Parameter
 from .tracing import example_type, trace
 
 
+_DEVICE_ARRAY_TYPES: set[type] = set()
+
+
 def _array(a: Any) -> Any:
     """An array as given when it already is one (NumPy, or a device array), else as NumPy."""
-    return a if isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__") else np.asarray(a)
+    # Runs twice a step: a device step is ~20 us, so the attribute probe is paid once per type.
+    t = type(a)
+    if t is np.ndarray or t in _DEVICE_ARRAY_TYPES:
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        _DEVICE_ARRAY_TYPES.add(t)
+        return a
+    return a if isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def _shape_tag(types: tuple[TensorType, ...]) -> str:

@@ -45,13 +45,54 @@ def _alternatives(N, CI, HI, WI, CO, HO, WO, KH, KW, count=6):
     return plans[:count + 1]
 
 
+def sweep_gemms(cp, rng, n_top: int = 8) -> list[dict]:
+    """The GEMM plans of the CNN step's memory-bound contractions, measured (the cost model's top
+    plans and a spread): linear forward / grad-weight and conv1 grad-weight without the bias."""
+    out = []
+    for B in (64, 1024):
+        cases = [("linear_fwd", "matmul", dict(M=B, N=10, K=18432, trans_a=False, trans_b=True, bias=True), {}),
+                 ("linear_gw", "matmul", dict(M=10, N=18432, K=B, trans_a=True, trans_b=False), {}),
+                 ("conv1_gw", "conv_gw", dict(N=B, C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
+                  dict(bias=False))]
+        for label, kind, spec, extra in cases:
+            plans = cb.sweep_plans(kind, spec, extra, n_top)
+            kerns = [cb._render_with(kind, spec, extra, f"sw{i}_{label}_{B}", p) for i, p in enumerate(plans)]
+            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+            bufs = {r: cp.asarray(a) for r, a in ins.items()}
+            for role, ref in refs.items():
+                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+            mod = cuda_refs.compile_module(cp, [k.code for k in kerns])
+            res = []
+            for p, k in zip(plans, kerns):
+                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+                cuda_refs.run_launches(cp, mod, k, bufs, scr)
+                got = cp.asnumpy(bufs["out"]).reshape(refs["out"].shape).astype(np.float64)
+                rel = float(np.linalg.norm(got - refs["out"]) / np.linalg.norm(refs["out"]))
+                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+                res.append(dict(batch=B, kernel=label, key=list(cb.gemm_dims(kind, spec, extra)),
+                                plan=[p.BM, p.BN, p.BK, p.TM, p.TN, p.splits], us=round(t, 2), rel_err=rel))
+            res.sort(key=lambda r: r["us"])
+            for r in res[:3]:
+                print(f"sweep B={B:<5d} {label:10s} {r['plan']} {r['us']:8.2f} us rel {r['rel_err']:.1e} "
+                      f"(model pick {res and [x for x in res if x['plan'] == [plans[0].BM, plans[0].BN, plans[0].BK, plans[0].TM, plans[0].TN, plans[0].splits]][0]['us']} us)",
+                      flush=True)
+            out += res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep-only", action="store_true", help="only the GEMM plan sweep")
     args = ap.parse_args()
     import cupy as cp
     rng = np.random.default_rng(1)
     out = []
+    if args.sweep_only:
+        out = sweep_gemms(cp, rng)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return
     for B in (64, 1024):
         spec = dict(N=B, **CONV2)
         HO = WO = 24
