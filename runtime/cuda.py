@@ -227,10 +227,10 @@ class CudaExecutor:
     def _replay(self) -> None:
         """The first call runs the launches eagerly (loading the module), the second captures them
         into a CUDA graph; every later call replays that graph."""
+        if self._graph is not None:  # the per-step path: the stream is explicit, no context switch
+            self._graph.launch(self.stream)
+            return
         with self.stream:
-            if self._graph is not None:
-                self._graph.launch(self.stream)
-                return
             if getattr(self, "_warm", False):
                 self.stream.begin_capture()
                 try:
