@@ -46,7 +46,7 @@ class Trainer:
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
-                 communicator: Any = None) -> None:
+                 communicator: Any = None, bucket_bytes: int | None = None) -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -60,6 +60,12 @@ class Trainer:
         self.rank, self.world_size = (communicator.rank, communicator.size) if communicator is not None else (0, 1)
         self.dropped_tail = 0
         if self.world_size > 1:
+            # every rank must read the same data (before sharding it): a rank with another folder
+            # or a damaged file stops the run here, instead of training on something else
+            from ember.runtime.consistency import agree_on_data
+            agree_on_data(communicator, "the training data", (x, y))
+            if test is not None:
+                agree_on_data(communicator, "the test data", test)
             per = len(x) // self.world_size
             if per == 0:
                 raise ValueError(f"{len(x)} training samples cannot be sharded over {self.world_size} ranks")
@@ -95,8 +101,9 @@ class Trainer:
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
+        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}  # else compile()'s default
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
-                                  device=device, dump_dir=dump_dir, communicator=communicator)
+                                  device=device, dump_dir=dump_dir, communicator=communicator, **extra)
         # The last partial batch has its own shape: compile its step now, not mid-epoch.
         last = len(x) % batch_size if len(x) > batch_size else 0
         reaches_end = not self.limit_steps or self.limit_steps >= len(self.loader)
@@ -128,7 +135,8 @@ class Trainer:
                "start_epoch": self.epoch, "start_step": self.global_step, **extra}
         if self.world_size > 1:
             rec.update(world_size=self.world_size, global_batch_size=self.loader.batch_size * self.world_size,
-                       dropped_tail=self.dropped_tail)
+                       dropped_tail=self.dropped_tail, bucket_bytes=self.step.bucket_bytes,
+                       buckets=len(self.step.train_graph.meta.get("buckets", [])))
         self.record(rec)
         return rec
 
