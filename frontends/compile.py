@@ -97,11 +97,19 @@ class TrainStep:
         self._example = tuple(example_type(a) for a in example_inputs)
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
-        if self.comm is not None:  # every rank starts from rank 0's parameters and state (checked by hash)
-            if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
-                self.comm.broadcast_storage(self.storage)
-            else:
-                broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+        self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
+
+    def sync_ranks(self) -> None:
+        """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
+        that every rank holds the same bits (a collective: every rank calls it; no-op alone).
+        Done at the start and after loading a checkpoint."""
+        if self.comm is None:
+            return
+        self._sync()
+        if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
+            self.comm.broadcast_storage(self.storage)
+        else:
+            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:

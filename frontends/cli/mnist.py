@@ -265,6 +265,8 @@ def main(args: Any) -> int:
         print(f"resumed from {args.resume}: {trainer.epoch} epoch(s), {trainer.global_step} steps done"
               + (f" ({trainer.step_in_epoch} into epoch {trainer.epoch + 1})" if trainer.step_in_epoch else ""),
               flush=True)
+        if trainer.resume_note:
+            print(f"note: {trainer.resume_note}", flush=True)
     writers: list[Any] = []
     if args.metrics_file:
         writers.append(MetricsWriter(args.metrics_file, mode="a" if args.resume else "w"))

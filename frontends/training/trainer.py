@@ -97,6 +97,7 @@ class Trainer:
         self.global_step = 0     # steps completed, all epochs
         self.step_in_epoch = 0   # steps done in epoch `self.epoch` (nonzero only after a mid-epoch stop)
         self.stop_requested = False  # set (e.g. by a signal handler) to stop after the current step
+        self.resume_note: str | None = None  # set by load() when the progress had to be mapped
         self.diverged: dict[str, Any] | None = None  # the "diverged" record once the loss is not finite
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
@@ -305,7 +306,8 @@ class Trainer:
         if not self.finite():
             raise NonFiniteError(f"{path}: not written: the parameters or optimizer state are not finite")
         save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
-                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config)
+                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config,
+                        world_size=self.world_size, global_batch=self.loader.batch_size * self.world_size)
 
     def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
         """Restores parameters, optimizer state and progress from a checkpoint (a path or a loaded
@@ -318,8 +320,25 @@ class Trainer:
             self.step.load_optimizer_state_dict(ckpt.optimizer)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{where}: does not fit this model and optimizer: {e}") from None
+        # data parallel: every rank read the file; rank 0's copy is broadcast and all are checked
+        # equal, so a rank that read another (stale, node-local) file cannot train on it
+        self.step.sync_ranks()
         self.epoch, self.global_step, self.step_in_epoch = ckpt.epoch, ckpt.step, ckpt.step_in_epoch
         self.resumed_config = ckpt.config
+        self.resume_note = None
+        global_batch = self.loader.batch_size * self.world_size
+        if ckpt.step_in_epoch and ckpt.global_batch is not None and ckpt.global_batch != global_batch:
+            # Stopped mid-epoch at another global batch (another world size or --batch-size): a
+            # step count means other samples now, so resume at the same sample count, rounded
+            # down (a few samples seen twice rather than skipped). Each rank reads its own
+            # contiguous shard, so the rest of the epoch is not exactly the samples the old
+            # world would have read: only whole epochs resume exactly across world sizes.
+            done = ckpt.step_in_epoch * ckpt.global_batch
+            self.step_in_epoch = done // global_batch
+            self.resume_note = (f"the checkpoint stopped {done} samples into epoch {ckpt.epoch + 1} at a global batch "
+                                f"of {ckpt.global_batch} ({ckpt.world_size} rank(s)); this run ({self.world_size} "
+                                f"rank(s), global batch {global_batch}) resumes at step {self.step_in_epoch} of that "
+                                f"epoch; the rest of the epoch is not exactly the samples the other run would have read")
 
 
 def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...], where: Any) -> None:

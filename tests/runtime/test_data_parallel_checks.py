@@ -153,3 +153,55 @@ def test_a_rank_reading_other_data_stops_the_run_naming_it(mnist_dir, tmp_path):
     line = _rank0_error(r.stderr)
     assert line.startswith("ember mnist: error: rank 1 differs from rank 0 in the training data: 60000 samples, "
                            "sha256 "), line
+
+
+# ---- a checkpoint written by 2 ranks resumes on 1 and on 3 ---------------------------------------
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_three(mnist_dir, tmp_path):
+    import json
+    from ember.frontends.training.checkpoint import load_checkpoint
+    env = _mpi_env()
+    ckpt, metrics = tmp_path / "two.safetensors", tmp_path / "m.jsonl"
+    mnist = [sys.executable, "-m", "ember.frontends.cli", "mnist", "--model", "mlp", "--device", "cpu",
+             "--momentum", "0.9", "--limit-steps", "3", "--no-progress", "--eval-batch-size", "5000",
+             "--data", str(mnist_dir)]
+    launch = [sys.executable, "-m", "ember.frontends.cli", "launch", "--nproc-per-node"]
+    r = subprocess.run(launch + ["2", "--"] + mnist + ["--epochs", "1", "--save", str(ckpt)], env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = load_checkpoint(ckpt)
+    assert (ck.epoch, ck.step, ck.world_size, ck.global_batch) == (1, 3, 2, 128)
+    assert any(k.endswith("momentum_buffer") for k in ck.optimizer)
+
+    # through Trainer.load: every rank holds exactly the checkpoint, and 2 more steps over M ranks
+    # equal one process stepping the same global batches from it
+    script = Path(__file__).with_name("dp_resume_script.py")
+    for size in (1, 3):
+        out = tmp_path / f"resume{size}.json"
+        if size == 1:  # in this process (a world of one): saves a process start
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("dp_resume_script", script)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mod.main(str(ckpt), str(out), str(mnist_dir))
+        else:
+            r = subprocess.run(launch + [str(size), "--", sys.executable, str(script), str(ckpt), str(out),
+                                         str(mnist_dir)], env=env, capture_output=True, text=True, timeout=240)
+            assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads(out.read_text())
+        assert res["size"] == size and res["loaded_equal"] and res["ranks_equal"], res
+        assert res["max_rel"] <= 1e-5, res
+        assert (res["epoch"], res["step"]) == (2, 5) and res["records"] == ["epoch"], res
+
+    # and through the command: `ember mnist --resume` on 3 ranks continues the count and saves
+    again = tmp_path / "three.safetensors"
+    r = subprocess.run(launch + ["3", "--"] + mnist + ["--epochs", "2", "--resume", str(ckpt), "--save", str(again),
+                                                       "--metrics-file", str(metrics)],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "global batch 192" in r.stdout and "epoch 2/2" in r.stdout, r.stdout
+    ck3 = load_checkpoint(again)
+    assert (ck3.epoch, ck3.step, ck3.world_size, ck3.global_batch) == (2, 6, 3, 192)
+    run = json.loads(metrics.read_text().splitlines()[0])
+    assert run["type"] == "run" and run["world_size"] == 3 and run["start_step"] == 3
