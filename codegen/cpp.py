@@ -119,6 +119,7 @@ class KernelCode:
     implements: list[str]
     code: str
     call: str
+    node: int = -1  # the fused node it implements (its operands are what it reads)
 
 
 @dataclass
@@ -230,7 +231,7 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
             call = f"{name}({', '.join(call_args)})"
         segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
-                                  code, call))
+                                  code, call, n))
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
     code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, segments=seg_kernels,
                                               arena_bytes=graph.meta["arena_bytes"],

@@ -24,9 +24,11 @@ import numpy as np
 
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
+from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
 from ember.passes.pipeline import run_passes, train_passes, with_data_parallel
 from ember.runtime import target as get_target
 from ember.runtime.comm import broadcast_parameters
+from ember.runtime.consistency import agree_on_step
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
 from .nn import Module
@@ -67,10 +69,15 @@ class TrainStep:
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                 communicator: Any = None, precision: str = "float32") -> None:
+                 communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 precision: str = "float32") -> None:
         self.target = get_target(device)
         check_precision(precision, self.target)
         self.precision = precision
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
+                             f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
+        self.bucket_bytes = int(bucket_bytes)
         # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
         # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
@@ -103,11 +110,19 @@ class TrainStep:
         self._example = tuple(example_type(a) for a in example_inputs)
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
-        if self.comm is not None:  # every rank starts from rank 0's parameters and state (checked by hash)
-            if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
-                self.comm.broadcast_storage(self.storage)
-            else:
-                broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+        self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
+
+    def sync_ranks(self) -> None:
+        """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
+        that every rank holds the same bits (a collective: every rank calls it; no-op alone).
+        Done at the start and after loading a checkpoint."""
+        if self.comm is None:
+            return
+        self._sync()
+        if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
+            self.comm.broadcast_storage(self.storage)
+        else:
+            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:
@@ -142,7 +157,8 @@ class TrainStep:
             passes = train_passes(self.config) + self.target.passes()
             extra = {}
             if self.comm is not None:
-                passes, extra = with_data_parallel(passes, self.comm.size), {"communicator": self.comm}
+                passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
+                extra = {"communicator": self.comm}
             graph = run_passes(forward, passes, dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
@@ -150,6 +166,10 @@ class TrainStep:
             self._classes = class_inputs(forward)
             hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
                                                                     **extra))
+            if self.comm is not None:
+                # every rank must have compiled the same step (same code, model and settings):
+                # checked before the parameters are broadcast, which a different model would hang
+                agree_on_step(self.comm, hit[1], graph)
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
@@ -322,7 +342,7 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "reference",
             dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None,
-            precision: str = "float32") -> TrainStep:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = "float32") -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
@@ -332,12 +352,15 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
     communicator: an `ember.runtime.comm` communicator of several ranks (`comm.from_env()` under
     `ember launch` or `mpiexec`): data parallel, each rank's batch is its shard of the global one.
+    bucket_bytes: with a communicator, the gradients are all-reduced in buckets of at most this
+    many bytes (in reverse order of use; default 25 MiB as PyTorch DDP; a larger gradient is a
+    bucket alone). Smaller buckets start communicating earlier in the backward pass.
     precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
     "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
     cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
-                     profile=profile, communicator=communicator, precision=precision)
+                     profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision)
 
 
 PRECISIONS = ("float32", "tf32")
