@@ -54,34 +54,17 @@ class KernelSource:
     scratch_bytes: int   # size of the 64-byte aligned scratch block the kernel needs (may be 0)
 
 
-def _tree(lanes: int, n: int) -> str:
-    """C++ body of vtree<n>: levels of vpair<h> over the n vectors a[0..n), then (n < lanes) the
-    halves folded, so lane j holds the sum of a[j]'s lanes in the same order for every n."""
-    names, lines, h = [f"a[{j}]" for j in range(n)], [], 1
-    while len(names) > 1:
-        pairs = [(f"t{h}_{j // 2}", names[j], names[j + 1]) for j in range(0, len(names), 2)]
-        lines += [f"    const vf {t} = vpair{h}({x}, {y});" for t, x, y in pairs]
-        names, h = [t for t, _, _ in pairs], 2 * h
-    if n < lanes:
-        swap = ", ".join(str(lane ^ h) for lane in range(lanes))
-        lines.append(f"    return {names[0]} + __builtin_shuffle({names[0]}, vfi{{{swap}}});")
-    else:
-        lines.append(f"    return {names[0]};")
-    return "\n".join(lines)
-
-
 @functools.cache
 def vec_prelude(isa: VectorISA) -> str:
     """The shared vector helpers for ``isa`` (namespace ``ember_cpu<lanes>``). Include-guarded per
     width, so any number of kernels, of either width, can sit in one translation unit."""
     L = isa.lanes
-    levels = [1 << i for i in range(L.bit_length() - 1)]          # 1, 2, ..., L/2
+    halves = [L >> k for k in range(1, L.bit_length())]           # L/2, ..., 2, 1
+    hadd = [[4 * (j // 4) + (2 * (j % 4) + o if j % 4 < 2 else L + 2 * (j % 4 - 2) + o) for j in range(L)]
+            for o in (0, 1)]                                       # vhadd's two shuffles
     return _env.get_template("vec_prelude.j2").render(
-        VL=L, halves=levels[::-1], levels=levels,
-        swap={h: [lane ^ h for lane in range(L)] for h in levels},
-        pick={h: [lane if not lane & h else L + lane for lane in range(L)] for h in levels},
-        pick_swap={h: [lane ^ h if not lane & h else L + (lane ^ h) for lane in range(L)] for h in levels},
-        tree_full=_tree(L, L), tree_half=_tree(L, L // 2)).strip("\n")
+        VL=L, halves=halves, swap={h: [lane ^ h for lane in range(L)] for h in halves},
+        hadd_lo=hadd[0], hadd_hi=hadd[1]).strip("\n")
 
 
 _env = environment("cpp")
