@@ -14,7 +14,7 @@ this script installs nothing and needs no network). Not a test (pytest does not 
    reason, where it does not).
 3. Bench, per variant (``EMBER_CPU_VECTOR``): ``ember bench --device cpu --threads N
    --no-torch-compile`` for cnn and mlp, then ``--profile --model cnn`` for each kernel's share
-   of the measured FMA peak.
+   of the measured FMA peak (``OMP_PROC_BIND=close OMP_PLACES=cores`` unless set).
 
 Exit status: 1 when a test failed or a bench did not finish, else 0. With ``--out DIR`` the
 pytest log and every bench report (JSON) are written there too.
@@ -62,6 +62,8 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 360
 
 def _bench(variant: str, threads: int, extra: list[str]) -> tuple[dict | None, str]:
     env = dict(os.environ, EMBER_CPU_VECTOR=variant)
+    env.setdefault("OMP_PROC_BIND", "close")   # one thread per physical core, as README's bench method says
+    env.setdefault("OMP_PLACES", "cores")
     cmd = [sys.executable, "-c", "import sys; from ember.frontends.cli import main; sys.exit(main())",
            "bench", "--device", "cpu", "--threads", str(threads), "--no-torch-compile", "--json", *extra]
     rc, out, err, secs = _run(cmd, env)
