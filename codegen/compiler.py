@@ -150,13 +150,15 @@ def _native_target(argv: tuple[str, ...]) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def native_target_enables(option: str) -> bool:
+def native_target_enables(option: str) -> bool | None:
     """Whether ``$CXX -march=native`` turns ``option`` (e.g. ``-mavx512f``) on, as the compiler
-    itself reports it: the CPU features the generated code may use are the compiler's view of
-    this CPU, not /proc/cpuinfo's."""
+    itself reports it (the CPU features generated code may use are the compiler's view of this
+    CPU); None when there is no compiler to ask (a cached library may still load) or it does
+    not say."""
     compiler = _cxx()
-    _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
-    report = _native_target(tuple(compiler)) or ""
+    report = _native_target(tuple(compiler)) if _found(compiler) else None
+    if not report:
+        return None
     return any(line.split()[:2] == [option, "[enabled]"] for line in report.splitlines())
 
 

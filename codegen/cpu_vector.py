@@ -56,8 +56,24 @@ _NATIVE_WORDS = ("", "auto", "native")
 def native_isa() -> VectorISA:
     """The variant ``-march=native`` gives: avx512 where the compiler enables -mavx512f for this
     CPU, avx2 otherwise (also on CPUs without AVX2, where the 8-lane vectors still compile, as
-    pairs of SSE registers or scalars)."""
-    return AVX512 if native_target_enables(AVX512.compiler_option) else AVX2
+    pairs of SSE registers or scalars). Without a compiler to ask (a step cached earlier can
+    still load), /proc/cpuinfo decides."""
+    enabled = native_target_enables(AVX512.compiler_option)
+    if enabled is None:
+        enabled = AVX512.cpu_flag in _cpu_flags()
+    return AVX512 if enabled else AVX2
+
+
+def _cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where the file cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[-1].split())
+    return set()
 
 
 def resolve(choice: str | None = None) -> VectorISA:
@@ -85,15 +101,6 @@ def cxx_flags(isa: VectorISA, base: tuple[str, ...] = DEFAULT_CXX_FLAGS) -> tupl
 
 def host_supports(isa: VectorISA, cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
     """Whether this CPU can run code built for ``isa``: always for the native variant (built with
-    -march=native, for this CPU, whatever it has); else its flag in /proc/cpuinfo, or, where that
-    file cannot be read, False."""
-    if isa == native_isa():
-        return True
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return isa.cpu_flag in line.split(":", 1)[-1].split()
-    return False
+    -march=native, for this CPU, whatever it has); else its flag in /proc/cpuinfo (False where
+    that file cannot be read)."""
+    return isa == native_isa() or isa.cpu_flag in _cpu_flags(cpuinfo)

@@ -299,3 +299,12 @@ def test_step_source_for_avx512_compiles(monkeypatch, tmp_path):
     src = cpp.render_step(graph)
     assert src.isa == cv.AVX512 and "ember_cpu16" in src.code and "ember_cpu8" not in src.code
     compile_cpp(src.code, flags=src.flags, cache=tmp_path, name="step512")
+
+
+def test_native_variant_without_a_compiler(monkeypatch):
+    """With no g++ on PATH (a step cached earlier still loads) the CPU's flags decide, as -march=native would."""
+    from ember.codegen import compiler
+    expected = cv.AVX512 if "avx512f" in cv._cpu_flags() else cv.AVX2
+    monkeypatch.setattr(compiler.shutil, "which", lambda name: None)
+    assert compiler.native_target_enables("-mavx512f") is None
+    assert cv.native_isa() == expected
