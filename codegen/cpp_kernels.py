@@ -385,11 +385,12 @@ def _mm_pick_tile(M: int, N: int, cands) -> tuple[int, int]:
 
 #: Register-tile candidates of the two matmul forms (rows, columns; ties go to the earlier one),
 #: per register file. 16 registers: the measured AVX2 lists (see render_matmul). 32 registers:
-#: the same shapes widened to fill 32 zmm registers (dot: MR*NR + min(MR,NR) + 1 <= 32; axpy:
-#: MR*NV + NV + 1 <= 32), then the 16-register ones for small problems.
+#: the same shapes widened to fill 32 zmm registers (dot: MR*NR + min(MR,NR) + 1 <= 32, MR <= 4
+#: as for AVX2, so MR rows of a k chunk of A, 32 KiB at most, stay in L1; axpy: MR*NV + NV + 1
+#: <= 32), then the 16-register ones for small problems.
 _MM_DOT_TILES = {
     16: [(4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3), (1, 7), (2, 3), (3, 2), (1, 1)],
-    32: [(4, 6), (6, 4), (3, 8), (4, 5), (5, 5), (2, 12), (2, 10), (3, 6), (4, 4), (2, 8), (1, 15),
+    32: [(4, 6), (3, 8), (4, 5), (2, 12), (2, 10), (3, 6), (4, 4), (2, 8), (1, 15),
          (4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3), (1, 7), (2, 3), (3, 2), (1, 1)],
 }
 _MM_AXPY_TILES = {
