@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.codegen import cpp
+from ember.codegen import cpp, cpu_vector
 from ember.codegen.compiler import compile_cpp
 from ember.ir import Graph, TensorType
 
@@ -56,7 +56,15 @@ class CpuExecutor:
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
         self.source = cpp.render_step(graph, profile=self.profile)
-        self.artifact = compile_cpp(self.source.code, name=name, dump_dir=Path(dump_dir) if dump_dir else None)
+        self.isa = self.source.isa
+        if not cpu_vector.host_supports(self.isa):
+            # a forced variant this CPU cannot run would die of SIGILL inside the first step
+            raise RuntimeError(f"the CPU step was generated for {self.isa.name} (${cpu_vector.ENV_VAR}="
+                               f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
+                               f"(no {self.isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
+                               f"{cpu_vector.native_isa().name}")
+        self.artifact = compile_cpp(self.source.code, flags=self.source.flags, name=name,
+                                    dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
         self.lib = ctypes.CDLL(str(self.artifact.path))
         if self.lib.ember_abi_version() != cpp.ABI_VERSION:
