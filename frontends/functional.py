@@ -262,6 +262,34 @@ def gelu(x: Operand, approximate: str = "none") -> Tensor:
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+def dropout(x: Operand, p: float = 0.5, training: bool = True, seed: int = 0) -> Tensor:
+    """PyTorch's dropout: in training, each element is zeroed with probability p and the rest
+    scaled by 1/(1-p); otherwise (or for p=0) the identity.
+
+    The mask is `random_uniform(step) >= p`: Philox-4x32-10 keyed by `seed` and the step counter
+    (a state the compiled step advances, so every step draws a new mask), with the element index
+    as the counter, so the masks are the same on every device and thread count and from run to
+    run. They cannot be PyTorch's (its generator is another algorithm, with other state). The
+    gradient is the cotangent times the same mask and scale (mul's VJP: the mask is a constant)."""
+    if not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1], got {p}{_at()}")
+    if not 0 <= int(seed) < 2**32:
+        raise ValueError(f"dropout: seed must be in [0, 2**32), got {seed}{_at()}")
+    t = _tensor(x)
+    if not training or p == 0:
+        return t
+    if not t.dtype.is_float:
+        raise ShapeError(f"dropout needs a floating-point input, got {t.type}{_at()}")
+    step, stream = current().random_draw()
+    u = _emit("random_uniform", [step], shape=t.shape, seed=int(seed), stream=stream)
+    if t.dtype != u.dtype:
+        u = cast(u, t.dtype)
+    # PyTorch's scale, 1/(1-p) rounded to the input's dtype; p=1 keeps nothing (scale unused)
+    scale = np.asarray(1.0 / (1.0 - p) if p < 1 else 0.0, dtype=t.dtype.numpy)
+    keep = ge(u, float(p))
+    return mul(t, where(keep, scale, np.zeros((), t.dtype.numpy)))
+
+
 def _nchw(name: str, x: Operand) -> Tensor:
     t = _tensor(x)
     if len(t.shape) != 4:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from . import philox
 from .dtypes import TensorType
 from .graph import Graph
 
@@ -135,6 +136,7 @@ IMPLS: dict[str, Impl] = {
     "where": lambda a, at, t: np.where(a[0], a[1], a[2]),
     "cast": lambda a, at, t: a[0].astype(at["dtype"].numpy),
     "stop_gradient": lambda a, at, t: a[0],
+    "random_uniform": lambda a, at, t: philox.uniform(t.shape, at["seed"], int(a[0]), at["stream"]),
     "sum": _reduce(np.sum),
     "max": _reduce(np.max),
     "argmax": lambda a, at, t: np.argmax(a[0], axis=at["axis"]).astype(np.int64),

@@ -225,6 +225,29 @@ def _cast(types, attrs):
     return types[0].with_dtype(attrs["dtype"])
 
 
+def _u32(v: Any) -> int:
+    v = int(v)
+    if not 0 <= v < 2**32:
+        raise ValueError(f"expected an integer in [0, 2**32), got {v}")
+    return v
+
+
+@_defop("random_uniform", 1, "elementwise", {"shape": Attr(_ints), "seed": Attr(_u32, 0), "stream": Attr(_u32, 0)},
+        differentiable=False, int_ok=True)
+def _random_uniform(types, attrs):
+    """float32 uniform in [0, 1) of `shape`, element i a pure function of (seed, step, stream, i)
+    (Philox-4x32-10, `ember.ir.philox`): the same bits on every backend and thread count. The
+    operand is the step counter (an integer scalar state the step advances), so every step draws
+    anew; `stream` tells apart the draws of one step (one per dropout call). Elementwise so that
+    it fuses into the kernel that uses it; its index is its own output's row-major index."""
+    (step,) = types
+    if step.dtype.is_float or step.dtype == bool_ or step.rank != 0:
+        raise ShapeError(f"random_uniform's operand is the step counter, an integer scalar; got {step}")
+    if any(d < 0 for d in attrs["shape"]):
+        raise ShapeError(f"random_uniform: negative dimension in shape {attrs['shape']}")
+    return TensorType(attrs["shape"], float32)
+
+
 # ---- reductions ------------------------------------------------------------------------------
 
 def _reduce_rule(types, attrs):

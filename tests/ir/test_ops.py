@@ -569,6 +569,31 @@ def test_one_hot_bad():
     expect_shape_error("one_hot", [TensorType((4,), int64)], "num_classes", num_classes=0)
 
 
+# ---- random numbers ---------------------------------------------------------------------------
+
+@covers("random_uniform")
+def test_random_uniform_is_philox_and_uniform():
+    # No PyTorch counterpart (its generators are other algorithms): checked against the generator
+    # (whose known answers tests/frontends/test_dropout.py checks) and for uniformity.
+    from ember.ir import philox
+    step = np.asarray(5, np.int64)
+    a = interp("random_uniform", [step], shape=(300, 100), seed=3, stream=2)
+    assert a.dtype == np.float32 and a.shape == (300, 100)
+    np.testing.assert_array_equal(a, philox.uniform((300, 100), 3, 5, 2))
+    assert a.min() >= 0 and a.max() < 1 and np.all((a * 2**24) % 1 == 0)  # 24-bit grid of [0, 1)
+    counts = np.histogram(a, bins=10, range=(0, 1))[0]
+    assert np.all(np.abs(counts - 3000) < 5 * np.sqrt(3000 * 0.9)), counts
+    for other in (dict(seed=4, stream=2), dict(seed=3, stream=3)):
+        assert np.mean(a == interp("random_uniform", [step], shape=(300, 100), **other)) < 1e-3
+    assert np.mean(a == interp("random_uniform", [np.asarray(6, np.int64)], shape=(300, 100), seed=3, stream=2)) < 1e-3
+
+
+def test_random_uniform_bad():
+    expect_shape_error("random_uniform", [f32()], "integer scalar", shape=(2,))
+    expect_shape_error("random_uniform", [TensorType((2,), int64)], "integer scalar", shape=(2,))
+    expect_shape_error("random_uniform", [TensorType((), int64)], "2**32", shape=(2,), stream=2**32)
+
+
 # ---- pooling ---------------------------------------------------------------------------------
 
 POOL_CASES = [((2, 3, 7, 6), 3, 2, 1), ((1, 2, 6, 6), 2, 2, 0), ((2, 1, 5, 5), 3, 1, 0), ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0))]
