@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec, TensorType
 
-from . import cpp_kernels
+from . import cpp_kernels, pool_kernels
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 from .templates_env import environment
 
@@ -63,7 +63,8 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_kernels.KernelSource, list[str | None]]:
     """Renders a conv/matmul template; returns the source and its argument order as roles (None: NULL)."""
     core = sub.attrs(spec.core)
-    x_t, w_t = (sub.type(o) for o in sub.operands(spec.core))
+    operand_types = [sub.type(o) for o in sub.operands(spec.core)]
+    x_t, w_t = operand_types[0], operand_types[-1]
     # The contraction templates are register-tiled for float32 vectors; a float64 instance would
     # be a different kernel, not a type change, so it is refused here rather than miscompiled.
     dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
@@ -75,6 +76,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
              "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
     if unknown := [e for e in spec.epilogues if e not in known]:
         raise NotImplementedError(f"the C++ {spec.kind} template has no {', '.join(unknown)} epilogue (at {name})")
+    if spec.kind in pool_kernels.POOL_KINDS:
+        return pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, core))
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
         ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],

@@ -115,8 +115,8 @@ def _avg_pool(m: Any) -> Callable[[Tensor], Tensor]:
 
 
 def _max_pool(m: Any) -> Callable[[Tensor], Tensor]:
-    _pool_checks("MaxPool2d", m.ceil_mode, dilation=m.dilation, return_indices=m.return_indices)
-    return lambda x: F.max_pool2d(x, m.kernel_size, m.stride, m.padding)
+    _pool_checks("MaxPool2d", dilation=m.dilation, return_indices=m.return_indices)  # ceil_mode: the op's
+    return lambda x: F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.ceil_mode)
 
 
 def _adaptive_avg(m: Any) -> Callable[[Tensor], Tensor]:
@@ -239,8 +239,8 @@ def _avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 
 
 def _max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                 ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
-    _pool_checks("max_pool2d", ceil_mode, dilation=dilation, return_indices=return_indices)
-    return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding)
+    _pool_checks("max_pool2d", dilation=dilation, return_indices=return_indices)
+    return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding, ceil_mode)
 
 
 def _loss_checks(weight: Any, size_average: Any, reduce: Any, ignore_index: int = -100,

@@ -318,23 +318,16 @@ def avg_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Seque
 
 
 def max_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-               padding: int | Sequence[int] = 0) -> Tensor:
-    """PyTorch's max_pool2d (dilation 1, floor mode). Non-overlapping windows (stride == kernel,
-    no padding, H and W divisible) compile everywhere: the input viewed as
-    (N, C, H/kh, kh, W/kw, kw) and reduced by max over the window axes. At ties the
-    gradient is shared evenly among the maximal elements (ember's max), where PyTorch gives it all
-    to one; after a ReLU the only likely ties are zeros, whose gradient the ReLU stops anyway.
-    Other windows are the `max_pool2d` op (PyTorch's tie rule), run by device="reference"."""
+               padding: int | Sequence[int] = 0, ceil_mode: bool = False) -> Tensor:
+    """PyTorch's max_pool2d (dilation 1): the `max_pool2d` op, whose gradient goes to each
+    window's first maximal element as in PyTorch (ties are common after a ReLU: all-zero
+    windows). Every target has a kernel for it, overlapping windows, padding and ceil_mode
+    included."""
     t = _nchw("max_pool2d", x)
     k = (int(kernel_size),) * 2 if np.isscalar(kernel_size) else tuple(int(v) for v in kernel_size)
     s = k if stride is None else ((int(stride),) * 2 if np.isscalar(stride) else tuple(int(v) for v in stride))
     p = (int(padding),) * 2 if np.isscalar(padding) else tuple(int(v) for v in padding)
-    n, c, h, w = t.shape
-    if s != k or p != (0, 0) or h % k[0] or w % k[1]:
-        # the general case: its own op (interpreter only until a backend has a pooling kernel)
-        return _emit("max_pool2d", [t.node], kernel=k, stride=s, padding=p)
-    windows = reshape(t, (n, c, h // k[0], k[0], w // k[1], k[1]))
-    return max(windows, (3, 5))
+    return _emit("max_pool2d", [t.node], kernel=k, stride=s, padding=p, ceil_mode=bool(ceil_mode))
 
 
 def layer_norm(x: Operand, normalized_shape: int | Sequence[int], weight: Operand | None = None,

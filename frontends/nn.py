@@ -307,8 +307,13 @@ class AvgPool2d(Module):
 
 
 class MaxPool2d(AvgPool2d):
+    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+                 padding: int | tuple[int, int] = 0, ceil_mode: bool = False) -> None:
+        super().__init__(kernel_size, stride, padding)
+        self.ceil_mode = ceil_mode
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode)
 
 
 class LayerNorm(Module):

@@ -366,11 +366,24 @@ def _conv2d_grad_weight(types, attrs):
 
 
 # ---- pooling ---------------------------------------------------------------------------------
-# Windowed like conv2d (kind "contraction": no pass branches on it; fusion names its kernels per
-# op). max_pool2d pads with -inf; max_pool2d_grad(x, dy) sends each window's cotangent to the
-# window's first maximal element (row-major), PyTorch's choice, so both need x.
+# Windowed like conv2d (kind "contraction": no pass branches on it; fusion gives each its own
+# kernel kind). max_pool2d pads with -inf; max_pool2d_grad(x, dy) sends each window's cotangent
+# to the window's first maximal element (row-major), PyTorch's choice, so both need x. ceil_mode
+# is PyTorch's: the output size rounds up, and a last window that would start in the right
+# padding is dropped; the elements a window overhangs count as -inf.
 
-_POOL_ATTRS = {"kernel": Attr(_pair), "stride": Attr(_pair), "padding": Attr(_pair, (0, 0))}
+_POOL_ATTRS = {"kernel": Attr(_pair), "stride": Attr(_pair), "padding": Attr(_pair, (0, 0)),
+               "ceil_mode": Attr(bool, False)}
+
+
+def pool_out_dim(size: int, k: int, stride: int, pad: int, ceil_mode: bool) -> int:
+    """PyTorch's pooling output size (torch's pooling_output_shape)."""
+    if not ceil_mode:
+        return conv_out_dim(size, k, stride, pad)
+    out = -(-(size + 2 * pad - k) // stride) + 1
+    if (out - 1) * stride >= size + pad:  # the last window would start inside the right padding
+        out -= 1
+    return out
 
 
 def _pool_out(name: str, x: TensorType, attrs) -> tuple[int, int, int, int]:
@@ -381,7 +394,8 @@ def _pool_out(name: str, x: TensorType, attrs) -> tuple[int, int, int, int]:
     if min(kh, kw, sh, sw) < 1 or ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
         raise ShapeError(f"{name}: kernel and stride must be >= 1 and padding at most half the kernel, got kernel "
                          f"{attrs['kernel']} stride {attrs['stride']} padding {attrs['padding']}")
-    ho, wo = conv_out_dim(x.shape[2], kh, sh, ph), conv_out_dim(x.shape[3], kw, sw, pw)
+    ceil = attrs["ceil_mode"]
+    ho, wo = pool_out_dim(x.shape[2], kh, sh, ph, ceil), pool_out_dim(x.shape[3], kw, sw, pw, ceil)
     if ho < 1 or wo < 1:
         raise ShapeError(f"{name}: kernel {attrs['kernel']} larger than the padded input {x.shape[2:]}")
     return x.shape[0], x.shape[1], ho, wo

@@ -596,23 +596,28 @@ def test_random_uniform_bad():
 
 # ---- pooling ---------------------------------------------------------------------------------
 
-POOL_CASES = [((2, 3, 7, 6), 3, 2, 1), ((1, 2, 6, 6), 2, 2, 0), ((2, 1, 5, 5), 3, 1, 0), ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0))]
+# (shape, kernel, stride, padding, ceil_mode); the ceil cases include a last window that
+# overhangs the input ((5, 5) by 2 stride 2) and one dropped for starting in the padding
+POOL_CASES = [((2, 3, 7, 6), 3, 2, 1, False), ((1, 2, 6, 6), 2, 2, 0, False), ((2, 1, 5, 5), 3, 1, 0, False),
+              ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0), False), ((2, 3, 7, 6), 3, 2, 1, True),
+              ((1, 2, 5, 5), 2, 2, 0, True), ((1, 1, 8, 5), (3, 2), (2, 3), (1, 1), True), ((1, 1, 6, 6), 2, 3, 1, True)]
 
 
 @covers("max_pool2d", "max_pool2d_grad")
-@pytest.mark.parametrize("shape,k,s,p", POOL_CASES)
+@pytest.mark.parametrize("shape,k,s,p,ceil", POOL_CASES)
 @pytest.mark.parametrize("precision", [None, "float64"])
-def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, precision):
+def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, ceil, precision):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
     x[..., 0, :2] = 0.5  # ties: both pick the first maximum of the window
-    out = interp("max_pool2d", [x], precision, kernel=k, stride=s, padding=p)
+    out = interp("max_pool2d", [x], precision, kernel=k, stride=s, padding=p, ceil_mode=ceil)
     tx = T(x, precision).requires_grad_(True)
-    ref = TF.max_pool2d(tx, k, s, p)
+    ref = TF.max_pool2d(tx, k, s, p, ceil_mode=ceil)
     close(out, ref, precision)
     dy = rng.standard_normal(ref.shape).astype(np.float32)
     ref.backward(T(dy, precision))
-    close(interp("max_pool2d_grad", [x, dy], precision, kernel=k, stride=s, padding=p), tx.grad, precision)
+    close(interp("max_pool2d_grad", [x, dy], precision, kernel=k, stride=s, padding=p, ceil_mode=ceil), tx.grad,
+          precision)
 
 
 def test_max_pool2d_bad():
