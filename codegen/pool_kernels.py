@@ -44,6 +44,12 @@ class PoolGeometry:
     HO: int
     WO: int
 
+    @property
+    def tiles_exactly(self) -> bool:
+        """Windows that cover the input once each (2x2 stride 2 on an even size, no padding)."""
+        return (self.SH, self.SW, self.PH, self.PW) == (self.KH, self.KW, 0, 0) and \
+            (self.HO * self.KH, self.WO * self.KW) == (self.H, self.W)
+
     def context(self) -> dict[str, int]:
         return dict(self.__dict__)
 
@@ -75,7 +81,7 @@ def render_cpp(name: str, kind: str, g: PoolGeometry) -> tuple[KernelSource, lis
     planes = g.N * g.C
     code = environment("cpp").get_template("max_pool2d.j2").render(
         name=name, grad=kind == "max_pool2d_grad", parallel=planes >= 2 and planes * g.H * g.W >= CPU_PARALLEL_MIN,
-        **g.context())
+        tiled=g.tiles_exactly, **g.context())
     return KernelSource(name, code, 0), (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"])
 
 
