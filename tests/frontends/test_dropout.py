@@ -78,6 +78,13 @@ def test_reference_and_cpu_masks_are_bit_identical():
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.cuda
+def test_cuda_masks_are_the_reference_masks_bit_for_bit():
+    shape = (64, 700)
+    for a, b in zip(_masks("reference", shape, 0.5, 3, seed=7), _masks("cuda", shape, 0.5, 3, seed=7)):
+        assert a.tobytes() == b.tobytes()
+
+
 _SCRIPT = """
 import json, sys
 import numpy as np
