@@ -65,7 +65,7 @@ def run_torch(model: str, data: str, seed: int, threads: int, batch: int = 64, l
         loss = tF.cross_entropy(tm(torch.from_numpy(x[i:i + batch])), torch.from_numpy(y[i:i + batch]))
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     tm.eval()
     correct, total_loss = 0, 0.0
     with torch.no_grad():

@@ -247,3 +247,79 @@ def test_from_torch_functional_dropout_follows_the_model_mode():
     assert [train.op(n) for n in train.g].count("random_uniform") == 1
     model.eval()
     assert "random_uniform" not in {g_op for g in [trace(model, x)] for g_op in (g.op(n) for n in g.g)}
+
+
+def test_a_checkpoint_resumes_the_same_masks():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((16, 20)).astype(np.float32)
+    y = rng.integers(0, 5, 16)
+
+    def fresh():
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 5))
+        return compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1, momentum=0.9), (x, y), device="cpu")
+
+    straight = fresh()
+    losses = [straight(x, y) for _ in range(6)]
+    first = fresh()
+    assert [first(x, y) for _ in range(3)] == losses[:3]
+    model_state, opt_state = first.state_dict(), first.optimizer_state_dict()
+    assert int(opt_state["rng_step"]) == 3
+    resumed = fresh()
+    resumed.load_state_dict(model_state)
+    resumed.load_optimizer_state_dict(opt_state)
+    assert [resumed(x, y) for _ in range(3)] == losses[3:]
+
+
+def test_from_torch_resnet_block_with_batch_norm_and_dropout_trains_like_torch_given_embers_masks():
+    """A small residual network with BatchNorm and Dropout, imported from PyTorch and trained on
+    the cpu device: per step the loss within 1e-5 and the weights and running statistics close
+    to PyTorch's, whose Dropout is replaced by ember's masks (the stream of a call is its order)."""
+    torch = pytest.importorskip("torch")
+    from ember.frontends import from_torch
+    tnn = torch.nn
+    p = 0.3
+
+    class Net(tnn.Module):
+        def __init__(self, drop):
+            super().__init__()
+            self.conv = tnn.Conv2d(1, 4, 3, padding=1, bias=False)
+            self.bn = tnn.BatchNorm2d(4)
+            self.conv2 = tnn.Conv2d(4, 4, 3, padding=1, bias=False)
+            self.bn2 = tnn.BatchNorm2d(4)
+            self.drop = drop
+            self.fc = tnn.Linear(4 * 6 * 6, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.bn(self.conv(x)))
+            h = torch.relu(h + self.bn2(self.conv2(h)))
+            return self.fc(self.drop(torch.flatten(h, 1)))
+
+    class Masked(tnn.Module):
+        mask = None
+
+        def forward(self, h):
+            return h * self.mask
+
+    torch.manual_seed(0)
+    tm = Net(tnn.Dropout(p))
+    twin = Net(Masked())
+    twin.load_state_dict(tm.state_dict())
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((8, 8, 1, 6, 6)).astype(np.float32)
+    ys = rng.integers(0, 3, (8, 8))
+    model = from_torch(tm, torch.from_numpy(xs[0]))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (xs[0], ys[0]), device="cpu")
+    topt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    scale = np.float32(1 / (1 - p))
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        twin.drop.mask = torch.from_numpy(np.where(philox.uniform((8, 144), 0, i, 0) >= np.float32(p), scale,
+                                                   np.float32(0)))
+        ours = step(x, y)
+        topt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(twin(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        topt.step()
+        assert abs(ours - loss.item()) < 1e-5, (i, ours, loss.item())
+    for k, v in twin.state_dict().items():
+        np.testing.assert_allclose(step.state_dict()[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
