@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec, TensorType
 
-from . import cpp_kernels, cpu_vector
+from . import cpp_kernels, cpu_vector, pool_kernels
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 from .templates_env import environment
 
@@ -30,6 +30,7 @@ SPELLING = Spelling("C++", {
     **C_OPERATORS,
     "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})", "sigmoid": "em_sigmoid({0})",
     "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "std::erf({0})",
+    "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
 }, c_literal)
 
@@ -65,7 +66,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec,
     returns the source and its argument order as roles (None: NULL)."""
     isa = isa or cpu_vector.resolve()
     core = sub.attrs(spec.core)
-    x_t, w_t = (sub.type(o) for o in sub.operands(spec.core))
+    operand_types = [sub.type(o) for o in sub.operands(spec.core)]
+    x_t, w_t = operand_types[0], operand_types[-1]
     # The contraction templates are register-tiled for float32 vectors; a float64 instance would
     # be a different kernel, not a type change, so it is refused here rather than miscompiled.
     dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
@@ -77,6 +79,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec,
              "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
     if unknown := [e for e in spec.epilogues if e not in known]:
         raise NotImplementedError(f"the C++ {spec.kind} template has no {', '.join(unknown)} epilogue (at {name})")
+    if spec.kind in pool_kernels.POOL_KINDS:
+        return pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, core))
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
         ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],

@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels
+from . import cuda_direct, cuda_kernels, pool_kernels
 from .indexing import delinearize
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
                        reduction_init)
@@ -34,6 +34,7 @@ SPELLING = Spelling("CUDA", {
     "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})", "sigmoid": "em_sigmoid({0})",
     "tanh": "em_tanh({0})", "abs": "em_abs({0})",
     "erf": "erf({0})",  # CUDA's C++ math overloads: erf(float) is erff
+    "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "em_lowest<{ctype}>()",
 }, c_literal)
 
@@ -211,6 +212,13 @@ def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: b
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
+    if spec.kind in pool_kernels.POOL_KINDS:  # no epilogues; x (and dy) in, out
+        x_t = sub.type(sub.operands(spec.core)[0])
+        if x_t.dtype.name != "float32":
+            raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 only, got {x_t.dtype.name} "
+                                      f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
+        return (pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, core)),
+                {**{role: f"in{i}" for role, i in spec.roles}, "out": "out"})
     a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
     bias = "bias" in spec.epilogues
     relu = "relu" in spec.epilogues

@@ -124,6 +124,13 @@ class Body:
             label = self.value(o, coords[:-1])
             cls = coords[-1].c() if coords[-1] is not None else "0"
             expr = self.spell("one_hot", [label, cls], ctype)
+        elif op == "random_uniform":
+            # a function of its own element's row-major index (the Philox counter), whatever
+            # view reads it; the operand is the scalar step counter
+            (o,) = sub.operands(n)
+            at = sub.attrs(n)
+            index = self.temp(linear_c(coords, t.shape))
+            expr = self.spell(op, [f"{at['seed']}u", f"{at['stream']}u", self.value(o, []), index], ctype)
         elif op in self.spelling.ops:
             operands = sub.operands(n)
             if len(operands) == 1:

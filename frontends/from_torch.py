@@ -95,23 +95,8 @@ def _dim(m: Any) -> int:
     return m.dim
 
 
-class _Dropout(nn.Module):
-    """The identity in eval mode (and for p=0), as in PyTorch; training with p > 0 needs ember's
-    (not yet written) counter-based RNG, so tracing it then is refused rather than ignored."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.training and self.p != 0:
-            raise _Unsupported(f"p={self.p} in training mode (ember has no dropout yet: call model.eval() "
-                               f"for inference, or use p=0)")
-        return x
-
-
 def _dropout(m: Any) -> nn.Module:
-    return _Dropout(m.p)
+    return nn.Dropout(m.p)  # training/eval follows the imported model's mode, as in PyTorch
 
 
 def _pool_checks(kind: str, ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: Any = None,
@@ -130,8 +115,8 @@ def _avg_pool(m: Any) -> Callable[[Tensor], Tensor]:
 
 
 def _max_pool(m: Any) -> Callable[[Tensor], Tensor]:
-    _pool_checks("MaxPool2d", m.ceil_mode, dilation=m.dilation, return_indices=m.return_indices)
-    return lambda x: F.max_pool2d(x, m.kernel_size, m.stride, m.padding)
+    _pool_checks("MaxPool2d", dilation=m.dilation, return_indices=m.return_indices)  # ceil_mode: the op's
+    return lambda x: F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.ceil_mode)
 
 
 def _adaptive_avg(m: Any) -> Callable[[Tensor], Tensor]:
@@ -226,10 +211,16 @@ def _reduce(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return f
 
 
-def _dropout_fn(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
-    if p != 0 and training:
-        _refuse(f"p={p}, training=True (ember has no dropout yet)")
-    return x
+def _dropout_fn(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+                model_training: bool = True) -> Tensor:
+    # fx records `training=self.training` as the value it had when traced, so the replaying
+    # model's own mode (`model_training`, passed by TorchModel.forward) decides as well: eval
+    # mode is always the identity, as the PyTorch model would be after .eval()
+    return F.dropout(x, p, training and model_training)
+
+
+# functions that also receive the replaying model's training mode (keyword `model_training`)
+_MODE_AWARE = (_dropout_fn,)
 
 
 def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
@@ -248,8 +239,8 @@ def _avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 
 
 def _max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                 ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
-    _pool_checks("max_pool2d", ceil_mode, dilation=dilation, return_indices=return_indices)
-    return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding)
+    _pool_checks("max_pool2d", dilation=dilation, return_indices=return_indices)
+    return F.max_pool2d(x, kernel_size, stride if stride not in (None, ()) else None, padding, ceil_mode)
 
 
 def _loss_checks(weight: Any, size_average: Any, reduce: Any, ignore_index: int = -100,
@@ -442,6 +433,8 @@ class TorchModel(nn.Module):
             else:
                 fn = (self._resolve(node.target) if node.op == "call_module" else
                       self._methods[node.target] if node.op == "call_method" else self._functions[node.target])
+                if fn in _MODE_AWARE:
+                    kwargs = {**kwargs, "model_training": self.training}
                 try:
                     env[node] = fn(*args, **kwargs)
                 except _Unsupported as e:

@@ -262,6 +262,34 @@ def gelu(x: Operand, approximate: str = "none") -> Tensor:
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+def dropout(x: Operand, p: float = 0.5, training: bool = True, seed: int = 0) -> Tensor:
+    """PyTorch's dropout: in training, each element is zeroed with probability p and the rest
+    scaled by 1/(1-p); otherwise (or for p=0) the identity.
+
+    The mask is `random_uniform(step) >= p`: Philox-4x32-10 keyed by `seed` and the step counter
+    (a state the compiled step advances, so every step draws a new mask), with the element index
+    as the counter, so the masks are the same on every device and thread count and from run to
+    run. They cannot be PyTorch's (its generator is another algorithm, with other state). The
+    gradient is the cotangent times the same mask and scale (mul's VJP: the mask is a constant)."""
+    if not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1], got {p}{_at()}")
+    if not 0 <= int(seed) < 2**32:
+        raise ValueError(f"dropout: seed must be in [0, 2**32), got {seed}{_at()}")
+    t = _tensor(x)
+    if not training or p == 0:
+        return t
+    if not t.dtype.is_float:
+        raise ShapeError(f"dropout needs a floating-point input, got {t.type}{_at()}")
+    step, stream = current().random_draw()
+    u = _emit("random_uniform", [step], shape=t.shape, seed=int(seed), stream=stream)
+    if t.dtype != u.dtype:
+        u = cast(u, t.dtype)
+    # PyTorch's scale, 1/(1-p) rounded to the input's dtype; p=1 keeps nothing (scale unused)
+    scale = np.asarray(1.0 / (1.0 - p) if p < 1 else 0.0, dtype=t.dtype.numpy)
+    keep = ge(u, float(p))
+    return mul(t, where(keep, scale, np.zeros((), t.dtype.numpy)))
+
+
 def _nchw(name: str, x: Operand) -> Tensor:
     t = _tensor(x)
     if len(t.shape) != 4:
@@ -290,23 +318,16 @@ def avg_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Seque
 
 
 def max_pool2d(x: Operand, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-               padding: int | Sequence[int] = 0) -> Tensor:
-    """PyTorch's max_pool2d (dilation 1, floor mode). Non-overlapping windows (stride == kernel,
-    no padding, H and W divisible) compile everywhere: the input viewed as
-    (N, C, H/kh, kh, W/kw, kw) and reduced by max over the window axes. At ties the
-    gradient is shared evenly among the maximal elements (ember's max), where PyTorch gives it all
-    to one; after a ReLU the only likely ties are zeros, whose gradient the ReLU stops anyway.
-    Other windows are the `max_pool2d` op (PyTorch's tie rule), run by device="reference"."""
+               padding: int | Sequence[int] = 0, ceil_mode: bool = False) -> Tensor:
+    """PyTorch's max_pool2d (dilation 1): the `max_pool2d` op, whose gradient goes to each
+    window's first maximal element as in PyTorch (ties are common after a ReLU: all-zero
+    windows). Every target has a kernel for it, overlapping windows, padding and ceil_mode
+    included."""
     t = _nchw("max_pool2d", x)
     k = (int(kernel_size),) * 2 if np.isscalar(kernel_size) else tuple(int(v) for v in kernel_size)
     s = k if stride is None else ((int(stride),) * 2 if np.isscalar(stride) else tuple(int(v) for v in stride))
     p = (int(padding),) * 2 if np.isscalar(padding) else tuple(int(v) for v in padding)
-    n, c, h, w = t.shape
-    if s != k or p != (0, 0) or h % k[0] or w % k[1]:
-        # the general case: its own op (interpreter only until a backend has a pooling kernel)
-        return _emit("max_pool2d", [t.node], kernel=k, stride=s, padding=p)
-    windows = reshape(t, (n, c, h // k[0], k[0], w // k[1], k[1]))
-    return max(windows, (3, 5))
+    return _emit("max_pool2d", [t.node], kernel=k, stride=s, padding=p, ceil_mode=bool(ceil_mode))
 
 
 def layer_norm(x: Operand, normalized_shape: int | Sequence[int], weight: Operand | None = None,

@@ -196,6 +196,25 @@ class Tanh(_Elementwise):
     fn = staticmethod(F.tanh)
 
 
+class Dropout(Module):
+    """PyTorch's Dropout(p): in training mode zeroes each element with probability p and scales
+    the rest by 1/(1-p); in eval mode (`model.eval()`) the identity. The masks come from ember's
+    counter-based generator (`F.dropout`): deterministic for a `seed`, new every step, the same
+    on every device, but not PyTorch's masks."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
+        self.p, self.seed = float(p), int(seed)  # inplace changes only aliasing, which a traced graph has none of
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.p, self.training, self.seed)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class Flatten(Module):
     def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
         super().__init__()
@@ -288,8 +307,13 @@ class AvgPool2d(Module):
 
 
 class MaxPool2d(AvgPool2d):
+    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+                 padding: int | tuple[int, int] = 0, ceil_mode: bool = False) -> None:
+        super().__init__(kernel_size, stride, padding)
+        self.ceil_mode = ceil_mode
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode)
 
 
 class LayerNorm(Module):

@@ -20,6 +20,8 @@ from ember.ir import Graph, TensorType, as_dtype, float32
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGE_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("ir", "passes", "codegen", "runtime", "frontends"))
 _state = threading.local()
+#: name of the random step counter's state (see `TraceContext.random_draw`)
+RNG_STEP = "rng_step"
 
 
 def user_location() -> str | None:
@@ -88,6 +90,8 @@ class TraceContext:
         self.buffer_names: dict[int, str] = {}
         self.buffer_nodes: dict[int, int] = {}
         self.buffers: dict[str, "Buffer"] = {}
+        self.rng_node: int | None = None  # the step counter's state node, made by the first draw
+        self.rng_streams = 0  # random draws so far: the next draw's Philox stream
 
     def enter_module(self, module: Any, called_from_ember: bool = True) -> None:
         """Pushes `module` on the module-call stack (`Module.__call__` does this while tracing).
@@ -145,6 +149,22 @@ class TraceContext:
         """The buffer's value after this step (an update of its state node)."""
         self.state_node(buf)
         self.graph.set_update(self.buffer_names[id(buf)], as_node(value))
+
+    def random_draw(self) -> tuple[int, int]:
+        """(step counter node, stream) for one random draw (a dropout mask) in this trace.
+
+        The counter is one int64 scalar `state` named RNG_STEP, shared by every draw and advanced
+        by one each step (its update); zero-initialised and not a module buffer, so it is kept with
+        the optimizer state (saved in checkpoints, absent from the model's state_dict, which stays
+        PyTorch's). Draws are numbered in trace order, the same in every step traced from one
+        model (full and partial batches), so each dropout call keeps its own stream of masks."""
+        if self.rng_node is None:
+            self.rng_node = self.graph.add_state(RNG_STEP, TensorType((), "int64"), user_location())
+            one = self.graph.add_constant(np.ones((), np.int64))
+            self.graph.set_update(RNG_STEP, self.graph.add("add", [self.rng_node, one]))
+        stream = self.rng_streams
+        self.rng_streams += 1
+        return self.rng_node, stream
 
     def parameter_node(self, p: "Parameter") -> int:
         node = self.param_nodes.get(id(p))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from . import philox
 from .dtypes import TensorType
 from .graph import Graph
 
@@ -69,26 +70,36 @@ def _conv2d_grad_input(args, attrs, t):
     return np.ascontiguousarray(dxp[:, :, ph: ph + h, pw: pw + wd])
 
 
-def _pool_windows(x: np.ndarray, attrs) -> np.ndarray:
+def _pool_padded(x: np.ndarray, attrs, out_hw: tuple[int, int]) -> np.ndarray:
+    """x padded with -inf: `padding` on each side, plus what ceil_mode's last windows overhang."""
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    extra_h = max(0, (out_hw[0] - 1) * sh + kh - (x.shape[2] + 2 * ph))
+    extra_w = max(0, (out_hw[1] - 1) * sw + kw - (x.shape[3] + 2 * pw))
+    if not (ph or pw or extra_h or extra_w):
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph + extra_h), (pw, pw + extra_w)), constant_values=-np.inf)
+
+
+def _pool_windows(x: np.ndarray, attrs, out_hw: tuple[int, int]) -> np.ndarray:
     """(N, C, Ho, Wo, KH*KW) windows of x padded with -inf."""
-    (kh, kw), (ph, pw) = attrs["kernel"], attrs["padding"]
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) if ph or pw else x
-    win = _windows(xp, kh, kw, attrs["stride"], (0, 0))
+    kh, kw = attrs["kernel"]
+    win = _windows(_pool_padded(x, attrs, out_hw), kh, kw, attrs["stride"], (0, 0))[:, :, : out_hw[0], : out_hw[1]]
     return win.reshape(win.shape[:4] + (kh * kw,))
 
 
 def _max_pool2d(args, attrs, t):
-    return _pool_windows(args[0], attrs)[:, :, : t.shape[2], : t.shape[3]].max(axis=-1)
+    return _pool_windows(args[0], attrs, t.shape[2:]).max(axis=-1)
 
 
 def _max_pool2d_grad(args, attrs, t):
     x, dy = args
     (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
     n, c, ho, wo = dy.shape
-    first = _pool_windows(x, attrs)[:, :, :ho, :wo].argmax(axis=-1)  # the first maximum, as PyTorch
+    first = _pool_windows(x, attrs, (ho, wo)).argmax(axis=-1)  # the first maximum, as PyTorch
     rows = np.arange(ho)[:, None] * sh + first // kw
     cols = np.arange(wo)[None, :] * sw + first % kw
-    dxp = np.zeros((n, c, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw), dtype=dy.dtype)
+    xp_shape = _pool_padded(x, attrs, (ho, wo)).shape
+    dxp = np.zeros((n, c) + xp_shape[2:], dtype=dy.dtype)
     ni, ci = np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None]
     np.add.at(dxp, (ni, ci, rows, cols), dy)  # overlapping windows may pick the same element
     return dxp[:, :, ph: ph + x.shape[2], pw: pw + x.shape[3]]
@@ -135,6 +146,7 @@ IMPLS: dict[str, Impl] = {
     "where": lambda a, at, t: np.where(a[0], a[1], a[2]),
     "cast": lambda a, at, t: a[0].astype(at["dtype"].numpy),
     "stop_gradient": lambda a, at, t: a[0],
+    "random_uniform": lambda a, at, t: philox.uniform(t.shape, at["seed"], int(a[0]), at["stream"]),
     "sum": _reduce(np.sum),
     "max": _reduce(np.max),
     "argmax": lambda a, at, t: np.argmax(a[0], axis=at["axis"]).astype(np.int64),

@@ -18,9 +18,11 @@ CONTRACTIONS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul")
 #: a softmax cross-entropy (mean over the batch) and the gradient of its logits, each one kernel
 LOSSES = ("softmax_xent", "softmax_xent_grad")
 GENERATED = ("pointwise", "reduction")
+#: windowed max pooling and its gradient, one op each (templates like the contractions')
+POOLING = ("max_pool2d", "max_pool2d_grad")
 #: one collective op (all_reduce) alone: a kernel boundary that a communicator implements
 COLLECTIVE = "collective"
-KERNEL_KINDS = GENERATED + CONTRACTIONS + LOSSES + (COLLECTIVE,)
+KERNEL_KINDS = GENERATED + CONTRACTIONS + POOLING + LOSSES + (COLLECTIVE,)
 #: bias: + a per-channel vector; relu: max(., 0); relu_mask: ReLU's backward, where(mask > 0, ., 0)
 #: with `mask` (a role: the forward ReLU's output, same shape as the result); pointwise: any
 #: elementwise subgraph over the contraction's value (the spec's "epilogue_from" node, read at the
@@ -67,7 +69,7 @@ class KernelSpec:
         """A reason this spec cannot describe a fused node with these operands/subgraph, or None."""
         if self.kind not in KERNEL_KINDS:
             return f"unknown kernel kind {self.kind!r} (known: {', '.join(KERNEL_KINDS)})"
-        if self.kind in CONTRACTIONS + LOSSES and self.template is None:
+        if self.kind in CONTRACTIONS + POOLING + LOSSES and self.template is None:
             return f"{self.kind} kernel names no template"
         if self.kind != "pointwise" and self.core is None:
             return f"{self.kind} kernel names no core node"

@@ -225,6 +225,29 @@ def _cast(types, attrs):
     return types[0].with_dtype(attrs["dtype"])
 
 
+def _u32(v: Any) -> int:
+    v = int(v)
+    if not 0 <= v < 2**32:
+        raise ValueError(f"expected an integer in [0, 2**32), got {v}")
+    return v
+
+
+@_defop("random_uniform", 1, "elementwise", {"shape": Attr(_ints), "seed": Attr(_u32, 0), "stream": Attr(_u32, 0)},
+        differentiable=False, int_ok=True)
+def _random_uniform(types, attrs):
+    """float32 uniform in [0, 1) of `shape`, element i a pure function of (seed, step, stream, i)
+    (Philox-4x32-10, `ember.ir.philox`): the same bits on every backend and thread count. The
+    operand is the step counter (an integer scalar state the step advances), so every step draws
+    anew; `stream` tells apart the draws of one step (one per dropout call). Elementwise so that
+    it fuses into the kernel that uses it; its index is its own output's row-major index."""
+    (step,) = types
+    if step.dtype.is_float or step.dtype == bool_ or step.rank != 0:
+        raise ShapeError(f"random_uniform's operand is the step counter, an integer scalar; got {step}")
+    if any(d < 0 for d in attrs["shape"]):
+        raise ShapeError(f"random_uniform: negative dimension in shape {attrs['shape']}")
+    return TensorType(attrs["shape"], float32)
+
+
 # ---- reductions ------------------------------------------------------------------------------
 
 def _reduce_rule(types, attrs):
@@ -343,11 +366,24 @@ def _conv2d_grad_weight(types, attrs):
 
 
 # ---- pooling ---------------------------------------------------------------------------------
-# Windowed like conv2d (kind "contraction": no pass branches on it; fusion names its kernels per
-# op). max_pool2d pads with -inf; max_pool2d_grad(x, dy) sends each window's cotangent to the
-# window's first maximal element (row-major), PyTorch's choice, so both need x.
+# Windowed like conv2d (kind "contraction": no pass branches on it; fusion gives each its own
+# kernel kind). max_pool2d pads with -inf; max_pool2d_grad(x, dy) sends each window's cotangent
+# to the window's first maximal element (row-major), PyTorch's choice, so both need x. ceil_mode
+# is PyTorch's: the output size rounds up, and a last window that would start in the right
+# padding is dropped; the elements a window overhangs count as -inf.
 
-_POOL_ATTRS = {"kernel": Attr(_pair), "stride": Attr(_pair), "padding": Attr(_pair, (0, 0))}
+_POOL_ATTRS = {"kernel": Attr(_pair), "stride": Attr(_pair), "padding": Attr(_pair, (0, 0)),
+               "ceil_mode": Attr(bool, False)}
+
+
+def pool_out_dim(size: int, k: int, stride: int, pad: int, ceil_mode: bool) -> int:
+    """PyTorch's pooling output size (torch's pooling_output_shape)."""
+    if not ceil_mode:
+        return conv_out_dim(size, k, stride, pad)
+    out = -(-(size + 2 * pad - k) // stride) + 1
+    if (out - 1) * stride >= size + pad:  # the last window would start inside the right padding
+        out -= 1
+    return out
 
 
 def _pool_out(name: str, x: TensorType, attrs) -> tuple[int, int, int, int]:
@@ -358,7 +394,8 @@ def _pool_out(name: str, x: TensorType, attrs) -> tuple[int, int, int, int]:
     if min(kh, kw, sh, sw) < 1 or ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
         raise ShapeError(f"{name}: kernel and stride must be >= 1 and padding at most half the kernel, got kernel "
                          f"{attrs['kernel']} stride {attrs['stride']} padding {attrs['padding']}")
-    ho, wo = conv_out_dim(x.shape[2], kh, sh, ph), conv_out_dim(x.shape[3], kw, sw, pw)
+    ceil = attrs["ceil_mode"]
+    ho, wo = pool_out_dim(x.shape[2], kh, sh, ph, ceil), pool_out_dim(x.shape[3], kw, sw, pw, ceil)
     if ho < 1 or wo < 1:
         raise ShapeError(f"{name}: kernel {attrs['kernel']} larger than the padded input {x.shape[2:]}")
     return x.shape[0], x.shape[1], ho, wo

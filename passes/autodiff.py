@@ -279,7 +279,7 @@ def _conv2d_grad_weight(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
 
 def _pool_attrs(b: Builder, n: int) -> dict:
     at = b.g.attrs(n)
-    return {"kernel": at["kernel"], "stride": at["stride"], "padding": at["padding"]}
+    return {"kernel": at["kernel"], "stride": at["stride"], "padding": at["padding"], "ceil_mode": at["ceil_mode"]}
 
 
 def _max_pool2d(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):

@@ -23,6 +23,7 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   reduction's input index) and those consuming it (epilogue, at its output index).
 - `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
   reshape) between them absorbed into index arithmetic.
+- `max_pool2d` / `max_pool2d_grad`: one op each (a windowed kernel, like the convolutions).
 - `collective`: one collective op (`all_reduce`) alone, a kernel boundary: nothing is fused into
   it and it is absorbed into no group. It is a `fused` node like any other kernel (subgraph
   in0 -> all_reduce -> out, its spec's core the op), so the memory planner gives its result an
@@ -54,9 +55,11 @@ REDUCTIONS = {"sum", "max", "argmax"}
 SOURCES = {"input", "parameter", "state", "constant"}
 CONV_OPS = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
 COLLECTIVES = {name for name, op in OPS.items() if op.kind == "collective"}
+# Windowed ops that are a kernel of their own (nothing fuses into them), named by the op.
+POOL_OPS = {"max_pool2d", "max_pool2d_grad"}
 # Ops no compiled target has a kernel for yet: fusion refuses them with a message pointing at
-# device='reference' (the interpreter runs every op).
-INTERPRETER_ONLY = {"max_pool2d", "max_pool2d_grad"}
+# device='reference' (the interpreter runs every op). None today.
+INTERPRETER_ONLY: set[str] = set()
 
 
 def _numel(graph: Graph, n: int) -> int:
@@ -218,7 +221,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                     notes["b"], notes["trans_b"] = _matmul_operand(graph, b, members, gr)
                 else:  # batched: operands read as they are (codegen refuses what its templates cannot do)
                     notes.update(a=a, b=b, trans_a=False, trans_b=False)
-        elif op in CONV_OPS:
+        elif op in CONV_OPS or op in POOL_OPS:
             kind, members, notes = op, {root}, {"core": root}
         elif op in COLLECTIVES:
             kind, members, notes = "collective", {root}, {"core": root}
@@ -324,7 +327,8 @@ def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: d
         roles = [("a", index_of[notes["a"]]), ("b", index_of[notes["b"]])]
         params = (("trans_a", bool(notes["trans_a"])), ("trans_b", bool(notes["trans_b"])))
     else:
-        names = {"conv2d": ("x", "w"), "conv2d_grad_input": ("dy", "w"), "conv2d_grad_weight": ("x", "dy")}[kind]
+        names = {"conv2d": ("x", "w"), "conv2d_grad_input": ("dy", "w"), "conv2d_grad_weight": ("x", "dy"),
+                 "max_pool2d": ("x",), "max_pool2d_grad": ("x", "dy")}[kind]
         roles = list(zip(names, (index_of[o] for o in graph.operands(core))))
         params = ()
     epilogues = []

@@ -28,7 +28,8 @@ class FusionCaps:
     """What the fusion pass may produce for a target (Inductor asks its backend the same questions)."""
     #: kernel kinds the backend can emit; contractions absent here are refused by fusion, not codegen
     kinds: frozenset[str] = frozenset({"pointwise", "reduction", "conv2d", "conv2d_grad_input",
-                                       "conv2d_grad_weight", "matmul", "collective"})
+                                       "conv2d_grad_weight", "matmul", "max_pool2d", "max_pool2d_grad",
+                                       "collective"})
     #: contraction kind -> epilogues its template accepts
     epilogues: dict[str, frozenset[str]] = field(default_factory=lambda: {
         "conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu", "relu_mask"}),

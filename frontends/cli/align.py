@@ -34,6 +34,8 @@ from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim, trace
 from ember.runtime import target_names
 
+from ..training.torch_twins import torch_model
+
 __all__ = ["ember_gradients", "run_alignment", "Alignment", "format_alignment", "add_arguments", "main"]
 
 TORCH_MISSING = ("ember align needs PyTorch as the reference it compares with, and PyTorch is not "
@@ -108,11 +110,7 @@ class Alignment:
 
 
 def _torch_model(name: str):
-    import torch.nn as tnn
-    if name == "cnn":
-        return tnn.Sequential(tnn.Conv2d(1, 16, 3), tnn.ReLU(), tnn.Conv2d(16, 32, 3), tnn.ReLU(), tnn.Flatten(),
-                              tnn.Linear(32 * 24 * 24, 10))
-    return tnn.Sequential(tnn.Linear(784, 30), tnn.Sigmoid(), tnn.Linear(30, 10))
+    return torch_model(name)  # the recipes' PyTorch twins (frontends/training/torch_twins.py)
 
 
 def _batches(x: np.ndarray, y: np.ndarray, batch: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -26,6 +26,7 @@ from ember.frontends import nn, optim
 from ember.runtime import target_names
 
 from ..training.recipes import MODELS, build_model
+from ..training.torch_twins import torch_model
 
 
 
@@ -197,13 +198,9 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
 
 def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bool, threads: int):
     import torch
-    import torch.nn as tnn
     import torch.nn.functional as tF
     torch.set_num_threads(threads)
-    if model_name == "cnn":
-        model = tnn.Sequential(tnn.Conv2d(1, 16, 3), tnn.ReLU(), tnn.Conv2d(16, 32, 3), tnn.ReLU(), tnn.Flatten(), tnn.Linear(18432, 10))
-    else:
-        model = tnn.Sequential(tnn.Linear(784, 30), tnn.Sigmoid(), tnn.Linear(30, 10))
+    model = torch_model(model_name)
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -313,13 +310,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
              + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "")
              + (f" cpu_vector={report['cpu_vector']}" if report.get("cpu_vector") else "") + f" omp={report.get('omp')}",
-             f"{'model':5} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
+             f"{'model':7} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
     for model, rows in report["models"].items():
         for r in rows:
             cold = f"{r['compile_cold_s']:.2f}s" if r["compile_cold_s"] is not None else "-"
             warm = f"{r['compile_warm_s']:.2f}s" if r["compile_warm_s"] is not None else "-"
             peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "-"
-            lines.append(f"{model:5} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
+            lines.append(f"{model:7} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
                          f"{r['ember_over_this']:10.3f} {cold:>12} {warm:>7} {peak:>9}")
     for model, kernels in report.get("kernels", {}).items():
         total = sum(k["ms_per_step"] for k in kernels)
@@ -331,7 +328,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", choices=["cnn", "mlp", "all"], default="all")
+    p.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: cnn and mlp")
     p.add_argument("--device", choices=target_names(), default="cpu")
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")

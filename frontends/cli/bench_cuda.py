@@ -18,17 +18,14 @@ from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim
 
 from ..training.recipes import MODELS, build_model
+from ..training.torch_twins import torch_model
 
 FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet fp32 (non-tensor) rate: the scale for "% of peak"
 HBM_GB_PER_S = 4800.0    # H200 SXM datasheet HBM3e bandwidth: the scale for "% of HBM"
 
 
 def _torch_model(name: str):
-    import torch.nn as tnn
-    if name == "cnn":
-        return tnn.Sequential(tnn.Conv2d(1, 16, 3), tnn.ReLU(), tnn.Conv2d(16, 32, 3), tnn.ReLU(), tnn.Flatten(),
-                              tnn.Linear(18432, 10))
-    return tnn.Sequential(tnn.Linear(784, 30), tnn.Sigmoid(), tnn.Linear(30, 10))
+    return torch_model(name)  # the recipes' PyTorch twins (frontends/training/torch_twins.py)
 
 
 def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) -> list[tuple[str, Callable]]:

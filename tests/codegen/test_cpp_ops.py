@@ -171,6 +171,33 @@ def test_convolutions(n, c, h, w, o, k, stride, pad, device):
     assert kernel_counts(planned) == {"conv2d": 1, "conv2d_grad_input": 1, "conv2d_grad_weight": 1}
 
 
+@pytest.mark.parametrize("shape,k,s,p,ceil", [((2, 3, 28, 28), 2, 2, 0, False), ((2, 3, 7, 6), 3, 2, 1, False),
+                                              ((3, 2, 9, 8), (3, 2), (1, 2), (1, 0), False), ((2, 2, 7, 5), 2, 2, 0, True),
+                                              ((1, 3, 8, 5), 3, 2, 1, True), ((64, 6, 28, 28), 2, 2, 0, False)])
+def test_max_pool_and_grad_bitwise_equal_to_the_interpreter(shape, k, s, p, ceil, device):
+    g = Graph("pool")
+    x_t = TensorType(shape)
+    x = g.add_input("x", x_t)
+    y = g.add("max_pool2d", [x], kernel=k, stride=s, padding=p, ceil_mode=ceil)
+    g.set_output("pool", y)
+    dy_t = g.type(y)
+    g.set_output("grad", g.add("max_pool2d_grad", [x, g.add_input("dy", dy_t)], kernel=k, stride=s, padding=p,
+                               ceil_mode=ceil))
+    xs = _data(x_t)
+    xs[..., ::3, 1::2] = 0.0  # ties (all-zero windows after a ReLU): the first maximum takes the gradient
+    xs[:, :, 0, :] = np.maximum(xs[:, :, 0, :], 0.25)
+    if shape[0] < 4:
+        xs[0, 0, 1, 1] = np.nan  # a NaN is its window's maximum
+    dys = _data(dy_t)
+    dys[..., 0, 0] = -0.0  # a window's sum from zero makes it +0
+    inputs = {"x": xs, "dy": dys}
+    expect = run(g, inputs).outputs
+    planned, got = run_compiled(g, device, inputs, {})
+    for name in expect:
+        assert got[name].tobytes() == expect[name].tobytes(), name
+    assert kernel_counts(planned) == {"max_pool2d": 1, "max_pool2d_grad": 1}
+
+
 def test_fused_chain_is_one_kernel_and_matches(device):
     g = Graph("chain")
     ts = TensorType((17, 33))
@@ -183,7 +210,8 @@ def test_fused_chain_is_one_kernel_and_matches(device):
 def test_every_op_has_a_cpu_lowering_path():
     """Every op is either lowered by a kernel kind or handled as a source/alias (see fusion.py)."""
     from ember.passes import fusion
-    handled = fusion.ELEMENTWISE | fusion.VIEWS | fusion.REDUCTIONS | fusion.SOURCES | fusion.CONV_OPS | {"matmul", "fused"}
+    handled = (fusion.ELEMENTWISE | fusion.VIEWS | fusion.REDUCTIONS | fusion.SOURCES | fusion.CONV_OPS | fusion.POOL_OPS
+               | {"matmul", "fused"})
     # Collectives are fused into "collective" kernels, which the CPU step refuses by design (it has
     # no communicator): test_cpp_collectives.py checks that message.
     handled |= fusion.COLLECTIVES
@@ -191,6 +219,8 @@ def test_every_op_has_a_cpu_lowering_path():
     # (tests/frontends/test_from_torch_ops.py checks it); every other op must have a kernel kind.
     handled |= fusion.INTERPRETER_ONLY
     assert set(OPS) <= handled, sorted(set(OPS) - handled)
+    # and today there are none: every op compiles on cpu and cuda (max pooling was the last)
+    assert not fusion.INTERPRETER_ONLY, sorted(fusion.INTERPRETER_ONLY)
 
 
 def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():

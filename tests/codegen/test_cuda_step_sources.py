@@ -22,8 +22,18 @@ def _nvcc() -> str:
     return nvcc
 
 
-@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
-@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def _compile_all(nvcc: str, sources: list) -> None:
+    procs = [(src, subprocess.Popen([nvcc, "-cubin", "-arch=sm_90", "-o", str(src.with_suffix(".cubin")), str(src)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for src in sources]
+    for src, proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0 and not err.strip() and not out.strip(), f"{src.name}:\n{out}{err}"
+
+
+# lenet5: max pooling (forward and gradient kernels); resnet8: BatchNorm, residual adds, strided
+# and 1x1 convolutions, global average pooling
+@pytest.mark.parametrize("model,tf32", [("cnn", False), ("mlp", False), ("lenet5", False), ("resnet8", False),
+                                        ("cnn", True), ("mlp", True)])
 def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, capsys):
     nvcc = _nvcc()
     assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]
@@ -31,13 +41,35 @@ def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, c
     sources = sorted(tmp_path.glob("*.cu"))
     assert [p.name for p in sources] == [f"{model}-inference-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu",
                                          f"{model}-train-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu"]
-    for src in sources:
-        r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-o", str(src.with_suffix(".cubin")), str(src)],
-                           capture_output=True, text=True)
-        assert r.returncode == 0 and not r.stderr.strip(), f"{src.name}:\n{r.stderr}"
+    _compile_all(nvcc, sources)
     text = (tmp_path / sources[-1].name).read_text()
     assert "extern \"C\" __global__" in text and "implements" in text
     assert ("mma.sync.aligned.m16n8k8" in text) == tf32  # tensor cores exactly when asked
+    if model == "lenet5":
+        assert "max_pool2d_fwd(" in text and "max_pool2d_grad_grad(" in text
+
+
+def test_dropout_and_overlapping_ceil_mode_pooling_compile_with_nvcc(tmp_path):
+    """What the recipes lack: Dropout's Philox masks, and pooling with overlapping windows,
+    padding and ceil_mode, in a training and an inference step."""
+    nvcc = _nvcc()
+    import numpy as np
+
+    from ember.frontends import nn, optim, plan
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                          nn.Dropout(0.25), nn.Flatten(), nn.Linear(4 * 15 * 15, 10), nn.Dropout(0.5))
+    example = (np.zeros((16, 1, 28, 28), np.float32), np.zeros(16, np.int64))
+    graphs = plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda")
+    from ember.runtime import target
+    sources = []
+    for name, graph in graphs.items():
+        src = tmp_path / f"{name}.cu"
+        src.write_text(target("cuda").source(graph))
+        sources.append(src)
+    train = next(s for s in sources if s.name.startswith("train")).read_text()
+    assert "em_philox_uniform(0u, 1u," in train and "max_pool2d_grad_grad(" in train
+    _compile_all(nvcc, sources)
 
 
 def test_kernels_command_refuses_a_device_without_sources(tmp_path, capsys):

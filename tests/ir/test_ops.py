@@ -569,25 +569,55 @@ def test_one_hot_bad():
     expect_shape_error("one_hot", [TensorType((4,), int64)], "num_classes", num_classes=0)
 
 
+# ---- random numbers ---------------------------------------------------------------------------
+
+@covers("random_uniform")
+def test_random_uniform_is_philox_and_uniform():
+    # No PyTorch counterpart (its generators are other algorithms): checked against the generator
+    # (whose known answers tests/frontends/test_dropout.py checks) and for uniformity.
+    from ember.ir import philox
+    step = np.asarray(5, np.int64)
+    a = interp("random_uniform", [step], shape=(300, 100), seed=3, stream=2)
+    assert a.dtype == np.float32 and a.shape == (300, 100)
+    np.testing.assert_array_equal(a, philox.uniform((300, 100), 3, 5, 2))
+    assert a.min() >= 0 and a.max() < 1 and np.all((a * 2**24) % 1 == 0)  # 24-bit grid of [0, 1)
+    counts = np.histogram(a, bins=10, range=(0, 1))[0]
+    assert np.all(np.abs(counts - 3000) < 5 * np.sqrt(3000 * 0.9)), counts
+    for other in (dict(seed=4, stream=2), dict(seed=3, stream=3)):
+        assert np.mean(a == interp("random_uniform", [step], shape=(300, 100), **other)) < 1e-3
+    assert np.mean(a == interp("random_uniform", [np.asarray(6, np.int64)], shape=(300, 100), seed=3, stream=2)) < 1e-3
+
+
+def test_random_uniform_bad():
+    expect_shape_error("random_uniform", [f32()], "integer scalar", shape=(2,))
+    expect_shape_error("random_uniform", [TensorType((2,), int64)], "integer scalar", shape=(2,))
+    expect_shape_error("random_uniform", [TensorType((), int64)], "2**32", shape=(2,), stream=2**32)
+
+
 # ---- pooling ---------------------------------------------------------------------------------
 
-POOL_CASES = [((2, 3, 7, 6), 3, 2, 1), ((1, 2, 6, 6), 2, 2, 0), ((2, 1, 5, 5), 3, 1, 0), ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0))]
+# (shape, kernel, stride, padding, ceil_mode); the ceil cases include a last window that
+# overhangs the input ((5, 5) by 2 stride 2) and one dropped for starting in the padding
+POOL_CASES = [((2, 3, 7, 6), 3, 2, 1, False), ((1, 2, 6, 6), 2, 2, 0, False), ((2, 1, 5, 5), 3, 1, 0, False),
+              ((1, 1, 8, 5), (3, 2), (2, 1), (1, 0), False), ((2, 3, 7, 6), 3, 2, 1, True),
+              ((1, 2, 5, 5), 2, 2, 0, True), ((1, 1, 8, 5), (3, 2), (2, 3), (1, 1), True), ((1, 1, 6, 6), 2, 3, 1, True)]
 
 
 @covers("max_pool2d", "max_pool2d_grad")
-@pytest.mark.parametrize("shape,k,s,p", POOL_CASES)
+@pytest.mark.parametrize("shape,k,s,p,ceil", POOL_CASES)
 @pytest.mark.parametrize("precision", [None, "float64"])
-def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, precision):
+def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, ceil, precision):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
     x[..., 0, :2] = 0.5  # ties: both pick the first maximum of the window
-    out = interp("max_pool2d", [x], precision, kernel=k, stride=s, padding=p)
+    out = interp("max_pool2d", [x], precision, kernel=k, stride=s, padding=p, ceil_mode=ceil)
     tx = T(x, precision).requires_grad_(True)
-    ref = TF.max_pool2d(tx, k, s, p)
+    ref = TF.max_pool2d(tx, k, s, p, ceil_mode=ceil)
     close(out, ref, precision)
     dy = rng.standard_normal(ref.shape).astype(np.float32)
     ref.backward(T(dy, precision))
-    close(interp("max_pool2d_grad", [x, dy], precision, kernel=k, stride=s, padding=p), tx.grad, precision)
+    close(interp("max_pool2d_grad", [x, dy], precision, kernel=k, stride=s, padding=p, ceil_mode=ceil), tx.grad,
+          precision)
 
 
 def test_max_pool2d_bad():

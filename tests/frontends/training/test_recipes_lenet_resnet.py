@@ -3,8 +3,6 @@ written in PyTorch), the same logits, and training on device="cpu" as in PyTorch
 running statistics included)."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
@@ -14,46 +12,15 @@ TF = torch.nn.functional
 
 from ember.frontends import compile, nn, optim  # noqa: E402
 from ember.frontends.training import build_model  # noqa: E402
+from ember.frontends.training.torch_twins import torch_model  # noqa: E402
 
 
-def torch_lenet5():
-    return tnn.Sequential(tnn.Conv2d(1, 6, 5, padding=2), tnn.ReLU(), tnn.MaxPool2d(2), tnn.Conv2d(6, 16, 5), tnn.ReLU(),
-                          tnn.MaxPool2d(2), tnn.Flatten(), tnn.Linear(400, 120), tnn.ReLU(), tnn.Linear(120, 84),
-                          tnn.ReLU(), tnn.Linear(84, 10))
+def _twin(name):
+    return lambda: torch_model(name)
 
 
-class TBlock(tnn.Module):
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = tnn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = tnn.BatchNorm2d(cout)
-        self.relu = tnn.ReLU()
-        self.conv2 = tnn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = tnn.BatchNorm2d(cout)
-        self.downsample = (tnn.Sequential(tnn.Conv2d(cin, cout, 1, stride, bias=False), tnn.BatchNorm2d(cout))
-                           if stride != 1 or cin != cout else None)
+TWINS = {"lenet5": _twin("lenet5"), "resnet8": _twin("resnet8")}  # ember bench's and align's twins
 
-    def forward(self, x):
-        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
-        return self.relu(out + (self.downsample(x) if self.downsample is not None else x))
-
-
-class TResNet8(tnn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = tnn.Conv2d(1, 16, 3, 1, 1, bias=False)
-        self.bn1 = tnn.BatchNorm2d(16)
-        self.relu = tnn.ReLU()
-        self.layer1, self.layer2, self.layer3 = TBlock(16, 16, 1), TBlock(16, 32, 2), TBlock(32, 64, 2)
-        self.avgpool = tnn.AdaptiveAvgPool2d(1)
-        self.fc = tnn.Linear(64, 10)
-
-    def forward(self, x):
-        x = self.layer3(self.layer2(self.layer1(self.relu(self.bn1(self.conv1(x))))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-TWINS = {"lenet5": torch_lenet5, "resnet8": TResNet8}
 
 
 @pytest.mark.parametrize("name", TWINS)
@@ -101,7 +68,7 @@ def test_trainer_evaluates_batch_norm_in_eval_mode():
     for k, v in model.state_dict().items():  # evaluation leaves the running statistics alone
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     torch.manual_seed(0)
-    tm = TResNet8().eval()
+    tm = torch_model("resnet8").eval()
     tm.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in before.items()})
     with torch.no_grad():
         ref = TF.cross_entropy(tm(torch.from_numpy(x)), torch.from_numpy(y)).item()

@@ -1,0 +1,100 @@
+"""Max pooling kernels for the code-generating targets: `max_pool2d` and its gradient, in C++ and
+CUDA (templates `templates/<target>/max_pool2d.j2`).
+
+Semantics are the interpreter's (PyTorch's): windows of `kernel` at `stride`, `padding` on both
+sides counting as -inf, ceil_mode's overhanging last windows clipped to the input; a NaN in a
+window is its maximum; the gradient goes to each window's first maximal element in row-major
+order. Ties between a window's elements are common after a ReLU (all-zero windows), so "first"
+must be exact: every kernel scans a window in row-major order with a strict `>`.
+
+Determinism: no atomics. The C++ gradient scatters one (image, channel) plane per task, visiting
+windows in row-major order; the CUDA gradient gathers, one thread an input element, summing the
+windows that chose it in the same row-major order. Both add the cotangents of an element in the
+order the interpreter's `np.add.at` does, so all three agree bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ember.ir.ops import pool_out_dim
+
+from .cpp_kernels import KernelSource
+from .cuda_kernels import CudaKernel, Launch
+from .shapes import ceil_div, check_positive
+from .templates_env import environment
+
+POOL_KINDS = ("max_pool2d", "max_pool2d_grad")
+CUDA_THREADS = 256
+CPU_PARALLEL_MIN = 32768  # elements below which an OpenMP team costs more than it saves
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    N: int
+    C: int
+    H: int
+    W: int
+    KH: int
+    KW: int
+    SH: int
+    SW: int
+    PH: int
+    PW: int
+    HO: int
+    WO: int
+
+    @property
+    def tiles_exactly(self) -> bool:
+        """Windows that cover the input once each (2x2 stride 2 on an even size, no padding)."""
+        return (self.SH, self.SW, self.PH, self.PW) == (self.KH, self.KW, 0, 0) and \
+            (self.HO * self.KH, self.WO * self.KW) == (self.H, self.W)
+
+    def context(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def geometry(x_shape: tuple[int, ...], attrs: dict[str, Any]) -> PoolGeometry:
+    """The pooling of an NCHW input of `x_shape` under a max_pool2d node's attributes."""
+    n, c, h, w = x_shape
+    check_positive(N=n, C=c, H=h, W=w)
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    ceil = bool(attrs.get("ceil_mode", False))
+    ho, wo = pool_out_dim(h, kh, sh, ph, ceil), pool_out_dim(w, kw, sw, pw, ceil)
+    if ho < 1 or wo < 1:
+        raise ValueError(f"empty pooling output ({ho}x{wo}) for input {h}x{w}, kernel {kh}x{kw}")
+    if n * c * h * w >= 2**31 or n * c * ho * wo >= 2**31:
+        raise ValueError("tensor too large for 32-bit indexing")  # the kernels index in int
+    return PoolGeometry(n, c, h, w, kh, kw, sh, sw, ph, pw, ho, wo)
+
+
+def _check_name(name: str) -> None:
+    if not name.isidentifier() or not name.isascii():
+        raise ValueError(f"kernel name {name!r} is not a C identifier")
+
+
+def render_cpp(name: str, kind: str, g: PoolGeometry) -> tuple[KernelSource, list[str | None]]:
+    """The C++ kernel of `kind` and its argument order as roles (then the step passes scratch)."""
+    _check_name(name)
+    if kind not in POOL_KINDS:
+        raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
+    planes = g.N * g.C
+    code = environment("cpp").get_template("max_pool2d.j2").render(
+        name=name, grad=kind == "max_pool2d_grad", parallel=planes >= 2 and planes * g.H * g.W >= CPU_PARALLEL_MIN,
+        tiled=g.tiles_exactly, **g.context())
+    return KernelSource(name, code, 0), (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"])
+
+
+def render_cuda(name: str, kind: str, g: PoolGeometry) -> CudaKernel:
+    """The CUDA kernel of `kind`: one thread an output (forward) or an input element (gradient)."""
+    _check_name(name)
+    if kind not in POOL_KINDS:
+        raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
+    grad = kind == "max_pool2d_grad"
+    code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,
+                                                                    **g.context())
+    items = g.N * g.C * (g.H * g.W if grad else g.HO * g.WO)
+    function = f"{name}_{'grad' if grad else 'fwd'}"
+    roles = ("x", "dy", "out") if grad else ("x", "out")
+    return CudaKernel(name, code, (Launch(function, (ceil_div(items, CUDA_THREADS), 1, 1), (CUDA_THREADS, 1, 1), 0,
+                                          roles),), 0)
