@@ -259,7 +259,9 @@ def main(args: Any) -> int:
     if trainer.world_size > 1:
         print(f"data parallel: {trainer.world_size} ranks x batch {args.batch_size} = global batch "
               f"{args.batch_size * trainer.world_size}; {len(trainer.loader.x)} "
-              f"training images per rank, {trainer.dropped_tail} dropped (the tail that does not divide evenly)", flush=True)
+              f"training images per rank, {trainer.dropped_tail} dropped (the tail that does not divide evenly); "
+              f"gradients all-reduced in {len(trainer.step.train_graph.meta.get('buckets', []))} bucket(s) of at most "
+              f"{trainer.step.bucket_bytes} bytes", flush=True)
     print(f"compiled the training step in {trainer.compile_seconds:.2f} s"
           + (f" (planned peak memory {trainer.step.peak_bytes / 2**20:.1f} MiB)" if trainer.step.peak_bytes else ""),
           flush=True)

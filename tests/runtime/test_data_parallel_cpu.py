@@ -177,13 +177,16 @@ def test_mnist_over_two_ranks_rank0_alone_writes_metrics(tmp_path):
     r = _ember("launch", "--nproc-per-node", "2", "--", sys.executable, "-m", "ember.frontends.cli", "mnist",
                "--model", "mlp", "--device", "cpu", "--epochs", "1", "--limit-steps", "4", "--log-every", "2",
                "--data", str(MNIST_DIR), "--metrics-file", str(metrics), "--no-progress", "--eval-batch-size", "5000",
-               env=_clean_env(), timeout=300)
+               "--bucket-bytes", "4096", env=_clean_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("ember mnist: mlp") == 1  # rank 0 alone prints
     assert "global batch 128" in r.stdout and "0 dropped" in r.stdout
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     runs = [x for x in recs if x["type"] == "run"]
     assert len(runs) == 1 and runs[0]["world_size"] == 2 and runs[0]["global_batch_size"] == 128
+    # the MLP's gradients in 4 KiB buckets: the last layer's and the first bias, the first weight alone
+    assert (runs[0]["bucket_bytes"], runs[0]["buckets"]) == (4096, 2)
+    assert "2 bucket(s) of at most 4096 bytes" in r.stdout
     assert [x["step"] for x in recs if x["type"] == "step"] == [2, 4]
 
 
