@@ -140,6 +140,29 @@ def _require(argv: Sequence[str], why: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _native_target(argv: tuple[str, ...]) -> str | None:
+    """``-march=native -Q --help=target`` of the compiler (what native resolves to), or None
+    when the compiler does not answer it (not GCC, or no such option on this target)."""
+    try:
+        r = subprocess.run([*argv, "-march=native", "-Q", "--help=target"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def native_target_enables(option: str) -> bool | None:
+    """Whether ``$CXX -march=native`` turns ``option`` (e.g. ``-mavx512f``) on, as the compiler
+    itself reports it (the CPU features generated code may use are the compiler's view of this
+    CPU); None when there is no compiler to ask (a cached library may still load) or it does
+    not say."""
+    compiler = _cxx()
+    report = _native_target(tuple(compiler)) if _found(compiler) else None
+    if not report:
+        return None
+    return any(line.split()[:2] == [option, "[enabled]"] for line in report.splitlines())
+
+
+@functools.lru_cache(maxsize=None)
 def _identity(argv: tuple[str, ...], native: bool) -> str:
     """The compiler's ``--version`` (and its resolved native target), once per process."""
     try:
@@ -147,8 +170,8 @@ def _identity(argv: tuple[str, ...], native: bool) -> str:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise FileNotFoundError(f"cannot run {shlex.join(argv)} --version: {exc}") from exc
     if native:  # -march=native means different code on a different CPU: key on what it resolves to
-        r = subprocess.run([*argv, "-march=native", "-Q", "--help=target"], capture_output=True, text=True)
-        out += "\n" + hashlib.sha256(r.stdout.encode()).hexdigest() if r.returncode == 0 else ""
+        report = _native_target(argv)
+        out += "\n" + hashlib.sha256(report.encode()).hexdigest() if report is not None else ""
     return out.strip()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec, TensorType
 
-from . import cpp_kernels, pool_kernels
+from . import cpp_kernels, cpu_vector, pool_kernels
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 from .templates_env import environment
 
@@ -60,8 +60,11 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
         parallel=low.outputs >= 2 and low.outputs * low.reduced >= PARALLEL_MIN)
 
 
-def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_kernels.KernelSource, list[str | None]]:
-    """Renders a conv/matmul template; returns the source and its argument order as roles (None: NULL)."""
+def render_contraction(name: str, sub: Graph, spec: KernelSpec,
+                       isa: cpu_vector.VectorISA | None = None) -> tuple[cpp_kernels.KernelSource, list[str | None]]:
+    """Renders a conv/matmul template for the vector variant `isa` (default: `cpu_vector.resolve()`);
+    returns the source and its argument order as roles (None: NULL)."""
+    isa = isa or cpu_vector.resolve()
     core = sub.attrs(spec.core)
     operand_types = [sub.type(o) for o in sub.operands(spec.core)]
     x_t, w_t = operand_types[0], operand_types[-1]
@@ -81,18 +84,18 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
     if spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
         ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                               padding=core["padding"], bias=bias, relu="relu" in spec.epilogues)
+                                               padding=core["padding"], bias=bias, relu="relu" in spec.epilogues, isa=isa)
         return ks, ["x", "w", "bias" if bias else None, "out"]
     if spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], w_t.shape
         mask = "relu_mask" in spec.epilogues
         ks = cpp_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=core["stride"], padding=core["padding"], relu_mask=mask)
+                                                  stride=core["stride"], padding=core["padding"], relu_mask=mask, isa=isa)
         return ks, ["dy", "w", *(["mask"] if mask else []), "out"]
     if spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
         ks = cpp_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False)
+                                                   padding=core["padding"], bias=False, isa=isa)
         return ks, ["x", "dy", "out", None]
     if spec.kind == "matmul":
         if x_t.shape[:-2] != w_t.shape[:-2]:
@@ -102,13 +105,14 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cpp_ker
         *batch, m, k = x_t.shape
         ks = cpp_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=k, trans_a=spec.param("trans_a"),
                                        trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias,
-                                       relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues)
+                                       relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues, isa=isa)
         return ks, ["a", "b", "bias" if bias else None, *(["mask"] if "relu_mask" in spec.epilogues else []), "out"]
     raise NotImplementedError(f"no C++ template for kernel kind {spec.kind!r}")
 
 
 def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
-    """Scratch bytes the CPU kernel of this spec needs (the target record's `kernel_scratch`)."""
+    """Scratch bytes the CPU kernel of this spec needs (the target record's `kernel_scratch`), for
+    the vector variant the environment selects (render_step resolves the same one and checks)."""
     if spec.template is None:
         return 0
     return render_contraction(sub.name, sub, spec)[0].scratch_bytes
@@ -123,6 +127,7 @@ class KernelCode:
     implements: list[str]
     code: str
     call: str
+    node: int = -1  # the fused node it implements (its operands are what it reads)
 
 
 @dataclass
@@ -135,6 +140,9 @@ class StepSource:
     # collectives the runtime runs there, each (operand node, result node, op attributes)
     segments: list[list[int]] = field(default_factory=list)
     collectives: list[list[tuple[int, int, dict]]] = field(default_factory=list)
+    # the vector variant the kernels were generated for, and the g++ flags that build them
+    isa: cpu_vector.VectorISA = cpu_vector.AVX2
+    flags: tuple[str, ...] = ()
 
 
 def _slots(graph: Graph) -> list[tuple[str, str]]:
@@ -182,8 +190,10 @@ def _attr_text(attrs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in sorted(attrs.items()))
 
 
-def render_step(graph: Graph, profile: bool = False) -> StepSource:
-    """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if `profile`)."""
+def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA | None = None) -> StepSource:
+    """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if
+    `profile`), its contraction kernels generated for `isa` (default: `cpu_vector.resolve()`)."""
+    isa = isa or cpu_vector.resolve()
     slots = _slots(graph)
     slot_of = {s: i for i, s in enumerate(slots)}
     kernels: list[KernelCode] = []
@@ -219,10 +229,11 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
             collectives[-1].append((operands[0], n, dict(sub.attrs(spec.core))))
             continue
         else:
-            ks, order = render_contraction(name, sub, spec)
+            ks, order = render_contraction(name, sub, spec, isa)
             if ks.scratch_bytes != spec.scratch_bytes:
-                raise AssertionError(f"{name}: template needs {ks.scratch_bytes} scratch bytes, "
-                                     f"the plan reserved {spec.scratch_bytes}")
+                raise AssertionError(f"{name}: template needs {ks.scratch_bytes} scratch bytes ({isa.name}), "
+                                     f"the plan reserved {spec.scratch_bytes} (was ${cpu_vector.ENV_VAR} "
+                                     f"changed between planning and rendering?)")
             named = {role: args[i] for role, i in spec.roles} | {"out": out}
             scratch = "nullptr"
             if spec.scratch_bytes:
@@ -234,11 +245,12 @@ def render_step(graph: Graph, profile: bool = False) -> StepSource:
             call = f"{name}({', '.join(call_args)})"
         segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
-                                  code, call))
+                                  code, call, n))
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
     code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, segments=seg_kernels,
                                               arena_bytes=graph.meta["arena_bytes"],
                                               profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
                                               buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
     return StepSource(code, slots, graph.meta["arena_bytes"], kernels,
-                      segments if collectives else [list(range(len(kernels)))], collectives)
+                      segments if collectives else [list(range(len(kernels)))], collectives,
+                      isa, cpu_vector.cxx_flags(isa))

@@ -16,34 +16,36 @@ Contract shared by every kernel here:
   translation unit under different names (helpers live in ``namespace ember_k_<NAME>``, the
   shared vector prelude is include-guarded).
 
-Vector code uses GCC vector extensions (``v8`` = 8 x fp32): one ymm register with AVX2, two
-xmm registers (or scalars) elsewhere, so the same source compiles on any x86-64 (or other GCC
-target). FMA is explicit (``vfma``: ``_mm256_fmadd_ps`` where ``__FMA__`` is defined), so it does not
-depend on ``-ffp-contract``.
+Vector code uses GCC vector extensions (``vf`` = VL x fp32, ``cpu_vector``): every renderer takes
+an ``isa`` (default: ``cpu_vector.resolve()``, i.e. $EMBER_CPU_VECTOR or what -march=native
+reaches) that sets the vector width (8 lanes for avx2, 16 for avx512) and the register file the
+register tiles fill (16 or 32 registers). The 8-lane source compiles for any GCC target (a ymm
+register with AVX2, two xmm registers or scalars elsewhere); the 16-lane one needs AVX-512F.
+FMA is explicit (``vfma``: ``_mm256_fmadd_ps`` / ``_mm512_fmadd_ps``), so it does not depend on
+``-ffp-contract``. A kernel's arithmetic order depends on the variant (lanes partition the
+reductions differently), never on the thread count.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from .cpu_vector import VectorISA, resolve
 from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
-    "KernelSource", "MAX_THREADS", "VEC_PRELUDE",
+    "KernelSource", "MAX_THREADS", "vec_prelude",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul",
 ]
 
 #: Kernels clamp their OpenMP team to this many threads; per-thread scratch is sized for it.
 MAX_THREADS = 16
-#: fp32 lanes of the vector type the templates use (one AVX2 ymm register).
-VL = 8
 #: Alignment (in floats) of every sub-buffer carved out of the scratch block: 64 bytes.
 _ALIGN = 16
 #: Number of per-slot partial sums grad-weight reduces over (fixed: independent of threads).
 _GW_SLOTS = 16
-
-
 
 @dataclass(frozen=True)
 class KernelSource:
@@ -52,121 +54,26 @@ class KernelSource:
     scratch_bytes: int   # size of the 64-byte aligned scratch block the kernel needs (may be 0)
 
 
-# The shared vector helpers. Include-guarded, so any number of kernels can sit in one TU.
-VEC_PRELUDE = r"""
-#ifndef EMBER_CPU_VEC_PRELUDE_V1
-#define EMBER_CPU_VEC_PRELUDE_V1
-#include <cstring>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
-namespace ember_cpu {
-// 8 x fp32 in one GCC vector: a ymm register under -mavx2 (-march=native here), two xmm
-// registers or scalars elsewhere, so no #ifdef is needed for portability.
-typedef float v8 __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
-// Unaligned, aliasing-safe view used for loads and stores from float arrays.
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-// Keep a just-loaded vector in a register. Without it g++ re-reads such values as memory
-// operands of every FMA that uses them, and the 16-register tiles below become load-bound
-// (measured on the conv tile: 36 vs 98 GFLOP/s on one Zen 3 core). Empty asm, no instruction.
-#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
-#define EMBER_PIN(v) __asm__("" : "+x"(v))
-#else
-#define EMBER_PIN(v) ((void)0)
-#endif
-static inline v8 vload(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-static inline void vstore(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
-// acc + a*b, fused where the target has FMA (whatever -ffp-contract says), else mul + add.
-static inline v8 vfma(v8 a, v8 b, v8 acc) {
-#ifdef __FMA__
-  return _mm256_fmadd_ps(a, b, acc);
-#else
-  return a * b + acc;
-#endif
-}
-static inline v8 vbcast(float s) { return v8{s, s, s, s, s, s, s, s}; }
-static inline v8 vrelu(v8 v) { const v8 z{}; return v > z ? v : z; }
-// Horizontal sum in a fixed order (lanes i and i+4, then i and i+2, then 0 and 1).
-static inline float vsum(v8 v) {
-  v = v + __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
-  v = v + __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
-  v = v + __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
-  return v[0];
-}
-// dst[0..LEN) = src[0..LEN): whole vectors, then a scalar tail (short rows; no libc call).
-template <int LEN>
-static inline void vcopy(float* __restrict__ dst, const float* __restrict__ src) {
-  int i = 0;
-  for (; i + 8 <= LEN; i += 8) vstore(dst + i, vload(src + i));
-  for (; i < LEN; ++i) dst[i] = src[i];
-}
-// Horizontal add of pairs: {a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7}.
-static inline v8 vhadd(v8 a, v8 b) {
-  return __builtin_shuffle(a, b, v8i{0, 2, 8, 10, 4, 6, 12, 14}) +
-         __builtin_shuffle(a, b, v8i{1, 3, 9, 11, 5, 7, 13, 15});
-}
-// dst[i] += (sum of the lanes of a[i]) for i < NS: eight vectors are reduced together by a
-// transposing add tree (about 1 uop per vector instead of 6 for vsum one by one).
-template <int NS>
-static inline void vsum_add(const v8* a, float* dst) {
-  int i = 0;
-  for (; i + 8 <= NS; i += 8) {
-    const v8 u0 = vhadd(vhadd(a[i], a[i + 1]), vhadd(a[i + 2], a[i + 3]));
-    const v8 u1 = vhadd(vhadd(a[i + 4], a[i + 5]), vhadd(a[i + 6], a[i + 7]));
-    const v8 r = __builtin_shuffle(u0, u1, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
-                 __builtin_shuffle(u0, u1, v8i{4, 5, 6, 7, 12, 13, 14, 15});
-    vstore(dst + i, vload(dst + i) + r);
-  }
-  if (i + 4 <= NS) {
-    const v8 u = vhadd(vhadd(a[i], a[i + 1]), vhadd(a[i + 2], a[i + 3]));
-    for (int l = 0; l < 4; ++l) dst[i + l] += u[l] + u[l + 4];
-    i += 4;
-  }
-  for (; i < NS; ++i) dst[i] += vsum(a[i]);
-}
-static inline int team_size(int cap) {
-#ifdef _OPENMP
-  int t = omp_get_max_threads();
-  return t < cap ? (t < 1 ? 1 : t) : cap;
-#else
-  (void)cap;
-  return 1;
-#endif
-}
-static inline int team_now() {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-static inline int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-}  // namespace ember_cpu
-#endif  // EMBER_CPU_VEC_PRELUDE_V1
-""".strip("\n")
+@functools.cache
+def vec_prelude(isa: VectorISA) -> str:
+    """The shared vector helpers for ``isa`` (namespace ``ember_cpu<lanes>``). Include-guarded per
+    width, so any number of kernels, of either width, can sit in one translation unit."""
+    L = isa.lanes
+    halves = [L >> k for k in range(1, L.bit_length())]           # L/2, ..., 2, 1
+    hadd = [[4 * (j // 4) + (2 * (j % 4) + o if j % 4 < 2 else L + 2 * (j % 4 - 2) + o) for j in range(L)]
+            for o in (0, 1)]                                       # vhadd's two shuffles
+    return _env.get_template("vec_prelude.j2").render(
+        VL=L, halves=halves, swap={h: [lane ^ h for lane in range(L)] for h in halves},
+        hadd_lo=hadd[0], hadd_hi=hadd[1]).strip("\n")
 
 
 _env = environment("cpp")
 
 
-def _render(template: str, **ctx) -> str:
-    return _env.get_template(template).render(prelude=VEC_PRELUDE, MAX_THREADS=MAX_THREADS, **ctx)
-
-
-
-
-
-
+def _render(template: str, isa: VectorISA, **ctx) -> str:
+    return _env.get_template(template).render(prelude=vec_prelude(isa), VL=isa.lanes, REGS=isa.registers,
+                                              NS=f"ember_cpu{isa.lanes}", ISA=isa.name,
+                                              MAX_THREADS=MAX_THREADS, **ctx)
 
 
 def _check_name(name: str) -> None:
@@ -216,14 +123,53 @@ def _flat_pitch(WO: int, WI: int, KW: int, PL: int) -> int:
     return max(WO, PL + WI, WO + KW - 1 - PL)
 
 
+def _conv_tap_cost(vb: int, ob: int) -> float:
+    """Modelled cycles of one tap of a VB x OB conv tile: VB*OB FMAs and VB loads + OB
+    broadcasts, 2 of each per cycle, whichever binds (a small per-load term breaks ties)."""
+    return max(vb * ob, vb + ob) / 2 + 0.01 * (vb + ob)
+
+
+def _conv_tile(isa: VectorISA, mode: str, NV: int, CO: int, Q: int) -> tuple[int, int]:
+    """(VB, OB) register tile of the direct convolution: VB vectors of pixels x OB channels,
+    VB*OB accumulators + VB inputs + 1 broadcast <= the register file.
+
+    16 registers (AVX2): the measured choice, (3,4) (16 registers, ~90% of FMA peak on one Zen 3
+    core; (2,6) and (2,5) reached 80-85%, (1,8) ~70%), fewer vectors only where a row is
+    narrower. 32 registers (AVX-512): the tile with the fewest modelled cycles over the whole
+    output, zero padding of the channels (CO up to NOB*OB) and of the pixels (Q up to whole
+    tiles) included; for the MNIST conv2 (CO = 32, Q = 622) that is (3,8): 28 registers, 11
+    loads per 24 FMAs, no channel padding."""
+    if isa.registers <= 16:
+        VB = min(3, NV) if mode == "row" else 3
+        return VB, min({1: 8, 2: 6, 3: 4}[VB], CO)
+    best: tuple[float, int, int] | None = None
+    for vb in range(1, 7):
+        if mode == "row" and vb > NV:
+            break
+        for ob in range(1, 17):
+            if vb * ob + vb + 1 > isa.registers:
+                break
+            obc = min(ob, CO)
+            if mode == "row":
+                nvb, vbr = divmod(NV, vb)
+                per_block = nvb * _conv_tap_cost(vb, obc) + (_conv_tap_cost(vbr, obc) if vbr else 0.0)
+            else:
+                per_block = ceil_div(Q, vb * isa.lanes) * _conv_tap_cost(vb, obc)
+            cost = ceil_div(CO, obc) * per_block
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, vb, obc)
+    assert best is not None
+    return best[1], best[2]
+
+
 def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
-                     bias, relu, flip, allow_row, generic_ok=True):
+                     bias, relu, flip, allow_row, isa: VectorISA):
     """Context for the register-tiled direct convolution in conv2d_forward.j2.
 
     Computes out[n,o,oh,ow] = sum_{c,kh,kw} in[n,c,oh*SH-PT+kh, ow*SW-PL+kw] * wt[o,c,kh,kw]
     where wt is w (OIHW) or, with ``flip``, w read as (C,O,KH,KW) and spatially flipped (the
     grad-input of a stride-1 convolution). Modes:
-      row   - stride-1 in W, no padding, WO % 8 == 0: reads the input rows in place;
+      row   - stride-1 in W, no padding, WO % VL == 0: reads the input rows in place;
       flat  - stride 1: the image is copied (zero-padded, row pitch P = WO+KW-1) into a
               per-thread buffer and output pixels are tiled on the flattened (oh*P + ow) grid,
               so 26-wide outputs waste WO/P (7%) instead of 19% with 32-wide rows;
@@ -233,6 +179,7 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         mode = "flat"
     else:
         mode = "generic"
+    VL = isa.lanes
     if allow_row and SW == 1 and PT == 0 and PL == 0 and WO % VL == 0 \
             and (HO - 1) * SH + KH <= HI and WO + KW - 1 <= WI:
         mode = "row"
@@ -244,16 +191,10 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         ctx.update(VB=1, OB=1, NOB=CO)
         ctx["scratch"] = sc
         return ctx
-    # Register tile: VB vectors of 8 output pixels x OB output channels. The loop body loads
-    # VB input vectors, broadcasts OB weights and issues VB*OB FMAs; with 16 ymm registers
-    # VB*OB accumulators + VB inputs + 1 broadcast must fit: (3,4) -> 16, (2,6) -> 15, (1,8).
-    if mode == "row":
-        NV = WO // VL
-        VB = min(3, NV)
-    else:
-        VB = 3
-    OB = {1: 8, 2: 6, 3: 4}[VB]
-    OB = min(OB, CO)
+    # Register tile: VB vectors of VL output pixels x OB output channels. The loop body loads
+    # VB input vectors, broadcasts OB weights and issues VB*OB FMAs (see _conv_tile).
+    P = _flat_pitch(WO, WI, KW, PL)           # padded row pitch (flat mode)
+    VB, OB = _conv_tile(isa, mode, WO // VL, CO, (HO - 1) * P + WO)
     NOB = ceil_div(CO, OB)
     ctx.update(VB=VB, OB=OB, NOB=NOB)
     sc.add("wk", NOB * OB * CI * KH * KW)     # weights repacked [ob][c][kh][kw][OB], zero-padded
@@ -262,7 +203,6 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
         NVB, VBR = divmod(WO // VL, VB)       # full vector blocks per row, remainder vectors
         ctx.update(NVB=NVB, VBR=VBR, NTASK=N * HO)
     else:
-        P = _flat_pitch(WO, WI, KW, PL)       # padded row pitch
         HP = HO + KH - 1                      # padded rows
         Q = (HO - 1) * P + WO                 # flat output positions that hold real pixels
         T = VB * VL
@@ -307,23 +247,27 @@ def _conv_geometry(name: str, N: int, C: int, H: int, W: int, O: int, KH: int, K
 
 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
-                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool) -> KernelSource:
+                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool,
+                          isa: VectorISA | None = None) -> KernelSource:
     """y = relu?(conv2d(x, w) + b?) for x (N,C,H,W), w (O,C,KH,KW), b (O,), y (N,O,HO,WO).
 
     C signature: ``static void NAME(const float* x, const float* w, const float* b, float* y,
     float* scratch)`` (all ``__restrict__``; ``b`` is ignored, may be NULL, when bias=False).
+    ``isa``: the vector variant (default ``cpu_vector.resolve()``), as for every renderer here.
     """
+    isa = isa or resolve()
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     ctx = _direct_conv_ctx(name, N=N, CI=C, CO=O, HI=H, WI=W, HO=HO, WO=WO, KH=KH, KW=KW,
                            SH=sh, SW=sw, PT=ph, PL=pw, bias=bias, relu=relu, flip=False,
-                           allow_row=True)
+                           allow_row=True, isa=isa)
     sc = ctx.pop("scratch")
-    code = _render("conv2d_forward.j2", entry="forward", off=sc.offsets, **ctx)
+    code = _render("conv2d_forward.j2", isa, entry="forward", off=sc.offsets, **ctx)
     return KernelSource(name, code, sc.nbytes)
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
-                             KW: int, stride=(1, 1), padding=(0, 0), relu_mask: bool = False) -> KernelSource:
+                             KW: int, stride=(1, 1), padding=(0, 0), relu_mask: bool = False,
+                             isa: VectorISA | None = None) -> KernelSource:
     """dx (N,C,H,W) of y = conv2d(x, w) given dy (N,O,HO,WO) and w (O,C,KH,KW).
 
     C signature: ``static void NAME(const float* dy, const float* w, float* dx, float* scratch)``.
@@ -333,11 +277,12 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
     the forward activation of dx's shape) the signature is
     ``NAME(const float* dy, const float* w, const float* mask, float* dx, float* scratch)``.
     """
+    isa = isa or resolve()
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if sh == 1 and sw == 1:
         ctx = _direct_conv_ctx(name, N=N, CI=O, CO=C, HI=HO, WI=WO, HO=H, WO=W, KH=KH, KW=KW,
                                SH=1, SW=1, PT=KH - 1 - ph, PL=KW - 1 - pw, bias=False, relu=False,
-                               flip=True, allow_row=False)
+                               flip=True, allow_row=False, isa=isa)
         ctx["relu_mask"] = bool(relu_mask)
         sc = ctx.pop("scratch")
         ctx.update(off=sc.offsets, entry="grad_input", transposed=True)
@@ -346,17 +291,20 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
         ctx = dict(name=name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
                    HO=HO, WO=WO, transposed=False, relu_mask=bool(relu_mask))
         nbytes = 0
-    code = _render("conv2d_grad_input.j2", **ctx)
+    code = _render("conv2d_grad_input.j2", isa, **ctx)
     return KernelSource(name, code, nbytes)
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
-                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool) -> KernelSource:
+                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool,
+                              isa: VectorISA | None = None) -> KernelSource:
     """dw (O,C,KH,KW) and, with bias, db (O,) = sum of dy over N,HO,WO; both fully overwritten.
 
     C signature: ``static void NAME(const float* x, const float* dy, float* dw, float* db,
     float* scratch)`` (``db`` ignored, may be NULL, when bias=False).
     """
+    isa = isa or resolve()
+    VL = isa.lanes
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if sw == 1 and ph == 0 and pw == 0 and WO % VL == 0:
         mode = "row"
@@ -370,8 +318,8 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     if mode != "generic":
         # Register tile: OB output channels x KW taps of one (c, kh), vectorised along the
         # pixels being reduced. Per step: KW input vectors + 1 dy vector live, OB*KW
-        # accumulators: OB*KW + KW + 1 <= 16 (3x3 -> OB = 4, 16 registers).
-        OB = max(1, min(8, (16 - KW - 1) // KW))
+        # accumulators: OB*KW + KW + 1 <= registers (3x3: OB = 4 of 16 ymm, 8 of 32 zmm).
+        OB = max(1, min(8, (isa.registers - KW - 1) // KW))
         if O < OB:
             OB = O
         NOB = ceil_div(O, OB)
@@ -393,7 +341,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
             ctx.update(P=P, HP=HP, Q=Q, QP=QP, QPA=QPA, CSP=CSP, OBG=OBG, PER_THREAD=per_thread)
             sc.add("thr", MAX_THREADS * per_thread)
     ctx["off"] = sc.offsets
-    code = _render("conv2d_grad_weight.j2", **ctx)
+    code = _render("conv2d_grad_weight.j2", isa, **ctx)
     return KernelSource(name, code, sc.nbytes)
 
 
@@ -435,6 +383,23 @@ def _mm_pick_tile(M: int, N: int, cands) -> tuple[int, int]:
     return best[1], best[2]
 
 
+#: Register-tile candidates of the two matmul forms (rows, columns; ties go to the earlier one),
+#: per register file. 16 registers: the measured AVX2 lists (see render_matmul). 32 registers:
+#: the same shapes widened to fill 32 zmm registers (dot: MR*NR + min(MR,NR) + 1 <= 32, MR <= 4
+#: as for AVX2, so MR rows of a k chunk of A, 32 KiB at most, stay in L1; axpy: MR*NV + NV + 1
+#: <= 32), then the 16-register ones for small problems.
+_MM_DOT_TILES = {
+    16: [(4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3), (1, 7), (2, 3), (3, 2), (1, 1)],
+    32: [(4, 6), (3, 8), (4, 5), (2, 12), (2, 10), (3, 6), (4, 4), (2, 8), (1, 15),
+         (4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3), (1, 7), (2, 3), (3, 2), (1, 1)],
+}
+_MM_AXPY_TILES = {
+    16: [(4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3), (14, 1), (1, 7)],
+    32: [(6, 4), (8, 3), (4, 6), (12, 2), (5, 4), (7, 3), (14, 2), (3, 7), (2, 10), (14, 1), (1, 15),
+         (4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3), (1, 7)],
+}
+
+
 def _mm_set_conflicts(row_bytes: int, rows: int) -> bool:
     """True when ``rows`` rows of B, ``row_bytes`` apart, crowd into few L1 sets (a stride that
     is (nearly) a multiple of 4 KiB): read in place they would evict each other."""
@@ -445,7 +410,7 @@ def _mm_set_conflicts(row_bytes: int, rows: int) -> bool:
 
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
                   batch: int = 1, bias: bool = False, relu: bool = False,
-                  relu_mask: bool = False) -> KernelSource:
+                  relu_mask: bool = False, isa: VectorISA | None = None) -> KernelSource:
     """C[b,m,n] = relu?(sum_k opA[b,m,k] * opB[b,k,n] + bias[n]?).
 
     A is stored (batch,M,K), or (batch,K,M) with trans_a; B (batch,K,N), or (batch,N,K) with
@@ -459,7 +424,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
       zero-padded), tile MR rows x NR columns, k split in chunks (B's chunk stays in L2);
       threads own equal ranges of column tiles when A is small (each reads all of A, but a row
       of B is read by one thread only), else of rows;
-    * ``axpy`` (everything else): vectorised along n, tile MR rows x 8*NV columns, B read in
+    * ``axpy`` (everything else): vectorised along n, tile MR rows x VL*NV columns, B read in
       place when its rows are contiguous and spaced well for L1, else packed per block into a
       zero-padded per-thread panel (transposed when trans_b); threads own equal ranges of
       (column block, row tile, column tile) units.
@@ -471,6 +436,8 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     mask <= 0; it forces the axpy form (the dot form's stores are scalar). Problems under ``MATMUL_SERIAL_FLOPS`` run
     without an OpenMP region (the same work, in the same order, on the calling thread).
     """
+    isa = isa or resolve()
+    VL = isa.lanes
     _check_name(name)
     check_positive(M=M, N=N, K=K, batch=batch)
     ta, tb = bool(trans_a), bool(trans_b)
@@ -481,11 +448,10 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     sc = _Scratch()
     if tb and not ta and K >= 64 and N <= 64 and not relu_mask:
         mode = "dot"
-        # MR*NR accumulators + the smaller side's vectors kept + 1 streamed <= 16 registers.
+        # MR*NR accumulators + the smaller side's vectors kept + 1 streamed <= the registers.
         # MR <= 4 keeps a tile's rows of A (MR x KC) in L1 while the tile sweeps the columns
-        # (64x10x18432, best of 2-thread runs: 4x3 or 2x5 ~190 us, 6x2 ~205).
-        MR, NR = _mm_pick_tile(M, N, [(4, 3), (3, 4), (2, 5), (2, 6), (4, 2), (2, 4), (3, 3),
-                                      (1, 7), (2, 3), (3, 2), (1, 1)])
+        # (AVX2, 64x10x18432, best of 2-thread runs: 4x3 or 2x5 ~190 us, 6x2 ~205).
+        MR, NR = _mm_pick_tile(M, N, _MM_DOT_TILES[isa.registers])
         # k chunks: B's chunk (N x KC) stays in L2 (<= 256 KiB) while the rows of A pass; one
         # chunk when K fits (64x30x784 in two chunks of 392 was 10% slower than in one).
         kc_max = min(2048, max(256, (64 * 1024 // N) // VL * VL))
@@ -499,11 +465,10 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
         ctx.update(MR=MR, NR=NR, KC=KC, SPLIT_COLS=split_cols)
     else:
         mode = "axpy"
-        # MR*NV accumulators + NV B vectors + 1 broadcast <= 16 registers. Ties go to 4x3
+        # MR*NV accumulators + NV B vectors + 1 broadcast <= the registers. AVX2 ties go to 4x3
         # (best of 2-thread runs, 64x18432x10: 4x3 175 us, 6x2 201; 30x784x64: 4x3, 6x2 and 5x2
         # within 4% of each other).
-        MR, NV = _mm_pick_tile(M, ceil_div(N, VL), [(4, 3), (6, 2), (5, 2), (2, 5), (2, 4), (3, 3),
-                                                     (14, 1), (1, 7)])
+        MR, NV = _mm_pick_tile(M, ceil_div(N, VL), _MM_AXPY_TILES[isa.registers])
         NT8 = VL * NV
         NTL = ceil_div(N, NT8)
         # Pack B when its rows are not n-contiguous (trans_b), or rows of B a multiple of 4 KiB
@@ -520,5 +485,5 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
             sc.add("panel", (MAX_THREADS if parallel else 1) * panel)
     ctx["mode"] = mode
     ctx["off"] = sc.offsets
-    code = _render("matmul.j2", **ctx)
+    code = _render("matmul.j2", isa, **ctx)
     return KernelSource(name, code, sc.nbytes)

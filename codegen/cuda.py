@@ -12,13 +12,16 @@ pointers by the runtime; codegen never allocates.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_kernels, pool_kernels
-from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements, reduction_init
+from . import cuda_direct, cuda_kernels, pool_kernels
+from .indexing import delinearize
+from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
+                       reduction_init)
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -87,7 +90,10 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
     return lines
 
 
-TARGET_BLOCKS = 2 * 132  # enough blocks to fill an H200's 132 multiprocessors twice over
+# A split reduction is bandwidth-bound: it needs enough warps in flight on each of an H200's 132
+# multiprocessors to hide memory latency (measured: 2 blocks of 256 per SM read a bias gradient's
+# 75 MB at 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
+TARGET_BLOCKS = 8 * 132
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,71 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
 
 
+def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEpilogue | None:
+    """The generated epilogue of a contraction spec with a `pointwise` one: the subgraph from the
+    contraction's value (`red` in the body) to the output, at the flat output index `i`."""
+    if "pointwise" not in spec.epilogues:
+        return None
+    out = sub.outputs["out"]
+    t = sub.type(out)
+    index = _index_type(sub)
+    body = Body(sub, SPELLING, prefix="e", index_type=index)
+    body.core = spec.param("epilogue_from")
+    result = body.value(out, delinearize("i", t.numel, t.shape))
+    inputs = tuple(sorted(i for role, i in spec.roles if role == f"in{i}"))
+    return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
+
+
+#: "direct" (default): stride-1 convolutions with enough window work per staged input use the
+#: direct kernels (`cuda_direct`), others the implicit GEMM; "gemm": always the implicit GEMM (for
+#: comparisons: EMBER_CUDA_CONV=gemm ember bench --device cuda). TF32 runs on the GEMM's tensor cores.
+CONV_ALGORITHM = os.environ.get("EMBER_CUDA_CONV", "direct")
+DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
+# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
+# for the MNIST CNN's conv2 (tests/codegen/cuda_direct_try.py), at batch 64 (37k positions) the
+# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
+# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
+DIRECT_MIN_POSITIONS = 1 << 17
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
+    """The direct kernel for a convolution spec where one applies (see CONV_ALGORITHM), else None."""
+    if tf32 or CONV_ALGORITHM != "direct" or spec.kind not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+        return None
+    core = sub.attrs(spec.core)
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    if spec.kind == "conv2d":
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
+    elif spec.kind == "conv2d_grad_input":
+        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
+    else:
+        (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
+    window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
+    positions = n * (h - kh + 1 + 2 * _pair(core["padding"])[0]) * (w - kw + 1 + 2 * _pair(core["padding"])[1])
+    if window < DIRECT_MIN_WINDOW or positions < DIRECT_MIN_POSITIONS:
+        return None
+    geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
+    if spec.kind == "conv2d_grad_weight":
+        return cuda_direct.render_direct_grad_weight(name, epilogue=epilogue, **geometry)
+    return cuda_direct.render_direct(name, grad_input=spec.kind == "conv2d_grad_input", bias="bias" in spec.epilogues,
+                                     relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues,
+                                     epilogue=epilogue, **geometry)
+
+
+def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:
+    """The short-contraction matmul kernel where it applies (K <= 16, one batch), else None."""
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    if a_t.rank != 2 or b_t.rank != 2:
+        return None
+    (m, kk), n = a_t.shape, sub.type(spec.core).shape[-1]
+    return cuda_direct.render_matmul_thin(name, M=m, N=n, K=kk, trans_a=spec.param("trans_a"),
+                                          trans_b=spec.param("trans_b"), bias=bias, relu=relu, epilogue=epilogue)
+
+
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
@@ -152,32 +223,44 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     bias = "bias" in spec.epilogues
     relu = "relu" in spec.epilogues
     known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu"}, "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
+    known = known | {"pointwise"}  # every template takes the generated epilogue
     if unknown := [e for e in spec.epilogues if e not in known]:
         raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
                                   f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
-    if spec.kind == "conv2d":
+    epilogue = pointwise_epilogue(sub, spec)
+    tf32 = bool(spec.param("tf32"))  # precision="tf32": tensor cores (stamped by kernel selection)
+    direct = _direct_convolution(name, sub, spec, epilogue, tf32)
+    if direct is not None:
+        k = direct
+        if spec.kind == "conv2d_grad_input" and "relu_mask" in spec.epilogues:
+            inputs["mask_src"] = inputs["mask"]
+    elif spec.kind == "conv2d":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
         k = cuda_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                               padding=core["padding"], bias=bias, relu=relu)
+                                               padding=core["padding"], bias=bias, relu=relu,
+                                               epilogue=epilogue, tf32=tf32)
     elif spec.kind == "conv2d_grad_input":
         (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
         k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
                                                   stride=core["stride"], padding=core["padding"],
-                                                  relu_mask="relu_mask" in spec.epilogues)
+                                                  relu_mask="relu_mask" in spec.epilogues, epilogue=epilogue, tf32=tf32)
         if "relu_mask" in spec.epilogues:
             inputs["mask_src"] = inputs["mask"]  # the template's name for the forward ReLU's output
     elif spec.kind == "conv2d_grad_weight":
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False)
+                                                   padding=core["padding"], bias=False, epilogue=epilogue, tf32=tf32)
+    elif spec.kind == "matmul" and not tf32 and (thin := _thin_matmul(name, sub, spec, epilogue, bias, relu)):
+        k = thin
     elif spec.kind == "matmul":
         if a_t.shape[:-2] != b_t.shape[:-2]:
             raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "
                                       f"templates do not support yet; broadcast_to the operands first")
         *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
         k = cuda_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=kk, trans_a=spec.param("trans_a"),
-                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu)
+                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu,
+                                       epilogue=epilogue, tf32=tf32)
     else:
         raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
     return k, {**inputs, "out": "out"}

@@ -39,7 +39,7 @@ from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
-    "Launch", "CudaKernel", "GemmPlan", "NUM_SMS", "plan_gemm", "plan_candidates",
+    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "NUM_SMS", "plan_gemm", "plan_candidates",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_sgd_update",
 ]
@@ -66,6 +66,21 @@ class CudaKernel:
     code: str                     # CUDA C++ source: the extern "C" __global__ functions NAME_*
     launches: tuple[Launch, ...]  # made in order on one stream
     scratch_bytes: int            # device scratch the launches need (0: none)
+
+
+@dataclass(frozen=True)
+class PointwiseEpilogue:
+    """A generated epilogue: statements computing the stored value from `red` (the contraction's
+    value after the template's own epilogues) at flat output index `i`, reading the kernel's
+    operands in<k> for k in `inputs` (extra roles of the launch, after the template's)."""
+    body: tuple[str, ...]
+    result: str
+    inputs: tuple[int, ...]
+    index_type: str = "int"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(f"in{k}" for k in self.inputs)
 
 
 _env = environment("cuda")
@@ -188,6 +203,25 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     return GemmPlan(BM, BN, BK, TM, TN, splits, kchunk, t * 1e6)
 
 
+def tf32_warp_grid(BM: int, BN: int, threads: int) -> tuple[int, int] | None:
+    """(warps along m, warps along n) tiling a BM x BN block tile with mma.m16n8k8 pieces, the
+    squarest per-warp piece first; None when the tile cannot be split so."""
+    warps = threads // 32
+    if threads % 32 or BM % 16 or BN % 8:
+        return None
+    best = None
+    for wgm in range(1, warps + 1):
+        if warps % wgm:
+            continue
+        wgn = warps // wgm
+        if BM % (16 * wgm) or BN % (8 * wgn):
+            continue
+        shape = abs(BM // wgm - BN // wgn)
+        if best is None or shape < best[0]:
+            best = (shape, wgm, wgn)
+    return None if best is None else best[1:]
+
+
 def _tile_candidates():
     for BM in (8, 16, 32, 64, 128):
         for BN in (4, 8, 16, 32, 48, 64, 96, 128):
@@ -207,14 +241,19 @@ def _tile_candidates():
 
 
 def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
-                    min_threads_for_rows: bool = False, allow_split: bool = True) -> list[GemmPlan]:
-    """Every feasible plan for C (batch, M, N) = A (M, K) @ B (K, N), best estimate first."""
-    BK = _pick_bk(K)
+                    min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
+                    _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
+    """Every feasible plan for C (batch, M, N) = A (M, K) @ B (K, N), best estimate first (for
+    tf32: tiles the tensor-core warp grid can split, k-tiles a multiple of 8; ranked by the fp32
+    model, which over-weights the FMAs but orders the gathers and waves alike)."""
+    BK = round_up(_pick_bk(K), 8) if tf32 else _pick_bk(K)
     plans = {}
     for BM, BN, TM, TN in _tile_candidates():
-        if BM > round_up(M, 8) * 2 and BM > 8:
+        if tf32 and tf32_warp_grid(BM, BN, (BM // TM) * (BN // TN)) is None:
+            continue
+        if BM > round_up(M, 8) * 2 and BM > _min_tile[0]:
             continue  # mostly empty tiles
-        if BN > round_up(N, 4) * 2 and BN > 4:
+        if BN > round_up(N, 4) * 2 and BN > _min_tile[1]:
             continue
         threads = (BM // TM) * (BN // TN)
         if min_threads_for_rows and threads < BM:
@@ -237,6 +276,9 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
                 if key not in plans or plan.est_us < plans[key].est_us:
                     plans[key] = plan
     out = sorted(plans.values(), key=lambda p: p.est_us)
+    if not out and tf32 and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
+        return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, min_threads_for_rows=min_threads_for_rows,
+                               allow_split=allow_split, tf32=tf32, _min_tile=(32, 32))
     assert out
     return out
 
@@ -262,21 +304,29 @@ MEASURED_PLANS: dict[tuple, tuple[int, int, int, int, int, int]] = {
     (32, 144, 589824, 1, True, True, True): (32, 32, 32, 4, 2, 256),  # conv2_gw+db B=1024: 376.4 us vs model pick 416.8 us
     (16, 9, 43264, 1, True, True, True): (32, 16, 32, 2, 2, 451),  # conv1_gw+db B=64: 9.89 us vs model pick 11.37 us
     (16, 9, 692224, 1, True, True, True): (16, 16, 32, 2, 2, 1031),  # conv1_gw+db B=1024: 44.6 us vs model pick 54.3 us
+    # Sweep of session 3 (tests/codegen/cuda_direct_try.py --sweep-only): the fused step's
+    # conv1 grad-weight has no bias row sum (its key differs from the +db kernel's above).
+    (1024, 10, 18432, 1, True, True, False): (128, 16, 32, 4, 2, 32),  # linear_fwd B=1024: 41.4 us vs model pick 46.1 us
+    (16, 9, 692224, 1, True, True, False): (16, 16, 32, 4, 1, 1031),  # conv1_gw B=1024: 40.6 us vs model pick 50.8 us
+    (16, 9, 43264, 1, True, True, False): (16, 16, 32, 4, 1, 451),  # conv1_gw B=64: 7.81 us vs model pick 10.7 us
 }
 
 
 def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
-              min_threads_for_rows: bool = False, allow_split: bool = True) -> GemmPlan:
+              min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False) -> GemmPlan:
     """Chooses tile sizes and the split-K factor for C (batch, M, N) = A (M, K) @ B (K, N):
-    a measured plan where MEASURED_PLANS has one, else the cost model's best."""
+    a measured plan where MEASURED_PLANS has one (and, for tf32, fits the warp grid), else the
+    cost model's best."""
     hit = MEASURED_PLANS.get((M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows))
     if hit is not None and (allow_split or hit[5] == 1):
         BM, BN, BK, TM, TN, splits = hit
+        if tf32:
+            BK = round_up(BK, 8)
         plan = _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast)
-        if plan is not None and plan.splits == splits:
+        if plan is not None and plan.splits == splits and (not tf32 or tf32_warp_grid(BM, BN, plan.threads)):
             return plan
     return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
-                           min_threads_for_rows=min_threads_for_rows, allow_split=allow_split)[0]
+                           min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32)[0]
 
 
 def _reduce_groups(splits: int) -> int:
@@ -290,12 +340,28 @@ def _reduce_groups(splits: int) -> int:
 def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
-                 c_nfast: bool = False, **ctx) -> CudaKernel:
+                 c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
+                 **ctx) -> CudaKernel:
     if plan is None:
         plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
-                         min_threads_for_rows=rowsum)
+                         min_threads_for_rows=rowsum, tf32=tf32)
+    warp_grid = tf32_warp_grid(plan.BM, plan.BN, plan.threads) if tf32 else None
+    if tf32 and (warp_grid is None or plan.BK % 8):
+        raise ValueError(f"plan {plan} cannot run on TF32 tensor cores (tiles of 16 x 8 per warp, k-tiles of 8)")
+    # Shared-memory row padding (floats): for the FMA path, 4 on a k-fast operand (stored
+    # transposed: turns 32-way bank conflicts on the stores into 4-way, keeps 16-byte rows for
+    # the vector reads); for the tensor-core path, rows of 8 mod 32 floats (conflict-free fragments).
+    a_pad = (8 - plan.BM % 32) % 32 if tf32 else (4 if a_kfast else 0)
+    b_pad = (8 - plan.BN % 32) % 32 if tf32 else (4 if b_kfast else 0)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
+    # The generated epilogue's operands follow the template's roles; they and the output are not
+    # __restrict__: an in-place update reads a parameter through one and writes it through the other.
+    unrestricted: tuple[str, ...] = ()
+    if epilogue is not None:
+        roles = tuple(roles) + tuple(r for r in epilogue.roles if r not in roles)
+        inputs = tuple(inputs) + epilogue.roles
+        unrestricted = epilogue.roles + ("out",)
     splits = plan.splits
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
@@ -309,15 +375,17 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     rg = _reduce_groups(splits)
     rgrid = ceil_div(outs, 32)
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
-    sig = ", ".join(
-        ("const float* __restrict__ " if r in inputs else "float* __restrict__ ") + r for r in roles)
+    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
+                    for r in roles)
     sig += ", float* __restrict__ scratch" if splits > 1 else ""
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=plan.kchunk,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
                    a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
-                   signature=sig, rg=rg, **ctx)
+                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32,
+                   wgm=warp_grid[0] if warp_grid else 0, wgn=warp_grid[1] if warp_grid else 0,
+                   a_pad=a_pad, b_pad=b_pad, **ctx)
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
     if splits > 1:
         launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args))
@@ -327,7 +395,8 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
 # --------------------------------------------------------------------------- convolution
 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
-                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None) -> CudaKernel:
+                          stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None,
+                          epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
     """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
     out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -339,12 +408,13 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
         M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        bias=bias, relu=relu)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32)
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                              KW: int, stride=(1, 1), padding=(0, 0),
-                             relu_mask: bool = False, plan: GemmPlan | None = None) -> CudaKernel:
+                             relu_mask: bool = False, plan: GemmPlan | None = None,
+                             epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
     [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -356,11 +426,12 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
         M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        relu_mask=relu_mask)
+        relu_mask=relu_mask, epilogue=epilogue, tf32=tf32)
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
-                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None) -> CudaKernel:
+                              KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None,
+                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
     """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
     dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
     K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused."""
@@ -371,14 +442,15 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
-        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True,
+        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
 
 # --------------------------------------------------------------------------- matmul
 
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
-                  batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None) -> CudaKernel:
+                  batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None,
+                  epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
     """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
     trans_b; all row-major contiguous."""
@@ -393,7 +465,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
                     f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
         a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
-        bias=bias, relu=relu)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32)
 
 
 # --------------------------------------------------------------------------- loss, update

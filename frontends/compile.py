@@ -24,9 +24,11 @@ import numpy as np
 
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
+from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
 from ember.passes.pipeline import run_passes, train_passes, with_data_parallel
 from ember.runtime import target as get_target
 from ember.runtime.comm import broadcast_parameters
+from ember.runtime.consistency import agree_on_step
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
 from .nn import Module
@@ -35,9 +37,19 @@ from .tensor import Parameter
 from .tracing import example_type, trace
 
 
+_DEVICE_ARRAY_TYPES: set[type] = set()
+
+
 def _array(a: Any) -> Any:
     """An array as given when it already is one (NumPy, or a device array), else as NumPy."""
-    return a if isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__") else np.asarray(a)
+    # Runs twice a step: a device step is ~20 us, so the attribute probe is paid once per type.
+    t = type(a)
+    if t is np.ndarray or t in _DEVICE_ARRAY_TYPES:
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        _DEVICE_ARRAY_TYPES.add(t)
+        return a
+    return a if isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def _shape_tag(types: tuple[TensorType, ...]) -> str:
@@ -57,8 +69,15 @@ class TrainStep:
     def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
                  example_inputs: tuple[Any, Any], device: str = "reference",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                 communicator: Any = None) -> None:
+                 communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 precision: str = "float32") -> None:
         self.target = get_target(device)
+        check_precision(precision, self.target)
+        self.precision = precision
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
+                             f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
+        self.bucket_bytes = int(bucket_bytes)
         # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
         # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
         self.comm = communicator if communicator is not None and communicator.size > 1 else None
@@ -91,11 +110,19 @@ class TrainStep:
         self._example = tuple(example_type(a) for a in example_inputs)
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
-        if self.comm is not None:  # every rank starts from rank 0's parameters and state (checked by hash)
-            if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
-                self.comm.broadcast_storage(self.storage)
-            else:
-                broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+        self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
+
+    def sync_ranks(self) -> None:
+        """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
+        that every rank holds the same bits (a collective: every rank calls it; no-op alone).
+        Done at the start and after loading a checkpoint."""
+        if self.comm is None:
+            return
+        self._sync()
+        if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
+            self.comm.broadcast_storage(self.storage)
+        else:
+            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:
@@ -125,11 +152,13 @@ class TrainStep:
         if hit is None:
             model, loss_fn = self.model, self.loss_fn
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+            forward.meta["precision"] = self.precision
             dump = self._dump_subdir("train", types)
             passes = train_passes(self.config) + self.target.passes()
             extra = {}
             if self.comm is not None:
-                passes, extra = with_data_parallel(passes, self.comm.size), {"communicator": self.comm}
+                passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
+                extra = {"communicator": self.comm}
             graph = run_passes(forward, passes, dump_dir=dump)
             self._bind(forward)
             self._bind(graph)
@@ -137,6 +166,10 @@ class TrainStep:
             self._classes = class_inputs(forward)
             hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
                                                                     **extra))
+            if self.comm is not None:
+                # every rank must have compiled the same step (same code, model and settings):
+                # checked before the parameters are broadcast, which a different model would hang
+                agree_on_step(self.comm, hit[1], graph)
         return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
@@ -144,6 +177,7 @@ class TrainStep:
         hit = self._inference.get(key)
         if hit is None:
             forward = trace(self.model, *types, name="inference")
+            forward.meta["precision"] = self.precision
             if list(forward.outputs) != ["out"]:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
@@ -287,23 +321,28 @@ class TrainStep:
 
 
 def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, example_inputs: tuple[Any, Any],
-         device: str = "cpu", dump_dir: str | os.PathLike | None = None) -> dict[str, Graph]:
+         device: str = "cpu", dump_dir: str | os.PathLike | None = None, precision: str = "float32") -> dict[str, Graph]:
     """The training and inference graphs of `model` after every pass of `device`, without
     building or running anything: what `ember kernels` renders. Needs no GPU for device="cuda"."""
     target = get_target(device)
+    check_precision(precision, target)
     types = tuple(example_type(a) for a in example_inputs)
     root = Path(dump_dir) if dump_dir is not None else None
     forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+    forward.meta["precision"] = precision
     train = run_passes(forward, train_passes(as_config(optimizer)) + target.passes(),
                        dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
-    inference = run_passes(trace(model, types[0], name="inference"), target.passes(),
+    inference_forward = trace(model, types[0], name="inference")
+    inference_forward.meta["precision"] = precision
+    inference = run_passes(inference_forward, target.passes(),
                            dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
     return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "reference",
-            dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None) -> TrainStep:
+            dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = "float32") -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
@@ -313,9 +352,27 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
     communicator: an `ember.runtime.comm` communicator of several ranks (`comm.from_env()` under
     `ember launch` or `mpiexec`): data parallel, each rank's batch is its shard of the global one.
+    bucket_bytes: with a communicator, the gradients are all-reduced in buckets of at most this
+    many bytes (in reverse order of use; default 25 MiB as PyTorch DDP; a larger gradient is a
+    bucket alone). Smaller buckets start communicating earlier in the backward pass.
+    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
+    "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
+    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
-                     profile=profile, communicator=communicator)
+                     profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision)
+
+
+PRECISIONS = ("float32", "tf32")
+
+
+def check_precision(precision: Any, target: Any) -> None:
+    """A one-line ValueError unless `precision` is a mode `target` computes in."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
+    if precision not in target.precisions:
+        raise ValueError(f"precision={precision!r} is not available on device {target.name!r} "
+                         f"(it computes in {', '.join(sorted(target.precisions))}); TF32 is a CUDA tensor-core mode")
 
 
 __all__ = ["compile", "plan", "TrainStep"]

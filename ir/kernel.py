@@ -24,8 +24,10 @@ POOLING = ("max_pool2d", "max_pool2d_grad")
 COLLECTIVE = "collective"
 KERNEL_KINDS = GENERATED + CONTRACTIONS + POOLING + LOSSES + (COLLECTIVE,)
 #: bias: + a per-channel vector; relu: max(., 0); relu_mask: ReLU's backward, where(mask > 0, ., 0)
-#: with `mask` (a role: the forward ReLU's output, same shape as the result)
-EPILOGUES = ("bias", "relu", "relu_mask")
+#: with `mask` (a role: the forward ReLU's output, same shape as the result); pointwise: any
+#: elementwise subgraph over the contraction's value (the spec's "epilogue_from" node, read at the
+#: output's flat index) and further operands (roles "in<i>"), e.g. a sigmoid backward or an SGD update
+EPILOGUES = ("bias", "relu", "relu_mask", "pointwise")
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ the gradient is computed), and the pass groups them into buckets recorded on the
 `meta["buckets"]` (a list of {"params", "nodes", "bytes"}) and the note `bucket` on each
 all_reduce. A bucket holds parameters in reverse order of their first use in the forward pass
 (the order in which the backward pass finishes their gradients, as PyTorch's DDP orders them),
-filled greedily up to `bucket_bytes` (a gradient larger than that is a bucket alone). A runtime
-coalesces the all_reduces that become ready together into one communicator call over a flat
-buffer (`ember.runtime.comm`); the CPU executor does so for all the collectives that meet at
-one segment boundary, and `schedule` runs the readers of collectives (the updates) last, so on
-the CPU (where communication does not overlap compute anyway) they all meet at one boundary.
+filled greedily up to `bucket_bytes` (a gradient larger than that is a bucket alone); each
+bucket records its all_reduce nodes (`"reduced"`). A runtime coalesces a bucket's all_reduces
+into one communicator call over a flat buffer. `schedule` runs the readers of collectives (the
+updates) after the backward pass and, for a target that asks (`early_collectives`: the CPU),
+each bucket's all_reduces as soon as the bucket is complete, its producers first, so the
+bucket's reduction overlaps the rest of the backward pass (`ember.runtime.cpu_segments`).
 
 Which uses are redirected: autodiff's tag contract says a tagged node may also be a cotangent
 inside the backward pass or a forward value, so only uses outside the "local" part of the step

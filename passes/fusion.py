@@ -12,6 +12,13 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   ReLU's backward as a `relu_mask` epilogue: where(gt(y, 0), c, 0) (autodiff's relu VJP, `c`
   possibly through reshapes) with `c` used only there becomes one kernel reading `y` as its
   `mask` operand, when the target's template accepts it.
+- a `pointwise` epilogue (targets whose templates take one): a pointwise group that alone reads
+  a contraction's value, at that value's own flat index (through same-shape elementwise ops and
+  reshapes only), joins the contraction's kernel, which then evaluates the group per output
+  element before the store: a sigmoid backward, ReLU's backward through a reshape, an SGD update.
+  An update of a parameter is only absorbed when every other reader of that parameter already
+  runs before the contraction: in place, the kernel must wait for them, and a fusion that made a
+  gradient kernel wait for an unrelated one would lengthen the step instead of shortening it.
 - `reduction`: one sum/max/argmax with the pointwise ops feeding it (prologue, evaluated at the
   reduction's input index) and those consuming it (epilogue, at its output index).
 - `pointwise`: elementwise ops of one iteration size, with the views (broadcast_to, transpose,
@@ -33,9 +40,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
 from ember.ir import OPS, Graph, KernelSpec, subgraph_of
+from ember.ir.kernel import CONTRACTIONS
 
 from .fusion_loss import find_loss_region
 from .targets import FusionCaps
@@ -242,7 +251,67 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                                       f"it compiles {', '.join(sorted(caps.kinds))}")
         gr.claim(root, members)
         groups[root] = (kind, members, notes)
+    _absorb_pointwise_epilogues(graph, gr, groups, caps)
     return groups
+
+
+def _reads_at_own_index(graph: Graph, members: set[int], value: int) -> bool:
+    """True when every member depending on `value` reads it (through same-shape elementwise ops
+    and reshapes) at the flat index it writes: the group can run per output element of `value`."""
+    stack = [value]
+    while stack:
+        n = stack.pop()
+        for u, _ in graph.users(n):
+            if u not in members:
+                continue
+            op = graph.op(u)
+            if op != "reshape" and not (op in ELEMENTWISE and op != "one_hot" and graph.type(u).shape == graph.type(n).shape):
+                return False
+            stack.append(u)
+    return True
+
+
+def _adds_no_wait(graph: Graph, root: int, members: set[int], core: int) -> bool:
+    """False when `root` updates a parameter (or state) that something outside `members` reads
+    and that reader is not already before `core`: updating in place inside the contraction's
+    kernel would make that kernel wait for the reader."""
+    names = [k for k, n in graph.updates.items() if n == root]
+    if not names:
+        return True
+    before = nx.ancestors(graph.g, core)
+    for name in names:
+        source = graph.parameters.get(name, graph.states.get(name))
+        if source is not None and any(u not in members and u not in before for u, _ in graph.users(source)):
+            return False
+    return True
+
+
+def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tuple[str, set[int], dict[str, Any]]],
+                                caps: FusionCaps) -> None:
+    """Merges each pointwise group into the contraction whose value only it reads (see the module doc)."""
+    for root in [r for r in graph.topo_order() if r in groups and groups[r][0] == "pointwise"]:
+        _, members, _ = groups[root]
+        if graph.type(root).dtype.name != "float32":
+            continue
+        external = {o for m in members for o in graph.operands(m) if o not in members}
+        for value in sorted(external):
+            if value not in groups or groups[value][0] not in CONTRACTIONS:
+                continue
+            kind, cmembers, cnotes = groups[value]
+            if "pointwise_from" in cnotes or not caps.can_fuse_epilogue(kind, "pointwise") \
+                    or not gr.users_inside(value, members) or graph.type(value).numel != graph.type(root).numel \
+                    or not _reads_at_own_index(graph, members, value):
+                continue
+            if any(graph.type(o).dtype.name != "float32" for o in external if not _inline_constant(graph, o)):
+                break  # the templates pass float operands only
+            merged = cmembers | members
+            if not _adds_no_wait(graph, root, merged, cnotes["core"]):
+                break
+            del groups[value]
+            groups[root] = (kind, merged, {**cnotes, "pointwise_from": value,
+                                           "pointwise_inputs": sorted(external - {value})})
+            gr.claim(root, merged)
+            break
 
 
 def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: dict[int, int],
@@ -271,6 +340,10 @@ def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: d
     if notes.get("relu_mask") is not None:
         roles.append(("mask", index_of[notes["relu_mask"]]))
         epilogues.append("relu_mask")
+    if notes.get("pointwise_from") is not None:
+        roles += [(f"in{index_of[o]}", index_of[o]) for o in notes["pointwise_inputs"] if o in index_of]
+        epilogues.append("pointwise")
+        params += (("epilogue_from", submap[notes["pointwise_from"]]),)
     return KernelSpec(kind, core=submap[core], template=kind, roles=tuple(roles), epilogues=tuple(epilogues),
                       params=params, layouts=("row-major",) * (len(index_of) + 1))
 

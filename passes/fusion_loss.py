@@ -12,6 +12,12 @@ out, and its meaning is checked, not assumed: both subgraphs are run on random i
 NumPy interpreter and must equal the mean softmax cross-entropy and its gradient. Anything else
 (a label-smoothing loss, a sum reduction, a loss the user wrote by hand) is left to the generic
 kernels.
+
+Collectives are never part of the region: under data parallel the logged loss output is
+`all_reduce(mean)` of the local loss, carrying the loss's module path. Were it taken in, the
+loss kernel would swallow the all-reduce (the region check runs the interpreter's world of one,
+where it is the identity) and every rank would log its own shard's loss; so the region stops at
+the collective and the loss kernel's result feeds it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import numpy as np
 from ember.ir import Graph, run, subgraph_of
 
 SOURCES = {"input", "parameter", "state", "constant"}
+#: ops that stay outside the region (they are kernels of their own: collectives)
+OUTSIDE = SOURCES | {"all_reduce"}
 
 
 @dataclass(frozen=True)
@@ -77,13 +85,15 @@ def _matches(graph: Graph, region: LossRegion) -> bool:
 def find_loss_region(graph: Graph) -> LossRegion | None:
     """The softmax cross-entropy region of a training graph (see the module docstring), or None."""
     for loss in graph.outputs.values():
+        while graph.op(loss) == "all_reduce":  # the data-parallel mean of the local loss: look through it
+            loss = graph.operands(loss)[0]
         t = graph.type(loss)
         if t.rank != 0 or not t.dtype.is_float or graph.op(loss) in SOURCES:
             continue
         scope = graph.scope(loss)
         if not scope:
             continue
-        region = {n for n in graph.g if graph.scope(n) == scope and graph.op(n) not in SOURCES}
+        region = {n for n in graph.g if graph.scope(n) == scope and graph.op(n) not in OUTSIDE}
         external_in = {o for n in region for o in graph.operands(n) if o not in region and graph.op(o) != "constant"}
         used_outside = {n for n in region for u, _ in graph.users(n) if u not in region}
         used_outside |= {n for n in region if n in graph.outputs.values() or n in graph.updates.values()}

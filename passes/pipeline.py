@@ -41,7 +41,7 @@ def kernels(target: "targets.Target") -> list[tuple[str, Pass]]:
     return [("simplify", simplify),
             ("fusion", functools.partial(fuse, caps=target.fusion)),
             ("select", functools.partial(select_kernels, target=target)),
-            ("schedule", schedule),
+            ("schedule", functools.partial(schedule, early_collectives=target.early_collectives)),
             ("memory", functools.partial(plan_memory, alignment=target.alignment, reuse=target.reuse_memory))]
 
 

@@ -1,5 +1,9 @@
 """Kernel selection: each fused node's scratch size, asked of the target before memory planning.
 
+The step's precision (`meta["precision"]`, set by the frontend) is stamped here too: under "tf32"
+every contraction's spec gets the `tf32` flag, which the target's templates read (and which
+changes the tile plan, so the scratch asked for below is that of the kernel that will run).
+
 A contraction template may need scratch memory (per-thread partial sums, split-K partials, packed
 panels); how much depends on the template and the shapes, which only the target's code generator
 knows. The target record carries that question (`Target.kernel_scratch`); this pass asks it for
@@ -11,19 +15,26 @@ from __future__ import annotations
 import dataclasses
 
 from ember.ir import Graph
+from ember.ir.kernel import CONTRACTIONS
 
 from .targets import Target
 
 
 def select_kernels(graph: Graph, target: Target) -> Graph:
     out = graph.copy()
-    if target.kernel_scratch is None:
-        return out
+    precision = out.meta.get("precision", "float32")
+    if precision not in target.precisions:
+        raise ValueError(f"device {target.name!r} computes in {', '.join(sorted(target.precisions))}, "
+                         f"not precision {precision!r}")
     for n in out.g:
         if out.op(n) != "fused":
             continue
         attrs = out.attrs(n)
         spec = attrs["kernel"]
+        if precision == "tf32" and spec.kind in CONTRACTIONS and not spec.param("tf32"):
+            spec = attrs["kernel"] = dataclasses.replace(spec, params=spec.params + (("tf32", True),))
+        if target.kernel_scratch is None:
+            continue
         scratch = int(target.kernel_scratch(attrs["graph"], spec))
         if scratch != spec.scratch_bytes:
             attrs["kernel"] = dataclasses.replace(spec, scratch_bytes=scratch)

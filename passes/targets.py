@@ -70,9 +70,15 @@ class Target:
     storage: Callable[..., Any] | None = None
     #: () -> None, or raises a one-line error when the target cannot run here (no GPU, ...)
     available: Callable[[], None] | None = None
+    #: data parallel: whether each bucket's collectives run as soon as the bucket is ready (its
+    #: runtime overlaps them with the rest of the backward pass) or all at one point (`schedule`)
+    early_collectives: bool = False
     #: host array -> the same data in the target's memory, for datasets kept on the device (a
     #: batch is then a slice, with no copy per step); None where the step reads host memory
     to_device: Callable[[Any], Any] | None = None
+    #: arithmetic modes of the contractions (`compile(..., precision=...)`): "float32" is exact
+    #: fp32 everywhere; "tf32" lets matmuls and convolutions round operands to TF32 on tensor cores
+    precisions: frozenset[str] = frozenset({"float32"})
 
     def passes(self) -> list[tuple[str, Pass]]:
         """A fresh list: callers may append to it without changing the record."""

@@ -9,13 +9,18 @@ for). `from_env()` picks one: MPI when the process is one of several ranks, star
 
 Sums are in the buffer's dtype; `mean` divides by the world size afterwards, on every rank, so
 every rank holds bit-identical results (MPI_Allreduce gives every rank the same bits).
+
+Non-blocking: `start_all_reduce(buffer, op)` starts the all-reduce (MPI_Iallreduce) and returns
+a `Pending`, whose `wait()` completes it (and divides, for `mean`) and `test()` lets MPI progress
+it. MPI (mpich without an asynchronous progress thread) moves a non-blocking collective only
+inside MPI calls, so the runtime calls `test()` at every segment boundary it passes.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +45,24 @@ def _check(buffer: np.ndarray, op: str) -> None:
         raise ValueError("all_reduce: the buffer must be a writable C-contiguous NumPy array")
 
 
+class Pending:
+    """A started all-reduce: `wait()` once before reading the buffer."""
+
+    def __init__(self, request: Any, buffer: np.ndarray, op: str, size: int) -> None:
+        self.request, self.buffer, self.op, self.size = request, buffer, op, size
+
+    def test(self) -> bool:
+        """Lets MPI progress the reduction; True once it is complete (the buffer is not divided yet)."""
+        return self.request is None or bool(self.request.Test())
+
+    def wait(self) -> None:
+        if self.request is not None:
+            self.request.Wait()
+            self.request = None
+            if self.op == "mean":
+                np.divide(self.buffer, np.asarray(self.size, dtype=self.buffer.dtype), out=self.buffer)
+
+
 class SingleProcess:
     """The world of one process: every collective is the identity."""
 
@@ -48,6 +71,10 @@ class SingleProcess:
 
     def all_reduce(self, buffer: np.ndarray, op: str = "sum") -> None:
         _check(buffer, op)
+
+    def start_all_reduce(self, buffer: np.ndarray, op: str = "sum") -> Pending:
+        _check(buffer, op)
+        return Pending(None, buffer, op, 1)
 
     def broadcast(self, buffer: np.ndarray, root: int = 0) -> None:
         if root != 0:
@@ -75,6 +102,10 @@ class MpiCommunicator:
         self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
         if op == "mean":
             np.divide(buffer, np.asarray(self.size, dtype=buffer.dtype), out=buffer)
+
+    def start_all_reduce(self, buffer: np.ndarray, op: str = "sum") -> Pending:
+        _check(buffer, op)
+        return Pending(self.comm.Iallreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM), buffer, op, self.size)
 
     def broadcast(self, buffer: np.ndarray, root: int = 0) -> None:
         self.comm.Bcast(buffer, root=root)

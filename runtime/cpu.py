@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.codegen import cpp
+from ember.codegen import cpp, cpu_vector
 from ember.codegen.compiler import compile_cpp
 from ember.ir import Graph, TensorType
 
@@ -33,6 +33,7 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 from ember.passes import pipeline, targets
 
 from . import comm as _comm
+from .cpu_segments import SegmentRunner, overlap_default, plan_groups
 from .executor import HostStorage, Storage, check_inputs, planned_view
 
 
@@ -46,7 +47,8 @@ class CpuExecutor:
     """One compiled CPU step of a fused, memory-planned graph, bound to `storage`."""
 
     def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
-                 profile: bool | None = None, communicator: "_comm.Communicator | None" = None) -> None:
+                 profile: bool | None = None, communicator: "_comm.Communicator | None" = None,
+                 overlap: bool | None = None) -> None:
         storage.check(graph)
         self.graph = graph
         self.storage = storage
@@ -54,18 +56,26 @@ class CpuExecutor:
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
         self.source = cpp.render_step(graph, profile=self.profile)
-        self.artifact = compile_cpp(self.source.code, name=name, dump_dir=Path(dump_dir) if dump_dir else None)
+        self.isa = self.source.isa
+        if not cpu_vector.host_supports(self.isa):
+            # a forced variant this CPU cannot run would die of SIGILL inside the first step
+            raise RuntimeError(f"the CPU step was generated for {self.isa.name} (${cpu_vector.ENV_VAR}="
+                               f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
+                               f"(no {self.isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
+                               f"{cpu_vector.native_isa().name}")
+        self.artifact = compile_cpp(self.source.code, flags=self.source.flags, name=name,
+                                    dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
         self.lib = ctypes.CDLL(str(self.artifact.path))
         if self.lib.ember_abi_version() != cpp.ABI_VERSION:
             raise RuntimeError(f"{self.artifact.path}: ABI version {self.lib.ember_abi_version()}, "
                                f"expected {cpp.ABI_VERSION} (a stale cache entry? remove it)")
         # A step with collectives is compiled as segments (codegen/cpp.py): the executor calls
-        # segment 0, runs the collectives after it through the communicator (those meeting at one
-        # boundary as one flat bucket), then segment 1, and so on. Simpler than calling back
-        # from C++ into Python, and the communicator stays a Python object.
+        # segment 0, starts the all-reduces scheduled after it through the communicator (one flat
+        # buffer per bucket), segment 1, ..., waiting for a bucket before the first segment that
+        # reads it (runtime/cpu_segments.py). Simpler than calling back from C++ into Python,
+        # and the communicator stays a Python object.
         self.comm = None
-        self.comm_seconds = 0.0
         if self.source.collectives:
             self.comm = communicator if communicator is not None else _comm.from_env()
             self.lib.ember_segment.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -90,15 +100,13 @@ class CpuExecutor:
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
         self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data)
-        # per boundary: [(op, [(operand view, result view), ...]), ...] grouped by reduce op
-        self._boundaries = []
-        for calls in self.source.collectives:
-            by_op: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for src, dst, attrs in calls:
-                if attrs.get("group", "world") != "world":
-                    raise NotImplementedError(f"the CPU communicator reduces over the whole world only, not group {attrs['group']!r}")
-                by_op.setdefault(attrs["reduce"], []).append((self._view(src), self._view(dst)))
-            self._boundaries.append(list(by_op.items()))
+        self._runner = None
+        if self.source.collectives:
+            segments = [[self.source.kernels[i] for i in seg] for seg in self.source.segments]
+            groups = plan_groups(graph, segments, self.source.collectives, self._view)
+            self._runner = SegmentRunner(groups, len(segments), self.comm,
+                                         overlap_default() if overlap is None else overlap)
+            self._segment = lambda s: self.lib.ember_segment(*self._args, s)
 
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
@@ -130,15 +138,17 @@ class CpuExecutor:
         return {k: v.copy() for k, v in self._outputs.items()}
 
     def _run_segments(self) -> None:
-        for s, boundary in enumerate(self._boundaries):
-            self.lib.ember_segment(*self._args, s)
-            t0 = time.perf_counter()
-            for op, pairs in boundary:
-                for src, dst in pairs:
-                    np.copyto(dst, src)
-                _comm.all_reduce_many(self.comm, [dst for _, dst in pairs], op)
-            self.comm_seconds += time.perf_counter() - t0
-        self.lib.ember_segment(*self._args, len(self._boundaries))
+        self._runner.run(self._segment)
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds in the communicator's path (copies, all-reduces, waits) over all calls."""
+        return self._runner.comm_seconds if self._runner is not None else 0.0
+
+    @property
+    def reduce_seconds(self) -> float:
+        """Seconds inside the all-reduce calls alone (MPI_Allreduce, or Iallreduce/Test/Wait)."""
+        return self._runner.reduce_seconds if self._runner is not None else 0.0
 
 
 TARGET = targets.register(targets.Target(
@@ -151,6 +161,9 @@ TARGET = targets.register(targets.Target(
                                          "matmul": frozenset({"bias", "relu", "relu_mask"}),
                                          "conv2d_grad_input": frozenset({"relu_mask"})}),
     alignment=64,
+    # each gradient bucket's all-reduce right after its last gradient, started non-blocking and
+    # waited before the first update that reads it (runtime/cpu_segments.py)
+    early_collectives=True,
     kernel_scratch=cpp.kernel_scratch,
     language="cpp",
     source=lambda graph: cpp.render_step(graph).code,

@@ -30,6 +30,7 @@ from .cuda_streams import place
 from .executor import Storage, check_inputs, planned_view
 
 STREAMS = 4  # streams a step's independent kernels spread over inside its CUDA graph
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 def _cupy() -> Any:
@@ -226,10 +227,10 @@ class CudaExecutor:
     def _replay(self) -> None:
         """The first call runs the launches eagerly (loading the module), the second captures them
         into a CUDA graph; every later call replays that graph."""
+        if self._graph is not None:  # the per-step path: the stream is explicit, no context switch
+            self._graph.launch(self.stream)
+            return
         with self.stream:
-            if self._graph is not None:
-                self._graph.launch(self.stream)
-                return
             if getattr(self, "_warm", False):
                 self.stream.begin_capture()
                 try:
@@ -249,9 +250,13 @@ class CudaExecutor:
             return {k: v.copy() for k, v in self._outputs.items()}
 
     def _load(self, inputs: Mapping[str, Any]) -> None:
+        # This runs every step and its host time is the step's floor on a small model (an MLP
+        # step is ~20 us of GPU time), so device inputs take one raw cudaMemcpyAsync each:
+        # CuPy's MemoryPointer.copy_from_device_async costs several microseconds more per call.
         cp = self._cp
         if len(inputs) != len(self._inputs):
             check_inputs(self.signature, inputs)
+        memcpy, stream_ptr = cp.cuda.runtime.memcpyAsync, self.stream.ptr
         for name, buffer in self._inputs.items():
             value = inputs.get(name)
             if isinstance(value, cp.ndarray):
@@ -259,7 +264,7 @@ class CudaExecutor:
                     raise TypeError(f"input {name!r}: expected {self.signature[name]}, got a device array "
                                     f"{value.dtype}{list(value.shape)}")
                 if value.flags.c_contiguous:  # a plain device-to-device copy: no kernel to launch
-                    buffer.data.copy_from_device_async(value.data, value.nbytes, self.stream)
+                    memcpy(buffer.data.ptr, value.data.ptr, value.nbytes, _DEVICE_TO_DEVICE, stream_ptr)
                 else:
                     with self.stream:
                         cp.copyto(buffer, value)
@@ -277,7 +282,7 @@ class CudaExecutor:
         """A copy of an output buffer (the next step overwrites it), made by one async memcpy on the
         step's stream rather than a copy kernel: this runs every step, so its host cost counts."""
         out = self._cp.empty(view.shape, view.dtype)
-        out.data.copy_from_device_async(view.data, view.nbytes, self.stream)
+        self._cp.cuda.runtime.memcpyAsync(out.data.ptr, view.data.ptr, view.nbytes, _DEVICE_TO_DEVICE, self.stream.ptr)
         return out
 
 
@@ -286,10 +291,14 @@ TARGET = targets.register(targets.Target(
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
     pipeline=pipeline.kernels,
     # What the CUDA templates take: bias/relu on the forward contractions, ReLU's backward on
-    # conv grad-input (the matmul template has no relu_mask yet), and the loss as its own kernels.
+    # conv grad-input, a generated pointwise epilogue on every contraction (on a GPU each kernel
+    # is a launch and a pass over memory: a sigmoid backward, ReLU's backward behind a reshape or
+    # an SGD update rides in the kernel that produces its input), and the loss as its own kernels.
     fusion=targets.FusionCaps(kinds=targets.FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"},
-                              epilogues={"conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu"}),
-                                         "conv2d_grad_input": frozenset({"relu_mask"})},
+                              epilogues={"conv2d": frozenset({"bias", "relu", "pointwise"}),
+                                         "matmul": frozenset({"bias", "relu", "pointwise"}),
+                                         "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}),
+                                         "conv2d_grad_weight": frozenset({"pointwise"})},
                               loss_kernels=True),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
@@ -300,4 +309,5 @@ TARGET = targets.register(targets.Target(
     storage=DeviceStorage,
     available=check_available,
     to_device=to_device,
+    precisions=frozenset({"float32", "tf32"}),
 ))

@@ -39,6 +39,20 @@ class NcclCommunicator:
         nccl_op = self._nccl.NCCL_SUM if op == "sum" else self._nccl.NCCL_AVG
         self._comm.allReduce(src.data.ptr, dst.data.ptr, src.size, dtype, nccl_op, stream.ptr)
 
+    def all_reduce(self, buffer: Any, op: str = "sum") -> None:
+        """A host NumPy buffer in place, through the device: the small control messages of a run
+        (the start-of-run consistency checks, the stop flag), not the step's gradients."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        dev = cupy.asarray(buffer)
+        self.all_reduce_device(dev, dev, op, stream)
+        stream.synchronize()
+        buffer[...] = dev.get()
+
+    def barrier(self) -> None:
+        import numpy as np
+        self.all_reduce(np.zeros(1), "sum")
+
     def broadcast_device(self, buffer: Any, root: int, stream: Any) -> None:
         dtype = getattr(self._nccl, _DTYPES[buffer.dtype.name])
         self._comm.bcast(buffer.data.ptr, buffer.size, dtype, root, stream.ptr)

@@ -238,8 +238,11 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
     report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {},
                               "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")}}
     if device == "cpu":
+        from ember.codegen.cpu_vector import resolve
+        report["cpu_vector"] = resolve().name   # the kernels' vector variant ($EMBER_CPU_VECTOR or native)
         report["fma_peak_gflops"] = fma_peak_gflops(threads)
-        log(f"measured fp32 FMA peak on {threads} thread(s): {report['fma_peak_gflops']:.1f} GFLOP/s")
+        log(f"measured fp32 FMA peak on {threads} thread(s): {report['fma_peak_gflops']:.1f} GFLOP/s; "
+            f"ember's CPU kernels: {report['cpu_vector']}")
     try:
         import torch  # noqa: F401
         have_torch = True
@@ -305,7 +308,8 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
 def format_table(report: dict[str, Any]) -> str:
     peak = report.get("fma_peak_gflops")
     lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
-             + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "") + f" omp={report.get('omp')}",
+             + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "")
+             + (f" cpu_vector={report['cpu_vector']}" if report.get("cpu_vector") else "") + f" omp={report.get('omp')}",
              f"{'model':7} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
     for model, rows in report["models"].items():
         for r in rows:
@@ -329,7 +333,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (cuda: 64 and 1024)")
-    p.add_argument("--tf32", action="store_true", help="cuda: let PyTorch use TF32 (ember's kernels are exact fp32)")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor cores for ember (precision='tf32') and PyTorch (allow_tf32) alike")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")

@@ -21,6 +21,7 @@ from ..training.recipes import MODELS, build_model
 from ..training.torch_twins import torch_model
 
 FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet fp32 (non-tensor) rate: the scale for "% of peak"
+HBM_GB_PER_S = 4800.0    # H200 SXM datasheet HBM3e bandwidth: the scale for "% of HBM"
 
 
 def _torch_model(name: str):
@@ -98,13 +99,19 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             init = build_model(name, seed).state_dict()
             model = build_model(name, seed)
             step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=(xs_host[0], ys_host[0]),
-                                 device="cuda")
-            xs, ys = cp.asarray(xs_host), cp.asarray(ys_host)  # labels drawn in 0..9: nothing to check per step
-            systems: list[tuple[str, Callable]] = [("ember-cuda", lambda i: step.run(xs[i % nb], ys[i % nb], check_labels=False))]
+                                 device="cuda", precision="tf32" if tf32 else "float32")
+            # A dataset on the device, already cut into batches (views made once, for every system
+            # alike): slicing a device array costs microseconds of host time per call, which on a
+            # ~20 us step would be measured instead of the step. Labels are drawn in 0..9: nothing to
+            # check per step.
+            xs, ys = cp.asarray(xs_host), cp.asarray(ys_host)
+            xb, yb = [xs[i] for i in range(nb)], [ys[i] for i in range(nb)]
+            systems: list[tuple[str, Callable]] = [("ember-cuda", lambda i: step.run(xb[i % nb], yb[i % nb], check_labels=False))]
             if have_torch:
                 txs, tys = torch.from_numpy(xs_host).cuda(), torch.from_numpy(ys_host).cuda()
+                txb, tyb = [txs[i] for i in range(nb)], [tys[i] for i in range(nb)]
                 for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0]):
-                    systems.append((mode, lambda i, fn=fn: fn(txs[i % nb], tys[i % nb])))
+                    systems.append((mode, lambda i, fn=fn: fn(txb[i % nb], tyb[i % nb])))
             times: dict[str, list[float]] = {s: [] for s, _ in systems}
             per_block = max(1, steps // rounds)
             for fn_name, fn in systems:  # warm-up: compile, capture, caches
@@ -142,10 +149,14 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     import cupy as cp
     executor = step._steps[step._example][1]
     graph = executor.graph
-    flops = {}
+    flops, traffic = {}, {}
     for n in graph.g:
         if graph.op(n) == "fused":
             spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+            # Compulsory memory traffic: every operand read once and the result written once (a
+            # kernel that re-reads through L2 or spills to scratch moves more; this is the floor).
+            traffic[sub.name] = sum(graph.type(o).numel * graph.type(o).dtype.itemsize
+                                    for o in set(graph.operands(n))) + graph.type(n).numel * graph.type(n).dtype.itemsize
             if spec.kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"):
                 a, b = (sub.type(o) for o in sub.operands(spec.core))
                 out = sub.type(spec.core)
@@ -178,7 +189,9 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     out = []
     for kernel, us in by_kernel.items():
         pct = 100 * flops[kernel] / (us * 1e-6) / (FP32_PEAK_TFLOPS * 1e12) if kernel in flops else None
-        out.append({"kernel": kernel, "us": us, "pct_fp32_peak": pct})
+        gbps = traffic[kernel] / (us * 1e-6) / 1e9
+        out.append({"kernel": kernel, "us": us, "pct_fp32_peak": pct, "bytes": traffic[kernel], "gb_per_s": gbps,
+                    "pct_hbm": 100 * gbps / HBM_GB_PER_S})
     return out
 
 
@@ -192,6 +205,7 @@ def format_cuda_report(report: dict[str, Any]) -> str:
         total = sum(k["us"] for k in kernels)
         lines.append(f"\n{key}: {len(kernels)} kernels, {total:.1f} us if run back to back (each timed alone)")
         for k in sorted(kernels, key=lambda k: -k["us"]):
-            pct = f"{k['pct_fp32_peak']:5.1f}% fp32 peak" if k["pct_fp32_peak"] is not None else ""
-            lines.append(f"  {k['kernel']:28} {k['us']:8.1f} us  {pct}")
+            pct = f"{k['pct_fp32_peak']:5.1f}% fp32 peak" if k["pct_fp32_peak"] is not None else " " * 15
+            hbm = f"{k['gb_per_s']:7.0f} GB/s {k['pct_hbm']:5.1f}% HBM" if "gb_per_s" in k else ""
+            lines.append(f"  {k['kernel']:28} {k['us']:8.1f} us  {pct}  {hbm}")
     return "\n".join(lines)

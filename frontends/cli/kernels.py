@@ -24,7 +24,8 @@ from ..training.recipes import MODELS, build_model, make_optimizer
 EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
 
 
-def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64) -> list[Path]:
+def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64,
+                  precision: str = "float32") -> list[Path]:
     """Writes the sources of `model_name`'s steps for `device` under `out`; returns the paths."""
     import numpy as np
     target = get_target(device)
@@ -33,7 +34,8 @@ def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64)
     model = build_model(model_name)
     shape = (batch_size, 784) if MODELS[model_name][1] else (batch_size, 1, 28, 28)
     example = (np.zeros(shape, np.float32), np.zeros(batch_size, np.int64))
-    graphs = plan(model, nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example, device=device)
+    graphs = plan(model, nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example, device=device,
+                  precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for step, graph in graphs.items():
@@ -50,6 +52,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--device", choices=target_names(), default="cpu")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the sources (created)")
+    p.add_argument("--tf32", action="store_true", help="cuda: the kernels of compile(..., precision='tf32')")
 
 
 def main(args: Any) -> int:
@@ -57,7 +60,8 @@ def main(args: Any) -> int:
         print(f"ember kernels: error: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
         return 2
     try:
-        for path in write_kernels(args.model, args.device, Path(args.out), args.batch_size):
+        for path in write_kernels(args.model, args.device, Path(args.out), args.batch_size,
+                                  "tf32" if args.tf32 else "float32"):
             print(path)
     except (ValueError, OSError) as exc:
         print(f"ember kernels: error: {exc}", file=sys.stderr)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ember.runtime import target as get_target
 from ember.runtime import target_names
+from ember.runtime.consistency import ConsistencyError
 
 from ..training.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
@@ -40,6 +41,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default), mlp, lenet5 or resnet8")
     p.add_argument("--device", choices=target_names(), default="cpu",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
+    p.add_argument("--tf32", action="store_true",
+                   help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
+                        "as PyTorch's allow_tf32); default: exact float32")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist, "
                         "where missing files are downloaded, md5-checked)")
@@ -76,6 +80,10 @@ def add_arguments(p: Any) -> None:
                    help="write the graphs after every pass and the generated sources to DIR")
     p.add_argument("--limit-steps", type=int, default=None, metavar="N", help="stop each epoch after N steps")
     p.add_argument("--threads", type=int, default=None, help="OpenMP threads of the cpu device (default: all cores)")
+    # a string, checked in _check_args: a typo is one line there, not argparse's usage dump
+    p.add_argument("--bucket-bytes", default=None, metavar="N",
+                   help="data parallel: all-reduce the gradients in buckets of at most N bytes (default 26214400, "
+                        "25 MiB as PyTorch DDP); smaller buckets start communicating earlier in the backward pass")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -87,13 +95,20 @@ def _error(msg: str) -> int:
 def _check_args(args: Any) -> None:
     """Everything that can be checked before reading data or compiling: numbers, then every
     path the run will write (so a typo fails now, not after an epoch or after all of them)."""
-    for name in ("epochs", "batch_size", "eval_batch_size", "limit_steps", "threads", "log_every"):
+    if args.bucket_bytes is not None and not isinstance(args.bucket_bytes, int):
+        try:
+            args.bucket_bytes = int(args.bucket_bytes)
+        except ValueError:
+            raise UsageError(f"--bucket-bytes {args.bucket_bytes}: expected an integer >= 1 (bytes)") from None
+    for name in ("epochs", "batch_size", "eval_batch_size", "limit_steps", "threads", "log_every", "bucket_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
     check_hyperparameters(args.lr, args.momentum)
+    if getattr(args, "tf32", False) and args.device != "cuda":
+        raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {args.device} computes in float32")
     if args.save:
         check_output_file("--save", args.save)
     if args.metrics_file:
@@ -200,7 +215,8 @@ def main(args: Any) -> int:
             return _error(f"--data {root}: the {split} set holds no images; expected the MNIST IDX files")
 
     config = {"model": args.model, "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum,
-              "init": args.init_weights or f"{args.init} seed {args.seed}"}
+              "init": args.init_weights or f"{args.init} seed {args.seed}",
+              "precision": "tf32" if args.tf32 else "float32"}
     try:
         model = build_model(args.model, args.seed, args.init)
         if args.init_weights and not args.resume:
@@ -232,10 +248,14 @@ def main(args: Any) -> int:
     print(f"ember mnist: {args.model} on {args.device}, {args.optimizer} lr {args.lr}"
           + (f" momentum {args.momentum}" if args.momentum else "")
           + f", batch {args.batch_size}, {len(x_train)} training / {len(x_test)} test images from {root}", flush=True)
-    trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
-                      batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
-                      eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
-                      progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm)
+    try:
+        trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
+                          batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
+                          eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
+                          progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm,
+                          bucket_bytes=args.bucket_bytes, precision=config["precision"])
+    except ConsistencyError as e:  # raised on every rank at once: rank 0 alone says it
+        return _ranks_disagree(comm, e)
     if trainer.world_size > 1:
         print(f"data parallel: {trainer.world_size} ranks x batch {args.batch_size} = global batch "
               f"{args.batch_size * trainer.world_size}; {len(trainer.loader.x)} "
@@ -251,6 +271,8 @@ def main(args: Any) -> int:
         print(f"resumed from {args.resume}: {trainer.epoch} epoch(s), {trainer.global_step} steps done"
               + (f" ({trainer.step_in_epoch} into epoch {trainer.epoch + 1})" if trainer.step_in_epoch else ""),
               flush=True)
+        if trainer.resume_note:
+            print(f"note: {trainer.resume_note}", flush=True)
     writers: list[Any] = []
     if args.metrics_file:
         writers.append(MetricsWriter(args.metrics_file, mode="a" if args.resume else "w"))
@@ -313,6 +335,16 @@ def _data_parallel_world(args: Any) -> Any:
         args.metrics_file = args.tensorboard = args.save = args.plot = None
         args.no_progress = True
     return comm
+
+
+def _ranks_disagree(comm: Any, error: Exception) -> int:
+    """The ranks run different code or data: rank 0 prints the one line that says which and what;
+    every rank exits 1. The barrier holds the others until the line is out, since the launcher
+    stops every rank as soon as one exits."""
+    if comm.rank == 0:
+        print(f"ember mnist: error: {error}", file=sys.stderr, flush=True)
+    comm.barrier()
+    return 1
 
 
 def _main_thread() -> bool:

@@ -12,6 +12,9 @@ optimizer state of `TrainStep.optimizer_state_dict()`), and string metadata:
     step_in_epoch   steps already done in epoch `epoch` (0 at an epoch boundary; a run stopped
                     mid-epoch resumes at the next batch of the same, reproducible, order)
     config          JSON: model, optimizer and the other settings the run used
+    world_size      ranks of the data-parallel run that wrote it (1 alone; absent in older files)
+    global_batch    samples per step over all ranks (absent in older files): with step_in_epoch,
+                    where in the epoch a run of another world size or batch resumes
 
 The file is written to a temporary file in the same folder, flushed to disk, and renamed over
 the target with `os.replace` (atomic on POSIX), so a crash at any point leaves either the old
@@ -49,6 +52,8 @@ class Checkpoint:
     step_in_epoch: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # where it was read from
+    world_size: int = 1
+    global_batch: int | None = None  # None: not recorded (an older checkpoint)
 
 
 def _write(f: Any, data: bytes) -> None:
@@ -86,7 +91,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def save_checkpoint(path: str | os.PathLike, model: Mapping[str, np.ndarray],
                     optimizer: Mapping[str, np.ndarray] | None = None, *, epoch: int = 0, step: int = 0,
-                    step_in_epoch: int = 0, config: Mapping[str, Any] | None = None) -> None:
+                    step_in_epoch: int = 0, config: Mapping[str, Any] | None = None, world_size: int = 1,
+                    global_batch: int | None = None) -> None:
     """Writes a checkpoint atomically (see the module docstring for the layout)."""
     from safetensors.numpy import save
 
@@ -95,7 +101,10 @@ def save_checkpoint(path: str | os.PathLike, model: Mapping[str, np.ndarray],
     tensors = {_MODEL + k: contiguous(v) for k, v in model.items()}
     tensors.update({_OPTIM + k: contiguous(v) for k, v in (optimizer or {}).items()})
     metadata = {"format": FORMAT, "version": VERSION, "epoch": str(int(epoch)), "step": str(int(step)),
-                "step_in_epoch": str(int(step_in_epoch)), "config": json.dumps(dict(config or {}), sort_keys=True)}
+                "step_in_epoch": str(int(step_in_epoch)), "config": json.dumps(dict(config or {}), sort_keys=True),
+                "world_size": str(int(world_size))}
+    if global_batch is not None:
+        metadata["global_batch"] = str(int(global_batch))
     atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
@@ -127,11 +136,13 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     try:
         epoch, step, in_epoch = int(meta["epoch"]), int(meta["step"]), int(meta.get("step_in_epoch", "0"))
         config = json.loads(meta.get("config", "{}"))
+        world_size = int(meta.get("world_size", "1"))
+        global_batch = int(meta["global_batch"]) if "global_batch" in meta else None
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: bad checkpoint metadata ({type(e).__name__}: {e})") from None
     model = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
     optimizer = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
-    return Checkpoint(model, optimizer, epoch, step, in_epoch, config, os.fspath(path))
+    return Checkpoint(model, optimizer, epoch, step, in_epoch, config, os.fspath(path), world_size, global_batch)
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -46,7 +46,7 @@ class Trainer:
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
-                 communicator: Any = None) -> None:
+                 communicator: Any = None, bucket_bytes: int | None = None, precision: str = "float32") -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -60,6 +60,12 @@ class Trainer:
         self.rank, self.world_size = (communicator.rank, communicator.size) if communicator is not None else (0, 1)
         self.dropped_tail = 0
         if self.world_size > 1:
+            # every rank must read the same data (before sharding it): a rank with another folder
+            # or a damaged file stops the run here, instead of training on something else
+            from ember.runtime.consistency import agree_on_data
+            agree_on_data(communicator, "the training data", (x, y))
+            if test is not None:
+                agree_on_data(communicator, "the test data", test)
             per = len(x) // self.world_size
             if per == 0:
                 raise ValueError(f"{len(x)} training samples cannot be sharded over {self.world_size} ranks")
@@ -91,12 +97,15 @@ class Trainer:
         self.global_step = 0     # steps completed, all epochs
         self.step_in_epoch = 0   # steps done in epoch `self.epoch` (nonzero only after a mid-epoch stop)
         self.stop_requested = False  # set (e.g. by a signal handler) to stop after the current step
+        self.resume_note: str | None = None  # set by load() when the progress had to be mapped
         self.diverged: dict[str, Any] | None = None  # the "diverged" record once the loss is not finite
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
+        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}  # else compile()'s default
         self.step = ember_compile(model, loss_fn or nn.CrossEntropyLoss(), optimizer, example_inputs=example,
-                                  device=device, dump_dir=dump_dir, communicator=communicator)
+                                  device=device, dump_dir=dump_dir, communicator=communicator, precision=precision,
+                                  **extra)
         # The last partial batch has its own shape: compile its step now, not mid-epoch.
         last = len(x) % batch_size if len(x) > batch_size else 0
         reaches_end = not self.limit_steps or self.limit_steps >= len(self.loader)
@@ -128,7 +137,8 @@ class Trainer:
                "start_epoch": self.epoch, "start_step": self.global_step, **extra}
         if self.world_size > 1:
             rec.update(world_size=self.world_size, global_batch_size=self.loader.batch_size * self.world_size,
-                       dropped_tail=self.dropped_tail)
+                       dropped_tail=self.dropped_tail, bucket_bytes=self.step.bucket_bytes,
+                       buckets=len(self.step.train_graph.meta.get("buckets", [])))
         self.record(rec)
         return rec
 
@@ -297,7 +307,8 @@ class Trainer:
         if not self.finite():
             raise NonFiniteError(f"{path}: not written: the parameters or optimizer state are not finite")
         save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
-                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config)
+                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config,
+                        world_size=self.world_size, global_batch=self.loader.batch_size * self.world_size)
 
     def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
         """Restores parameters, optimizer state and progress from a checkpoint (a path or a loaded
@@ -310,8 +321,25 @@ class Trainer:
             self.step.load_optimizer_state_dict(ckpt.optimizer)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{where}: does not fit this model and optimizer: {e}") from None
+        # data parallel: every rank read the file; rank 0's copy is broadcast and all are checked
+        # equal, so a rank that read another (stale, node-local) file cannot train on it
+        self.step.sync_ranks()
         self.epoch, self.global_step, self.step_in_epoch = ckpt.epoch, ckpt.step, ckpt.step_in_epoch
         self.resumed_config = ckpt.config
+        self.resume_note = None
+        global_batch = self.loader.batch_size * self.world_size
+        if ckpt.step_in_epoch and ckpt.global_batch is not None and ckpt.global_batch != global_batch:
+            # Stopped mid-epoch at another global batch (another world size or --batch-size): a
+            # step count means other samples now, so resume at the same sample count, rounded
+            # down (a few samples seen twice rather than skipped). Each rank reads its own
+            # contiguous shard, so the rest of the epoch is not exactly the samples the old
+            # world would have read: only whole epochs resume exactly across world sizes.
+            done = ckpt.step_in_epoch * ckpt.global_batch
+            self.step_in_epoch = done // global_batch
+            self.resume_note = (f"the checkpoint stopped {done} samples into epoch {ckpt.epoch + 1} at a global batch "
+                                f"of {ckpt.global_batch} ({ckpt.world_size} rank(s)); this run ({self.world_size} "
+                                f"rank(s), global batch {global_batch}) resumes at step {self.step_in_epoch} of that "
+                                f"epoch; the rest of the epoch is not exactly the samples the other run would have read")
 
 
 def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...], where: Any) -> None:

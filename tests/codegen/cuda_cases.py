@@ -1,6 +1,7 @@
 """Shared geometry lists for the CUDA kernel tests and benchmark (no GPU needed to import)."""
 from __future__ import annotations
 
+from ember.codegen import cuda_direct as cd
 from ember.codegen import cuda_kernels as ck
 
 # (N, C, H, W, O, KH, KW, stride, padding)
@@ -42,6 +43,63 @@ ODD_MATMULS = [
 ]
 
 
+def tf32_kernels():
+    """The contractions again on TF32 tensor cores (precision="tf32"): MNIST shapes at batch 64 and
+    the odd geometries (tails in every dimension, k not a multiple of 8, split-K, batched)."""
+    out = []
+    t = dict(tf32=True)
+    for cname, g in MNIST_CONVS.items():
+        spec = dict(N=64, **g)
+        out.append((ck.render_conv2d_forward(f"{cname}_fwd_tf32", bias=True, relu=True, tf32=True, **spec),
+                    ("conv_fwd", spec, dict(bias=True, relu=True) | t)))
+        out.append((ck.render_conv2d_grad_weight(f"{cname}_gw_tf32", bias=True, tf32=True, **spec),
+                    ("conv_gw", spec, dict(bias=True) | t)))
+        out.append((ck.render_conv2d_grad_input(f"{cname}_gi_tf32", relu_mask=True, tf32=True, **spec),
+                    ("conv_gi", spec, dict(relu_mask=True) | t)))
+    for i, g in enumerate(ODD_CONVS):
+        out.append((ck.render_conv2d_forward(f"odd{i}_fwd_tf32", bias=True, relu=False, tf32=True, **g),
+                    ("conv_fwd", g, dict(bias=True, relu=False) | t)))
+        out.append((ck.render_conv2d_grad_weight(f"odd{i}_gw_tf32", bias=True, tf32=True, **g),
+                    ("conv_gw", g, dict(bias=True) | t)))
+        out.append((ck.render_conv2d_grad_input(f"odd{i}_gi_tf32", relu_mask=False, tf32=True, **g),
+                    ("conv_gi", g, dict(relu_mask=False) | t)))
+    for mname, m in mnist_matmuls(64).items():
+        out.append((ck.render_matmul(f"{mname}_tf32", tf32=True, **m), ("matmul", m, t)))
+    for i, m in enumerate(ODD_MATMULS):
+        out.append((ck.render_matmul(f"oddmm{i}_tf32", tf32=True, **m), ("matmul", m, t)))
+    return out
+
+
+def direct_kernels(batches=(64, 1024)):
+    """The direct (stride-1) convolutions of `cuda_direct`: conv2 of the MNIST CNN and every odd
+    stride-1 geometry (padding, 1x1, 5x5, 7x7, column tails) that has a direct plan."""
+    out = []
+    geos = [(f"conv2_{B}", dict(N=B, **MNIST_CONVS["conv2"])) for B in batches]
+    geos += [(f"odd{i}", g) for i, g in enumerate(ODD_CONVS) if g["stride"] == 1]
+    for tag, g in geos:
+        for bias in (False, True):
+            k = cd.render_direct(f"{tag}_dfwd{int(bias)}", grad_input=False, bias=bias, relu=bias, **g)
+            if k is not None:
+                out.append((k, ("conv_fwd", g, dict(bias=bias, relu=bias))))
+            k = cd.render_direct(f"{tag}_dgi{int(bias)}", grad_input=True, relu_mask=bias, **g)
+            if k is not None:
+                out.append((k, ("conv_gi", g, dict(relu_mask=bias))))
+        k = cd.render_direct_grad_weight(f"{tag}_dgw", **g)
+        if k is not None:
+            out.append((k, ("conv_gw", g, dict(bias=False))))
+    # short-contraction matmuls (K <= 16): the CNN's linear grad-input and odd shapes
+    thin = [(f"linear_gi_thin_{B}", dict(M=B, N=18432, K=10, trans_a=False, trans_b=False)) for B in batches]
+    thin += [("thin_odd0", dict(M=7, N=12, K=5, trans_a=True, trans_b=False)),
+             ("thin_odd1", dict(M=33, N=36, K=16, trans_a=False, trans_b=False, bias=True, relu=True)),
+             ("thin_odd2", dict(M=1000, N=4, K=1, trans_a=False, trans_b=False, bias=True)),
+             ("thin_odd3", dict(M=5, N=1028, K=3, trans_a=True, trans_b=False, relu=True))]
+    for tag, m in thin:
+        k = cd.render_matmul_thin(tag, **m)
+        assert k is not None, tag
+        out.append((k, ("matmul", m, {})))
+    return out
+
+
 def all_kernels(batches=(64, 1024)):
     """(kernel, spec) for every geometry the tests cover: MNIST CNN/MLP shapes and odd ones."""
     out = []
@@ -72,6 +130,8 @@ def all_kernels(batches=(64, 1024)):
     for n, C, wg in ((1, 1, False), (7, 3, True), (2000, 17, True)):
         out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C, with_grad=wg),
                     ("sce", dict(N=n, C=C, with_grad=wg), {})))
+    out += tf32_kernels()
+    out += direct_kernels(batches)
     for numel, mom, wd in ((4618, 0.0, 0.0), (18433 * 10 + 3, 0.9, 1e-4), (3, 0.5, 0.0)):
         out.append((ck.render_sgd_update(f"sgd_{numel}_{int(mom * 10)}", numel=numel, lr=0.05,
                                          momentum=mom, weight_decay=wd),

@@ -8,7 +8,8 @@ every failure. Used by test_cuda_kernels_gpu.py; also runnable directly:
     python tests/codegen/cuda_gpu_check.py [--json FILE]
 
 Prints one line per case: status, kernel, worst error against tolerance, geometry, plan.
-Tolerance: |got - ref| <= 1e-5 * |ref| + 1e-5 * sqrt(R) (R = reduction length); outputs and
+Tolerance: |got - ref| <= 1e-5 * |ref| + 1e-5 * sqrt(R) (R = reduction length; 2e-3 * sqrt(R)
+for the TF32 cases, see _check_one); outputs and
 scratch are poisoned with NaN; each kernel runs twice and must be bit-identical.
 """
 from __future__ import annotations
@@ -55,7 +56,13 @@ def _check_one(cp, cuda_refs, kernel, kind, spec, extra, seed):
     for role, ref in refs.items():
         g = got1[role].reshape(ref.shape).astype(np.float64)
         R = red.get(role, 1)
-        tol = 1e-5 * np.abs(ref) + 1e-5 * np.sqrt(R)
+        if extra.get("tf32"):
+            # TF32 rounds each operand to a 10-bit mantissa (relative error <= 2**-11), so each
+            # product is off by up to 2**-10 of itself; with inputs uniform in [-1, 1] (products of
+            # rms 1/3) the sum's error is ~ sqrt(R) * 3.3e-4, and 2e-3 * sqrt(R) is six of those.
+            tol = 1e-5 * np.abs(ref) + 2e-3 * np.sqrt(R)
+        else:
+            tol = 1e-5 * np.abs(ref) + 1e-5 * np.sqrt(R)
         err = np.abs(g - ref)
         bad = ~(err <= tol)
         ratio = np.where(np.isnan(err), np.inf, err / tol)

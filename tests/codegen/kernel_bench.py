@@ -52,6 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ember.codegen import cpp_kernels as ck  # noqa: E402
 from ember.codegen.compiler import compile_cpp  # noqa: E402
+from ember.codegen.cpu_vector import cxx_flags, resolve  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
 conv_bwd = torch.ops.aten.convolution_backward
@@ -146,7 +147,7 @@ def main():
         src += [k.code, f'extern "C" void bench_{k.name}({params}) {{ {k.name}({call}); }}\n']
     src.append('extern "C" void bench_noop(void*, void*, void*, void*, void*) {}\n')
     t0 = time.perf_counter()
-    art = compile_cpp("\n".join(src), name="kernel_bench")
+    art = compile_cpp("\n".join(src), flags=cxx_flags(resolve()), name="kernel_bench")  # $EMBER_CPU_VECTOR's flags
     print(f"compiled {len(specs)} kernels in {time.perf_counter() - t0:.1f} s "
           f"({'cache hit' if art.cache_hit else 'g++'}); threads={ARGS.threads} "
           f"OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND', 'unset')}")

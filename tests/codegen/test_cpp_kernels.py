@@ -21,6 +21,11 @@ import pytest
 
 from ember.codegen import cpp_kernels as ck
 from ember.codegen.compiler import compile_cpp
+from ember.codegen.cpu_vector import cxx_flags, resolve
+
+# The kernels below are rendered for the variant $EMBER_CPU_VECTOR selects (native by default),
+# so they are built with its flags (test_cpu_vector.py covers every variant explicitly).
+FLAGS = cxx_flags(resolve())
 
 sliding = np.lib.stride_tricks.sliding_window_view
 
@@ -208,7 +213,7 @@ def libs(tmp_path_factory):
     # four translation units, two compiles at a time (one per core)
     groups = [conv[0::3], conv[1::3], conv[2::3], mm]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        arts = list(pool.map(lambda g: compile_cpp(_translation_unit(g), cache=cache, name="kernels"),
+        arts = list(pool.map(lambda g: compile_cpp(_translation_unit(g), flags=FLAGS, cache=cache, name="kernels"),
                              groups))
     out = {}
     for g, art in zip(groups, arts):
@@ -389,7 +394,7 @@ def mask_lib(tmp_path_factory):
         n = 5 if kind == "gin" else 6   # with the scratch pointer Lib appends
         params = ", ".join(f"float* a{i}" for i in range(n))
         parts += [k.code, f'extern "C" void call_{k.name}({params}) {{ {k.name}({", ".join(f"a{i}" for i in range(n))}); }}\n']
-    art = compile_cpp("\n".join(parts), cache=tmp_path_factory.mktemp("ember_mask_cache"), name="mask_kernels")
+    art = compile_cpp("\n".join(parts), flags=FLAGS, cache=tmp_path_factory.mktemp("ember_mask_cache"), name="mask_kernels")
     return Lib(art.path, ks)
 
 

@@ -34,7 +34,7 @@ def test_kernel_contract():
         assert k.scratch_bytes >= 0 and k.scratch_bytes % 4 == 0
         for ln in k.launches:
             assert ln.function.startswith(k.name + "_")
-            assert re.search(r'extern "C" __global__ void __launch_bounds__\(\d+\) ' + ln.function + r"\(",
+            assert re.search(r'extern "C" __global__ void __launch_bounds__\(\d+(, \d+)?\) ' + ln.function + r"\(",
                              k.code), ln.function
             assert all(1 <= g < 2**31 for g in ln.grid) and ln.grid[1] < 65536 and ln.grid[2] < 65536
             assert 1 <= ln.block[0] * ln.block[1] * ln.block[2] <= 1024

@@ -32,16 +32,19 @@ def _compile_all(nvcc: str, sources: list) -> None:
 
 # lenet5: max pooling (forward and gradient kernels); resnet8: BatchNorm, residual adds, strided
 # and 1x1 convolutions, global average pooling
-@pytest.mark.parametrize("model", ["cnn", "mlp", "lenet5", "resnet8"])
-def test_every_generated_cuda_source_compiles_with_nvcc(model, tmp_path, capsys):
+@pytest.mark.parametrize("model,tf32", [("cnn", False), ("mlp", False), ("lenet5", False), ("resnet8", False),
+                                        ("cnn", True), ("mlp", True)])
+def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, capsys):
     nvcc = _nvcc()
-    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]
+                      + (["--tf32"] if tf32 else [])) == 0
     sources = sorted(tmp_path.glob("*.cu"))
     assert [p.name for p in sources] == [f"{model}-inference-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu",
                                          f"{model}-train-{'64x784' if model == 'mlp' else '64x1x28x28'}.cu"]
     _compile_all(nvcc, sources)
     text = (tmp_path / sources[-1].name).read_text()
     assert "extern \"C\" __global__" in text and "implements" in text
+    assert ("mma.sync.aligned.m16n8k8" in text) == tf32  # tensor cores exactly when asked
     if model == "lenet5":
         assert "max_pool2d_fwd(" in text and "max_pool2d_grad_grad(" in text
 

@@ -152,3 +152,42 @@ def test_training_evaluation_and_partial_batch_steps_share_one_stream_and_repeat
         runs.append((rec["train_loss"], rec["test_loss"], rec["test_acc"]))
         cupy.cuda.Device().synchronize()
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_tf32_steps_stay_within_tf32_rounding_of_float32(name):
+    """precision="tf32" (tensor cores) against float32, per step from the same weights (free
+    running is chaotic in the first steps and would measure that, not TF32): TF32 rounds each
+    operand to 10 mantissa bits (2**-11 relative), so each product is off by up to ~1e-3 of
+    itself and a step's loss and parameter update move by about that much: the loss within
+    2e-3 relative and the update within 2e-2 (relative L2 over all parameters) of float32's. The
+    update must also differ measurably (> 1e-5): equal updates would mean TF32 never ran. Two
+    TF32 runs are identical (deterministic like float32)."""
+    xs, ys = _batches(name, 20, seed=4)
+    fp32 = _step(name)
+
+    def tf32_step():
+        step = compile(build_model(name), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(xs[0], ys[0]),
+                       device="cuda", precision="tf32")
+        graph = step.train_graph
+        specs = [graph.attrs(n)["kernel"] for n in graph.g if graph.op(n) == "fused"]
+        assert all(s.param("tf32") for s in specs if s.kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight",
+                                                                 "matmul"))
+        return step
+
+    tf32, again = tf32_step(), tf32_step()
+    rel_updates = []
+    for x, y in zip(xs, ys):
+        before = fp32.state_dict()
+        tf32.load_state_dict(before)
+        again.load_state_dict(before)
+        loss32, loss_tf = float(fp32(x, y)), float(tf32(x, y))
+        assert float(again(x, y)) == loss_tf
+        assert abs(loss_tf - loss32) <= 2e-3 * abs(loss32), (loss_tf, loss32)
+        after32, after_tf = fp32.state_dict(), tf32.state_dict()
+        num = np.sqrt(sum(np.sum(((after_tf[k] - before[k]) - (after32[k] - before[k])).astype(np.float64) ** 2)
+                          for k in before))
+        den = np.sqrt(sum(np.sum((after32[k] - before[k]).astype(np.float64) ** 2) for k in before))
+        rel_updates.append(num / den)
+    assert max(rel_updates) <= 2e-2, rel_updates
+    assert min(rel_updates) > 1e-5, rel_updates

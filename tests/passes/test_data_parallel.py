@@ -135,13 +135,30 @@ def test_pipeline_inserts_the_pass_after_simplify_only_for_several_ranks():
         assert names[names.index("simplify") + 1] == "data_parallel"
 
 
-def test_schedule_gathers_the_collectives_at_one_point():
-    # the updates (readers of the collectives) wait until nothing else is ready, so on the CPU
-    # every all_reduce of the step meets at one segment boundary: one flat communicator call
+def test_schedule_gathers_the_collectives_at_one_point_unless_the_target_overlaps_them():
+    # without early collectives (the schedule's default) the updates (readers of the collectives)
+    # wait until nothing else is ready, so every all_reduce of the step meets at one segment
+    # boundary: one flat communicator call
+    import functools
     import ember.runtime
     from ember.codegen.cpp import render_step
     from ember.passes.pipeline import run_passes
+    from ember.passes.schedule import schedule
     step, _, _ = _case(cnn, (2, 1, 28, 28))
-    planned = run_passes(data_parallel(step, 2), ember.runtime.target("cpu").passes())
-    src = render_step(planned)
+    passes = [(n, schedule if n == "schedule" else p) for n, p in ember.runtime.target("cpu").passes()]
+    src = render_step(run_passes(data_parallel(step, 2), passes))
     assert len(src.collectives) == 1 and len(src.collectives[0]) == len(gradients(step)) + 1
+    # the cpu target overlaps: each bucket's all_reduces as soon as its last gradient exists (the
+    # loss's mean alone), the updates after the whole backward pass
+    cpu = ember.runtime.target("cpu").passes()
+    assert ember.runtime.target("cpu").early_collectives
+    planned = run_passes(data_parallel(step, 2, bucket_bytes=100_000), cpu)
+    src = render_step(planned)
+    buckets = planned.meta["buckets"]
+    assert [b["params"] for b in buckets] == [["5.bias"], ["5.weight"], ["2.bias", "2.weight", "0.bias", "0.weight"]]
+    at = [sorted(dst for _, dst, _ in calls) for calls in src.collectives]
+    assert at[:3] == [sorted(b["reduced"]) for b in buckets] and len(at) == 4  # then the loss
+    kinds = [[src.kernels[i].kind.split()[0] for i in seg] for seg in src.segments]
+    assert kinds[1] == ["matmul[trans_a]"]  # the last layer's weight gradient, alone before its all_reduce
+    assert "conv2d_grad_input" in kinds[2]  # the convolutions' backward runs while it is reduced
+    assert set(kinds[-1]) == {"pointwise"} and len(kinds[-1]) == len(gradients(step))  # the updates

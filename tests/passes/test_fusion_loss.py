@@ -61,3 +61,20 @@ def test_another_loss_with_the_same_primitives_is_not_matched():
     g = _train_graph(mlp(), (16, 784), ScaledLoss())
     assert find_loss_region(g) is None
     assert "softmax_xent" not in kernel_counts(fuse(g, LOSS_CAPS))
+
+
+def test_under_data_parallel_the_loss_all_reduce_stays_outside_the_loss_kernel():
+    # the logged loss is all_reduce(mean) of the local loss, in the loss's scope: the loss kernel
+    # must feed it, not swallow it (every rank would log its own shard's loss)
+    from ember.passes.data_parallel import data_parallel
+    g = data_parallel(_train_graph(mlp(), (16, 784), nn.CrossEntropyLoss()), 2)
+    out = g.outputs["loss"]
+    assert g.op(out) == "all_reduce"
+    region = find_loss_region(g)
+    assert region is not None and region.loss == g.operands(out)[0] and out not in region.members
+    fused = fuse(g, LOSS_CAPS)
+    counts = kernel_counts(fused)
+    assert counts["softmax_xent"] == 1 and counts["collective"] == 1 + len(g.meta["buckets"][0]["nodes"])
+    loss = fused.outputs["loss"]
+    assert fused.attrs(loss)["kernel"].kind == "collective"
+    assert fused.attrs(fused.operands(loss)[0])["kernel"].kind == "softmax_xent"

@@ -78,6 +78,24 @@ def _check(out: Path, size: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
+def test_overlapped_all_reduces_give_the_bits_of_blocking_ones(tmp_path, size):
+    out = tmp_path / "res.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([_mpiexec(), "-n", str(size), sys.executable, str(SCRIPT.with_name("dp_overlap_script.py")),
+                        str(out)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["size"] == size and res["bit_identical"], res
+    # the 4 KiB buckets: the loss, the last layer's gradients and the first layer's weight
+    # gradient (a bucket alone) start at different boundaries and are all waited for only
+    # before the updates, so the first layer's backward runs while the last layer's reduce
+    starts = sorted({g[1] for g in res["groups"]})
+    assert len(res["groups"]) == 3 and len(starts) == 3, res
+    assert any(wait > start + 1 for _, start, wait in res["groups"]), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
 def test_mpiexec_ranks_equal_one_rank_on_the_whole_batch(tmp_path, size):
     out = tmp_path / "res.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -152,6 +152,18 @@ def test_flags_are_named(mnist_dir, capsys, no_compile):
     assert _fail(capsys, _mnist(mnist_dir, "--batch-size", "0")) == "ember mnist: error: --batch-size 0: expected an integer >= 1"
     assert _fail(capsys, _mnist(mnist_dir, "--seed", "-1")) == "ember mnist: error: --seed -1: expected an integer in [0, 2**32)"
     assert _fail(capsys, _mnist(mnist_dir, "--log-every", "0")) == "ember mnist: error: --log-every 0: expected an integer >= 1"
+    assert _fail(capsys, _mnist(mnist_dir, "--bucket-bytes", "0")) == \
+        "ember mnist: error: --bucket-bytes 0: expected an integer >= 1"
+    err = _fail(capsys, _mnist(mnist_dir, "--bucket-bytes", "1.5"))
+    assert "--bucket-bytes" in err and "1.5" in err, err
+
+
+def test_compile_checks_bucket_bytes():
+    model = nn.Sequential(nn.Linear(4, 2))
+    ex = (np.zeros((2, 4), np.float32), np.zeros((2,), np.int64))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"bucket_bytes .*: expected an integer >= 1"):
+            ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=ex, bucket_bytes=bad)
 
 
 def test_compile_refuses_empty_batches_and_parameterless_models():

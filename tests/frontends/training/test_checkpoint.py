@@ -145,3 +145,26 @@ def test_load_weights_npz_and_checkpoint(tmp_path):
     assert np.array_equal(model.state_dict()["0.weight"], state["0.weight"])
     with pytest.raises(CheckpointError, match=r"unsupported weights file '\.pt'.*\.safetensors or \.npz"):
         load_weights(tmp_path / "model.pt")
+
+
+def test_world_size_and_global_batch_round_trip_and_a_mid_epoch_resume_maps_the_samples_done(tmp_path):
+    from ember.frontends.training import Trainer
+    path = tmp_path / "dp.safetensors"
+    a = _trained_step(optim.SGD(lr=0.1, momentum=0.9), steps=1)
+    # written by 2 ranks x batch 4, stopped 3 steps (24 samples) into its second epoch
+    save_checkpoint(path, a.state_dict(), a.optimizer_state_dict(), epoch=1, step=5, step_in_epoch=3,
+                    world_size=2, global_batch=8)
+    ck = load_checkpoint(path)
+    assert (ck.world_size, ck.global_batch) == (2, 8)
+    x, y = RNG.random((64, 784), dtype=np.float32), RNG.integers(0, 10, 64)
+    t = Trainer(mlp(1), optim.SGD(lr=0.1, momentum=0.9), (x, y), device="reference", batch_size=5)
+    t.load(path)
+    assert (t.epoch, t.global_step, t.step_in_epoch) == (1, 5, 4)  # 24 samples done: 4 steps of 5, rounded down
+    assert "24 samples into epoch 2" in t.resume_note and "global batch of 8 (2 rank(s))" in t.resume_note
+    for k, v in ck.model.items():
+        assert np.array_equal(t.step.state_dict()[k], v)
+    t = Trainer(mlp(1), optim.SGD(lr=0.1, momentum=0.9), (x, y), device="reference", batch_size=8)
+    t.load(path)  # the same global batch: the step count stands
+    assert t.step_in_epoch == 3 and t.resume_note is None
+    save_checkpoint(path, a.state_dict(), a.optimizer_state_dict(), epoch=1, step=5)  # no world recorded: one process
+    assert (load_checkpoint(path).world_size, load_checkpoint(path).global_batch) == (1, None)

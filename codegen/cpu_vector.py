@@ -1,0 +1,106 @@
+"""The vector ISA the CPU kernels are generated for, and the g++ flags that go with it.
+
+The contraction templates (``cpp_kernels``) are written for a vector of ``lanes`` fp32 values
+and register tiles sized to ``registers`` vector registers. Two variants:
+
+* ``avx2``: 8 lanes (one ymm register), 16 registers;
+* ``avx512``: 16 lanes (one zmm register), 32 registers.
+
+By default the variant follows the compiler's view of this CPU (``g++ -march=native`` with
+``-mavx512f`` enabled -> avx512, else avx2) and the step is compiled with ``-march=native``.
+``EMBER_CPU_VECTOR=avx2|avx512`` forces one; a forced variant that is not the native one is
+compiled for the matching x86-64 level (``-march=x86-64-v3`` / ``-march=x86-64-v4``, tuned for
+this CPU), so the AVX-512 variant can be built (and its source tested) on any x86-64 machine
+with g++; running it needs a CPU with AVX-512F (``host_supports``).
+
+The choice changes the source (vector width, tiles, scratch sizes), so it is read once per
+rendering of a step and recorded on it; select (scratch sizes) and the step renderer resolve it
+from the same environment.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .compiler import DEFAULT_CXX_FLAGS, native_target_enables
+
+__all__ = ["AVX2", "AVX512", "ENV_VAR", "VARIANTS", "VectorISA", "cxx_flags", "host_supports",
+           "native_isa", "resolve"]
+
+#: Environment variable that forces a variant ("avx2", "avx512"; "", "auto" or "native": follow
+#: the compiler's -march=native).
+ENV_VAR = "EMBER_CPU_VECTOR"
+
+
+@dataclass(frozen=True)
+class VectorISA:
+    name: str                    # the variant's name, as EMBER_CPU_VECTOR spells it
+    lanes: int                   # fp32 lanes of one vector register
+    registers: int               # architectural vector registers the register tiles may fill
+    march: tuple[str, ...]       # flags that select it when it is forced and not native
+    cpu_flag: str                # /proc/cpuinfo flag a CPU needs to run it
+    compiler_option: str         # -m option that `-march=native -Q --help=target` reports enabled
+
+    @property
+    def vector_bytes(self) -> int:
+        return 4 * self.lanes
+
+
+AVX2 = VectorISA("avx2", 8, 16, ("-march=x86-64-v3", "-mtune=native"), "avx2", "-mavx2")
+AVX512 = VectorISA("avx512", 16, 32, ("-march=x86-64-v4", "-mtune=native"), "avx512f", "-mavx512f")
+VARIANTS: dict[str, VectorISA] = {v.name: v for v in (AVX2, AVX512)}
+_NATIVE_WORDS = ("", "auto", "native")
+
+
+def native_isa() -> VectorISA:
+    """The variant ``-march=native`` gives: avx512 where the compiler enables -mavx512f for this
+    CPU, avx2 otherwise (also on CPUs without AVX2, where the 8-lane vectors still compile, as
+    pairs of SSE registers or scalars). Without a compiler to ask (a step cached earlier can
+    still load), /proc/cpuinfo decides."""
+    enabled = native_target_enables(AVX512.compiler_option)
+    if enabled is None:
+        enabled = AVX512.cpu_flag in _cpu_flags()
+    return AVX512 if enabled else AVX2
+
+
+def _cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where the file cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[-1].split())
+    return set()
+
+
+def resolve(choice: str | None = None) -> VectorISA:
+    """The variant to generate: ``choice`` if given, else ``$EMBER_CPU_VECTOR``, else native."""
+    word = (os.environ.get(ENV_VAR, "") if choice is None else choice).strip().lower()
+    if word in _NATIVE_WORDS:
+        return native_isa()
+    if word not in VARIANTS:
+        raise ValueError(f"{ENV_VAR}={word!r} is not a CPU vector variant; choose one of "
+                         f"{', '.join(VARIANTS)} (or 'native' to follow g++ -march=native)")
+    return VARIANTS[word]
+
+
+def cxx_flags(isa: VectorISA, base: tuple[str, ...] = DEFAULT_CXX_FLAGS) -> tuple[str, ...]:
+    """``base`` (which says ``-march=native``) for the native variant, so forcing the native
+    variant builds exactly what the default builds; for another variant, ``-march=native`` is
+    replaced by the variant's x86-64 level (the code must not use what this CPU has beyond it)."""
+    if isa == native_isa():
+        return tuple(base)
+    out: list[str] = []
+    for flag in base:
+        out.extend(isa.march if flag == "-march=native" else (flag,))
+    return tuple(out)
+
+
+def host_supports(isa: VectorISA, cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
+    """Whether this CPU can run code built for ``isa``: always for the native variant (built with
+    -march=native, for this CPU, whatever it has); else its flag in /proc/cpuinfo (False where
+    that file cannot be read)."""
+    return isa == native_isa() or isa.cpu_flag in _cpu_flags(cpuinfo)

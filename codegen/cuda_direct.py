@@ -1,0 +1,214 @@
+"""Direct (non-GEMM) CUDA kernels: stride-1 convolutions (forward, grad-input, grad-weight) and
+matmuls with a short contraction.
+
+The implicit-GEMM kernels of `cuda_kernels` gather every input element KH*KW times (once per
+window position that reads it) and pay index arithmetic on each gather; with few channels (the
+MNIST CNN's conv2 has 16 in, 32 out) that gather is most of their instructions, and they stall
+near 20-40 % of fp32 peak. These kernels stage input rows and weights in shared memory once per
+block and slide a register window along each row, so nearly every instruction in the inner loop
+is an FMA (templates `conv2d_direct.j2`, `conv2d_direct_gw.j2`). Same contract as the GEMM
+kernels (roles, scratch, epilogues, no float atomics, fixed summation orders); the summation
+order differs from theirs, so results differ in the last bits, within the same tolerances.
+
+A matmul with K <= 16 (`render_matmul_thin`) is a pass over memory: one thread writes 4
+neighbouring outputs of a row with one float4 store, where the GEMM skeleton's scalar stores
+reached a third of the memory bandwidth.
+
+`direct_forward_plan` / `direct_grad_weight_plan` return None where a geometry does not suit
+(stride > 1, too many channels for one block, windows wider than a row): codegen then uses the
+implicit GEMM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups
+from .shapes import ceil_div, round_up
+from .templates_env import environment
+
+NUM_SMS = 132
+SMEM_LIMIT = 44 * 1024  # static shared memory per block (48 KB cap) with room for the compiler's own
+
+_env = environment("cuda")
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    OT: int   # output channels per thread
+    PT: int   # output columns per thread
+    RB: int   # output rows per block
+    CC: int   # input channels per shared-memory stage
+    NCG: int  # column groups per row
+    threads: int
+    score: float
+
+
+def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> DirectPlan | None:
+    """Tiling of a stride-1 direct convolution producing CO x HO x WO per image, or None."""
+    best = None
+    for OT in (8, 4, 2, 1):
+        if CO % OT:
+            continue
+        for PT in range(2, 11):
+            if OT * PT > 64 or OT * PT < 8:
+                continue  # register budget; too little reuse of each staged value
+            ncg = ceil_div(WO, PT)
+            for RB in range(1, HO + 1):
+                threads = (CO // OT) * RB * ncg
+                if not 64 <= threads <= 512:
+                    continue
+                CC = min(CI, 16)
+                while CC > 1 and 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > SMEM_LIMIT:
+                    CC = (CC + 1) // 2
+                if 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > SMEM_LIMIT:
+                    continue
+                useful = WO / (ncg * PT) * HO / (ceil_div(HO, RB) * RB) * (threads / round_up(threads, 32))
+                # shared-memory loads per FMA: the input window and the weight vectors
+                lds = (PT + KW - 1 + KW * ceil_div(OT, 4)) / (KW * OT * PT)
+                blocks = N * ceil_div(HO, RB)
+                fill = min(1.0, blocks / (2 * NUM_SMS))
+                staging = (RB + KH - 1) / RB  # halo rows staged per output row
+                # Measured on an H200 (tests/codegen/cuda_direct_try.py, conv2 of the MNIST CNN):
+                # 96-256 threads and 32 accumulators a thread run best (more registers or more
+                # threads cut the blocks resident per multiprocessor; fewer starve it), and blocks
+                # of many rows (24-26) ran 1.5x slower than 8-row ones.
+                shape = (1.0 if 96 <= threads <= 256 else 0.6) * (1.0 if OT * PT <= 32 else 0.8) \
+                    * (1.0 if RB <= 12 else 0.8)
+                score = useful * fill * shape / (1 + 3 * lds) / (1 + 0.05 * staging)
+                if best is None or score > best.score:
+                    best = DirectPlan(OT, PT, RB, CC, ncg, threads, score)
+    return best
+
+
+def _signature(roles: tuple[str, ...], inputs: tuple[str, ...], unrestricted: tuple[str, ...], scratch: bool) -> str:
+    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
+                    for r in roles)
+    return sig + (", float* __restrict__ scratch" if scratch else "")
+
+
+def _with_epilogue(roles, inputs, epilogue):
+    if epilogue is None:
+        return tuple(roles), tuple(inputs), ()
+    return (tuple(roles) + tuple(r for r in epilogue.roles if r not in roles), tuple(inputs) + epilogue.roles,
+            epilogue.roles + ("out",))
+
+
+def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                  stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
+                  epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None) -> CudaKernel | None:
+    """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
+    [mask_src], out) of a conv2d with these arguments; None where no direct plan fits."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
+        return None
+    if grad_input:  # a forward convolution of dy, padded by K-1-P, with the flipped, transposed kernel
+        geo = dict(CI=O, H_IN=HO, W_IN=WO, CO=C, HO_=H, WO_=W, PH=KH - 1 - ph, PW=KW - 1 - pw_)
+        roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
+        inputs, src = ("dy", "w", "mask_src"), "dy"
+        description = (f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
+                       f"{' *relu-mask' if relu_mask else ''}")
+    else:
+        geo = dict(CI=C, H_IN=H, W_IN=W, CO=O, HO_=HO, WO_=WO, PH=ph, PW=pw_)
+        roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
+        inputs, src = ("x", "w", "bias"), "x"
+        description = (f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
+                       f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
+    if plan is None:
+        plan = direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
+    if plan is None:
+        return None
+    roles, inputs, unrestricted = _with_epilogue(roles, inputs, epilogue)
+    grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
+    if N > 65535:
+        return None
+    code = _env.get_template("conv2d_direct.j2").render(
+        name=name, description=description, N=N, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
+        CC=plan.CC, NCG=plan.NCG, threads=plan.threads, roles=roles, inputs=inputs, unrestricted=unrestricted,
+        signature=_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
+        bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
+    return CudaKernel(name, code, (Launch(f"{name}_direct", grid, (plan.threads, 1, 1), 0, roles),), 0)
+
+
+def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> tuple[int, int, int] | None:
+    """(OT, RB, blocks) for the direct grad-weight kernel, or None where it does not suit."""
+    for OT in (4, 2, 1):
+        if O % OT or OT * KH * KW > 64:
+            continue
+        threads = O // OT * C
+        if not 64 <= threads <= 512:
+            continue
+        # Rows staged per barrier pair: more rows amortise the barriers and share x's halo rows.
+        for RB in (4, 3, 2, 1):
+            if 4 * (RB * WO * (O + 4) + C * (RB + KH - 1) * (WO + KW - 1)) <= SMEM_LIMIT:
+                break
+        else:
+            return None
+        units = N * ceil_div(HO, RB)
+        # Enough blocks for ~4 per multiprocessor, but not so many that the partials (and the
+        # reduce launch) outweigh the rows each block walks.
+        blocks = max(1, min(units, 4 * NUM_SMS, units // 2 or 1))
+        return OT, RB, blocks
+    return None
+
+
+def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                              stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
+                              blocks: int | None = None, rows: int | None = None) -> CudaKernel | None:
+    """dw = conv2d_grad_weight(x, dy) for stride 1: roles x, dy, out (O,C,KH,KW); None where no
+    direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
+        return None
+    choice = direct_grad_weight_plan(N, C, O, KH, KW, HO, WO)
+    if choice is None:
+        return None
+    OT, RB, nblocks = choice
+    if blocks is not None:
+        nblocks = blocks
+    if rows is not None:
+        RB = rows
+    roles, inputs, unrestricted = _with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
+    outs = O * C * KH * KW
+    rg = _reduce_groups(nblocks)
+    threads = O // OT * C
+    code = _env.get_template("conv2d_direct_gw.j2").render(
+        name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
+        N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
+        blocks=nblocks, RB=RB, dy_pad=4, min_blocks=max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        signature=_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
+        unroll=WO if WO <= 32 else 4, pw=epilogue)
+    args = roles + ("scratch",)
+    scratch = round_up(4 * nblocks * outs, SCRATCH_ALIGN)
+    return CudaKernel(name, code, (Launch(f"{name}_direct", (nblocks, 1, 1), (threads, 1, 1), 0, args),
+                                   Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),
+                      scratch)
+
+
+THIN_MAX_K = 16
+
+
+def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
+                       bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
+                       rows: int | None = None) -> CudaKernel | None:
+    """out = op(a) @ b [+ bias][relu][epilogue] for K <= 16, b row-major (K, N), N % 4 == 0, one
+    batch: roles a, b, [bias], out; None where the shape does not suit."""
+    if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
+        return None
+    threads = 128 if N >= 512 else 32 * ceil_div(N // 4, 32)
+    col_blocks = ceil_div(N // 4, threads)
+    # rows a block: enough blocks to fill the GPU several times over; 4-16 rows measured alike on
+    # an H200 (1024 x 18432, K = 10: 28-29 us), 35 and 64 slower (42, 35 us)
+    RM = rows or max(4, min(16, ceil_div(M * col_blocks, 8 * NUM_SMS)))
+    roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
+    roles, inputs, unrestricted = _with_epilogue(roles, ("a", "b", "bias"), epilogue)
+    grid = (col_blocks, ceil_div(M, RM), 1)
+    code = _env.get_template("matmul_thin.j2").render(
+        name=name, description=f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}){' +bias' if bias else ''}"
+                               f"{' +relu' if relu else ''}",
+        M=M, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
+        roles=roles, inputs=inputs, unrestricted=unrestricted, signature=_signature(roles, inputs, unrestricted, False))
+    return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
+
+
+__all__ = ["DirectPlan", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight",
+           "render_matmul_thin"]

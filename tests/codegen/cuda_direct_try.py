@@ -1,0 +1,149 @@
+"""Times the direct convolutions (codegen/cuda_direct.py) against the implicit GEMM for the MNIST
+CNN's conv2 at batch 64 and 1024, over the planner's pick and its runners-up (different thread
+tiles, rows per block, channels per stage), with a float64 check of each.
+
+    python tests/codegen/cuda_direct_try.py [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import cuda_kernel_bench as cb  # noqa: E402
+import cuda_refs  # noqa: E402
+from ember.codegen import cuda_direct as cd  # noqa: E402
+from ember.codegen import cuda_kernels as ck  # noqa: E402
+
+CONV2 = dict(C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0)
+
+
+def _alternatives(N, CI, HI, WI, CO, HO, WO, KH, KW, count=6):
+    """The planner's pick and other plans: different (OT, PT, RB) with the planner's CC rule."""
+    best = cd.direct_forward_plan(N, CI, HI, WI, CO, HO, WO, KH, KW)
+    plans = [best]
+    for OT, PT, RB in ((8, 8, 4), (8, 8, 8), (8, 6, 4), (4, 8, 8), (4, 6, 12), (8, 4, 8), (4, 4, 16), (8, 7, 6),
+                       (8, 9, 4), (4, 7, 8), (2, 8, 16)):
+        if CO % OT:
+            continue
+        ncg = -(-WO // PT)
+        threads = CO // OT * RB * ncg
+        if not 32 <= threads <= 1024:
+            continue
+        CC = min(CI, 16)
+        while CC > 1 and 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > cd.SMEM_LIMIT:
+            CC = (CC + 1) // 2
+        p = cd.DirectPlan(OT, PT, RB, CC, ncg, threads, 0.0)
+        if all(dataclasses.astuple(p)[:5] != dataclasses.astuple(q)[:5] for q in plans):
+            plans.append(p)
+    return plans[:count + 1]
+
+
+def sweep_gemms(cp, rng, n_top: int = 8) -> list[dict]:
+    """The GEMM plans of the CNN step's memory-bound contractions, measured (the cost model's top
+    plans and a spread): linear forward / grad-weight and conv1 grad-weight without the bias."""
+    out = []
+    for B in (64, 1024):
+        cases = [("linear_fwd", "matmul", dict(M=B, N=10, K=18432, trans_a=False, trans_b=True, bias=True), {}),
+                 ("linear_gw", "matmul", dict(M=10, N=18432, K=B, trans_a=True, trans_b=False), {}),
+                 ("conv1_gw", "conv_gw", dict(N=B, C=1, H=28, W=28, O=16, KH=3, KW=3, stride=1, padding=0),
+                  dict(bias=False))]
+        for label, kind, spec, extra in cases:
+            plans = cb.sweep_plans(kind, spec, extra, n_top)
+            kerns = [cb._render_with(kind, spec, extra, f"sw{i}_{label}_{B}", p) for i, p in enumerate(plans)]
+            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+            bufs = {r: cp.asarray(a) for r, a in ins.items()}
+            for role, ref in refs.items():
+                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+            mod = cuda_refs.compile_module(cp, [k.code for k in kerns])
+            res = []
+            for p, k in zip(plans, kerns):
+                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+                cuda_refs.run_launches(cp, mod, k, bufs, scr)
+                got = cp.asnumpy(bufs["out"]).reshape(refs["out"].shape).astype(np.float64)
+                rel = float(np.linalg.norm(got - refs["out"]) / np.linalg.norm(refs["out"]))
+                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+                res.append(dict(batch=B, kernel=label, key=list(cb.gemm_dims(kind, spec, extra)),
+                                plan=[p.BM, p.BN, p.BK, p.TM, p.TN, p.splits], us=round(t, 2), rel_err=rel))
+            res.sort(key=lambda r: r["us"])
+            for r in res[:3]:
+                print(f"sweep B={B:<5d} {label:10s} {r['plan']} {r['us']:8.2f} us rel {r['rel_err']:.1e} "
+                      f"(model pick {res and [x for x in res if x['plan'] == [plans[0].BM, plans[0].BN, plans[0].BK, plans[0].TM, plans[0].TN, plans[0].splits]][0]['us']} us)",
+                      flush=True)
+            out += res
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep-only", action="store_true", help="only the GEMM plan sweep")
+    args = ap.parse_args()
+    import cupy as cp
+    rng = np.random.default_rng(1)
+    out = []
+    if args.sweep_only:
+        out = sweep_gemms(cp, rng)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return
+    for B in (64, 1024):
+        spec = dict(N=B, **CONV2)
+        HO = WO = 24
+        cases = []
+        for kind, extra in (("conv_fwd", dict(bias=True, relu=True)), ("conv_gi", dict(relu_mask=True)),
+                            ("conv_gw", dict(bias=False))):
+            kernels = []
+            if kind == "conv_fwd":
+                kernels.append(("gemm", ck.render_conv2d_forward(f"g_fwd_{B}", bias=True, relu=True, **spec)))
+                for i, p in enumerate(_alternatives(B, 16, 26, 26, 32, HO, WO, 3, 3)):
+                    kernels.append((f"direct {p.OT}x{p.PT} rb{p.RB} cc{p.CC} t{p.threads}",
+                                    cd.render_direct(f"d{i}_fwd_{B}", grad_input=False, bias=True, relu=True, plan=p, **spec)))
+            elif kind == "conv_gi":
+                kernels.append(("gemm", ck.render_conv2d_grad_input(f"g_gi_{B}", relu_mask=True, **spec)))
+                for i, p in enumerate(_alternatives(B, 32, 24, 24, 16, 26, 26, 3, 3)):
+                    kernels.append((f"direct {p.OT}x{p.PT} rb{p.RB} cc{p.CC} t{p.threads}",
+                                    cd.render_direct(f"d{i}_gi_{B}", grad_input=True, relu_mask=True, plan=p, **spec)))
+            else:
+                kernels.append(("gemm", ck.render_conv2d_grad_weight(f"g_gw_{B}", bias=False, **spec)))
+                for blocks in (264, 528, 1056):
+                    for rows in (1, 2, 4):
+                        kernels.append((f"direct blocks {blocks} rows {rows}",
+                                        cd.render_direct_grad_weight(f"d{blocks}r{rows}_gw_{B}", blocks=blocks,
+                                                                     rows=rows, **spec)))
+            cases.append((kind, extra, [(label, k) for label, k in kernels if k is not None]))
+        mm = dict(M=B, N=18432, K=10, trans_a=False, trans_b=False)
+        cases.append(("matmul", {}, [("gemm", ck.render_matmul(f"g_mm_{B}", **mm))] +
+                      [(f"thin rows {r}", cd.render_matmul_thin(f"t{r}_mm_{B}", rows=r, **mm)) for r in (4, 16, 35, 64)]))
+        for kind, extra, kernels in cases:
+            ins, refs, _ = cuda_refs.make_case(kind, mm if kind == "matmul" else spec, extra, rng)
+            bufs = {r: cp.asarray(a) for r, a in ins.items()}
+            for role, ref in refs.items():
+                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+            mod = cuda_refs.compile_module(cp, [k.code for _, k in kernels])
+            ref = refs["out"]
+            for label, k in kernels:
+                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+                bufs["out"][...] = np.nan
+                cuda_refs.run_launches(cp, mod, k, bufs, scr)
+                got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
+                rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
+                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+                flops = 2 * B * 18432 * 10 if kind == "matmul" else 2 * B * 32 * 16 * 9 * HO * WO
+                r = dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel,
+                         pct_fp32_peak=round(100 * flops / (t * 1e-6) / 67e12, 1))
+                out.append(r)
+                print(f"B={B:<5d} {kind:9s} {label:34s} {t:9.2f} us {r['pct_fp32_peak']:5.1f}% peak  rel {rel:.1e}",
+                      flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

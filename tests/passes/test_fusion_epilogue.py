@@ -1,0 +1,125 @@
+"""Generated pointwise epilogues of contractions (targets whose FusionCaps allow them, as CUDA's):
+which groups join a contraction's kernel, which stay apart, and numerics unchanged by fusing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember import ir
+from ember.passes.fusion import fuse, kernel_counts
+from ember.passes.schedule import schedule
+from ember.passes.targets import FusionCaps
+from models import cnn, mlp, params_of, train_graph
+
+CAPS = FusionCaps(kinds=FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"},
+                  epilogues={"conv2d": frozenset({"bias", "relu", "pointwise"}),
+                             "matmul": frozenset({"bias", "relu", "pointwise"}),
+                             "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}),
+                             "conv2d_grad_weight": frozenset({"pointwise"})},
+                  loss_kernels=True)
+NO_POINTWISE = FusionCaps(kinds=CAPS.kinds, loss_kernels=True,
+                          epilogues={k: v - {"pointwise"} for k, v in CAPS.epilogues.items()})
+
+
+def _fused(graph: ir.Graph) -> dict[str, tuple[str, ...]]:
+    """Kernel name -> epilogues, for every contraction kernel."""
+    out = {}
+    for n in graph.g:
+        if graph.op(n) == "fused":
+            spec = graph.attrs(n)["kernel"]
+            out[graph.attrs(n)["graph"].name] = spec.epilogues
+    return out
+
+
+def _update_kernel(graph: ir.Graph, name: str) -> ir.KernelSpec:
+    return graph.attrs(graph.updates[name])["kernel"]
+
+
+def test_mlp_sigmoid_and_update_join_their_contractions():
+    g = train_graph(mlp(), (64, 784))
+    fused = fuse(g, CAPS)
+    plain = fuse(g, NO_POINTWISE)
+    # bias+sigmoid, the sigmoid backward and the first layer's SGD update ride in matmuls
+    assert sum(kernel_counts(plain).values()) - sum(kernel_counts(fused).values()) == 3
+    assert _update_kernel(fused, "0.weight").kind == "matmul"
+    assert "pointwise" in _update_kernel(fused, "0.weight").epilogues
+    # 2.weight is read by the grad-input matmul, which does not run before its grad-weight:
+    # updating it in place there would make the gradient kernel wait, so it stays its own kernel
+    assert _update_kernel(fused, "2.weight").kind == "pointwise"
+
+
+def test_cnn_relu_backward_behind_reshape_and_conv1_update():
+    g = train_graph(cnn(), (64, 1, 28, 28))
+    fused = fuse(g, CAPS)
+    kinds = {name: spec for name, spec in _fused(fused).items()}
+    assert any(name.endswith("_matmul") and "pointwise" in e for name, e in kinds.items())
+    assert _update_kernel(fused, "0.weight").kind == "conv2d_grad_weight"
+    for name in ("2.weight", "5.weight"):  # read by a grad-input kernel that runs alongside
+        assert _update_kernel(fused, name).kind == "pointwise", name
+
+
+def test_update_in_a_contraction_is_written_in_place():
+    fused = schedule(fuse(train_graph(mlp(), (64, 784)), CAPS))
+    node = fused.updates["0.weight"]
+    assert fused.notes(node).get("storage") == "parameter" and fused.notes(node).get("name") == "0.weight"
+    # ... after every other reader of the old weight (the forward matmul)
+    order = fused.meta["schedule"]
+    readers = [u for u, _ in fused.users(fused.parameters["0.weight"]) if u != node]
+    assert readers and all(order.index(r) < order.index(node) for r in readers)
+
+
+@pytest.mark.parametrize("model,shape", [(mlp, (64, 784)), (cnn, (8, 1, 28, 28))])
+def test_numerics_unchanged(model, shape):
+    m = model()
+    g = train_graph(m, shape)
+    fused = fuse(g, CAPS)
+    rng = np.random.default_rng(3)
+    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
+    before = ir.run(g, inputs, params_of(m))
+    after = ir.run(fused, inputs, params_of(m))
+    np.testing.assert_allclose(after.outputs["loss"], before.outputs["loss"], rtol=1e-6)
+    for k in before.updates:
+        np.testing.assert_allclose(after.updates[k], before.updates[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_broadcast_read_of_the_value_is_not_an_epilogue():
+    """A group reading the contraction's value at another index (here: broadcast along a new axis)
+    cannot run per output element: it stays its own kernel."""
+    g = ir.Graph("bcast")
+    a = g.add_input("a", ir.TensorType((4, 3)))
+    b = g.add_input("b", ir.TensorType((3, 5)))
+    c = g.add("matmul", [a, b])
+    big = g.add("broadcast_to", [c], shape=(2, 4, 5))
+    g.set_output("y", g.add("exp", [big]))
+    fused = fuse(g, CAPS)
+    assert kernel_counts(fused) == {"matmul": 1, "pointwise": 1}
+
+
+def test_value_with_another_user_is_not_absorbed():
+    g = ir.Graph("fanout")
+    a = g.add_input("a", ir.TensorType((4, 3)))
+    b = g.add_input("b", ir.TensorType((3, 5)))
+    c = g.add("matmul", [a, b])
+    g.set_output("y", g.add("exp", [c]))
+    g.set_output("c", c)
+    assert kernel_counts(fuse(g, CAPS)) == {"matmul": 1, "pointwise": 1}
+
+
+def test_epilogue_roles_name_their_operands():
+    g = ir.Graph("roles")
+    a = g.add_input("a", ir.TensorType((4, 3)))
+    b = g.add_input("b", ir.TensorType((3, 5)))
+    s = g.add_input("s", ir.TensorType((4, 5)))
+    g.set_output("y", g.add("mul", [g.add("matmul", [a, b]), g.add("sigmoid", [s])]))
+    fused = fuse(g, CAPS)
+    assert kernel_counts(fused) == {"matmul": 1}
+    (node,) = [n for n in fused.g if fused.op(n) == "fused"]
+    spec = fused.attrs(node)["kernel"]
+    assert spec.epilogues == ("pointwise",)
+    sub = fused.attrs(node)["graph"]
+    assert spec.param("epilogue_from") == spec.core and spec.param("epilogue_from") in sub.g
+    (role,) = [r for r, _ in spec.roles if r.startswith("in")]
+    assert fused.operands(node)[spec.role(role)] == s
+    rng = np.random.default_rng(0)
+    inputs = {k: rng.standard_normal(fused.type(fused.inputs[k]).shape).astype(np.float32) for k in "abs"}
+    np.testing.assert_allclose(ir.run(fused, inputs).outputs["y"], ir.run(g, inputs).outputs["y"], rtol=1e-6)

@@ -1,0 +1,207 @@
+"""The start-of-run checks of a data-parallel world (runtime/consistency.py): every rank compiled
+the same step and reads the same data, else the run stops on every rank with one line on rank 0
+naming the rank that differs and what differs. In-process on a simulated world of threads (the
+verdict and its wording), and end to end through `ember launch` and `ember mnist` over MPI: a rank
+with another --lr (another compiled step) and a rank reading a folder with one label changed."""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.runtime import consistency as K
+
+BIN = Path(sys.executable).parent
+
+
+class ThreadWorld:
+    """N ranks as threads: all_reduce sums through a shared slot list and two barriers."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.slots, self.bar = size, [None] * size, threading.Barrier(size)
+
+    def rank(self, r: int):
+        world = self
+
+        class Comm:
+            rank, size = r, world.size
+
+            def all_reduce(self, buffer, op="sum"):
+                world.slots[r] = buffer.copy()
+                world.bar.wait()
+                total = np.sum(world.slots, axis=0)
+                world.bar.wait()
+                buffer[...] = total / world.size if op == "mean" else total
+
+            def barrier(self):
+                world.bar.wait()
+        return Comm()
+
+
+def _run(size, fn):
+    world, out = ThreadWorld(size), [None] * size
+
+    def body(r):
+        try:
+            fn(world.rank(r))
+        except Exception as e:  # noqa: BLE001 (collected per rank)
+            out[r] = e
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_same_data_passes_and_a_changed_label_names_the_rank_and_the_data():
+    x = np.random.default_rng(0).random((100, 1, 4, 4), dtype=np.float32)
+    y = np.arange(100) % 10
+    assert _run(3, lambda c: K.agree_on_data(c, "the training data", (x, y))) == [None] * 3
+
+    def changed(c):
+        yy = y.copy()
+        if c.rank == 2:
+            yy[57] = 3
+        K.agree_on_data(c, "the training data", (x, yy))
+    errs = _run(3, changed)
+    assert all(isinstance(e, K.ConsistencyError) for e in errs)  # every rank stops, none waits
+    msg = str(errs[0])
+    assert len(msg.splitlines()) == 1 and all(str(e) == msg for e in errs)
+    assert msg.startswith("rank 2 differs from rank 0 in the training data: 100 samples, sha256 "), msg
+
+
+def test_sizes_are_named_and_several_ranks_listed():
+    def sized(c):
+        K.agree_on_data(c, "the test data", (np.zeros((10 + (c.rank > 0), 3), np.float32),))
+    msg = str(_run(3, sized)[0])
+    assert msg.startswith("ranks 1, 2 differ from rank 0 in the test data: 11 samples"), msg
+    assert "10 samples, sha256" in msg and "on rank 0" in msg
+
+
+def test_a_strided_sample_above_the_limit_still_sees_the_sizes_and_sampled_rows():
+    a = np.zeros((1000, 8), np.float32)
+    d0, full = K.data_digest([a], full_limit=1024)
+    assert not full
+    b = a.copy()
+    b[0, 0] = 1  # row 0 is always sampled
+    assert K.data_digest([b], full_limit=1024)[0] != d0
+    assert K.data_digest([a[:999]], full_limit=1024)[0] != d0
+    assert K.data_digest([a], full_limit=10**9) == (K.data_digest([a.copy()])[0], True)
+
+
+def test_step_digest_ignores_comment_lines_only():
+    base = "// kernel k51 implements /home/a/model.py:12\nvoid f() { x = 0.05f; }\n"
+    assert K.source_digest(base) == K.source_digest(base.replace("/home/a", "/srv/b"))
+    assert K.source_digest(base) != K.source_digest(base.replace("0.05f", "0.04f"))
+
+
+# ---- end to end over MPI ------------------------------------------------------------------------
+
+def _mpi_env() -> dict:
+    if not (shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")):
+        pytest.skip("no mpiexec (pip install 'ember[mpi]')")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _launch_mnist(per_rank: str, data: str, *extra: str) -> subprocess.CompletedProcess:
+    """`ember launch` of 2 ranks running `ember mnist` (MLP), where `per_rank` is a shell snippet
+    setting LR and DATA from $RANK."""
+    mnist = (f'{per_rank}; exec "{sys.executable}" -m ember.frontends.cli mnist --model mlp --device cpu '
+             f'--epochs 1 --limit-steps 1 --no-progress --eval-batch-size 5000 --lr "$LR" --data "$DATA" '
+             + " ".join(extra))
+    return subprocess.run([sys.executable, "-m", "ember.frontends.cli", "launch", "--nproc-per-node", "2", "--",
+                           "sh", "-c", mnist], env=_mpi_env() | {"DATA": data, "LR": "0.05"},
+                          capture_output=True, text=True, timeout=240)
+
+
+def _rank0_error(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.startswith("ember mnist: error:")]
+    assert len(lines) == 1, err  # rank 0 alone says it, in one line
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_lr_stops_the_run_naming_it(mnist_dir):
+    r = _launch_mnist('[ "$RANK" = 1 ] && LR=0.04', str(mnist_dir))
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = _rank0_error(r.stderr)
+    assert line.startswith("ember mnist: error: rank 1 differs from rank 0 in the compiled training step"), line
+    assert "epoch 1/1" not in r.stdout  # stopped before training
+
+
+@pytest.mark.slow
+def test_a_rank_reading_other_data_stops_the_run_naming_it(mnist_dir, tmp_path):
+    other = tmp_path / "mnist"
+    other.mkdir()
+    for stem in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (other / f"{stem}.gz").symlink_to(Path(mnist_dir) / f"{stem}.gz")
+    labels = bytearray(gzip.decompress((Path(mnist_dir) / "train-labels-idx1-ubyte.gz").read_bytes()))
+    labels[8 + 12345] = (labels[8 + 12345] + 1) % 10  # one label of 60000
+    (other / "train-labels-idx1-ubyte").write_bytes(bytes(labels))
+    r = _launch_mnist(f'[ "$RANK" = 1 ] && DATA="{other}"', str(mnist_dir))
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = _rank0_error(r.stderr)
+    assert line.startswith("ember mnist: error: rank 1 differs from rank 0 in the training data: 60000 samples, "
+                           "sha256 "), line
+
+
+# ---- a checkpoint written by 2 ranks resumes on 1 and on 3 ---------------------------------------
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_three(mnist_dir, tmp_path):
+    import json
+    from ember.frontends.training.checkpoint import load_checkpoint
+    env = _mpi_env()
+    ckpt, metrics = tmp_path / "two.safetensors", tmp_path / "m.jsonl"
+    mnist = [sys.executable, "-m", "ember.frontends.cli", "mnist", "--model", "mlp", "--device", "cpu",
+             "--momentum", "0.9", "--limit-steps", "3", "--no-progress", "--eval-batch-size", "5000",
+             "--data", str(mnist_dir)]
+    launch = [sys.executable, "-m", "ember.frontends.cli", "launch", "--nproc-per-node"]
+    r = subprocess.run(launch + ["2", "--"] + mnist + ["--epochs", "1", "--save", str(ckpt)], env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = load_checkpoint(ckpt)
+    assert (ck.epoch, ck.step, ck.world_size, ck.global_batch) == (1, 3, 2, 128)
+    assert any(k.endswith("momentum_buffer") for k in ck.optimizer)
+
+    # through Trainer.load: every rank holds exactly the checkpoint, and 2 more steps over M ranks
+    # equal one process stepping the same global batches from it
+    script = Path(__file__).with_name("dp_resume_script.py")
+    for size in (1, 3):
+        out = tmp_path / f"resume{size}.json"
+        if size == 1:  # in this process (a world of one): saves a process start
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("dp_resume_script", script)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mod.main(str(ckpt), str(out), str(mnist_dir))
+        else:
+            r = subprocess.run(launch + [str(size), "--", sys.executable, str(script), str(ckpt), str(out),
+                                         str(mnist_dir)], env=env, capture_output=True, text=True, timeout=240)
+            assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads(out.read_text())
+        assert res["size"] == size and res["loaded_equal"] and res["ranks_equal"], res
+        assert res["max_rel"] <= 1e-5, res
+        assert (res["epoch"], res["step"]) == (2, 5) and res["records"] == ["epoch"], res
+
+    # and through the command: `ember mnist --resume` on 3 ranks continues the count and saves
+    again = tmp_path / "three.safetensors"
+    r = subprocess.run(launch + ["3", "--"] + mnist + ["--epochs", "2", "--resume", str(ckpt), "--save", str(again),
+                                                       "--metrics-file", str(metrics)],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "global batch 192" in r.stdout and "epoch 2/2" in r.stdout, r.stdout
+    ck3 = load_checkpoint(again)
+    assert (ck3.epoch, ck3.step, ck3.world_size, ck3.global_batch) == (2, 6, 3, 192)
+    run = json.loads(metrics.read_text().splitlines()[0])
+    assert run["type"] == "run" and run["world_size"] == 3 and run["start_step"] == 3
