@@ -88,7 +88,10 @@ def _pool_windows(x: np.ndarray, attrs, out_hw: tuple[int, int]) -> np.ndarray:
 
 
 def _max_pool2d(args, attrs, t):
-    return _pool_windows(args[0], attrs, t.shape[2:]).max(axis=-1)
+    # the value of the first maximal element (as PyTorch and the kernels): np.max's pick between
+    # -0.0 and +0.0 is unspecified
+    win = _pool_windows(args[0], attrs, t.shape[2:])
+    return np.take_along_axis(win, win.argmax(axis=-1)[..., None], axis=-1)[..., 0]
 
 
 def _max_pool2d_grad(args, attrs, t):

@@ -198,6 +198,30 @@ def test_max_pool_and_grad_bitwise_equal_to_the_interpreter(shape, k, s, p, ceil
     assert kernel_counts(planned) == {"max_pool2d": 1, "max_pool2d_grad": 1}
 
 
+def test_max_pool_random_geometries_bitwise_equal_to_the_interpreter(device):
+    """Twelve seeded random geometries (kernel 1-4, stride 1-3, padding up to half the kernel,
+    odd sizes, ceil_mode, rounded inputs full of ties) in one graph: one compile."""
+    r = np.random.default_rng(11)
+    g, inputs = Graph("pools"), {}
+    for i in range(12):
+        kh, kw = (int(v) for v in r.integers(1, 5, 2))
+        ph, pw = int(r.integers(0, kh // 2 + 1)), int(r.integers(0, kw // 2 + 1))
+        shape = (int(r.integers(1, 3)), int(r.integers(1, 4)), int(r.integers(max(1, kh - 2 * ph), 10)),
+                 int(r.integers(max(1, kw - 2 * pw), 10)))
+        attrs = dict(kernel=(kh, kw), stride=tuple(int(v) for v in r.integers(1, 4, 2)), padding=(ph, pw),
+                     ceil_mode=bool(r.integers(0, 2)))
+        x = g.add_input(f"x{i}", TensorType(shape))
+        y = g.add("max_pool2d", [x], **attrs)
+        g.set_output(f"pool{i}", y)
+        g.set_output(f"grad{i}", g.add("max_pool2d_grad", [x, g.add_input(f"dy{i}", g.type(y))], **attrs))
+        inputs[f"x{i}"] = np.round(_data(TensorType(shape)))
+        inputs[f"dy{i}"] = _data(g.type(y))
+    expect = run(g, inputs).outputs
+    _, got = run_compiled(g, device, inputs, {})
+    for name in expect:
+        assert got[name].tobytes() == expect[name].tobytes(), name
+
+
 def test_fused_chain_is_one_kernel_and_matches(device):
     g = Graph("chain")
     ts = TensorType((17, 33))

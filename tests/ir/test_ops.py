@@ -620,6 +620,31 @@ def test_max_pool2d_and_grad_vs_torch(shape, k, s, p, ceil, precision):
           precision)
 
 
+@st.composite
+def pool_cases(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))
+    h, w = draw(st.integers(max(1, kh - 2 * ph), 9)), draw(st.integers(max(1, kw - 2 * pw), 9))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), h, w)
+    return shape, (kh, kw), (draw(st.integers(1, 3)), draw(st.integers(1, 3))), (ph, pw), draw(st.booleans())
+
+
+@given(case=pool_cases(), seed=seeds, ties=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_max_pool2d_and_grad_vs_torch_hypothesis(case, seed, ties):
+    shape, k, s, p, ceil = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if ties:
+        x = np.round(x).astype(np.float32)  # many equal values: the first maximum takes the gradient
+    tx = T(x).requires_grad_(True)
+    ref = TF.max_pool2d(tx, k, s, p, ceil_mode=ceil)
+    close(interp("max_pool2d", [x], kernel=k, stride=s, padding=p, ceil_mode=ceil), ref, None)
+    dy = rng.standard_normal(ref.shape).astype(np.float32)
+    ref.backward(T(dy))
+    close(interp("max_pool2d_grad", [x, dy], kernel=k, stride=s, padding=p, ceil_mode=ceil), tx.grad, None)
+
+
 def test_max_pool2d_bad():
     expect_shape_error("max_pool2d", [f32(1, 1, 4, 4)], "padding at most half", kernel=2, stride=2, padding=2)
     expect_shape_error("max_pool2d", [f32(4, 4)], "4-D NCHW", kernel=2, stride=2)
