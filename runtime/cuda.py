@@ -47,9 +47,15 @@ def _cupy() -> Any:
     return cupy
 
 
+def _c_order(array: Any) -> np.ndarray:
+    """`array` as a C-contiguous NumPy array of the same shape: np.ascontiguousarray would turn a
+    0-d array (a step counter, a scalar state) into shape (1,)."""
+    return np.asarray(array, order="C")
+
+
 def to_device(array: np.ndarray) -> Any:
     """A host array copied to the current GPU (a CuPy array)."""
-    return _cupy().asarray(np.ascontiguousarray(array))
+    return _cupy().asarray(_c_order(array))
 
 
 def check_available() -> None:
@@ -69,7 +75,7 @@ class DeviceStorage(Storage):
     def add(self, name: str, array: np.ndarray) -> None:
         if name in self._arrays:
             raise KeyError(f"storage already holds {name!r}")
-        self._arrays[name] = self._cp.asarray(np.ascontiguousarray(array))
+        self._arrays[name] = self._cp.asarray(_c_order(array))
 
     def device_array(self, name: str) -> Any:
         return self._arrays[name]
@@ -84,7 +90,7 @@ class DeviceStorage(Storage):
         if isinstance(value, self._cp.ndarray):
             self._cp.copyto(target, value.astype(target.dtype, copy=False))
         else:
-            target.set(np.ascontiguousarray(value, dtype=target.dtype))
+            target.set(np.asarray(value, dtype=target.dtype, order="C"))
 
     def type_of(self, name: str) -> TensorType:
         a = self._arrays[name]
@@ -156,7 +162,7 @@ class CudaExecutor:
         self.compile_seconds = time.perf_counter() - t0
         self.arena = cp.zeros(max(self.source.arena_bytes, 256), dtype=cp.uint8)
         self.peak_bytes = self.source.arena_bytes
-        self._constants = {n: cp.asarray(np.ascontiguousarray(graph.attrs(n)["value"]))
+        self._constants = {n: cp.asarray(_c_order(graph.attrs(n)["value"]))
                            for n in graph.g if graph.notes(n).get("storage") == "constant"}
         self._inputs = {k: self._view(n) for k, n in graph.inputs.items()}
         self._outputs = {k: self._view(n) for k, n in graph.outputs.items()}
@@ -271,7 +277,7 @@ class CudaExecutor:
                 continue
             if type(value) is not np.ndarray or value.shape != buffer.shape or value.dtype != buffer.dtype:
                 value = check_inputs(self.signature, inputs)[name]
-            buffer.set(np.ascontiguousarray(value), stream=self.stream)
+            buffer.set(_c_order(value), stream=self.stream)
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         self._load(inputs)

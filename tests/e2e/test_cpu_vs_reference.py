@@ -4,9 +4,15 @@ Per step from the same weights (the CPU step reloaded with the reference's weigh
 step) losses agree within 1e-5 and parameters within float32 summation-order rounding; this holds
 on any CPU. Left free-running, two float32 implementations of the CNN recipe drift apart by the
 chaotic amplification of rounding in its first steps, by an amount that depends on the machine's
-BLAS (NumPy's matmuls on the reference side), so the free-running CNN is held only to 1e-3 over
-200 steps (the upstream alignment bound; measured ~1e-4) and to 1e-5 over its first 5 steps,
-before amplification sets in (measured ~2e-7); the MLP's trajectory is not chaotic (1e-5 over 50).
+BLAS (NumPy's matmuls on the reference side) and on the CPU's vector width (the AVX-512 kernels
+sum in another order than the AVX2 ones). So the free-running CNN is held to 1e-5 over its first
+5 steps, before amplification sets in (measured ~2e-7), and over 200 steps to the larger of the
+upstream alignment bound, 1e-3, and 4x the same machine's chaos control: the compiled step run
+from the same weights moved by one ulp each (measured: 4.9e-4 over 200 steps on a Zen 3 with
+AVX2, where ember vs the reference measured ~1e-4; an AVX-512 Xeon measured 1.1e-3 against the
+reference). A rounding-level difference cannot be told apart from that control; a real error
+(a wrong gradient, a dropped update) exceeds it at once, and the per-step test above is the
+tight check. The MLP's trajectory is not chaotic (1e-5 over 50 steps, no control needed).
 """
 from __future__ import annotations
 
@@ -60,10 +66,21 @@ def test_cpu_free_running_trajectory_matches_reference(name, make, flat, steps, 
     runs = {device: compile(make(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device=device)
             for device in ("reference", "cpu")}
     diffs = np.array([abs(runs["reference"](x, y) - runs["cpu"](x, y)) for x, y in batches])
+    control = _one_ulp_control(make, batches) if bound_all > bound_first else 0.0
     print(f"{name}: free-running |loss difference|: first {first} steps {diffs[:first].max():.3g}, "
-          f"all {steps} steps {diffs.max():.3g}")
+          f"all {steps} steps {diffs.max():.3g}; one-ulp control {control:.3g}")
     assert diffs[:first].max() <= bound_first
-    assert diffs.max() <= bound_all
+    assert diffs.max() <= max(bound_all, 4 * control)
+
+
+def _one_ulp_control(make, batches) -> float:
+    """How far this machine's compiled step drifts, free running, when every initial weight moves
+    by one ulp: the chaos a rounding-level difference is amplified by on this recipe."""
+    steps = [compile(make(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=batches[0], device="cpu")
+             for _ in range(2)]
+    steps[1].load_state_dict({k: np.nextafter(v, np.inf).astype(v.dtype) if v.dtype.kind == "f" else v
+                              for k, v in steps[0].state_dict().items()})
+    return float(max(abs(steps[0](x, y) - steps[1](x, y)) for x, y in batches))
 
 
 def test_cpu_steps_are_bit_identical_run_to_run():
