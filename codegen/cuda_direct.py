@@ -95,7 +95,8 @@ def _with_epilogue(roles, inputs, epilogue):
 
 def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                   stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
-                  epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None) -> CudaKernel | None:
+                  epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None,
+                  min_blocks: int = 0) -> CudaKernel | None:
     """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
     [mask_src], out) of a conv2d with these arguments; None where no direct plan fits."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -123,7 +124,7 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
         return None
     code = _env.get_template("conv2d_direct.j2").render(
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
-        CC=plan.CC, NCG=plan.NCG, threads=plan.threads, roles=roles, inputs=inputs, unrestricted=unrestricted,
+        CC=plan.CC, NCG=plan.NCG, threads=plan.threads, min_blocks=min_blocks, roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
         bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
     return CudaKernel(name, code, (Launch(f"{name}_direct", grid, (plan.threads, 1, 1), 0, roles),), 0)
@@ -153,7 +154,8 @@ def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, W
 
 def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                               stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
-                              blocks: int | None = None, rows: int | None = None) -> CudaKernel | None:
+                              blocks: int | None = None, rows: int | None = None,
+                              min_blocks: int | None = None) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) for stride 1: roles x, dy, out (O,C,KH,KW); None where no
     direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -174,7 +176,7 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     code = _env.get_template("conv2d_direct_gw.j2").render(
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
-        blocks=nblocks, RB=RB, dy_pad=4, min_blocks=max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        blocks=nblocks, RB=RB, dy_pad=4, min_blocks=min_blocks or max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)

@@ -80,14 +80,74 @@ def sweep_gemms(cp, rng, n_top: int = 8) -> list[dict]:
     return out
 
 
+def occupancy_variants(cp, rng) -> list[dict]:
+    """conv2 at batch 1024: the direct kernels' planner picks against register caps
+    (__launch_bounds__ minimum blocks per SM) and other stage depths (CC), each checked against
+    float64 and timed."""
+    B = 1024
+    spec = dict(N=B, **CONV2)
+    out = []
+    variants = []
+    for grad_input, kind, extra in ((False, "conv_fwd", dict(bias=True, relu=True)), (True, "conv_gi", dict(relu_mask=True))):
+        geo = (B, 32, 24, 24, 16, 26, 26, 3, 3) if grad_input else (B, 16, 26, 26, 32, 24, 24, 3, 3)
+        base = cd.direct_forward_plan(*geo)
+        ks = []
+        for cc in (base.CC, 8, 4):
+            p = dataclasses.replace(base, CC=cc)
+            for mb in (0, 2, 3, 4, 5):
+                label = f"{p.OT}x{p.PT} rb{p.RB} cc{cc} t{p.threads} minblocks {mb}"
+                ks.append((label, cd.render_direct(f"v{cc}_{mb}_{kind}", grad_input=grad_input, plan=p, min_blocks=mb,
+                                                   **spec, **({"relu_mask": True} if grad_input else {"bias": True, "relu": True}))))
+        for OT, PT, RB in ((8, 4, 4), (8, 4, 6), (8, 4, 12), (4, 4, 8), (8, 3, 8)):
+            ncg = -(-(26 if grad_input else 24) // PT)
+            threads = (16 if grad_input else 32) // OT * RB * ncg
+            p = cd.DirectPlan(OT, PT, RB, 16, ncg, threads, 0.0)
+            for mb in (0, 3):
+                label = f"{OT}x{PT} rb{RB} cc16 t{threads} minblocks {mb}"
+                ks.append((label, cd.render_direct(f"w{OT}{PT}{RB}_{mb}_{kind}", grad_input=grad_input, plan=p,
+                                                   min_blocks=mb, **spec,
+                                                   **({"relu_mask": True} if grad_input else {"bias": True, "relu": True}))))
+        variants.append((kind, extra, ks))
+    ks = []
+    for mb in (2, 3, 4):
+        for rows in (4, 6):
+            ks.append((f"gw 528 blocks rows {rows} minblocks {mb}",
+                       cd.render_direct_grad_weight(f"gw{mb}_{rows}", blocks=528, rows=rows, min_blocks=mb, **spec)))
+    variants.append(("conv_gw", dict(bias=False), ks))
+    for kind, extra, kernels in variants:
+        kernels = [(label, k) for label, k in kernels if k is not None]
+        ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+        bufs = {r: cp.asarray(a) for r, a in ins.items()}
+        for role, ref in refs.items():
+            bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+        mod = cuda_refs.compile_module(cp, [k.code for _, k in kernels])
+        ref = refs["out"]
+        for label, k in kernels:
+            scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+            bufs["out"][...] = np.nan
+            cuda_refs.run_launches(cp, mod, k, bufs, scr)
+            got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
+            rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
+            t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+            out.append(dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel))
+            print(f"occ {kind:9s} {label:40s} {t:9.2f} us  rel {rel:.1e}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM plan sweep")
+    ap.add_argument("--occupancy", action="store_true", help="only the direct kernels' register-cap variants")
     args = ap.parse_args()
     import cupy as cp
     rng = np.random.default_rng(1)
     out = []
+    if args.occupancy:
+        out = occupancy_variants(cp, rng)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return
     if args.sweep_only:
         out = sweep_gemms(cp, rng)
         if args.out:
