@@ -20,6 +20,7 @@ from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_kernels, pool_kernels
 from .indexing import delinearize
+from .shapes import pair
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
                        reduction_init)
 from .templates_env import environment
@@ -171,10 +172,6 @@ DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's ga
 DIRECT_MIN_POSITIONS = 1 << 17
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
 def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
     """The direct kernel for a convolution spec where one applies (see CONV_ALGORITHM), else None."""
     if tf32 or CONV_ALGORITHM != "direct" or spec.kind not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
@@ -188,7 +185,8 @@ def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, 
     else:
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
     window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
-    positions = n * (h - kh + 1 + 2 * _pair(core["padding"])[0]) * (w - kw + 1 + 2 * _pair(core["padding"])[1])
+    ph, pw_ = pair(core["padding"], "padding")
+    positions = n * (h - kh + 1 + 2 * ph) * (w - kw + 1 + 2 * pw_)
     if window < DIRECT_MIN_WINDOW or positions < DIRECT_MIN_POSITIONS:
         return None
     geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])

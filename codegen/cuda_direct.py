@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
+                           kernel_signature, with_epilogue)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
@@ -80,19 +81,6 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
     return best
 
 
-def _signature(roles: tuple[str, ...], inputs: tuple[str, ...], unrestricted: tuple[str, ...], scratch: bool) -> str:
-    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
-                    for r in roles)
-    return sig + (", float* __restrict__ scratch" if scratch else "")
-
-
-def _with_epilogue(roles, inputs, epilogue):
-    if epilogue is None:
-        return tuple(roles), tuple(inputs), ()
-    return (tuple(roles) + tuple(r for r in epilogue.roles if r not in roles), tuple(inputs) + epilogue.roles,
-            epilogue.roles + ("out",))
-
-
 def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                   stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
                   epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None,
@@ -118,14 +106,14 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
         plan = direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
     if plan is None:
         return None
-    roles, inputs, unrestricted = _with_epilogue(roles, inputs, epilogue)
+    roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
     if N > 65535:
         return None
     code = _env.get_template("conv2d_direct.j2").render(
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
         CC=plan.CC, NCG=plan.NCG, threads=plan.threads, min_blocks=min_blocks, roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
+        signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
         bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
     return CudaKernel(name, code, (Launch(f"{name}_direct", grid, (plan.threads, 1, 1), 0, roles),), 0)
 
@@ -169,7 +157,7 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         nblocks = blocks
     if rows is not None:
         RB = rows
-    roles, inputs, unrestricted = _with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
+    roles, inputs, unrestricted = with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
     outs = O * C * KH * KW
     rg = _reduce_groups(nblocks)
     threads = O // OT * C
@@ -177,7 +165,7 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
         blocks=nblocks, RB=RB, dy_pad=4, min_blocks=min_blocks or max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
+        signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)
     scratch = round_up(4 * nblocks * outs, SCRATCH_ALIGN)
@@ -202,13 +190,13 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     # an H200 (1024 x 18432, K = 10: 28-29 us), 35 and 64 slower (42, 35 us)
     RM = rows or max(4, min(16, ceil_div(M * col_blocks, 8 * NUM_SMS)))
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
-    roles, inputs, unrestricted = _with_epilogue(roles, ("a", "b", "bias"), epilogue)
+    roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     grid = (col_blocks, ceil_div(M, RM), 1)
     code = _env.get_template("matmul_thin.j2").render(
         name=name, description=f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}){' +bias' if bias else ''}"
                                f"{' +relu' if relu else ''}",
         M=M, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
-        roles=roles, inputs=inputs, unrestricted=unrestricted, signature=_signature(roles, inputs, unrestricted, False))
+        roles=roles, inputs=inputs, unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, False))
     return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
 
 

@@ -337,6 +337,25 @@ def _reduce_groups(splits: int) -> int:
     return rg
 
 
+def with_epilogue(roles: tuple[str, ...], inputs: tuple[str, ...], epilogue: PointwiseEpilogue | None
+                  ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(roles, inputs, unrestricted) of a kernel once its generated epilogue's operands follow the
+    template's roles. They and the output are not __restrict__: an in-place update reads a
+    parameter through one and writes it through the other."""
+    if epilogue is None:
+        return tuple(roles), tuple(inputs), ()
+    return (tuple(roles) + tuple(r for r in epilogue.roles if r not in roles), tuple(inputs) + epilogue.roles,
+            epilogue.roles + ("out",))
+
+
+def kernel_signature(roles: tuple[str, ...], inputs: tuple[str, ...], unrestricted: tuple[str, ...],
+                     scratch: bool) -> str:
+    """The parameter list of a kernel: one float pointer per role (then the scratch block)."""
+    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
+                    for r in roles)
+    return sig + (", float* __restrict__ scratch" if scratch else "")
+
+
 def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
@@ -355,13 +374,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     b_pad = (8 - plan.BN % 32) % 32 if tf32 else (4 if b_kfast else 0)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
-    # The generated epilogue's operands follow the template's roles; they and the output are not
-    # __restrict__: an in-place update reads a parameter through one and writes it through the other.
-    unrestricted: tuple[str, ...] = ()
-    if epilogue is not None:
-        roles = tuple(roles) + tuple(r for r in epilogue.roles if r not in roles)
-        inputs = tuple(inputs) + epilogue.roles
-        unrestricted = epilogue.roles + ("out",)
+    roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     splits = plan.splits
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
@@ -375,9 +388,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     rg = _reduce_groups(splits)
     rgrid = ceil_div(outs, 32)
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
-    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
-                    for r in roles)
-    sig += ", float* __restrict__ scratch" if splits > 1 else ""
+    sig = kernel_signature(roles, inputs, unrestricted, splits > 1)
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=plan.kchunk,

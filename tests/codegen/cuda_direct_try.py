@@ -45,6 +45,27 @@ def _alternatives(N, CI, HI, WI, CO, HO, WO, KH, KW, count=6):
     return plans[:count + 1]
 
 
+def time_and_check(cp, rng, kind: str, spec: dict, extra: dict, kernels: list) -> list[tuple[str, object, float, float]]:
+    """(label, kernel, graph-timed us, relative L2 error against float64) for each (label, kernel)
+    of one case, compiled into one module; the output is poisoned with NaN before each check."""
+    ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+    bufs = {r: cp.asarray(a) for r, a in ins.items()}
+    for role, ref in refs.items():
+        bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
+    mod = cuda_refs.compile_module(cp, [k.code for _, k in kernels])
+    ref = refs["out"]
+    results = []
+    for label, k in kernels:
+        scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
+        bufs["out"][...] = np.nan
+        cuda_refs.run_launches(cp, mod, k, bufs, scr)
+        got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
+        rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
+        t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+        results.append((label, k, t, rel))
+    return results
+
+
 def sweep_gemms(cp, rng, n_top: int = 8) -> list[dict]:
     """The GEMM plans of the CNN step's memory-bound contractions, measured (the cost model's top
     plans and a spread): linear forward / grad-weight and conv1 grad-weight without the bias."""
@@ -56,21 +77,10 @@ def sweep_gemms(cp, rng, n_top: int = 8) -> list[dict]:
                   dict(bias=False))]
         for label, kind, spec, extra in cases:
             plans = cb.sweep_plans(kind, spec, extra, n_top)
-            kerns = [cb._render_with(kind, spec, extra, f"sw{i}_{label}_{B}", p) for i, p in enumerate(plans)]
-            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
-            bufs = {r: cp.asarray(a) for r, a in ins.items()}
-            for role, ref in refs.items():
-                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
-            mod = cuda_refs.compile_module(cp, [k.code for k in kerns])
-            res = []
-            for p, k in zip(plans, kerns):
-                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
-                cuda_refs.run_launches(cp, mod, k, bufs, scr)
-                got = cp.asnumpy(bufs["out"]).reshape(refs["out"].shape).astype(np.float64)
-                rel = float(np.linalg.norm(got - refs["out"]) / np.linalg.norm(refs["out"]))
-                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
-                res.append(dict(batch=B, kernel=label, key=list(cb.gemm_dims(kind, spec, extra)),
-                                plan=[p.BM, p.BN, p.BK, p.TM, p.TN, p.splits], us=round(t, 2), rel_err=rel))
+            kerns = [(p, cb._render_with(kind, spec, extra, f"sw{i}_{label}_{B}", p)) for i, p in enumerate(plans)]
+            res = [dict(batch=B, kernel=label, key=list(cb.gemm_dims(kind, spec, extra)),
+                        plan=[p.BM, p.BN, p.BK, p.TM, p.TN, p.splits], us=round(t, 2), rel_err=rel)
+                   for p, _, t, rel in time_and_check(cp, rng, kind, spec, extra, kerns)]
             res.sort(key=lambda r: r["us"])
             for r in res[:3]:
                 print(f"sweep B={B:<5d} {label:10s} {r['plan']} {r['us']:8.2f} us rel {r['rel_err']:.1e} "
@@ -116,19 +126,7 @@ def occupancy_variants(cp, rng) -> list[dict]:
     variants.append(("conv_gw", dict(bias=False), ks))
     for kind, extra, kernels in variants:
         kernels = [(label, k) for label, k in kernels if k is not None]
-        ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
-        bufs = {r: cp.asarray(a) for r, a in ins.items()}
-        for role, ref in refs.items():
-            bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
-        mod = cuda_refs.compile_module(cp, [k.code for _, k in kernels])
-        ref = refs["out"]
-        for label, k in kernels:
-            scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
-            bufs["out"][...] = np.nan
-            cuda_refs.run_launches(cp, mod, k, bufs, scr)
-            got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
-            rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
-            t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+        for label, _, t, rel in time_and_check(cp, rng, kind, spec, extra, kernels):
             out.append(dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel))
             print(f"occ {kind:9s} {label:40s} {t:9.2f} us  rel {rel:.1e}", flush=True)
     return out
@@ -182,19 +180,7 @@ def main() -> None:
         cases.append(("matmul", {}, [("gemm", ck.render_matmul(f"g_mm_{B}", **mm))] +
                       [(f"thin rows {r}", cd.render_matmul_thin(f"t{r}_mm_{B}", rows=r, **mm)) for r in (4, 16, 35, 64)]))
         for kind, extra, kernels in cases:
-            ins, refs, _ = cuda_refs.make_case(kind, mm if kind == "matmul" else spec, extra, rng)
-            bufs = {r: cp.asarray(a) for r, a in ins.items()}
-            for role, ref in refs.items():
-                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
-            mod = cuda_refs.compile_module(cp, [k.code for _, k in kernels])
-            ref = refs["out"]
-            for label, k in kernels:
-                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
-                bufs["out"][...] = np.nan
-                cuda_refs.run_launches(cp, mod, k, bufs, scr)
-                got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
-                rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
-                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+            for label, k, t, rel in time_and_check(cp, rng, kind, mm if kind == "matmul" else spec, extra, kernels):
                 flops = 2 * B * 18432 * 10 if kind == "matmul" else 2 * B * 32 * 16 * 9 * HO * WO
                 r = dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel,
                          pct_fp32_peak=round(100 * flops / (t * 1e-6) / 67e12, 1))
