@@ -129,7 +129,12 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
         outer = low.loops[0][1]
         chunk = math.ceil(outer / splits)
         splits = math.ceil(outer / chunk)
-        code = ENV.get_template("reduction_split.j2").render(**common, splits=splits, chunk=chunk, outer=outer)
+        first = low.loops[0][0]
+        flat_vars = _flat_loop_vars([(f"{first}_off", chunk)] + list(low.loops[1:]), index)
+        flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
+        code = ENV.get_template("reduction_split.j2").render(**common, splits=splits, chunk=chunk, outer=outer,
+                                                             inner=math.prod(size for _, size in low.loops[1:]),
+                                                             flat_vars=flat_vars)
         acc_bytes = {"float": 4, "double": 8}.get(low.acc_type, 8)
         return ReductionKernel(code, ((f"{name}_part", (low.outputs, splits, 1), (THREADS, 1, 1), True),
                                       (name, (math.ceil(low.outputs / THREADS), 1, 1), (THREADS, 1, 1), True)),

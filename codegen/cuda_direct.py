@@ -29,6 +29,7 @@ from .templates_env import environment
 
 NUM_SMS = 132
 SMEM_LIMIT = 44 * 1024  # static shared memory per block (48 KB cap) with room for the compiler's own
+DYNAMIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch may take without opting in
 
 _env = environment("cuda")
 
@@ -42,6 +43,22 @@ class DirectPlan:
     NCG: int  # column groups per row
     threads: int
     score: float
+
+
+def padded_channels(CO: int) -> int:
+    """Row length of the staged weights: output channels padded by 4 floats (keeps the float4
+    reads aligned; the coalesced staging stores then conflict 4-way instead of 32-way)."""
+    return CO + 4 if CO % 4 == 0 else CO
+
+
+def direct_channels_per_step(CI: int, RB: int, cols: int, KH: int, KW: int, CO: int) -> int | None:
+    """Input channels a shared-memory stage: the largest even split of CI (at most 16) whose rows
+    and weights fit the static shared memory of a block; None if not even one channel fits."""
+    for parts in range(1, CI + 1):
+        CC = ceil_div(CI, parts)
+        if CC <= 16 and 4 * CC * ((RB + KH - 1) * (cols + KW - 1) + KH * KW * padded_channels(CO)) <= SMEM_LIMIT:
+            return CC
+    return None
 
 
 def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> DirectPlan | None:
@@ -58,10 +75,8 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
                 threads = (CO // OT) * RB * ncg
                 if not 64 <= threads <= 512:
                     continue
-                CC = min(CI, 16)
-                while CC > 1 and 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > SMEM_LIMIT:
-                    CC = (CC + 1) // 2
-                if 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > SMEM_LIMIT:
+                CC = direct_channels_per_step(CI, RB, ncg * PT, KH, KW, CO)
+                if CC is None:
                     continue
                 useful = WO / (ncg * PT) * HO / (ceil_div(HO, RB) * RB) * (threads / round_up(threads, 32))
                 # shared-memory loads per FMA: the input window and the weight vectors
@@ -84,9 +99,11 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
 def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                   stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
                   epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None,
-                  min_blocks: int = 0) -> CudaKernel | None:
+                  min_blocks: int = 0, coalesced_weights: bool = True, vector_stores: bool = True) -> CudaKernel | None:
     """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
-    [mask_src], out) of a conv2d with these arguments; None where no direct plan fits."""
+    [mask_src], out) of a conv2d with these arguments; None where no direct plan fits.
+    `coalesced_weights` / `vector_stores` switch the weight staging order and the float4/float2
+    output stores off, for measuring each (tests/codegen/cuda_direct_try.py --staging)."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
@@ -104,18 +121,26 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
                        f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
     if plan is None:
         plan = direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
-    if plan is None:
+    if plan is None or N > 65535:
         return None
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
-    if N > 65535:
-        return None
     code = _env.get_template("conv2d_direct.j2").render(
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
-        CC=plan.CC, NCG=plan.NCG, threads=plan.threads, min_blocks=min_blocks, roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
-        bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
+        CC=plan.CC, NCG=plan.NCG, threads=plan.threads, min_blocks=min_blocks, roles=roles, inputs=inputs,
+        unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid,
+        flip=grad_input, src=src, bias=bias and not grad_input, relu=relu and not grad_input,
+        relu_mask=relu_mask and grad_input, pw=epilogue,
+        cop=padded_channels(geo["CO"]) if coalesced_weights else geo["CO"], coalesced_weights=coalesced_weights,
+        vector_stores=vector_stores)
     return CudaKernel(name, code, (Launch(f"{name}_direct", grid, (plan.threads, 1, 1), 0, roles),), 0)
+
+
+def gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int) -> int:
+    """Floats of one staging buffer of the direct grad-weight kernel: RB rows of dy (channel-fastest,
+    rows padded by 4) and RB + KH - 1 rows of x; a multiple of 4 so the second buffer stays 16-byte
+    aligned."""
+    return round_up(RB * WO * (O + 4) + C * (RB + KH - 1) * (WO + KW - 1), 4)
 
 
 def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> tuple[int, int, int] | None:
@@ -126,9 +151,11 @@ def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, W
         threads = O // OT * C
         if not 64 <= threads <= 512:
             continue
-        # Rows staged per barrier pair: more rows amortise the barriers and share x's halo rows.
+        # Rows staged a unit: more rows amortise the barriers and share x's halo rows; two units'
+        # buffers (double buffering) must fit the 48 KB of dynamic shared memory a launch may take
+        # without opting in.
         for RB in (4, 3, 2, 1):
-            if 4 * (RB * WO * (O + 4) + C * (RB + KH - 1) * (WO + KW - 1)) <= SMEM_LIMIT:
+            if 2 * 4 * gw_buffer_floats(C, O, KH, KW, WO, RB) <= DYNAMIC_SMEM_LIMIT:
                 break
         else:
             return None
@@ -164,12 +191,15 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     code = _env.get_template("conv2d_direct_gw.j2").render(
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
-        blocks=nblocks, RB=RB, dy_pad=4, min_blocks=min_blocks or max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        blocks=nblocks, RB=RB, dy_pad=4, smem_floats=gw_buffer_floats(C, O, KH, KW, WO, RB), min_blocks=min_blocks or max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)
     scratch = round_up(4 * nblocks * outs, SCRATCH_ALIGN)
-    return CudaKernel(name, code, (Launch(f"{name}_direct", (nblocks, 1, 1), (threads, 1, 1), 0, args),
+    smem = 2 * 4 * gw_buffer_floats(C, O, KH, KW, WO, RB)
+    if smem > DYNAMIC_SMEM_LIMIT:
+        return None  # rows forced by the caller that do not fit two buffers
+    return CudaKernel(name, code, (Launch(f"{name}_direct", (nblocks, 1, 1), (threads, 1, 1), smem, args),
                                    Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),
                       scratch)
 

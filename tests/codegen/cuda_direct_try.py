@@ -36,9 +36,9 @@ def _alternatives(N, CI, HI, WI, CO, HO, WO, KH, KW, count=6):
         threads = CO // OT * RB * ncg
         if not 32 <= threads <= 1024:
             continue
-        CC = min(CI, 16)
-        while CC > 1 and 4 * CC * ((RB + KH - 1) * (ncg * PT + KW - 1) + KH * KW * CO) > cd.SMEM_LIMIT:
-            CC = (CC + 1) // 2
+        CC = cd.direct_channels_per_step(CI, RB, ncg * PT, KH, KW, CO)
+        if CC is None:
+            continue
         p = cd.DirectPlan(OT, PT, RB, CC, ncg, threads, 0.0)
         if all(dataclasses.astuple(p)[:5] != dataclasses.astuple(q)[:5] for q in plans):
             plans.append(p)
@@ -132,15 +132,63 @@ def occupancy_variants(cp, rng) -> list[dict]:
     return out
 
 
+def staging_variants(cp, rng) -> list[dict]:
+    """conv2 at batch 1024: the direct forward / grad-input kernels single-buffered with and without
+    coalesced weight staging and vector stores, and 16-channel
+    thread tiles for the grad-input; the grad-weight kernel over block counts and rows a unit."""
+    B = 1024
+    spec = dict(N=B, **CONV2)
+    out = []
+    for grad_input, kind, extra in ((False, "conv_fwd", dict(bias=True, relu=True)), (True, "conv_gi", dict(relu_mask=True))):
+        args = dict(grad_input=grad_input, **spec, **({"relu_mask": True} if grad_input else {"bias": True, "relu": True}))
+        ks = [(f"single coalesced={cw} vector={vs}", cd.render_direct(f"s{int(cw)}{int(vs)}_{kind}", coalesced_weights=cw,
+                                                                       vector_stores=vs, **args))
+              for cw in (False, True) for vs in (False, True)]
+        if grad_input:
+            for OT, PT, RB in ((16, 2, 9), (16, 4, 18), (16, 2, 5)):
+                ncg = -(-26 // PT)
+                p = cd.DirectPlan(OT, PT, RB, cd.direct_channels_per_step(32, RB, ncg * PT, 3, 3, 16), ncg, RB * ncg, 0.0)
+                ks.append((f"single {OT}x{PT} rb{RB} cc{p.CC} t{p.threads}", cd.render_direct(f"o{OT}{PT}{RB}_{kind}", plan=p, **args)))
+        for label, _, t, rel in time_and_check(cp, rng, kind, spec, extra, [(lb, k) for lb, k in ks if k is not None]):
+            out.append(dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel))
+            print(f"stage {kind:9s} {label:40s} {t:9.2f} us  rel {rel:.1e}", flush=True)
+    ks = [(f"gw cp.async blocks {b} rows {r}", cd.render_direct_grad_weight(f"g{b}_{r}", blocks=b, rows=r, **spec))
+          for b in (264, 528, 792) for r in (2, 4)]
+    for label, _, t, rel in time_and_check(cp, rng, "conv_gw", spec, dict(bias=False), [(lb, k) for lb, k in ks if k is not None]):
+        out.append(dict(batch=B, kernel="conv_gw", variant=label, us=round(t, 2), rel_err=rel))
+        print(f"stage conv_gw   {label:40s} {t:9.2f} us  rel {rel:.1e}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM plan sweep")
     ap.add_argument("--occupancy", action="store_true", help="only the direct kernels' register-cap variants")
+    ap.add_argument("--staging", action="store_true", help="only the staging / store variants at batch 1024")
+    ap.add_argument("--once", action="store_true",
+                    help="run conv2's planner picks at batch 1024 once each, uncaptured (for ncu)")
     args = ap.parse_args()
     import cupy as cp
     rng = np.random.default_rng(1)
     out = []
+    if args.staging:
+        out = staging_variants(cp, rng)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return
+    if args.once:
+        spec = dict(N=1024, **CONV2)
+        for kind, extra, k in (
+                ("conv_fwd", dict(bias=True, relu=True), cd.render_direct("p_fwd", grad_input=False, bias=True, relu=True, **spec)),
+                ("conv_gi", dict(relu_mask=True), cd.render_direct("p_gi", grad_input=True, relu_mask=True, **spec)),
+                ("conv_gw", dict(bias=False), cd.render_direct_grad_weight("p_gw", **spec))):
+            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
+            bufs = {r: cp.asarray(a) for r, a in ins.items()} | {"out": cp.empty(refs["out"].shape, dtype=cp.float32)}
+            mod = cuda_refs.compile_module(cp, [k.code])
+            cuda_refs.run_launches(cp, mod, k, bufs, cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32))
+            cp.cuda.runtime.deviceSynchronize()
+        return
     if args.occupancy:
         out = occupancy_variants(cp, rng)
         if args.out:
