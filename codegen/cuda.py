@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels, pool_kernels
+from . import cuda_direct, cuda_kernels, cuda_skinny, pool_kernels
 from .indexing import delinearize
 from .shapes import pair
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
@@ -212,6 +212,30 @@ def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: b
                                           trans_b=spec.param("trans_b"), bias=bias, relu=relu, epilogue=epilogue)
 
 
+#: "auto" (default): memory-bound matmuls with few output rows or columns whose large operand has at
+#: least SKINNY_MIN_BYTES use the skinny kernels (`cuda_skinny`); "off": the GEMM (for comparisons:
+#: EMBER_CUDA_SKINNY=off ember bench --device cuda); "on": every shape the skinny kernels take.
+SKINNY = os.environ.get("EMBER_CUDA_SKINNY", "auto")
+# The GEMM's plans for the MNIST linear layer at batch 64 (4.7 MB operands) run in 5-8 us; until
+# tests/codegen/cuda_skinny_try.py has shown the skinny kernels at least as fast there, only
+# operands of 16 MB and more (batch 1024: 75 MB, where the GEMM reached 30 % of HBM) use them.
+SKINNY_MIN_BYTES = 16 << 20
+
+
+def _skinny_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:
+    """The skinny matmul kernel (few columns and a long contraction, or few rows and many
+    columns) where one applies (see SKINNY), else None."""
+    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+    if SKINNY == "off" or a_t.rank != 2 or b_t.rank != 2:
+        return None
+    (m, kk), n = a_t.shape, sub.type(spec.core).shape[-1]
+    if SKINNY != "on" and 4 * max(m * kk, kk * n) < SKINNY_MIN_BYTES:
+        return None
+    args = dict(M=m, N=n, K=kk, trans_a=bool(spec.param("trans_a")), trans_b=bool(spec.param("trans_b")), bias=bias,
+                relu=relu, epilogue=epilogue)
+    return cuda_skinny.render_matmul_narrow(name, **args) or cuda_skinny.render_matmul_short_m(name, **args)
+
+
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
     """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
     core = sub.attrs(spec.core)
@@ -256,6 +280,8 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
                                                    padding=core["padding"], bias=False, epilogue=epilogue, tf32=tf32)
     elif spec.kind == "matmul" and not tf32 and (thin := _thin_matmul(name, sub, spec, epilogue, bias, relu)):
         k = thin
+    elif spec.kind == "matmul" and not tf32 and (skinny := _skinny_matmul(name, sub, spec, epilogue, bias, relu)):
+        k = skinny
     elif spec.kind == "matmul":
         if a_t.shape[:-2] != b_t.shape[:-2]:
             raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "

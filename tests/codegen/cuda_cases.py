@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ember.codegen import cuda_direct as cd
 from ember.codegen import cuda_kernels as ck
+from ember.codegen import cuda_skinny as cs
 
 # (N, C, H, W, O, KH, KW, stride, padding)
 MNIST_CONVS = {
@@ -100,6 +101,43 @@ def direct_kernels(batches=(64, 1024)):
     return out
 
 
+def skinny_kernels(batches=(64, 1024)):
+    """The skinny matmuls of `cuda_skinny`: the CNN's linear forward (narrow) and grad-weight
+    (short-M) at each batch, and odd shapes: row, column and k tails, k vectors of 1, 2 and 4
+    floats, one split (the epilogue in the first launch) and many, a and b in both layouts."""
+    narrow = [(f"linear_fwd_narrow_{B}", dict(M=B, N=10, K=18432, trans_a=False, trans_b=True, bias=True))
+              for B in batches]
+    narrow += [("narrow_odd0", dict(M=7, N=3, K=4100, trans_a=False, trans_b=True)),
+               ("narrow_odd1", dict(M=1000, N=13, K=37, trans_a=False, trans_b=True, bias=True, relu=True)),
+               ("narrow_odd2", dict(M=16, N=4, K=1, trans_a=False, trans_b=True, relu=True)),
+               ("narrow_odd3", dict(M=45, N=16, K=4098, trans_a=False, trans_b=True, bias=True)),
+               ("narrow_odd4", dict(M=3000, N=1, K=512, trans_a=False, trans_b=True))]
+    short = [(f"linear_gw_shortm_{B}", dict(M=10, N=18432, K=B, trans_a=True, trans_b=False)) for B in batches]
+    short += [("shortm_odd0", dict(M=5, N=1028, K=3000, trans_a=True, trans_b=False)),
+              ("shortm_odd1", dict(M=16, N=4, K=1, trans_a=False, trans_b=False, bias=True)),
+              ("shortm_odd2", dict(M=3, N=64, K=999, trans_a=False, trans_b=False, bias=True, relu=True)),
+              ("shortm_odd3", dict(M=7, N=36, K=20, trans_a=True, trans_b=False, bias=True, relu=True)),
+              ("shortm_odd4", dict(M=16, N=8, K=5000, trans_a=True, trans_b=False)),
+              ("shortm_odd5", dict(M=1, N=12, K=77, trans_a=False, trans_b=False))]
+    out = []
+    for render, cases in ((cs.render_matmul_narrow, narrow), (cs.render_matmul_short_m, short)):
+        for tag, m in cases:
+            k = render(tag, **m)
+            assert k is not None, tag
+            out.append((k, ("matmul", m, {})))
+    # plan variants the timing script compares, at the CNN's batch-1024 shapes
+    fwd = dict(M=1024, N=10, K=18432, trans_a=False, trans_b=True, bias=True)
+    for tag, plan in (("narrow_rt2", cs.narrow_plan(1024, 10, 18432, rows_per_lane=2, warps=4)),
+                      ("narrow_s8", cs.narrow_plan(1024, 10, 18432, splits=8, unroll=1))):
+        out.append((cs.render_matmul_narrow(tag, plan=plan, **fwd), ("matmul", fwd, {})))
+    gw = dict(M=10, N=18432, K=1024, trans_a=True, trans_b=False)
+    for tag, plan in (("shortm_kg8", cs.short_m_plan(10, 18432, 1024, groups=8, splits=4)),
+                      ("shortm_kg2", cs.short_m_plan(10, 18432, 1024, groups=2, splits=4, unroll=4))):
+        assert plan is not None, tag
+        out.append((cs.render_matmul_short_m(tag, plan=plan, **gw), ("matmul", gw, {})))
+    return out
+
+
 def all_kernels(batches=(64, 1024)):
     """(kernel, spec) for every geometry the tests cover: MNIST CNN/MLP shapes and odd ones."""
     out = []
@@ -132,6 +170,7 @@ def all_kernels(batches=(64, 1024)):
                     ("sce", dict(N=n, C=C, with_grad=wg), {})))
     out += tf32_kernels()
     out += direct_kernels(batches)
+    out += skinny_kernels(batches)
     for numel, mom, wd in ((4618, 0.0, 0.0), (18433 * 10 + 3, 0.9, 1e-4), (3, 0.5, 0.0)):
         out.append((ck.render_sgd_update(f"sgd_{numel}_{int(mom * 10)}", numel=numel, lr=0.05,
                                          momentum=mom, weight_decay=wd),
