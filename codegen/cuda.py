@@ -216,10 +216,11 @@ def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: b
 #: least SKINNY_MIN_BYTES use the skinny kernels (`cuda_skinny`); "off": the GEMM (for comparisons:
 #: EMBER_CUDA_SKINNY=off ember bench --device cuda); "on": every shape the skinny kernels take.
 SKINNY = os.environ.get("EMBER_CUDA_SKINNY", "auto")
-# The GEMM's plans for the MNIST linear layer at batch 64 (4.7 MB operands) run in 5-8 us; until
-# tests/codegen/cuda_skinny_try.py has shown the skinny kernels at least as fast there, only
-# operands of 16 MB and more (batch 1024: 75 MB, where the GEMM reached 30 % of HBM) use them.
-SKINNY_MIN_BYTES = 16 << 20
+# Measured on an H200 (tests/codegen/cuda_skinny_try.py): for the MNIST linear layer the skinny
+# kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
+# 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
+# are untested against them, so smaller operands keep the GEMM.
+SKINNY_MIN_BYTES = 4 << 20
 
 
 def _skinny_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:

@@ -29,9 +29,13 @@ from .templates_env import environment
 NUM_SMS = 132
 NARROW_MAX_N = 16
 SHORT_MAX_M = 16
-# Blocks a launch aims for: about 4 waves of the 2 blocks of 256 threads an H200 multiprocessor
-# holds at ~100 registers a thread, so the last partial wave costs little.
-TARGET_BLOCKS = 8 * NUM_SMS
+# Blocks a launch aims for, measured on an H200 (tests/codegen/cuda_skinny_try.py, the MNIST
+# linear layer; notes/cuda_skinny_h200.json): the narrow kernel (2 blocks of 256 threads resident a
+# multiprocessor) ran best at about one wave (1024 x 18432 x 10: 256 blocks 25.0 us, 480 28.6,
+# 1152 35.1), the short-M kernel at about 4 blocks a multiprocessor (10 x 18432 x 1024: 576
+# blocks 24.1 us, 1152 24.9, 2304 28.0); more blocks only add partials to sum.
+NARROW_TARGET_BLOCKS = 2 * NUM_SMS
+SHORT_TARGET_BLOCKS = 4 * NUM_SMS
 SMEM_LIMIT = 44 * 1024  # static shared memory a block (48 KB cap) with room for the compiler's own
 SMEM_A_BYTES = 16 * 1024  # short-M: a's staged k chunk, at most (the group sums take the rest)
 
@@ -64,7 +68,7 @@ def narrow_plan(M: int, N: int, K: int, *, rows_per_lane: int | None = None, war
     row_blocks = ceil_div(M, RT * RG)
     step = 32 * V * U
     if splits is None:
-        splits = max(1, min(ceil_div(TARGET_BLOCKS, row_blocks), K // (2 * step)))
+        splits = max(1, min(ceil_div(NARROW_TARGET_BLOCKS, row_blocks), K // (2 * step)))
     KC = round_up(ceil_div(K, splits), step)
     return NarrowPlan(RT, RG, V, U, ceil_div(K, KC), KC)
 
@@ -138,7 +142,8 @@ def short_m_plan(M: int, N: int, K: int, *, groups: int | None = None, splits: i
     if max_kc < 1:
         return None
     if splits is None:
-        splits = max(1, min(ceil_div(TARGET_BLOCKS, col_blocks), K // (8 * KG)))
+        # at least 16 rows of b a thread a split: at K = 64 one split (4.0 us) beat two (5.5 us)
+        splits = max(1, min(ceil_div(SHORT_TARGET_BLOCKS, col_blocks), K // (16 * KG)))
     KC = min(ceil_div(K, max(1, splits)), max_kc)
     S = ceil_div(K, KC)
     U = unroll or next(u for u in (8, 4, 2, 1) if u <= max(1, ceil_div(KC, KG)))

@@ -1,5 +1,6 @@
 """The skinny matmuls (codegen/cuda_skinny.py) without a GPU: which shapes they take, that the CUDA
-step of the CNN uses them at batch 1024 only (the GEMM keeps batch 64 and the MLP), and that the
+step of the CNN uses them at batch 64 and 1024 but not at batch 8 (below SKINNY_MIN_BYTES), the
+MLP never (its matmuls are small), and that the
 generated epilogue (an in-place update, S = 1 and split) compiles. Their values are checked on a
 GPU with the other kernels (cuda_cases.skinny_kernels, test_cuda_kernels_gpu.py)."""
 from __future__ import annotations
@@ -37,7 +38,8 @@ def test_mnist_plans_split_and_fill_the_gpu():
     gw = cs.render_matmul_short_m("g", **GW)
     for k, splits in ((fwd, fwd.launches[0].grid[0]), (gw, gw.launches[0].grid[1])):
         main, red = k.launches
-        assert main.grid[0] * main.grid[1] >= 4 * cs.NUM_SMS and red.function == f"{k.name}_reduce"
+        target = cs.NARROW_TARGET_BLOCKS if k is fwd else cs.SHORT_TARGET_BLOCKS
+        assert main.grid[0] * main.grid[1] >= target and red.function == f"{k.name}_reduce"
         assert splits > 1 and k.scratch_bytes == -(-4 * splits * 10 * (1024 if k is fwd else 18432) // 256) * 256
     # one split: no scratch, one launch, the epilogue in the first launch
     one = cs.render_matmul_short_m("o", plan=cs.short_m_plan(10, 18432, 64, groups=8, splits=1),
@@ -72,8 +74,8 @@ def test_in_place_epilogue_compiles(tmp_path):
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
-def test_cnn_step_uses_skinny_kernels_at_batch_1024_only(tmp_path):
-    for batch, expected in ((1024, True), (64, False)):
+def test_cnn_step_uses_skinny_kernels_only_for_large_operands(tmp_path):
+    for batch, expected in ((1024, True), (64, True), (8, False)):
         out = tmp_path / str(batch)
         assert ember_main(["kernels", "--model", "cnn", "--device", "cuda", "--batch-size", str(batch),
                            "--out", str(out)]) == 0
