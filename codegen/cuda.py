@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels, cuda_skinny, pool_kernels
+from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
 from .indexing import delinearize
 from .shapes import pair
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
@@ -165,8 +165,9 @@ def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEp
     return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
 
 
-#: "direct" (default): stride-1 convolutions with enough window work per staged input use the
-#: direct kernels (`cuda_direct`), others the implicit GEMM; "gemm": always the implicit GEMM (for
+#: "direct" (default): forward convolutions with a small window and grad-weights with few weights
+#: use the memory-bound kernels (`cuda_small_conv`), stride-1 convolutions with enough window work
+#: per staged input the direct kernels (`cuda_direct`), others the implicit GEMM; "gemm": always the implicit GEMM (for
 #: comparisons: EMBER_CUDA_CONV=gemm ember bench --device cuda). TF32 runs on the GEMM's tensor cores.
 CONV_ALGORITHM = os.environ.get("EMBER_CUDA_CONV", "direct")
 DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
@@ -175,6 +176,21 @@ DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's ga
 # GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
 # (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
 DIRECT_MIN_POSITIONS = 1 << 17
+
+
+def _small_convolution(name: str, spec: KernelSpec, epilogue: Any, geometry: dict[str, Any]) -> Any:
+    """The memory-bound kernel (`cuda_small_conv`) of a forward convolution with a small window
+    (C*KH*KW <= 32) or a grad-weight with few weights (O*C*KH*KW <= 512), else None. 1x1
+    convolutions stay with the GEMM, which gathers nothing for them."""
+    c, o, kh, kw = (geometry[k] for k in ("C", "O", "KH", "KW"))
+    if kh * kw == 1:
+        return None
+    if spec.kind == "conv2d" and c * kh * kw <= cuda_small_conv.MAX_WINDOW:
+        return cuda_small_conv.render_small_forward(name, bias="bias" in spec.epilogues, relu="relu" in spec.epilogues,
+                                                    epilogue=epilogue, **geometry)
+    if spec.kind == "conv2d_grad_weight" and o * c * kh * kw <= cuda_small_conv.MAX_WEIGHTS:
+        return cuda_small_conv.render_small_grad_weight(name, epilogue=epilogue, **geometry)
+    return None
 
 
 def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
@@ -190,11 +206,13 @@ def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, 
     else:
         (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
     window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
+    geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
+    if small := _small_convolution(name, spec, epilogue, geometry):
+        return small
     ph, pw_ = pair(core["padding"], "padding")
     positions = n * (h - kh + 1 + 2 * ph) * (w - kw + 1 + 2 * pw_)
     if window < DIRECT_MIN_WINDOW or positions < DIRECT_MIN_POSITIONS:
         return None
-    geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
     if spec.kind == "conv2d_grad_weight":
         return cuda_direct.render_direct_grad_weight(name, epilogue=epilogue, **geometry)
     return cuda_direct.render_direct(name, grad_input=spec.kind == "conv2d_grad_input", bias="bias" in spec.epilogues,

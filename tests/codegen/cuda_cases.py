@@ -4,6 +4,7 @@ from __future__ import annotations
 from ember.codegen import cuda_direct as cd
 from ember.codegen import cuda_kernels as ck
 from ember.codegen import cuda_skinny as cs
+from ember.codegen import cuda_small_conv as sc
 
 # (N, C, H, W, O, KH, KW, stride, padding)
 MNIST_CONVS = {
@@ -138,6 +139,38 @@ def skinny_kernels(batches=(64, 1024)):
     return out
 
 
+# Small windows / few weights beyond ODD_CONVS: a column count that is odd (scalar vectors) or a
+# multiple of 4 (float4), padding wider than the window's reach, a single output channel, a
+# window as tall as the input.
+SMALL_CONVS = [
+    dict(N=3, C=1, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1),
+    dict(N=2, C=2, H=7, W=13, O=3, KH=5, KW=5, stride=1, padding=0),
+    dict(N=2, C=3, H=10, W=12, O=8, KH=3, KW=3, stride=1, padding=1),
+    dict(N=2, C=2, H=9, W=16, O=6, KH=2, KW=3, stride=1, padding=(0, 2)),
+    dict(N=1, C=1, H=5, W=5, O=4, KH=3, KW=3, stride=1, padding=2),
+    dict(N=2, C=1, H=6, W=5, O=1, KH=6, KW=5, stride=1, padding=0),
+    dict(N=5, C=3, H=32, W=32, O=16, KH=3, KW=3, stride=1, padding=1),
+]
+
+
+def small_kernels(batches=(64, 1024)):
+    """The memory-bound small-window kernels of `cuda_small_conv`: conv1 of the MNIST CNN (forward
+    with and without bias + ReLU, grad-weight) and every geometry of ODD_CONVS and SMALL_CONVS that
+    they accept (strides, padding, tails, 1, 2 or 4 columns a vector)."""
+    out = []
+    geos = [(f"conv1_{B}", dict(N=B, **MNIST_CONVS["conv1"])) for B in batches]
+    geos += [(f"odd{i}", g) for i, g in enumerate(ODD_CONVS)] + [(f"sodd{i}", g) for i, g in enumerate(SMALL_CONVS)]
+    for tag, g in geos:
+        for bias in (False, True):
+            k = sc.render_small_forward(f"{tag}_sfwd{int(bias)}", bias=bias, relu=bias, **g)
+            if k is not None:
+                out.append((k, ("conv_fwd", g, dict(bias=bias, relu=bias))))
+        k = sc.render_small_grad_weight(f"{tag}_sgw", **g)
+        if k is not None:
+            out.append((k, ("conv_gw", g, dict(bias=False))))
+    return out
+
+
 def all_kernels(batches=(64, 1024)):
     """(kernel, spec) for every geometry the tests cover: MNIST CNN/MLP shapes and odd ones."""
     out = []
@@ -171,6 +204,7 @@ def all_kernels(batches=(64, 1024)):
     out += tf32_kernels()
     out += direct_kernels(batches)
     out += skinny_kernels(batches)
+    out += small_kernels(batches)
     for numel, mom, wd in ((4618, 0.0, 0.0), (18433 * 10 + 3, 0.9, 1e-4), (3, 0.5, 0.0)):
         out.append((ck.render_sgd_update(f"sgd_{numel}_{int(mom * 10)}", numel=numel, lr=0.05,
                                          momentum=mom, weight_decay=wd),
