@@ -186,12 +186,56 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     by_kernel: dict[str, float] = {}
     for row in rows:
         by_kernel[row["kernel"]] = by_kernel.get(row["kernel"], 0.0) + row["us"]
+    in_graph = step_time_without_each_kernel(executor)
     out = []
     for kernel, us in by_kernel.items():
         pct = 100 * flops[kernel] / (us * 1e-6) / (FP32_PEAK_TFLOPS * 1e12) if kernel in flops else None
         gbps = traffic[kernel] / (us * 1e-6) / 1e9
         out.append({"kernel": kernel, "us": us, "pct_fp32_peak": pct, "bytes": traffic[kernel], "gb_per_s": gbps,
-                    "pct_hbm": 100 * gbps / HBM_GB_PER_S})
+                    "pct_hbm": 100 * gbps / HBM_GB_PER_S, "step_share_us": in_graph["full"] - in_graph[kernel]})
+    return out
+
+
+def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int = 3) -> dict[str, float]:
+    """Device time (us) of the step's launches captured into one CUDA graph ("full"), and of the
+    same graph with each kernel's launches left out (keyed by kernel). The difference is what the
+    kernel adds to the step where it overlaps others on the step's streams: the time a faster
+    kernel can save, which its time alone overstates for kernels off the critical path. The
+    arena's values are garbage afterwards (kernels were skipped); only the timing is kept."""
+    import cupy as cp
+    names = [la.kernel for la in executor.source.launches]
+    saved = list(executor._launches)
+
+    def skip(grid: Any, block: Any, args: Any, shared_mem: int = 0) -> None:
+        return None
+
+    def timed() -> float:
+        with executor.stream:
+            executor.stream.begin_capture()
+            try:
+                executor._launch_all()
+            finally:
+                graph = executor.stream.end_capture()
+            graph.launch(executor.stream)
+            best = float("inf")
+            for _ in range(rounds):
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                for _ in range(replays):
+                    graph.launch(executor.stream)
+                stop.record()
+                stop.synchronize()
+                best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
+        return best
+
+    out = {"full": timed()}
+    try:
+        for kernel in dict.fromkeys(names):
+            executor._launches = [(skip, *rest) if name == kernel else launch
+                                  for launch, name, rest in ((la, n, la[1:]) for la, n in zip(saved, names))]
+            out[kernel] = timed()
+    finally:
+        executor._launches = saved
     return out
 
 
@@ -204,8 +248,11 @@ def format_cuda_report(report: dict[str, Any]) -> str:
     for key, kernels in report.get("kernels", {}).items():
         total = sum(k["us"] for k in kernels)
         lines.append(f"\n{key}: {len(kernels)} kernels, {total:.1f} us if run back to back (each timed alone)")
+        lines.append(f"  {'kernel':28} {'alone':>8}     {'in step':>7}  (in step: the step's graph time minus the "
+                     f"same graph without the kernel)")
         for k in sorted(kernels, key=lambda k: -k["us"]):
             pct = f"{k['pct_fp32_peak']:5.1f}% fp32 peak" if k["pct_fp32_peak"] is not None else " " * 15
             hbm = f"{k['gb_per_s']:7.0f} GB/s {k['pct_hbm']:5.1f}% HBM" if "gb_per_s" in k else ""
-            lines.append(f"  {k['kernel']:28} {k['us']:8.1f} us  {pct}  {hbm}")
+            share = f"{k['step_share_us']:7.1f} us" if "step_share_us" in k else " " * 10
+            lines.append(f"  {k['kernel']:28} {k['us']:8.1f} us  {share}  {pct}  {hbm}")
     return "\n".join(lines)

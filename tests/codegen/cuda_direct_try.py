@@ -134,7 +134,7 @@ def occupancy_variants(cp, rng) -> list[dict]:
 
 def staging_variants(cp, rng) -> list[dict]:
     """conv2 at batch 1024: the direct forward / grad-input kernels single-buffered with and without
-    coalesced weight staging and vector stores, and 16-channel
+    coalesced weight staging and vector stores, staged rows padded by 1-3 floats, and 16-channel
     thread tiles for the grad-input; the grad-weight kernel over block counts and rows a unit."""
     B = 1024
     spec = dict(N=B, **CONV2)
@@ -144,6 +144,7 @@ def staging_variants(cp, rng) -> list[dict]:
         ks = [(f"single coalesced={cw} vector={vs}", cd.render_direct(f"s{int(cw)}{int(vs)}_{kind}", coalesced_weights=cw,
                                                                        vector_stores=vs, **args))
               for cw in (False, True) for vs in (False, True)]
+        ks += [(f"row pad {pad}", cd.render_direct(f"rp{pad}_{kind}", row_pad=pad, **args)) for pad in (1, 2, 3)]
         if grad_input:
             for OT, PT, RB in ((16, 2, 9), (16, 4, 18), (16, 2, 5)):
                 ncg = -(-26 // PT)

@@ -90,3 +90,16 @@ def test_split_k_used_where_outputs_are_few():
     assert len(lw.launches) == 2
     small = ck.render_matmul("s", M=64, N=30, K=10, trans_a=False, trans_b=False)
     assert len(small.launches) == 1 and small.scratch_bytes == 0
+
+
+def test_runtime_ring_kernels_compile_after_a_step(tmp_path):
+    """The runtime appends its scalar-output ring kernels (runtime/cuda.py) to every step's source
+    before NVRTC compiles it: the two must compile together warning-free."""
+    from ember.codegen.templates_env import environment
+    from ember.runtime import cuda as runtime_cuda
+    src = tmp_path / "ring.cu"
+    src.write_text(environment("cuda").get_template("prelude.j2").render() + CASES[0][0].code
+                   + runtime_cuda._RING_SOURCE)
+    r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-o", os.devnull, str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr

@@ -53,6 +53,21 @@ def test_graph_replay_equals_plain_launches_bit_for_bit(name):
         assert k == k2 and np.array_equal(v, v2), k
 
 
+def test_returned_losses_stay_valid_across_ring_chunks(monkeypatch):
+    """Each step's loss is a view of a slot in a device ring (runtime/cuda.py: _LossRing) that is
+    never reused: with 3 slots a chunk, 8 steps span three chunks, and every loss held from the
+    start still equals the loss the same step gives with plain launches."""
+    from ember.runtime import cuda as runtime_cuda
+    monkeypatch.setattr(runtime_cuda, "RING_SLOTS", 3)
+    xs, ys = _batches("mlp", 8)
+    ringed, plain = _step("mlp"), _step("mlp")
+    executor = plain._steps[plain._example][1]
+    held = [ringed.run(x, y) for x, y in zip(xs, ys)]
+    expected = [float(executor.run_eager({"x": x, "y": y})["loss"]) for x, y in zip(xs, ys)]
+    assert [float(v) for v in held] == expected
+    assert len({int(v.data.ptr) for v in held}) == 8  # eight distinct slots
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_two_runs_give_identical_losses(name):
     xs, ys = _batches(name, 20)
