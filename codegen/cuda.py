@@ -314,24 +314,21 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     return k, {**inputs, "out": "out"}
 
 
-LOSS_SCRATCH = 256  # the gradient kernel also computes the loss; it writes that copy here
-
-
 def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str]]:
-    """The softmax cross-entropy kernel for a `softmax_xent` / `softmax_xent_grad` spec, and its roles."""
+    """The softmax cross-entropy kernel for a `softmax_xent` spec (the loss, one block: its sum
+    has a fixed tree) or the gradient kernel for a `softmax_xent_grad` one (dlogits, one thread a
+    row over many blocks), and its roles."""
     n_rows, n_cls = sub.type(sub.inputs[f"in{spec.role('logits')}"]).shape
-    grad = spec.kind == "softmax_xent_grad"
-    kernel = cuda_kernels.render_softmax_cross_entropy(name, N=n_rows, C=n_cls, with_grad=grad)
     roles = {"logits": f"in{spec.role('logits')}", "labels": f"in{spec.role('labels')}"}
-    roles.update({"loss": "scratch", "dlogits": "out"} if grad else {"loss": "out"})
-    return kernel, roles
+    if spec.kind == "softmax_xent_grad":
+        return cuda_kernels.render_softmax_cross_entropy_grad(name, N=n_rows, C=n_cls), {**roles, "dlogits": "out"}
+    kernel = cuda_kernels.render_softmax_cross_entropy(name, N=n_rows, C=n_cls)
+    return kernel, {**roles, "loss": "out"}
 
 
 def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
     """Scratch bytes the CUDA kernel of this spec needs (the target record's `kernel_scratch`)."""
-    if spec.kind == "softmax_xent_grad":
-        return LOSS_SCRATCH
-    if spec.kind == "softmax_xent":
+    if spec.kind in ("softmax_xent", "softmax_xent_grad"):
         return 0
     if spec.kind == "reduction":
         return render_reduction(sub.name, sub, spec.core).scratch_bytes
@@ -383,7 +380,7 @@ def render_step(graph: Graph) -> CudaStepSource:
                 kernel, roles = render_loss(name, sub, spec)
             else:
                 kernel, roles = render_contraction(name, sub, spec)
-            if spec.kind != "softmax_xent_grad" and kernel.scratch_bytes != spec.scratch_bytes:
+            if kernel.scratch_bytes != spec.scratch_bytes:
                 raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
                                      f"the plan reserved {spec.scratch_bytes}")
             code = kernel.code

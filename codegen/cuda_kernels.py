@@ -41,7 +41,7 @@ from .templates_env import environment
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "NUM_SMS", "plan_gemm", "plan_candidates",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
-    "render_matmul", "render_softmax_cross_entropy", "render_sgd_update",
+    "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
 ]
 
 
@@ -488,25 +488,34 @@ def _float_literal(v: float) -> str:
     return repr(v) + "f" if ("." in repr(v) or "e" in repr(v)) else repr(v) + ".0f"
 
 
-def render_softmax_cross_entropy(name: str, *, N: int, C: int, with_grad: bool,
-                                 grad_scale: float | None = None) -> CudaKernel:
-    """loss = mean_i (logsumexp(z_i) - z_i[label_i]); dlogits = (softmax(z) - onehot) * grad_scale.
+def render_softmax_cross_entropy(name: str, *, N: int, C: int) -> CudaKernel:
+    """loss = mean_i (logsumexp(z_i) - z_i[label_i]): roles logits (N,C) fp32, labels (N,) int64,
+    loss (scalar). One block (up to 1024 threads, one row per thread per pass) so the mean has a
+    fixed summation tree; an out-of-range label contributes a zero one-hot row (as ``one_hot``
+    does). The gradient is `render_softmax_cross_entropy_grad`."""
+    _check_name(name)
+    check_positive(N=N, C=C)
+    threads = 32
+    while threads < N and threads < 1024:
+        threads *= 2
+    code = _render("softmax_cross_entropy.j2", name=name, N=N, C=C, threads=threads, inv_n=_float_literal(1.0 / N))
+    return CudaKernel(name, code, (Launch(f"{name}_loss", (1, 1, 1), (threads, 1, 1), 0, ("logits", "labels", "loss")),), 0)
 
-    Roles logits (N,C) fp32, labels (N,) int64, out loss (scalar), [dlogits (N,C)]. One block
-    (up to 1024 threads, one row per thread per pass); an out-of-range label contributes a zero
-    one-hot row (as ``one_hot`` does). grad_scale defaults to 1/N (the gradient of the mean)."""
+
+def render_softmax_cross_entropy_grad(name: str, *, N: int, C: int, grad_scale: float | None = None) -> CudaKernel:
+    """dlogits = (softmax(z) - onehot) * grad_scale (default 1/N, the gradient of the mean): roles
+    logits (N,C), labels (N,) int64, dlogits (N,C); one thread a row over as many blocks as the
+    rows need (the rows are independent, unlike the loss's mean)."""
     _check_name(name)
     check_positive(N=N, C=C)
     if grad_scale is None:
         grad_scale = 1.0 / N
-    threads = 32
-    while threads < N and threads < 1024:
-        threads *= 2
-    code = _render("softmax_cross_entropy.j2", name=name, N=N, C=C, with_grad=with_grad,
-                   threads=threads, grad_scale=_float_literal(grad_scale),
-                   inv_n=_float_literal(1.0 / N))
-    roles = ("logits", "labels", "loss") + (("dlogits",) if with_grad else ())
-    return CudaKernel(name, code, (Launch(f"{name}_loss", (1, 1, 1), (threads, 1, 1), 0, roles),), 0)
+    threads = 128 if N >= 128 else 32 * ceil_div(N, 32)
+    blocks = ceil_div(N, threads)
+    code = _render("softmax_cross_entropy_grad.j2", name=name, N=N, C=C, threads=threads, blocks=blocks,
+                   grad_scale=_float_literal(grad_scale))
+    return CudaKernel(name, code, (Launch(f"{name}_grad", (blocks, 1, 1), (threads, 1, 1), 0,
+                                          ("logits", "labels", "dlogits")),), 0)
 
 
 def render_sgd_update(name: str, *, numel: int, lr: float, momentum: float = 0.0,

@@ -186,8 +186,7 @@ def all_kernels(batches=(64, 1024)):
                             ("conv_gi", spec, dict(relu_mask=True))))
         for mname, m in mnist_matmuls(B).items():
             out.append((ck.render_matmul(f"{mname}_{B}", **m), ("matmul", m, {})))
-        out.append((ck.render_softmax_cross_entropy(f"sce_{B}", N=B, C=10, with_grad=True),
-                    ("sce", dict(N=B, C=10, with_grad=True), {})))
+        out.append((ck.render_softmax_cross_entropy(f"sce_{B}", N=B, C=10), ("sce", dict(N=B, C=10), {})))
     for i, g in enumerate(ODD_CONVS):
         for bias in (False, True):
             out.append((ck.render_conv2d_forward(f"odd{i}_fwd{int(bias)}", bias=bias, relu=bias, **g),
@@ -198,9 +197,10 @@ def all_kernels(batches=(64, 1024)):
                         ("conv_gi", g, dict(relu_mask=bias))))
     for i, m in enumerate(ODD_MATMULS):
         out.append((ck.render_matmul(f"oddmm{i}", **m), ("matmul", m, {})))
-    for n, C, wg in ((1, 1, False), (7, 3, True), (2000, 17, True)):
-        out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C, with_grad=wg),
-                    ("sce", dict(N=n, C=C, with_grad=wg), {})))
+    for n, C in ((1, 1), (7, 3), (64, 10), (1024, 10), (2000, 17)):
+        out.append((ck.render_softmax_cross_entropy_grad(f"sceg_{n}_{C}", N=n, C=C), ("sce_grad", dict(N=n, C=C), {})))
+    for n, C in ((1, 1), (7, 3), (2000, 17)):
+        out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C), ("sce", dict(N=n, C=C), {})))
     out += tf32_kernels()
     out += direct_kernels(batches)
     out += skinny_kernels(batches)

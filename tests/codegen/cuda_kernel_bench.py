@@ -120,8 +120,10 @@ def _cases(B):
         "mlp2_gi": dict(M=B, N=30, K=10, trans_a=False, trans_b=False),
     }.items():
         out.append((mn, ck.render_matmul(f"b_{mn}_{B}", **m), ("matmul", m, {}), 2 * m["M"] * m["N"] * m["K"]))
-    out.append(("softmax_xent", ck.render_softmax_cross_entropy(f"b_sce_{B}", N=B, C=10, with_grad=True),
-                ("sce", dict(N=B, C=10, with_grad=True), {}), 0))
+    out.append(("softmax_xent", ck.render_softmax_cross_entropy(f"b_sce_{B}", N=B, C=10),
+                ("sce", dict(N=B, C=10), {}), 0))
+    out.append(("softmax_xent_grad", ck.render_softmax_cross_entropy_grad(f"b_sceg_{B}", N=B, C=10),
+                ("sce_grad", dict(N=B, C=10), {}), 0))
     out.append(("sgd_cnn", ck.render_sgd_update(f"b_sgd_{B}", numel=CNN_PARAMS, lr=0.05),
                 ("sgd", dict(numel=CNN_PARAMS, lr=0.05, momentum=0.0, weight_decay=0.0), {}), 0))
     return out
