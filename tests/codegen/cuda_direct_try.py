@@ -161,20 +161,50 @@ def staging_variants(cp, rng) -> list[dict]:
     return out
 
 
+def batch64_variants(cp, rng) -> list[dict]:
+    """conv2 at batch 64, where DIRECT_MIN_POSITIONS keeps the implicit GEMM: the GEMM against the
+    direct kernels' planner picks and smaller units (more blocks for 132 multiprocessors)."""
+    B = 64
+    spec = dict(N=B, **CONV2)
+    out = []
+    for grad_input, kind, extra in ((False, "conv_fwd", dict(bias=True, relu=True)), (True, "conv_gi", dict(relu_mask=True))):
+        args = dict(grad_input=grad_input, **spec, **({"relu_mask": True} if grad_input else {"bias": True, "relu": True}))
+        gemm = (ck.render_conv2d_grad_input(f"g64_{kind}", relu_mask=True, **spec) if grad_input
+                else ck.render_conv2d_forward(f"g64_{kind}", bias=True, relu=True, **spec))
+        ks = [("gemm", gemm), ("direct pick", cd.render_direct(f"d64_{kind}", **args))]
+        cols, ci, co = (26, 32, 16) if grad_input else (24, 16, 32)
+        for OT, PT, RB in ((8, 4, 2), (8, 4, 3), (4, 4, 4), (8, 2, 2)):
+            ncg = -(-cols // PT)
+            cc = cd.direct_channels_per_step(ci, RB, ncg * PT, 3, 3, co)
+            p = cd.DirectPlan(OT, PT, RB, cc, ncg, co // OT * RB * ncg, 0.0)
+            ks.append((f"direct {OT}x{PT} rb{RB} t{p.threads}", cd.render_direct(f"v64_{OT}{PT}{RB}_{kind}", plan=p, **args)))
+        for label, _, t, rel in time_and_check(cp, rng, kind, spec, extra, [(lb, k) for lb, k in ks if k is not None]):
+            out.append(dict(batch=B, kernel=kind, variant=label, us=round(t, 2), rel_err=rel))
+            print(f"b64 {kind:9s} {label:32s} {t:8.2f} us  rel {rel:.1e}", flush=True)
+    ks = [("gemm", ck.render_conv2d_grad_weight("g64_gw", bias=False, **spec))]
+    ks += [(f"direct blocks {b} rows {r}", cd.render_direct_grad_weight(f"d64_{b}_{r}", blocks=b, rows=r, **spec))
+           for b in (96, 192, 384) for r in (1, 2, 4)]
+    for label, _, t, rel in time_and_check(cp, rng, "conv_gw", spec, dict(bias=False), [(lb, k) for lb, k in ks if k is not None]):
+        out.append(dict(batch=B, kernel="conv_gw", variant=label, us=round(t, 2), rel_err=rel))
+        print(f"b64 conv_gw   {label:32s} {t:8.2f} us  rel {rel:.1e}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM plan sweep")
     ap.add_argument("--occupancy", action="store_true", help="only the direct kernels' register-cap variants")
     ap.add_argument("--staging", action="store_true", help="only the staging / store variants at batch 1024")
+    ap.add_argument("--b64", action="store_true", help="only the GEMM against direct variants at batch 64")
     ap.add_argument("--once", action="store_true",
                     help="run conv2's planner picks at batch 1024 once each, uncaptured (for ncu)")
     args = ap.parse_args()
     import cupy as cp
     rng = np.random.default_rng(1)
     out = []
-    if args.staging:
-        out = staging_variants(cp, rng)
+    if args.staging or args.b64:
+        out = staging_variants(cp, rng) if args.staging else batch64_variants(cp, rng)
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1))
         return
