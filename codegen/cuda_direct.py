@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
-                           kernel_signature, with_epilogue)
+from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
+                           _reduce_groups, kernel_signature, with_epilogue)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-NUM_SMS = 132
 SMEM_LIMIT = 44 * 1024  # static shared memory per block (48 KB cap) with room for the compiler's own
 DYNAMIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch may take without opting in
 

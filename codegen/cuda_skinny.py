@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
+from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
                            kernel_signature, with_epilogue)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-NUM_SMS = 132
 NARROW_MAX_N = 16
 SHORT_MAX_M = 16
 # Blocks a launch aims for, measured on an H200 (tests/codegen/cuda_skinny_try.py, the MNIST

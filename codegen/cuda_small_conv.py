@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
-                           kernel_signature, with_epilogue)
+from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
+                           _reduce_groups, kernel_signature, with_epilogue)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-NUM_SMS = 132
 SMEM_LIMIT = 40 * 1024  # static shared memory per block, with room for the block reduction
 MAX_WINDOW = 32         # C*KH*KW of the forward: the filters of OT channels live in registers
 MAX_WEIGHTS = 512       # O*C*KH*KW of the grad-weight: per-block partials, the reduce launch
