@@ -39,6 +39,14 @@ def params_of(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: p.data for k, p in model.named_parameters()}
 
 
+def run_both(before: ir.Graph, after: ir.Graph, model: nn.Module, x_shape: tuple[int, ...], seed: int):
+    """Both training graphs (a pass's input and output) evaluated by the interpreter on one random
+    batch (images in [0, 1), labels 0..9) with `model`'s parameters."""
+    rng = np.random.default_rng(seed)
+    inputs = {"x": rng.random(x_shape, dtype=np.float32), "y": rng.integers(0, 10, x_shape[0])}
+    return ir.run(before, inputs, params_of(model)), ir.run(after, inputs, params_of(model))
+
+
 def cpu_plan(graph, *, simplify: bool = False):
     """`graph` through the cpu target's passes (fusion, kernel selection, schedule, memory), by
     default without simplify, so a test compiles exactly the graph it built."""

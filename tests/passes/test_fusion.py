@@ -7,7 +7,7 @@ import pytest
 from ember import ir
 from ember.frontends import spec, trace
 from ember.passes.fusion import fuse, kernel_counts
-from models import cnn, mlp, params_of as _params, train_graph
+from models import cnn, mlp, run_both, train_graph
 
 
 def test_pointwise_chain_is_one_kernel():
@@ -64,10 +64,7 @@ def test_train_graph_kernels_and_numerics(name, model, shape, expected):
     assert fused.count("fused") == sum(counts.values())
     assert fused.count() - fused.count("fused") == sum(
         1 for n in fused.g if fused.op(n) in ("input", "parameter", "state", "constant", "reshape"))
-    rng = np.random.default_rng(1)
-    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
-    before = ir.run(g, inputs, _params(m))
-    after = ir.run(fused, inputs, _params(m))
+    before, after = run_both(g, fused, m, shape, seed=1)
     np.testing.assert_allclose(after.outputs["loss"], before.outputs["loss"], rtol=1e-6)
     for k in before.updates:
         np.testing.assert_allclose(after.updates[k], before.updates[k], rtol=1e-5, atol=1e-7, err_msg=k)

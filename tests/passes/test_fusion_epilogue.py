@@ -9,7 +9,7 @@ from ember import ir
 from ember.passes.fusion import fuse, kernel_counts
 from ember.passes.schedule import schedule
 from ember.passes.targets import FusionCaps
-from models import cnn, mlp, params_of, train_graph
+from models import cnn, mlp, run_both, train_graph
 
 CAPS = FusionCaps(kinds=FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"},
                   epilogues={"conv2d": frozenset({"bias", "relu", "pointwise"}),
@@ -73,10 +73,7 @@ def test_numerics_unchanged(model, shape):
     m = model()
     g = train_graph(m, shape)
     fused = fuse(g, CAPS)
-    rng = np.random.default_rng(3)
-    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
-    before = ir.run(g, inputs, params_of(m))
-    after = ir.run(fused, inputs, params_of(m))
+    before, after = run_both(g, fused, m, shape, seed=3)
     np.testing.assert_allclose(after.outputs["loss"], before.outputs["loss"], rtol=1e-6)
     for k in before.updates:
         np.testing.assert_allclose(after.updates[k], before.updates[k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -16,7 +16,7 @@ from ember.passes.pipeline import build_train_graph
 from ember.passes.simplify import simplify
 from ember.passes.targets import FusionCaps
 
-from models import cnn, mlp, params_of
+from models import cnn, mlp, run_both
 
 LOSS_CAPS = FusionCaps(kinds=FusionCaps().kinds | {"softmax_xent", "softmax_xent_grad"}, loss_kernels=True)
 
@@ -44,9 +44,7 @@ def test_the_loss_region_becomes_two_kernels_with_the_same_values(model, shape):
     counts = kernel_counts(fused)
     assert counts["softmax_xent"] == 1 and counts["softmax_xent_grad"] == 1
     assert sum(counts.values()) == sum(kernel_counts(fuse(g)).values()) - 10  # twelve generic kernels became two
-    rng = np.random.default_rng(0)
-    inputs = {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, shape[0])}
-    before, after = ir.run(g, inputs, params_of(m)), ir.run(fused, inputs, params_of(m))
+    before, after = run_both(g, fused, m, shape, seed=0)
     assert before.outputs["loss"] == after.outputs["loss"]
     for k in before.updates:
         np.testing.assert_array_equal(before.updates[k], after.updates[k])

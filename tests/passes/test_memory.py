@@ -7,7 +7,7 @@ from ember import ir
 from ember.passes.fusion import fuse
 from ember.passes.memory import check_plan, plan_memory
 
-from models import cnn, cpu_plan, mlp, params_of as _params, train_graph
+from models import cnn, cpu_plan, mlp, run_both, train_graph
 
 
 def test_cnn_step_plan_has_no_overlap_and_reuses_memory():
@@ -41,9 +41,7 @@ def test_planned_graph_still_evaluates_the_same():
     m = mlp()
     g = train_graph(m, (32, 784))
     planned = plan_memory(fuse(g))
-    rng = np.random.default_rng(2)
-    inputs = {"x": rng.random((32, 784), dtype=np.float32), "y": rng.integers(0, 10, 32)}
-    a, b = ir.run(g, inputs, _params(m)), ir.run(planned, inputs, _params(m))
+    a, b = run_both(g, planned, m, (32, 784), seed=2)
     np.testing.assert_allclose(a.outputs["loss"], b.outputs["loss"], rtol=1e-6)
 
 
