@@ -83,6 +83,26 @@ def _reduce_launch(name: str, S: int, outs: int, args: tuple[str, ...]) -> tuple
                                                                                              rgrid=rgrid)
 
 
+def _split_kernel(name: str, kind: str, grid: tuple[int, int, int], threads: int, S: int, roles: tuple[str, ...],
+                  inputs: tuple[str, ...], unrestricted: tuple[str, ...], **template: object) -> CudaKernel:
+    """A skinny kernel from template matmul_<kind>: its main launch NAME_<kind> and, with S > 1 k
+    splits, the split-sum launch reading the S partials of each output from scratch."""
+    M, N = template["M"], template["N"]
+    split = S > 1
+    args = roles + (("scratch",) if split else ())
+    launches = [Launch(f"{name}_{kind}", grid, (threads, 1, 1), 0, args)]
+    ctx = dict(rg=1, rg_lanes=1, rgrid=1)
+    if split:
+        reduce, ctx = _reduce_launch(name, S, M * N, args)
+        launches.append(reduce)
+    template_name = {"narrow": "matmul_narrow.j2", "shortm": "matmul_short_m.j2"}[kind]
+    code = _env.get_template(template_name).render(
+        name=name, S=S, grid=grid, roles=roles, inputs=inputs, unrestricted=unrestricted,
+        signature=kernel_signature(roles, inputs, unrestricted, split), **template, **ctx)
+    scratch = round_up(4 * S * M * N, SCRATCH_ALIGN) if split else 0
+    return CudaKernel(name, code, tuple(launches), scratch)
+
+
 def _description(M: int, N: int, K: int, trans_a: bool, trans_b: bool, bias: bool, relu: bool) -> str:
     return (f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}{'^T' if trans_b else ''})"
             f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
@@ -103,21 +123,9 @@ def render_matmul_narrow(name: str, *, M: int, N: int, K: int, trans_a: bool, tr
         return None
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
-    split = plan.S > 1
-    args = roles + (("scratch",) if split else ())
-    grid = (plan.S, row_blocks, 1)
-    launches = [Launch(f"{name}_narrow", grid, (32 * plan.RG, 1, 1), 0, args)]
-    ctx = dict(rg=1, rg_lanes=1, rgrid=1)
-    if split:
-        reduce, ctx = _reduce_launch(name, plan.S, M * N, args)
-        launches.append(reduce)
-    code = _env.get_template("matmul_narrow.j2").render(
-        name=name, description=_description(M, N, K, trans_a, trans_b, bias, relu), M=M, N=N, K=K,
-        RT=plan.RT, RG=plan.RG, V=plan.V, U=plan.U, S=plan.S, KC=plan.KC, grid=grid, bias=bias, relu=relu,
-        pw=epilogue, roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, split), **ctx)
-    scratch = round_up(4 * plan.S * M * N, SCRATCH_ALIGN) if split else 0
-    return CudaKernel(name, code, tuple(launches), scratch)
+    return _split_kernel(name, "narrow", (plan.S, row_blocks, 1), 32 * plan.RG, plan.S, roles, inputs, unrestricted,
+                         M=M, N=N, K=K, RT=plan.RT, RG=plan.RG, V=plan.V, U=plan.U, KC=plan.KC, bias=bias, relu=relu,
+                         pw=epilogue, description=_description(M, N, K, trans_a, trans_b, bias, relu))
 
 
 @dataclass(frozen=True)
@@ -170,21 +178,9 @@ def render_matmul_short_m(name: str, *, M: int, N: int, K: int, trans_a: bool, t
         return None
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
-    split = plan.S > 1
-    args = roles + (("scratch",) if split else ())
-    grid = (col_blocks, plan.S, 1)
-    launches = [Launch(f"{name}_shortm", grid, (plan.CT * plan.KG, 1, 1), 0, args)]
-    ctx = dict(rg=1, rg_lanes=1, rgrid=1)
-    if split:
-        reduce, ctx = _reduce_launch(name, plan.S, M * N, args)
-        launches.append(reduce)
-    code = _env.get_template("matmul_short_m.j2").render(
-        name=name, description=_description(M, N, K, trans_a, trans_b, bias, relu), M=M, N=N, K=K,
-        CT=plan.CT, KG=plan.KG, U=plan.U, S=plan.S, KC=plan.KC, grid=grid, trans_a=trans_a, bias=bias, relu=relu,
-        pw=epilogue, roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, split), **ctx)
-    scratch = round_up(4 * plan.S * M * N, SCRATCH_ALIGN) if split else 0
-    return CudaKernel(name, code, tuple(launches), scratch)
+    return _split_kernel(name, "shortm", (col_blocks, plan.S, 1), plan.CT * plan.KG, plan.S, roles, inputs, unrestricted,
+                         M=M, N=N, K=K, CT=plan.CT, KG=plan.KG, U=plan.U, KC=plan.KC, trans_a=trans_a, bias=bias,
+                         relu=relu, pw=epilogue, description=_description(M, N, K, trans_a, trans_b, bias, relu))
 
 
 __all__ = ["NarrowPlan", "ShortMPlan", "narrow_plan", "short_m_plan", "render_matmul_narrow", "render_matmul_short_m",
