@@ -231,8 +231,7 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
     out = {"full": timed()}
     try:
         for kernel in dict.fromkeys(names):
-            executor._launches = [(skip, *rest) if name == kernel else launch
-                                  for launch, name, rest in ((la, n, la[1:]) for la, n in zip(saved, names))]
+            executor._launches = [(skip, *launch[1:]) if name == kernel else launch for launch, name in zip(saved, names)]
             out[kernel] = timed()
     finally:
         executor._launches = saved

@@ -15,7 +15,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import cuda_kernel_bench as cb  # noqa: E402
-import cuda_refs  # noqa: E402
+from cuda_direct_try import time_and_check  # noqa: E402
 from ember.codegen import cuda_kernels as ck  # noqa: E402
 
 CONV2 = dict(C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0)
@@ -42,28 +42,15 @@ def main():
         for label, ((kind, extra), plans) in TRIES.items():
             spec = dict(N=B, **CONV2)
             M, N, K, batch, akf, bkf, rowsum = cb.gemm_dims(kind, spec, extra)
-            ins, refs, _ = cuda_refs.make_case(kind, spec, extra, rng)
-            bufs = {r: cp.asarray(a) for r, a in ins.items()}
-            for role, ref in refs.items():
-                bufs.setdefault(role, cp.empty(ref.shape, dtype=cp.float32))
-            pl, kerns = [], []
+            kerns = []
             for i, (BM, BN, BK, TM, TN, s) in enumerate(plans):
                 splits = s if s > 0 else (128 if B == 64 else 256) * (2 if s < 0 else 1)
                 p = ck._gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, akf, bkf)
                 if p is None or (BM // TM) * (BN // TN) < (BM if rowsum else 1) or (BM // TM) * (BN // TN) % 32:
                     print(f"B={B} {label} {(BM, BN, BK, TM, TN, s)}: infeasible", flush=True)
                     continue
-                pl.append(p)
-                kerns.append(cb._render_with(kind, spec, extra, f"try{i}_{label.replace('+', '_')}_{B}", p))
-            mod = cuda_refs.compile_module(cp, [k.code for k in kerns])
-            ref = refs["out"]
-            for p, k in zip(pl, kerns):
-                scr = cp.empty(max(k.scratch_bytes // 4, 1), dtype=cp.float32)
-                bufs["out"][...] = np.nan
-                cuda_refs.run_launches(cp, mod, k, bufs, scr)
-                got = cp.asnumpy(bufs["out"]).reshape(ref.shape).astype(np.float64)
-                rel = float(np.linalg.norm(np.nan_to_num(got - ref, nan=1e30)) / np.linalg.norm(ref))
-                t = cb._time_graph_cp(cp, lambda: cuda_refs.run_launches(cp, mod, k, bufs, scr), 10, reps=10)
+                kerns.append((p, cb._render_with(kind, spec, extra, f"try{i}_{label.replace('+', '_')}_{B}", p)))
+            for p, _, t, rel in time_and_check(cp, rng, kind, spec, extra, kerns):
                 r = dict(batch=B, kernel=label, plan=(p.BM, p.BN, p.BK, p.TM, p.TN, p.splits), us=round(t, 2), rel_err=rel)
                 out.append(r)
                 print(f"B={B:<5d} {label:14s} {r['plan']} {t:9.2f} us  rel {rel:.1e}", flush=True)
