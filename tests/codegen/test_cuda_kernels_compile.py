@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import cuda_cases
+from nvcc import assert_compiles, find_nvcc, nvcc_command
 from ember.codegen import cuda_kernels as ck
 
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+NVCC = find_nvcc()
 if NVCC is None and os.environ.get("CI") != "true":
     pytest.skip("nvcc not found (install the CUDA toolkit; required when CI=true)", allow_module_level=True)
 
@@ -54,9 +54,7 @@ def test_kernel_contract():
 def _compile(tmp_path, i, sources):
     src = tmp_path / f"tu{i}.cu"
     src.write_text("\n".join(sources))
-    r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-o", os.devnull, str(src)],
-                       capture_output=True, text=True)
-    return src, r
+    return src, subprocess.run(nvcc_command(NVCC, src), capture_output=True, text=True)
 
 
 def test_all_kernels_compile_warning_free(tmp_path):
@@ -100,6 +98,4 @@ def test_runtime_ring_kernels_compile_after_a_step(tmp_path):
     src = tmp_path / "ring.cu"
     src.write_text(environment("cuda").get_template("prelude.j2").render() + CASES[0][0].code
                    + runtime_cuda._RING_SOURCE)
-    r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-o", os.devnull, str(src)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    assert_compiles(NVCC, src)

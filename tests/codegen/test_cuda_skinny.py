@@ -1,19 +1,16 @@
 """The skinny matmuls (codegen/cuda_skinny.py) without a GPU: which shapes they take, that the CUDA
 step of the CNN uses them at batch 64 and 1024 but not at batch 8 (below SKINNY_MIN_BYTES), the
-MLP never (its matmuls are small), and that the
-generated epilogue (an in-place update, S = 1 and split) compiles. Their values are checked on a
+MLP never (its matmuls are small), and that the generated epilogue (an in-place update, S = 1 and
+split) compiles. Their values are checked on a
 GPU with the other kernels (cuda_cases.skinny_kernels, test_cuda_kernels_gpu.py)."""
 from __future__ import annotations
-
-import os
-import shutil
-import subprocess
 
 import pytest
 
 from ember.codegen import cuda_kernels as ck
 from ember.codegen import cuda_skinny as cs
 from ember.frontends.cli import main as ember_main
+from nvcc import assert_compiles, find_nvcc, nvcc_or_skip
 
 FWD = dict(M=1024, N=10, K=18432, trans_a=False, trans_b=True)
 GW = dict(M=10, N=18432, K=1024, trans_a=True, trans_b=False)
@@ -51,18 +48,9 @@ def test_mnist_plans_split_and_fill_the_gpu():
     assert len(one.launches) == 1 and one.scratch_bytes == 0 and "scratch" not in one.launches[0].args
 
 
-def _nvcc():
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("nvcc is not on PATH")
-        pytest.skip("nvcc is not on PATH")
-    return nvcc
-
-
 def test_in_place_epilogue_compiles(tmp_path):
     """An SGD-style epilogue reading and writing the output's buffer (in2 = the parameter)."""
-    nvcc = _nvcc()
+    nvcc = nvcc_or_skip()
     pw = ck.PointwiseEpilogue(("const float e1 = in2[i];", "const float e2 = e1 + -0.05f * red;"), "e2", (2,))
     kernels = [cs.render_matmul_short_m("sm_split", epilogue=pw, **GW),
                cs.render_matmul_short_m("sm_one", epilogue=pw, plan=cs.short_m_plan(10, 18432, 64, groups=8, splits=1),
@@ -73,9 +61,7 @@ def test_in_place_epilogue_compiles(tmp_path):
         assert "in2" in k.launches[-1].args and "float* out" in k.code and "float* __restrict__ out" not in k.code
     src = tmp_path / "epi.cu"
     src.write_text("\n".join(k.code for k in kernels))
-    r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-o", os.devnull, str(src)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    assert_compiles(nvcc, src)
 
 
 def test_cnn_step_uses_skinny_kernels_only_for_large_operands(tmp_path):
@@ -89,8 +75,6 @@ def test_cnn_step_uses_skinny_kernels_only_for_large_operands(tmp_path):
                        "--out", str(tmp_path / "mlp")]) == 0
     text = (tmp_path / "mlp" / "mlp-train-1024x784.cu").read_text()
     assert "_narrow(" not in text and "_shortm(" not in text
-    nvcc = shutil.which("nvcc")
+    nvcc = find_nvcc()
     if nvcc:
-        src = tmp_path / "1024" / "cnn-train-1024x1x28x28.cu"
-        r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-o", os.devnull, str(src)], capture_output=True, text=True)
-        assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+        assert_compiles(nvcc, tmp_path / "1024" / "cnn-train-1024x1x28x28.cu")

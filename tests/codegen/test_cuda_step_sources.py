@@ -4,26 +4,16 @@ runtime compiles the same source with NVRTC). In CI nvcc must be there; elsewher
 skips."""
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
 
 from ember.frontends.cli import main as ember_main
-
-
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("nvcc is not on PATH: CI compiles the generated CUDA sources with it")
-        pytest.skip("nvcc is not on PATH")
-    return nvcc
+from nvcc import nvcc_command, nvcc_or_skip
 
 
 def _compile_all(nvcc: str, sources: list) -> None:
-    procs = [(src, subprocess.Popen([nvcc, "-cubin", "-arch=sm_90", "-o", str(src.with_suffix(".cubin")), str(src)],
+    procs = [(src, subprocess.Popen(nvcc_command(nvcc, src, str(src.with_suffix(".cubin"))),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for src in sources]
     for src, proc in procs:
         out, err = proc.communicate()
@@ -35,7 +25,7 @@ def _compile_all(nvcc: str, sources: list) -> None:
 @pytest.mark.parametrize("model,tf32", [("cnn", False), ("mlp", False), ("lenet5", False), ("resnet8", False),
                                         ("cnn", True), ("mlp", True)])
 def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, capsys):
-    nvcc = _nvcc()
+    nvcc = nvcc_or_skip()
     assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]
                       + (["--tf32"] if tf32 else [])) == 0
     sources = sorted(tmp_path.glob("*.cu"))
@@ -52,7 +42,7 @@ def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, c
 def test_dropout_and_overlapping_ceil_mode_pooling_compile_with_nvcc(tmp_path):
     """What the recipes lack: Dropout's Philox masks, and pooling with overlapping windows,
     padding and ceil_mode, in a training and an inference step."""
-    nvcc = _nvcc()
+    nvcc = nvcc_or_skip()
     import numpy as np
 
     from ember.frontends import nn, optim, plan
