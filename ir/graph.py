@@ -15,7 +15,8 @@ parameter or state, written back at the end of a step).
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Callable, Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
@@ -261,7 +262,16 @@ class Graph:
         return self.g.nodes[n]["notes"]
 
     # ---- checking ----------------------------------------------------------------------------
-    def verify(self) -> "Graph":
+    def verify(self, full: bool | None = None) -> "Graph":
+        """Checks the graph's structure (acyclic, operand indices, named tables, kernel plans);
+        with `full`, also every node's type rule and every fused subgraph, recursively.
+
+        `full` defaults to the environment's `EMBER_VERIFY` (read per call; the test suite sets
+        it): the full check re-infers every type after every pass, which cost more than the
+        passes themselves on deep models, and a pass's own tests are where type errors are caught.
+        """
+        if full is None:
+            full = os.environ.get("EMBER_VERIFY", "") not in ("", "0")
         if not nx.is_directed_acyclic_graph(self.g):
             raise VerifyError(f"graph {self.name!r} has a cycle: {nx.find_cycle(self.g)}")
         for n in self.g:
@@ -271,6 +281,10 @@ class Graph:
             keys = sorted(k for _, _, k in self.g.in_edges(n, keys=True))
             if keys != list(range(len(keys))):
                 raise VerifyError(f"%{n} = {op}: operand indices {keys} are not 0..{len(keys) - 1}")
+            if not full:
+                if op == "fused":
+                    self._check_kernel_plan(n)
+                continue
             try:
                 ttype, _ = infer_type(op, [self.type(o) for o in self.operands(n)], self.attrs(n))
             except ShapeError as e:
@@ -278,11 +292,8 @@ class Graph:
             if ttype != self.type(n):
                 raise VerifyError(f"%{n} = {op}: stored type {self.type(n)} but the rule gives {ttype}")
             if op == "fused":
-                sub = self.attrs(n)["graph"]
-                sub.verify()
-                problem = self.attrs(n)["kernel"].check(len(self.operands(n)), sub.g, sub.outputs)
-                if problem is not None:
-                    raise VerifyError(f"%{n} = fused: kernel plan {self.attrs(n)['kernel'].describe()}: {problem}")
+                self.attrs(n)["graph"].verify(full=True)
+                self._check_kernel_plan(n)
         for table, op in ((self.inputs, "input"), (self.parameters, "parameter"), (self.states, "state")):
             for name, n in table.items():
                 if n not in self.g or self.op(n) != op or self.attrs(n)["name"] != name:
@@ -301,6 +312,12 @@ class Graph:
                 raise VerifyError(f"update {name!r} does not match a parameter or state of its type")
         return self
 
+    def _check_kernel_plan(self, n: int) -> None:
+        sub = self.attrs(n)["graph"]
+        problem = self.attrs(n)["kernel"].check(len(self.operands(n)), sub.g, sub.outputs)
+        if problem is not None:
+            raise VerifyError(f"%{n} = fused: kernel plan {self.attrs(n)['kernel'].describe()}: {problem}")
+
     def __str__(self) -> str:
         from .printer import format_graph
         return format_graph(self)
@@ -312,7 +329,8 @@ class Graph:
 
 def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "group", *,
                 copy_in: Callable[[int], bool] | None = None,
-                mapping: dict[int, int] | None = None, keep_ids: bool = False) -> tuple[Graph, list[int]]:
+                mapping: dict[int, int] | None = None, keep_ids: bool = False,
+                position: Mapping[int, int] | None = None) -> tuple[Graph, list[int]]:
     """Copies `nodes` of `graph` into a standalone graph computing `output`.
 
     Values used by the group but defined outside it become the subgraph's inputs (named in0,
@@ -321,6 +339,10 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "gr
     feeding its inputs, in order; `mapping`, if given, receives outer node -> subgraph node.
     Nodes keep their provenance (loc, scope, backward); with `keep_ids`, copied nodes also keep
     their ids and the inputs take fresh ids above every id of `graph`.
+
+    `position` (node -> its index in `graph.topo_order()`) lets a caller that cuts many groups
+    out of one graph sort the whole graph once, not once per group (which made fusion quadratic
+    in the number of kernels).
     """
     members = set(nodes)
     sub = Graph(name)
@@ -328,9 +350,9 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "gr
         sub._next = graph._next
     mapping = {} if mapping is None else mapping
     outer: list[int] = []
-    for n in graph.topo_order():
-        if n not in members:
-            continue
+    ordered = sorted(members, key=position.__getitem__) if position is not None else \
+        [n for n in graph.topo_order() if n in members]
+    for n in ordered:
         new_ops = []
         for o in graph.operands(n):
             if o not in mapping:

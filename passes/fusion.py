@@ -197,6 +197,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
                                {"logits": region.logits, "labels": region.labels})
         for m in region.members:
             gr.owner[m] = region.loss if m in region.loss_members else region.grad
+    reduction_nodes = {n for n in graph.g if graph.op(n) in REDUCTIONS}  # where pointwise groups stop growing
     for root in reversed(graph.topo_order()):
         if root in gr.owner:
             continue
@@ -231,7 +232,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
             notes["core"] = root
         elif op in ELEMENTWISE or op in VIEWS:
             kind, members = "pointwise", {root}
-            gr.grow(members, [root], _numel(graph, root), stop={n for n in graph.g if graph.op(n) in REDUCTIONS})
+            gr.grow(members, [root], _numel(graph, root), stop=reduction_nodes)
             # An epilogue over a reduction of the same output size: absorb the reduction and its prologue.
             reductions = [o for m_ in members for o in graph.operands(m_)
                           if graph.op(o) in REDUCTIONS and o not in gr.owner and o not in members]
@@ -360,13 +361,16 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     out = Graph.empty_like(graph)
     mapping: dict[int, int] = {}
     owner = {m: r for r, (_, ms, _) in groups.items() for m in ms}
-    for n in graph.topo_order():
+    topo = graph.topo_order()
+    position = {n: i for i, n in enumerate(topo)}
+    for n in topo:
         op = graph.op(n)
         if n in groups:
             kind, members, notes = groups[n]
             submap: dict[int, int] = {}
             sub, outer = subgraph_of(graph, members, n, f"k{n}_{kind}",
-                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap, keep_ids=True)
+                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap, keep_ids=True,
+                                     position=position)
             index_of = {o: i for i, o in enumerate(outer)}
             node = out.add("fused", [mapping[o] for o in outer], node_id=n, **graph.provenance(n), graph=sub,
                            kernel=_spec(graph, n, kind, notes, index_of, submap))

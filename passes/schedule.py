@@ -136,6 +136,11 @@ def schedule(graph: Graph, early_collectives: bool = False) -> Graph:
     extra: list[tuple[int, int]] = []
     late = after_collectives(out)
     groups = collective_groups(out) if early_collectives else None
+    # The accepted ordering edges so far, on a plain DiGraph: a candidate's edges (reader ->
+    # update) close a cycle exactly when the update already reaches one of those readers, which
+    # a search from the update answers (updates sit at the end of the step, so it visits little)
+    # instead of copying and re-sorting the whole graph per candidate (quadratic in kernels).
+    reach = nx.DiGraph(out.g)
     for name, node in out.updates.items():
         kind = "parameter" if name in out.parameters else "state"
         source = out.parameters.get(name, out.states.get(name))
@@ -144,10 +149,13 @@ def schedule(graph: Graph, early_collectives: bool = False) -> Graph:
         if node in out.outputs.values() or any(n == node for k, n in out.updates.items() if k != name):
             continue
         edges = [(u, node) for u, _ in out.users(source) if u != node]
-        if order(out, extra + edges, late, groups) is not None:
-            extra += edges
-            accepted.add(node)
-            out.notes(node).update(storage=kind, name=name)
+        readers = {u for u, _ in edges}
+        if readers and not readers.isdisjoint(nx.descendants(reach, node)):
+            continue
+        reach.add_edges_from(edges)
+        extra += edges
+        accepted.add(node)
+        out.notes(node).update(storage=kind, name=name)
     steps = order(out, extra, late, groups)
     assert steps is not None
     out.meta.update(schedule=steps, schedule_edges=extra)

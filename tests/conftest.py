@@ -17,6 +17,9 @@ sys.path.insert(0, str(TESTS))  # shared helpers (models.py) importable from eve
 # Compiled artefacts go to a cache private to this test session unless the caller chose one,
 # so the suite never depends on (or pollutes) a user's ~/.cache/ember.
 os.environ.setdefault("EMBER_CACHE_DIR", tempfile.mkdtemp(prefix="ember-test-cache-"))
+# Tests check every graph fully after every pass (type rules, fused subgraphs); compile() by
+# default checks structure only (ember.ir.Graph.verify).
+os.environ.setdefault("EMBER_VERIFY", "1")
 
 
 def _has_cuda() -> bool:
