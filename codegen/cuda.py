@@ -35,6 +35,7 @@ SPELLING = Spelling("CUDA", {
     "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})", "sigmoid": "em_sigmoid({0})",
     "tanh": "em_tanh({0})", "abs": "em_abs({0})",
     "erf": "erf({0})",  # CUDA's C++ math overloads: erf(float) is erff
+    "sin": "sin({0})", "cos": "cos({0})", "floor": "floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "em_lowest<{ctype}>()",
 }, c_literal)

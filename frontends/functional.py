@@ -53,8 +53,9 @@ def _unary(op: str):
     return f
 
 
-neg, exp, log, sqrt, reciprocal, relu, sigmoid, tanh, abs, erf = (
-    _unary(o) for o in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf"))
+neg, exp, log, sqrt, reciprocal, relu, sigmoid, tanh, abs, erf, sin, cos, floor = (
+    _unary(o) for o in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf",
+                        "sin", "cos", "floor"))
 
 
 def _binary(op: str):

@@ -48,7 +48,7 @@ class Optimizer:
     config: _opt.OptimizerConfig
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config})"
+        return repr(self.config)  # SGD(lr=0.1, momentum=0.9, ...): the config classes carry torch's names
 
 
 class SGD(Optimizer):
@@ -92,4 +92,7 @@ def as_config(optimizer: Any) -> _opt.OptimizerConfig:
                     + (" (a torch optimizer? use ember.frontends.optim instead)" if "torch" in type(optimizer).__module__ else ""))
 
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "as_config"]
+# torch.optim.lr_scheduler's place; imported last, as it builds on Optimizer
+from . import lr_scheduler  # noqa: E402
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "as_config", "lr_scheduler"]

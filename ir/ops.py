@@ -155,7 +155,8 @@ def _constant(types, attrs):
 
 # ---- elementwise -----------------------------------------------------------------------------
 
-UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf")  # erf: exact GELU
+UNARY = ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf",  # erf: exact GELU
+         "sin", "cos", "floor")  # cos and floor: learning-rate schedules computed inside the step
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
@@ -180,7 +181,8 @@ def _unary_rule(name):
 
 
 for _u in UNARY:
-    _defop(_u, 1, "elementwise", int_ok=_u in ("neg", "abs", "relu"))(_unary_rule(_u))
+    # floor's derivative is zero almost everywhere (torch gives zeros): no gradient flows through it
+    _defop(_u, 1, "elementwise", int_ok=_u in ("neg", "abs", "relu"), differentiable=_u != "floor")(_unary_rule(_u))
 
 
 def _binary_rule(name):

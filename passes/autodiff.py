@@ -319,6 +319,8 @@ VJP_RULES: dict[str, Rule] = {
     # d erf(x)/dx = 2/sqrt(pi) * exp(-x^2)
     "erf": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("mul", _inexact(b, 2 / np.sqrt(np.pi), x),
                                                         b.op("exp", b.op("neg", b.op("mul", x, x)))))),
+    "sin": _unary(lambda b, x, y, ct: b.op("mul", ct, b.op("cos", x))),
+    "cos": _unary(lambda b, x, y, ct: b.op("neg", b.op("mul", ct, b.op("sin", x)))),
     "add": _binary(lambda b, a, c, y, ct, needs: (ct, ct)),
     "sub": _binary(lambda b, a, c, y, ct, needs: (ct, b.op("neg", ct) if needs[1] else None)),
     "mul": _binary(_mul),

@@ -21,7 +21,9 @@ import numpy as np
 
 from ember.ir import Graph, TensorType, float32, float64
 
+from . import lr_schedule
 from .autodiff import Builder
+from .lr_schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,10 @@ class SGD:
     dampening: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    schedule: Schedule | None = None  # the learning rate per step (passes/lr_schedule.py); None: constant
 
     def __post_init__(self) -> None:
+        _check_schedule(self.schedule)
         # The same checks, in the same words, as torch.optim.SGD.
         if self.lr < 0.0:
             raise ValueError(f"Invalid learning rate: {self.lr}")
@@ -42,6 +46,12 @@ class SGD:
             raise ValueError(f"Invalid weight_decay value: {self.weight_decay}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def _check_schedule(schedule: object) -> None:
+    if schedule is not None and not isinstance(schedule, lr_schedule.SCHEDULES):
+        raise TypeError(f"schedule must be one of {', '.join(c.__name__ for c in lr_schedule.SCHEDULES)} "
+                        f"(ember.passes.lr_schedule), got {type(schedule).__name__}")
 
 
 def _check_adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -65,10 +75,15 @@ class Adam:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0  # L2 penalty added to the gradient (coupled)
+    schedule: Schedule | None = None  # the learning rate per step (passes/lr_schedule.py); None: constant
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_adam(self.lr, self.betas, self.eps, self.weight_decay)
+        _check_schedule(self.schedule)
+        if lr_schedule.cycles_momentum(self.schedule):
+            raise ValueError("a OneCycle schedule cycles SGD's momentum; with Adam pass cycle_momentum=False "
+                             "(cycling Adam's beta1 is not supported)")
 
 
 @dataclass(frozen=True)
@@ -77,10 +92,15 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2  # decoupled: p *= 1 - lr * weight_decay before the Adam step
+    schedule: Schedule | None = None  # the learning rate per step (passes/lr_schedule.py); None: constant
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_adam(self.lr, self.betas, self.eps, self.weight_decay)
+        _check_schedule(self.schedule)
+        if lr_schedule.cycles_momentum(self.schedule):
+            raise ValueError("a OneCycle schedule cycles SGD's momentum; with AdamW pass cycle_momentum=False "
+                             "(cycling Adam's beta1 is not supported)")
 
 
 OptimizerConfig = Union[SGD, Adam, AdamW]
@@ -126,7 +146,10 @@ def _state(g: Graph, name: str, ttype: TensorType, o: "_Ops | None" = None) -> i
 
 
 def _step_state(g: Graph) -> tuple[int, int]:
-    """The scalar float32 `step` state (torch keeps it as a float32 tensor too) and step + 1."""
+    """The scalar float32 `step` state (torch keeps it as a float32 tensor too) and step + 1;
+    the state is made once, shared by whatever reads it (a schedule, Adam, SGD's dampening)."""
+    if "step" in g.states:
+        return g.states["step"], g.updates["step"]
     step = _state(g, "step", TensorType((), float32))
     o = _Ops(g, scope=SCOPE)
     new = o.add(step, o.c(1.0, step))
@@ -167,10 +190,38 @@ def _structural_zero(g: Graph, n: int) -> bool:
     return g.op(n) == "constant" and not g.attrs(n)["value"].any()
 
 
+def _scheduled(g: Graph, o: "_Ops", cfg: OptimizerConfig) -> tuple[int | None, int | None]:
+    """The float64 learning rate (and, for a momentum-cycling OneCycle, momentum) of this step,
+    from the step counter (steps done before this one, as torch's scheduler counts them); None
+    without a schedule: the rate is then a constant."""
+    if cfg.schedule is None:
+        return None, None
+    o.at(g, None)
+    step, _ = _step_state(g)
+    t = o.op("cast", step, dtype=float64)
+    lr = cfg.schedule.build(o, t, cfg.lr)
+    momentum = cfg.schedule.build_momentum(o, t) if lr_schedule.cycles_momentum(cfg.schedule) else None
+    return lr, momentum
+
+
 def _sgd(g: Graph, cfg: SGD, grads: dict[str, int]) -> None:
     o = _Ops(g, scope=SCOPE)
+    lr64, momentum64 = _scheduled(g, o, cfg)
+    rounded: dict[tuple[int, object], int] = {}
+
+    def scalar(node64: int | None, value: float, like: int) -> int:
+        """A hyperparameter as torch passes it to a float32 kernel: rounded once from a double."""
+        if node64 is None:
+            return o.c(value, like)
+        key = (node64, g.type(like).dtype)
+        if key not in rounded:
+            rounded[key] = o.op("cast", node64, dtype=g.type(like).dtype)
+        return rounded[key]
+
+    neg_lr64 = o.op("neg", lr64) if lr64 is not None else None
+    uses_momentum = cfg.momentum != 0 or momentum64 is not None
     first = None
-    if cfg.momentum != 0 and cfg.dampening != 0:
+    if uses_momentum and cfg.dampening != 0:
         # torch sets the buffer to the gradient itself on the first step (no dampening);
         # with dampening 0 the general formula gives exactly that from a zero buffer.
         step, _ = _step_state(g)
@@ -181,19 +232,24 @@ def _sgd(g: Graph, cfg: SGD, grads: dict[str, int]) -> None:
         d_p = grad
         if cfg.weight_decay != 0:
             d_p = o.axpy(cfg.weight_decay, p, d_p)
-        if cfg.momentum != 0:
+        if uses_momentum:
             buf = _state(g, f"{name}.momentum_buffer", g.type(p), o)
-            new_buf = o.axpy(1 - cfg.dampening, d_p, o.mul(buf, o.c(cfg.momentum, buf)))
+            new_buf = o.axpy(1 - cfg.dampening, d_p, o.mul(buf, scalar(momentum64, cfg.momentum, buf)))
             if first is not None:
                 new_buf = o.op("where", first, d_p, new_buf)
             g.set_update(f"{name}.momentum_buffer", new_buf)
-            d_p = o.axpy(cfg.momentum, new_buf, d_p) if cfg.nesterov else new_buf
-        g.set_update(name, o.axpy(-cfg.lr, d_p, p))
+            if cfg.nesterov:  # grad.add(buf, alpha=momentum)
+                d_p = o.add(d_p, o.mul(scalar(momentum64, cfg.momentum, new_buf), new_buf))
+            else:
+                d_p = new_buf
+        g.set_update(name, o.add(p, o.mul(scalar(neg_lr64, -cfg.lr, d_p), d_p)))  # p.add_(d_p, alpha=-lr)
 
 
 def _adam(g: Graph, cfg: Adam | AdamW, grads: dict[str, int], decoupled: bool) -> None:
     o = _Ops(g, scope=SCOPE)
     beta1, beta2 = cfg.betas
+    lr64, _ = _scheduled(g, o, cfg)
+    o.at(g, None)
     _, step = _step_state(g)
     # Scalars of the step, in float64 as torch computes them in Python:
     #   bias_correction1 = 1 - beta1 ** step;  step_size = lr / bias_correction1
@@ -205,9 +261,10 @@ def _adam(g: Graph, cfg: Adam | AdamW, grads: dict[str, int], decoupled: bool) -
             return o.c(1.0, s64)
         return o.sub(o.c(1.0, s64), o.op("exp", o.mul(s64, o.c(math.log(beta), s64))))
 
-    step_size = o.div(o.c(cfg.lr, s64), one_minus_pow(beta1))
+    step_size = o.div(lr64 if lr64 is not None else o.c(cfg.lr, s64), one_minus_pow(beta1))
     bc2_sqrt = o.op("sqrt", one_minus_pow(beta2))
     scalars: dict[object, tuple[int, int]] = {}
+    decay: dict[object, int] = {}  # AdamW's 1 - lr * weight_decay per dtype, with a scheduled rate
 
     for name, grad in grads.items():
         p = g.parameters[name]
@@ -219,8 +276,15 @@ def _adam(g: Graph, cfg: Adam | AdamW, grads: dict[str, int], decoupled: bool) -
         neg_step_size, bc2 = scalars[t.dtype]
         o.at(g, name)
         if decoupled:
-            if cfg.weight_decay != 0:
+            if cfg.weight_decay != 0 and lr64 is None:
                 p = o.mul(p, o.c(1 - cfg.lr * cfg.weight_decay, p))  # param.mul_(1 - lr * wd)
+            elif cfg.weight_decay != 0:
+                if t.dtype not in decay:
+                    o.at(g, None)
+                    decay[t.dtype] = o.op("cast", o.sub(o.c(1.0, lr64), o.mul(lr64, o.c(cfg.weight_decay, lr64))),
+                                          dtype=t.dtype)
+                    o.at(g, name)
+                p = o.mul(p, decay[t.dtype])
         elif cfg.weight_decay != 0:
             grad = o.axpy(cfg.weight_decay, p, grad)  # grad.add(param, alpha=wd)
         m = _state(g, f"{name}.exp_avg", t, o)

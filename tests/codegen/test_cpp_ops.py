@@ -61,7 +61,7 @@ def test_elementwise_ops_alone(device):
         inputs[name] = _data(t, positive)
         return g.add_input(name, t)
 
-    for op in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf"):
+    for op in ("neg", "exp", "log", "sqrt", "reciprocal", "relu", "sigmoid", "tanh", "abs", "erf", "sin", "cos", "floor"):
         x = inp(f"x_{op}", (3, 37), positive=op in UNARY_POSITIVE)
         g.set_output(op, g.add(op, [x]))
     for op in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"):
@@ -76,7 +76,8 @@ def test_elementwise_ops_alone(device):
     labels = inp("labels", (9,), "int64")
     g.set_output("one_hot", g.add("one_hot", [labels], num_classes=5))
     planned = _compile_and_compare(g, inputs, tol={"exp": (2e-6, 1e-6), "tanh": (2e-6, 1e-6), "sigmoid": (2e-6, 1e-6),
-                                                       "erf": (2e-6, 1e-6)}, device=device)
+                                                       "erf": (2e-6, 1e-6), "sin": (2e-6, 1e-6), "cos": (2e-6, 1e-6)},
+                                 device=device)
     assert kernel_counts(planned) == {"pointwise": len(g.outputs)}
 
 

@@ -117,7 +117,8 @@ TORCH_UNARY = {
     "neg": (torch.neg, (-1, 1)), "exp": (torch.exp, (-3, 3)), "log": (torch.log, (0.05, 4)),
     "sqrt": (torch.sqrt, (0.0, 4)), "reciprocal": (torch.reciprocal, (0.1, 2)), "relu": (torch.relu, (-1, 1)),
     "sigmoid": (torch.sigmoid, (-12, 12)), "tanh": (torch.tanh, (-4, 4)), "abs": (torch.abs, (-1, 1)),
-    "erf": (torch.erf, (-3, 3)),
+    "erf": (torch.erf, (-3, 3)), "sin": (torch.sin, (-4, 4)), "cos": (torch.cos, (-4, 4)),
+    "floor": (torch.floor, (-5, 5)),
 }
 
 

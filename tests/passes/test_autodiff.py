@@ -160,6 +160,8 @@ ROWS = [
     Row("tanh", _unary(_normal), lambda at, x: torch.tanh(x)),
     Row("abs", _unary(_away), lambda at, x: torch.abs(x)),
     Row("erf", _unary(_normal), lambda at, x: torch.erf(x)),
+    Row("sin", _unary(_normal), lambda at, x: torch.sin(x)),
+    Row("cos", _unary(_normal), lambda at, x: torch.cos(x)),
     Row("max_pool2d", lambda rng: ([_distinct(rng, (2, 2, 5, 6))], {"kernel": 3, "stride": 2, "padding": 1}),
         lambda at, x: torch.nn.functional.max_pool2d(x, 3, 2, 1)),
     Row("add", _binary(_normal), lambda at, a, b: a + b),
