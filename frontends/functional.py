@@ -223,15 +223,23 @@ def one_hot(labels: Operand, num_classes: int, dtype: Any = "float32") -> Tensor
     return _emit("one_hot", _nodes(labels), num_classes=num_classes, dtype=as_dtype(dtype))
 
 
-def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean") -> Tensor:
-    """PyTorch's F.cross_entropy for (N, C) logits and (N,) integer class labels."""
+def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """PyTorch's F.cross_entropy for (N, C) logits and (N,) integer class labels; with
+    `label_smoothing` e the target is (1 - e) on the label plus e / C on every class, as torch's.
+    (A smoothed loss is not the plain softmax cross-entropy, so it runs on the generic kernels.)"""
     z, y = _tensor(logits), _tensor(labels)
     if len(z.shape) != 2:
         raise ShapeError(f"cross_entropy expects (N, C) logits, got {z.type}{_at()}")
     if y.dtype.is_float or y.shape != z.shape[:1]:
         raise ShapeError(f"cross_entropy expects integer labels of shape ({z.shape[0]},), got {y.type} "
                          f"for logits {z.type}{_at()}")
-    picked = sum(mul(log_softmax(z, 1), one_hot(y, z.shape[1], z.dtype)), 1)
+    smoothing = float(label_smoothing)
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}{_at()}")
+    target = one_hot(y, z.shape[1], z.dtype)
+    if smoothing:
+        target = add(mul(target, 1.0 - smoothing), smoothing / z.shape[1])
+    picked = sum(mul(log_softmax(z, 1), target), 1)
     return _reduce_loss(neg(picked), reduction)
 
 

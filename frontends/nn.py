@@ -243,12 +243,13 @@ class Sequential(Module):
 
 
 class CrossEntropyLoss(Module):
-    def __init__(self, reduction: str = "mean") -> None:
+    def __init__(self, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.reduction = reduction
+        self.label_smoothing = float(label_smoothing)
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return F.cross_entropy(logits, labels, self.reduction)
+        return F.cross_entropy(logits, labels, self.reduction, self.label_smoothing)
 
 
 class MSELoss(Module):
