@@ -1,4 +1,5 @@
-"""Fetching datasets: the MNIST files from public mirrors, md5-checked, into a folder.
+"""Fetching datasets: MNIST and Fashion-MNIST (the same four IDX files) from public mirrors,
+md5-checked, into a folder.
 
 Reading the files is `ember.runtime.data` (IDX, `load_mnist`, the loader); this module only
 makes sure a folder holds them, downloading what is missing. Only the standard library: a
@@ -21,7 +22,7 @@ import numpy as np
 from ember.runtime.data import DATA_HINT, MNIST_FILES, default_data_dir, find_mnist_file, load_mnist
 
 __all__ = ["MNIST_MD5", "DEFAULT_MIRRORS", "DownloadError", "ChecksumError", "ensure_mnist", "missing_mnist_files",
-           "MNIST"]
+           "MNIST", "DATASETS", "Dataset", "dataset_dir"]
 
 #: md5 of the published `<stem>.gz` files (what the mirrors serve).
 MNIST_MD5: dict[str, str] = {
@@ -35,6 +36,43 @@ DEFAULT_MIRRORS: tuple[str, ...] = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
 )
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset in MNIST's file layout: where it is published, its checksums, and folders
+    where a system package may already have installed it (searched before any download)."""
+    name: str
+    md5s: dict[str, str]
+    mirrors: tuple[str, ...]
+    system_dirs: tuple[str, ...] = ()
+
+
+DATASETS: dict[str, Dataset] = {
+    "mnist": Dataset("mnist", MNIST_MD5, DEFAULT_MIRRORS),
+    # Zalando's Fashion-MNIST: 28x28 grey images of 10 clothing classes, MNIST's format and sizes;
+    # checksums from its README. Debian's dataset-fashion-mnist installs it (recompressed).
+    "fashion-mnist": Dataset("fashion-mnist", {
+        "train-images-idx3-ubyte": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+        "train-labels-idx1-ubyte": "25c81989df183df01b3e8a0aad5dffbe",
+        "t10k-images-idx3-ubyte": "bef4ecab320f06d8554ea6380940ec79",
+        "t10k-labels-idx1-ubyte": "bb300cfdad3c16e7a12a480ee83cd310",
+    }, ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",), ("/usr/share/datasets/fashion-mnist",)),
+}
+
+
+def dataset_dir(name: str) -> Path:
+    """Where a dataset is read from without `--data`: MNIST at `default_data_dir()` ($EMBER_DATA
+    or ~/.cache/ember/mnist); another dataset at a system package's folder when that holds all
+    its files, else ~/.cache/ember/<name> (downloaded there when missing)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    if name == "mnist":
+        return default_data_dir()
+    for folder in DATASETS[name].system_dirs:
+        if not missing_mnist_files(folder):
+            return Path(folder)
+    return Path.home() / ".cache" / "ember" / name
 
 
 def missing_mnist_files(root: str | os.PathLike) -> list[str]:

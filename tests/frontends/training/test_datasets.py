@@ -153,3 +153,19 @@ def test_download_all_dead(tmp_path, mirror, dead_url):
     assert "--data" in msg and "No network?" in msg
     assert dead_url + "train-images-idx3-ubyte.gz" in msg and dead_url + "x/" in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dataset_dirs(monkeypatch, tmp_path):
+    from ember.frontends.training import datasets as D
+    monkeypatch.setenv("EMBER_DATA", str(tmp_path / "m"))
+    assert D.dataset_dir("mnist") == tmp_path / "m"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    empty = tmp_path / "system"
+    monkeypatch.setitem(D.DATASETS, "fashion-mnist", D.Dataset("fashion-mnist", {}, (), (str(empty),)))
+    assert D.dataset_dir("fashion-mnist") == tmp_path / ".cache" / "ember" / "fashion-mnist"  # system copy incomplete
+    empty.mkdir()
+    for stem in D.MNIST_MD5:
+        (empty / f"{stem}.gz").write_bytes(b"")
+    assert D.dataset_dir("fashion-mnist") == empty
+    with pytest.raises(ValueError, match="unknown dataset 'cifar'; expected one of mnist, fashion-mnist"):
+        D.dataset_dir("cifar")
