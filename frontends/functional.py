@@ -121,6 +121,23 @@ def broadcast_to(x: Operand, shape: Sequence[int]) -> Tensor:
     return _emit("broadcast_to", _nodes(x), shape=tuple(shape))
 
 
+def unsqueeze(x: Operand, dim: int) -> Tensor:
+    """torch.unsqueeze: a new axis of size 1 before `dim` (negative counts from the new rank)."""
+    t = _tensor(x)
+    rank = len(t.shape) + 1
+    if not -rank <= dim < rank:
+        raise ShapeError(f"unsqueeze: dim {dim} out of range for {t.type} (expected -{rank}..{rank - 1}){_at()}")
+    d = dim % rank
+    return reshape(t, t.shape[:d] + (1,) + t.shape[d:])
+
+
+def squeeze(x: Operand, dim: int | Sequence[int] | None = None) -> Tensor:
+    """torch.squeeze: drops the size-1 axes (only those of `dim`, where given; others stay)."""
+    t = _tensor(x)
+    axes = _axes(t, dim) if dim is not None else tuple(range(len(t.shape)))
+    return reshape(t, tuple(d for i, d in enumerate(t.shape) if not (i in axes and d == 1)))
+
+
 # ---- reductions ------------------------------------------------------------------------------
 
 def _axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -200,6 +217,67 @@ def conv2d(x: Operand, weight: Operand, bias: Operand | None = None, stride: int
 def stop_gradient(x: Operand) -> Tensor:
     """x, seen by autodiff as a constant (no gradient flows through it)."""
     return _emit("stop_gradient", _nodes(x))
+
+
+def min(x: Operand, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return neg(max(neg(x), axis, keepdims))
+
+
+def var(x: Operand, axis: int | Sequence[int] | None = None, unbiased: bool = True, keepdims: bool = False) -> Tensor:
+    """torch.var: the mean squared deviation, over n - 1 when `unbiased` (Bessel's correction)."""
+    t = _tensor(x)
+    axes = _axes(t, axis)
+    count = int(np.prod([t.shape[a] for a in axes])) if axes else 1
+    d = sub(t, mean(t, axes, keepdims=True))
+    total = sum(mul(d, d), axes, keepdims)
+    return div(total, float(count - 1 if unbiased else count))
+
+
+def clamp(x: Operand, min: float | Operand | None = None, max: float | Operand | None = None) -> Tensor:  # noqa: A002
+    """torch.clamp: max(x, min) then min(., max) (so min > max gives max, and NaN stays NaN)."""
+    if min is None and max is None:
+        raise ValueError(f"clamp: at least one of min and max must be given{_at()}")
+    t = _tensor(x)
+    if min is not None:
+        t = maximum(t, min)
+    if max is not None:
+        t = minimum(t, max)
+    return t
+
+
+clip = clamp
+
+
+def hardtanh(x: Operand, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    return clamp(x, min_val, max_val)
+
+
+def relu6(x: Operand) -> Tensor:
+    return clamp(x, 0.0, 6.0)
+
+
+def pow(x: Operand, exponent: float) -> Tensor:  # noqa: A001
+    """x ** exponent for the exponents a model uses: small integers (products), 0.5 and -0.5."""
+    t = _tensor(x)
+    e = float(exponent)
+    if e == 0.5:
+        return sqrt(t)
+    if e == -0.5:
+        return reciprocal(sqrt(t))
+    n = int(e)
+    if e != n or not -16 <= n <= 16:  # (`abs` here is the traced op)
+        raise NotImplementedError(f"pow: exponent {exponent} is not supported (integers up to 16, 0.5 and -0.5){_at()}")
+    n = n if n >= 0 else -n
+    if n == 0:
+        return add(mul(t, 0.0), 1.0)
+    result, base = None, t
+    while n:  # square-and-multiply: the rounding of torch's pow differs by ulps, not more
+        if n & 1:
+            result = base if result is None else mul(result, base)
+        n >>= 1
+        if n:
+            base = mul(base, base)
+    return reciprocal(result) if e < 0 else result
 
 
 def log_softmax(x: Operand, axis: int = -1) -> Tensor:

@@ -195,6 +195,16 @@ def current() -> TraceContext:
     return stack[-1]
 
 
+def _axis(axis: Any, dim: Any) -> Any:
+    if dim is not None and axis is not None:
+        raise TypeError("pass the axis once: as a position, `axis=` or torch's `dim=`")
+    return dim if dim is not None else axis
+
+
+def _keep(keepdims: bool, keepdim: bool | None) -> bool:
+    return bool(keepdim) if keepdim is not None else keepdims
+
+
 class _Ops:
     """Operator overloads shared by Tensor and Parameter; each forwards to `functional`."""
 
@@ -228,17 +238,46 @@ class _Ops:
     def flatten(self, start_dim: int = 0, end_dim: int = -1): return F.flatten(self, start_dim, end_dim)
     def transpose(self, a: int, b: int): return F.swapaxes(self, a, b)
     def permute(self, *perm): return F.transpose(self, perm[0] if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm)
-    def sum(self, axis=None, keepdims: bool = False): return F.sum(self, axis, keepdims)
-    def mean(self, axis=None, keepdims: bool = False): return F.mean(self, axis, keepdims)
-    def max(self, axis=None, keepdims: bool = False): return F.max(self, axis, keepdims)
-    def argmax(self, axis: int = -1): return F.argmax(self, axis)
+    # torch spells the axis `dim` and the flag `keepdim`; both spellings are accepted
+    def sum(self, axis=None, keepdims: bool = False, *, dim=None, keepdim=None):
+        return F.sum(self, _axis(axis, dim), _keep(keepdims, keepdim))
+    def mean(self, axis=None, keepdims: bool = False, *, dim=None, keepdim=None):
+        return F.mean(self, _axis(axis, dim), _keep(keepdims, keepdim))
+    def max(self, axis=None, keepdims: bool = False, *, dim=None, keepdim=None):
+        return F.max(self, _axis(axis, dim), _keep(keepdims, keepdim))
+    def min(self, axis=None, keepdims: bool = False, *, dim=None, keepdim=None):
+        return F.min(self, _axis(axis, dim), _keep(keepdims, keepdim))
+    def var(self, axis=None, unbiased: bool = True, keepdims: bool = False, *, dim=None, keepdim=None):
+        return F.var(self, _axis(axis, dim), unbiased, _keep(keepdims, keepdim))
+    def argmax(self, axis: int = -1, *, dim=None): return F.argmax(self, _axis(axis, dim))
+    def softmax(self, dim: int = -1): return F.softmax(self, dim)
+    def log_softmax(self, dim: int = -1): return F.log_softmax(self, dim)
+    def unsqueeze(self, dim: int): return F.unsqueeze(self, dim)
+    def squeeze(self, dim=None): return F.squeeze(self, dim)
+    def clamp(self, min=None, max=None): return F.clamp(self, min, max)  # noqa: A002
+    clip = clamp
+    def pow(self, exponent): return F.pow(self, exponent)
+    def __pow__(self, exponent): return F.pow(self, exponent)
+    def square(self): return F.mul(self, self)
+    def size(self, dim: int | None = None): return self.shape if dim is None else self.shape[dim]
+    def dim(self) -> int: return len(self.shape)
+    def numel(self) -> int: return int(np.prod(self.shape))
+    def detach(self): return F.stop_gradient(self)
+    def contiguous(self): return self  # ember owns layouts: every value is contiguous as far as a model can tell
+    def float(self): return F.cast(self, "float32")
     def relu(self): return F.relu(self)
     def sigmoid(self): return F.sigmoid(self)
     def tanh(self): return F.tanh(self)
     def exp(self): return F.exp(self)
     def log(self): return F.log(self)
     def sqrt(self): return F.sqrt(self)
+    def rsqrt(self): return F.reciprocal(F.sqrt(self))
+    def reciprocal(self): return F.reciprocal(self)
     def abs(self): return F.abs(self)
+    def neg(self): return F.neg(self)
+    def sin(self): return F.sin(self)
+    def cos(self): return F.cos(self)
+    def floor(self): return F.floor(self)
     def astype(self, dtype): return F.cast(self, dtype)
 
 
