@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,10 @@ class Module:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = active()
         if ctx is None:
+            if any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values())):
+                raise TypeError(f"{type(self).__name__} was called on a NumPy array: an ember model runs compiled. "
+                                f"Use step.inference(x) on the step compile() returned, or "
+                                f"ember.frontends.compile_inference(model, x)(x) for a model without a loss")
             return self.forward(*args, **kwargs)
         # nodes built by forward get this module's path (and, called from ember, its line)
         ctx.enter_module(self, in_ember(sys._getframe(1).f_code.co_filename))
@@ -240,6 +244,78 @@ class Sequential(Module):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+
+class ModuleList(Module):
+    """torch.nn.ModuleList: modules held in order (named 0, 1, ...), called by the user's forward."""
+
+    def __init__(self, modules: Iterable[Module] | None = None) -> None:
+        super().__init__()
+        for m in modules or ():
+            self.append(m)
+
+    def append(self, module: Module) -> "ModuleList":
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleList holds ember Modules, got {type(module).__name__}")
+        setattr(self, str(len(self._modules)), module)
+        return self
+
+    def extend(self, modules: Iterable[Module]) -> "ModuleList":
+        for m in modules:
+            self.append(m)
+        return self
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._modules.values()))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def forward(self, *args: Any) -> Tensor:
+        raise NotImplementedError("a ModuleList is not called itself: iterate over it in your forward()")
+
+
+class ModuleDict(Module):
+    """torch.nn.ModuleDict: modules by name, in insertion order."""
+
+    def __init__(self, modules: Mapping[str, Module] | None = None) -> None:
+        super().__init__()
+        for k, m in (modules or {}).items():
+            self[k] = m
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleDict holds ember Modules, got {type(module).__name__} for {key!r}")
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"ModuleDict keys must be identifiers (they name parameters), got {key!r}")
+        setattr(self, key, module)
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._modules
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._modules))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()
+
+    def forward(self, *args: Any) -> Tensor:
+        raise NotImplementedError("a ModuleDict is not called itself: pick its modules in your forward()")
 
 
 class CrossEntropyLoss(Module):

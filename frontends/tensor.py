@@ -212,6 +212,17 @@ class _Ops:
     # Tensor as an opaque object and returns an object array of per-element graph nodes.
     __array_ufunc__ = None
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # torch hands any call on our objects here; without this its error reads
+        # "must be Tensor, not Tensor", naming neither library
+        module = getattr(func, "__module__", None) or "torch"
+        where = "torch" if module.startswith("torch._C") or module == "torch" else module
+        name = f"{where}.{getattr(func, '__name__', func)}"
+        raise TypeError(f"{name} was called on an ember Tensor inside a traced forward(); use "
+                        f"ember.frontends.functional (e.g. F.relu) or the Tensor's own methods, or import "
+                        f"the PyTorch module with ember.frontends.from_torch")
+
     def __add__(self, o): return F.add(self, o)
     def __radd__(self, o): return F.add(o, self)
     def __sub__(self, o): return F.sub(self, o)
@@ -379,6 +390,9 @@ def as_node(x: Any, like: "Tensor | Parameter | None" = None) -> int:
         if arr.dtype == np.float64 and not (like is not None and like.dtype.name == "float64"):
             arr = arr.astype(np.float32)  # Python floats default to the model's float32
         return ctx.graph.add_constant(arr, **ctx.provenance())
+    if type(x).__module__.split(".")[0] == "torch":
+        raise TypeError(f"a torch.{type(x).__name__} cannot be used in a traced ember forward(); pass .numpy() for a "
+                        f"constant, wrap trainable values in ember.frontends.Parameter, or import the module with from_torch")
     raise TypeError(f"cannot use {type(x).__name__} as a traced operand; expected a Tensor, Parameter, array or number")
 
 

@@ -63,3 +63,42 @@ def test_size_dim_numel_and_errors() -> None:
             t ** 1.5
         return t.float()
     trace(f, TensorType(X.shape, "float32"))
+
+
+def test_torch_inside_an_ember_forward_is_named() -> None:
+    for call, said in ((torch.relu, "torch.relu was called on an ember Tensor"),
+                       (lambda t: torch.cat([t, t]), "torch.cat was called on an ember Tensor"),
+                       (lambda t: t @ torch.ones(5, 2), "a torch.Tensor cannot be used in a traced ember forward")):
+        with pytest.raises(TypeError, match=said):
+            trace(call, TensorType((3, 5), "float32"))
+
+
+def test_calling_a_model_on_numpy_says_how_to_run_it() -> None:
+    from ember.frontends import nn
+    with pytest.raises(TypeError, match=r"Linear was called on a NumPy array.*step.inference\(x\).*compile_inference"):
+        nn.Linear(4, 2)(np.zeros((3, 4), np.float32))
+
+
+def test_module_list_and_dict_register_their_modules() -> None:
+    from ember.frontends import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.heads = nn.ModuleDict({"cls": nn.Linear(4, 3)})
+            self.blocks.append(nn.Linear(4, 4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x).relu()
+            return self.heads["cls"](x)
+
+    net = Net()
+    assert list(net.state_dict()) == [f"blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")] + \
+        ["heads.cls.weight", "heads.cls.bias"]
+    assert len(net.blocks) == 3 and "cls" in net.heads and list(net.heads) == ["cls"]
+    g = trace(net, TensorType((2, 4), "float32"))
+    assert g.type(g.outputs["out"]).shape == (2, 3)
+    with pytest.raises(ValueError, match="keys must be identifiers"):
+        net.heads["a.b"] = nn.Linear(1, 1)
