@@ -5,12 +5,14 @@ which builds the ordered (name, pass) list from the record's data (fusion capabi
 selection, alignment). `passes_for(target)` is that list for a registered target; `run_passes`
 runs a list, verifies the graph after every pass, calls the optional before/after hooks, and (with
 `dump_dir` or `$EMBER_DUMP_DIR`) writes the graph after every pass as `NN-<name>.txt` (printer
-text) and `NN-<name>.dot`, the input as `00-input.*`.
+text) and `NN-<name>.dot`, the input as `00-input.*`. Dump files are written whole or not at all
+(`write_text_atomic`), so a full disk leaves no truncated dump that reads as a different graph.
 """
 from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -68,10 +70,31 @@ def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> lis
             ("optimizer", lambda g: apply_optimizer(g, optimizer_config))]
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes `text` to a temporary file beside `path` and renames it over `path`; on failure the
+    temporary file is removed and the OSError names `path`."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno is None:  # not from the system: nothing to restate
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _dump(dump_dir: Path, index: int, name: str, graph: Graph) -> None:
     stem = f"{index:02d}-{name}"
-    (dump_dir / f"{stem}.txt").write_text(format_graph(graph, show_notes=True) + "\n")
-    (dump_dir / f"{stem}.dot").write_text(to_dot(graph))
+    write_text_atomic(dump_dir / f"{stem}.txt", format_graph(graph, show_notes=True) + "\n")
+    write_text_atomic(dump_dir / f"{stem}.dot", to_dot(graph))
 
 
 def run_passes(graph: Graph, passes: Sequence[tuple[str, Pass]], *, dump_dir: str | os.PathLike | None = None,

@@ -43,6 +43,24 @@ def _aligned(nbytes: int, align: int = 64) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _allocate_arena(graph: Graph, nbytes: int) -> np.ndarray:
+    """The step's arena, or a one-line MemoryError that says what asked for so much (the step and
+    its batch) instead of NumPy's allocation traceback: the batch is what the user can change."""
+    try:
+        return _aligned(max(nbytes, 64))
+    except MemoryError as e:
+        kind = "training" if graph.updates else "inference"
+        batches = sorted({t.shape[0] for t in (graph.type(n) for n in graph.inputs.values()) if t.shape})
+        batch = f" for batch {batches[0]}" if len(batches) == 1 else ""
+        reason = " ".join(str(e).split()) or "out of memory"
+        raise MemoryError(f"the {kind} step{batch} plans {_gib(nbytes)} of memory (its arena), which could not be "
+                          f"allocated ({reason}); expected a smaller batch or more memory") from None
+
+
 class CpuExecutor:
     """One compiled CPU step of a fused, memory-planned graph, bound to `storage`."""
 
@@ -83,7 +101,7 @@ class CpuExecutor:
         else:
             self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             self.lib.ember_step.restype = None
-        self.arena = _aligned(max(self.source.arena_bytes, 64))
+        self.arena = _allocate_arena(graph, self.source.arena_bytes)
         self.peak_bytes = self.source.arena_bytes
         self._constants: dict[str, np.ndarray] = {}
         self._ext = (ctypes.c_void_p * max(1, len(self.source.slots)))()

@@ -36,15 +36,29 @@ _DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 def _cupy() -> Any:
     try:
         import cupy
-    except ImportError:
-        raise RuntimeError("device 'cuda' needs CuPy: pip install 'ember[cuda13]' (or 'ember[cuda12]' for CUDA 12)") from None
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            raise RuntimeError("device 'cuda' needs CuPy: pip install 'ember[cuda13]' (or 'ember[cuda12]' for "
+                               "CUDA 12)") from None
+        raise _broken_cupy(exc) from None
+    except Exception as exc:  # CuPy is there but its import fails: a missing CUDA library, a mismatch
+        raise _broken_cupy(exc) from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CuPy raises its own CUDARuntimeError when no driver is present
-        raise RuntimeError(f"device 'cuda' found no usable NVIDIA GPU ({type(exc).__name__}: {exc})") from None
+        raise RuntimeError(f"device 'cuda' found no usable NVIDIA GPU ({type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())})") from None
     if count < 1:
         raise RuntimeError("device 'cuda' found no NVIDIA GPU")
     return cupy
+
+
+def _broken_cupy(exc: Exception) -> RuntimeError:
+    """Says "installed but broken", with CuPy's own reason: calling it missing would send the user
+    to reinstall what is there, when what is wrong is usually its CUDA libraries."""
+    reason = " ".join(str(exc).split())  # CuPy's messages can span lines; the CLI prints one
+    return RuntimeError(f"device 'cuda': CuPy is installed but cannot be imported ({type(exc).__name__}: {reason}); "
+                        f"expected a CuPy build that matches this machine's CUDA (cupy-cuda13x or cupy-cuda12x)")
 
 
 def _c_order(array: Any) -> np.ndarray:
@@ -143,8 +157,8 @@ class CudaExecutor:
         if dump_dir is not None:
             out = Path(dump_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"{name}.cu").write_text(self.source.code)
-            (out / f"{name}.nvrtc_options").write_text(" ".join(options) + "\n")
+            pipeline.write_text_atomic(out / f"{name}.cu", self.source.code)
+            pipeline.write_text_atomic(out / f"{name}.nvrtc_options", " ".join(options) + "\n")
         # CuPy caches the compiled module on disk keyed by source, options, architecture and
         # CUDA version; ember keeps that cache under its own cache directory.
         os.environ.setdefault("CUPY_CACHE_DIR", str(Path(os.environ.get("EMBER_CACHE_DIR") or

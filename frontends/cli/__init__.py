@@ -5,6 +5,8 @@ add_arguments() and main(). The commands are application code: they use the comp
 Ordinary mistakes (a bad flag value, an unusable path, a missing compiler) end in one line,
 ``ember <command>: error: ...`` on stderr and exit status 2; ``--debug`` (or ``EMBER_DEBUG=1``)
 lets the traceback through instead. Ctrl-C before training has started exits quietly with 130.
+A failure of the machine rather than of the arguments (a full disk, an unwritable file found
+only when written, memory a step's plan cannot get) is one line too, with exit status 1.
 """
 from __future__ import annotations
 
@@ -78,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ember {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:
+        if debug:
+            raise
+        print(f"ember {args.command}: error: {e or 'out of memory'}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if debug or e.errno is None:  # no errno: not the system refusing, so likely a bug of ours
+            raise
+        from .cli_checks import describe_os_error
+        where = f"{os.fspath(e.filename)}: " if e.filename is not None else ""
+        print(f"ember {args.command}: error: {where}{describe_os_error(e)}", file=sys.stderr)
+        return 1
 
 
 __all__ = ["COMMANDS", "build_parser", "main"]

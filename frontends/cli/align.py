@@ -305,6 +305,8 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
+    from .cli_checks import check_device
+    check_device(args.device)  # before the data is read: the same line as `ember mnist`
     try:
         import torch  # noqa: F401
     except ImportError:

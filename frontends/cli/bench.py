@@ -343,6 +343,9 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
+    from .cli_checks import check_device, check_tf32
+    check_device(args.device)
+    check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
     models = ["cnn", "mlp"] if args.model == "all" else [args.model]
     if args.device == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench

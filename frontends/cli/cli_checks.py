@@ -4,17 +4,23 @@ A mistake in an output path used to surface only when the file was written: afte
 epoch (--save) or after all of them (--plot), so a long run was lost to a typo. Every check here
 raises `UsageError` with one line naming the flag, the path, the fault and what was expected;
 `ember.frontends.cli` prints it as ``ember <command>: error: ...`` and exits with 2.
+
+Permission bits do not tell whether a file can be made (root passes os.access everywhere, /proc
+and read-only or full file systems refuse anyway), so an output folder is also tried: a real
+temporary file, one byte long, is created in it and removed.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from ..training.metrics import format_loss  # re-exported: the commands print losses with it
 
 __all__ = ["UsageError", "check_output_file", "check_output_dir", "check_plot_file", "check_input_file",
-           "check_hyperparameters", "format_loss"]
+           "check_hyperparameters", "check_device", "check_tf32", "describe_os_error", "format_loss"]
 
 
 class UsageError(Exception):
@@ -23,6 +29,31 @@ class UsageError(Exception):
 
 def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
+
+
+def describe_os_error(e: OSError) -> str:
+    """"No space left on device (errno 28, ENOSPC)": the words, and what to search for."""
+    why = e.strerror or str(e)
+    if e.errno is None:
+        return why
+    return f"{why} (errno {e.errno}, {errno.errorcode.get(e.errno, '?')})"
+
+
+def _try_writing(flag: str, path: Path, folder: Path, expected: str) -> None:
+    """Creates, writes one byte to and removes a temporary file in `folder`."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ember-write-test-")
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create a file in {folder}: {describe_os_error(e)}; "
+                         f"expected {expected}") from None
+    try:
+        os.write(fd, b"\0")
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {folder}: {describe_os_error(e)}; "
+                         f"expected {expected}") from None
+    finally:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -40,6 +71,7 @@ def _check_parent(flag: str, path: Path) -> None:
         raise UsageError(f"{flag} {path}: {base} is a file, not a directory; expected a path in a writable folder")
     if not _writable(base):
         raise UsageError(f"{flag} {path}: cannot write in {base} (permission denied); expected a path in a writable folder")
+    _try_writing(flag, path, base, "a path in a writable folder")
 
 
 def check_output_file(flag: str, path: str | os.PathLike) -> Path:
@@ -55,12 +87,16 @@ def check_output_file(flag: str, path: str | os.PathLike) -> Path:
 
 def check_output_dir(flag: str, path: str | os.PathLike) -> Path:
     """A folder the run will write into (created if missing): not a file, writable."""
+    if os.fspath(path) == "":
+        # Path("") is ".": the files would land in the current folder, mixed with whatever is there
+        raise UsageError(f"{flag} '': an empty path; expected a directory name (use {flag} . for the current one)")
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
             raise UsageError(f"{flag} {p}: is a file; expected a directory (existing or to be created)")
         if not _writable(p):
             raise UsageError(f"{flag} {p}: cannot write in this directory (permission denied)")
+        _try_writing(flag, p, p, "a writable directory")
         return p
     _check_parent(flag, p)
     return p
@@ -96,3 +132,23 @@ def check_hyperparameters(lr: float, momentum: float) -> None:
         raise UsageError(f"--lr {lr}: expected a finite learning rate >= 0")
     if not math.isfinite(momentum) or momentum < 0:
         raise UsageError(f"--momentum {momentum}: expected a finite momentum >= 0")
+
+
+def check_device(device: str) -> None:
+    """The device is a registered backend that can run here (CuPy importable, a GPU present): the
+    one-line reason otherwise, the same for every command."""
+    from ember.runtime import target, target_names
+
+    if device not in target_names():
+        raise UsageError(f"--device {device}: no such backend; available: {', '.join(target_names())}")
+    available = target(device).available
+    if available is not None:
+        try:
+            available()
+        except RuntimeError as exc:
+            raise UsageError(f"--device {device}: {exc}") from None
+
+
+def check_tf32(tf32: bool, device: str) -> None:
+    if tf32 and device != "cuda":
+        raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {device} computes in float32")

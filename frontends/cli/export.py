@@ -11,6 +11,7 @@ and never written anywhere (not to the config, the metrics or a key file). `--mo
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def main(args: Any) -> int:
     path = check_input_file("metrics file", args.metrics, "a JSON-lines metrics file from `ember mnist --metrics-file`")
     if args.log_dir is not None:
         check_output_dir("--log-dir", args.log_dir)
-    records = read_metrics(path)
+    records = read_metrics(path, warn=lambda msg: print(f"ember export-metrics: warning: {msg}", file=sys.stderr))
     if not any(r.get("type") in ("step", "epoch") for r in records):
         raise UsageError(f"{path}: no step or epoch records to export")
     name = args.experiment_name or Path(path).stem

@@ -19,7 +19,9 @@ from ember.runtime import target_names
 
 from ember.frontends import nn, plan
 
+from ..training.checkpoint import atomic_write_bytes
 from ..training.recipes import MODELS, build_model, make_optimizer
+from .cli_checks import check_output_dir, describe_os_error
 
 EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
 
@@ -40,9 +42,10 @@ def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64,
     written = []
     for step, graph in graphs.items():
         source = out / f"{model_name}-{step}{EXTENSIONS.get(target.language or '', '.txt')}"
-        source.write_text(target.source(graph))
+        # whole files or none: a truncated source on a full disk would fail nvcc far from the cause
+        atomic_write_bytes(source, target.source(graph).encode())
         text = out / f"{model_name}-{step}.txt"
-        text.write_text(format_graph(graph, show_notes=True) + "\n")
+        atomic_write_bytes(text, (format_graph(graph, show_notes=True) + "\n").encode())
         written += [source, text]
     return written
 
@@ -59,11 +62,16 @@ def main(args: Any) -> int:
     if args.batch_size < 1:
         print(f"ember kernels: error: --batch-size must be at least 1, got {args.batch_size}", file=sys.stderr)
         return 2
+    out = check_output_dir("--out", args.out)
     try:
-        for path in write_kernels(args.model, args.device, Path(args.out), args.batch_size,
+        for path in write_kernels(args.model, args.device, out, args.batch_size,
                                   "tf32" if args.tf32 else "float32"):
             print(path)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         print(f"ember kernels: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # found only when written (a full disk): the machine failed, not the arguments
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"ember kernels: error: {where}{describe_os_error(exc)}", file=sys.stderr)
+        return 1
     return 0

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ember.runtime import target as get_target
 from ember.runtime import target_names
 from ember.runtime.consistency import ConsistencyError
 
@@ -28,8 +27,8 @@ from ..training.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
 from ..training.recipes import INITS, MODELS, build_model, make_optimizer
 from ..training.trainer import Trainer, check_config
-from .cli_checks import (UsageError, check_hyperparameters, check_input_file, check_output_dir, check_output_file,
-                         check_plot_file)
+from .cli_checks import (UsageError, check_device, check_hyperparameters, check_input_file, check_output_dir,
+                         check_output_file, check_plot_file, check_tf32, describe_os_error)
 
 __all__ = ["add_arguments", "main"]
 
@@ -107,8 +106,7 @@ def _check_args(args: Any) -> None:
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
     check_hyperparameters(args.lr, args.momentum)
-    if getattr(args, "tf32", False) and args.device != "cuda":
-        raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {args.device} computes in float32")
+    check_tf32(getattr(args, "tf32", False), args.device)
     if args.save:
         check_output_file("--save", args.save)
     if args.metrics_file:
@@ -160,9 +158,12 @@ def _prepare_data(args: Any) -> Path:
     return root
 
 
-def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int) -> str:
-    train = f"train loss {format_loss(rec['train_loss'])}"
-    if rec.get("resumed_at_step_in_epoch"):
+def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int | None = None) -> str:
+    train = f"train loss {format_loss(rec['train_loss'])}" if rec["steps"] else "no step ran"
+    if not rec["steps"] and rec.get("resumed_at_step_in_epoch"):
+        train += f": the checkpoint is at step {rec['resumed_at_step_in_epoch'] + 1} of the epoch" + \
+                 (f", past --limit-steps {limit_steps}" if limit_steps else "")
+    elif rec.get("resumed_at_step_in_epoch"):
         # the steps before the resume ran in another process: their losses are not in this mean
         train += f" (steps {rec['resumed_at_step_in_epoch'] + 1}-{rec['resumed_at_step_in_epoch'] + rec['steps']} " \
                  f"of the epoch only, those run since the resume)"
@@ -188,14 +189,7 @@ def main(args: Any) -> int:
 
     from ..training.datasets import DownloadError
 
-    if args.device not in target_names():
-        return _error(f"--device {args.device}: no such backend; available: {', '.join(target_names())}")
-    device_check = get_target(args.device).available
-    if device_check is not None:
-        try:
-            device_check()
-        except RuntimeError as exc:
-            return _error(f"--device {args.device}: {exc}")
+    check_device(args.device)
     _check_args(args)
     comm = _data_parallel_world(args)
     if args.threads is not None:
@@ -278,6 +272,8 @@ def main(args: Any) -> int:
     writers: list[Any] = []
     if args.metrics_file:
         writers.append(MetricsWriter(args.metrics_file, mode="a" if args.resume else "w"))
+        if writers[-1].repaired:
+            print(f"ember mnist: warning: {writers[-1].repaired}", file=sys.stderr, flush=True)
     if args.tensorboard:
         from ..training.trackers import TensorBoardWriter
         writers.append(TensorBoardWriter(args.tensorboard))
@@ -287,7 +283,7 @@ def main(args: Any) -> int:
     trainer.run_record(epochs=args.epochs, resumed_from=args.resume, threads=args.threads)
 
     def on_epoch(rec: dict[str, Any]) -> None:
-        trainer.print(_epoch_line(rec, args.epochs, len(x_test)))
+        trainer.print(_epoch_line(rec, args.epochs, len(x_test), args.limit_steps))
         sys.stdout.flush()
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -300,6 +296,10 @@ def main(args: Any) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
     try:
         trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch)
+    except OSError as e:  # the checkpoint (or a dump of the inference step) could not be written
+        if e.errno is None:
+            raise
+        return _write_failed(e, args, trainer)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -308,6 +308,8 @@ def main(args: Any) -> int:
     if trainer.diverged is not None:
         print(f"ember mnist: error: {_divergence_message(trainer.diverged, args)}", file=sys.stderr)
         return 1  # the run failed, not its arguments (those exit 2)
+    if trainer.write_error is not None:
+        return _write_failed(trainer.write_error, args, trainer)
     if trainer.stop_requested and trainer.epoch < args.epochs:
         print(f"stopped at step {trainer.global_step}" + (f"; resume with --resume {args.save}" if args.save else ""))
         return 130
@@ -315,11 +317,45 @@ def main(args: Any) -> int:
         print(f"saved {args.save}")
     if args.plot:
         from ..training.plotting import plot_metrics, run_title
-        records = read_metrics(args.metrics_file) if args.metrics_file else trainer.records
-        plot_metrics(records, args.plot, title=run_title(records))
+        records = read_metrics(args.metrics_file, warn=lambda m: print(f"ember mnist: warning: {m}", file=sys.stderr)) \
+            if args.metrics_file else trainer.records
+        try:
+            plot_metrics(records, args.plot, title=run_title(records))
+        except OSError as e:
+            if e.errno is None:
+                raise
+            kept = "keeps its previous contents" if Path(args.plot).exists() else "was not written"
+            print(f"ember mnist: error: --plot {args.plot}: {describe_os_error(e)}; the file {kept}", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}")
     print(f"done in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _write_failed(e: OSError, args: Any, trainer: Trainer) -> int:
+    """One line for an output that failed mid-run (a full disk): which flag and file, why, and
+    where the run stopped; the exit status of a failed run, 1."""
+    def named(err: OSError) -> str:
+        where = os.fspath(err.filename) if err.filename is not None else None
+        for flag, path in (("--save", args.save), ("--metrics-file", args.metrics_file)):
+            if path and where is not None and Path(where) == Path(path):
+                return f"{flag} {path}"
+        return where or "an output"
+
+    if trainer.write_error is e:
+        what = f"{named(e)}: a record could not be written: {describe_os_error(e)}"
+    elif args.save and named(e) == f"--save {args.save}":
+        kept = "keeps its previous contents" if Path(args.save).exists() else "was not written"
+        what = f"--save {args.save}: the checkpoint could not be written: {describe_os_error(e)}; the file {kept}"
+    else:
+        what = f"{named(e)}: {describe_os_error(e)}"
+    what += f"; stopped at step {trainer.global_step}"
+    if trainer.write_error is not None and trainer.write_error is not e:
+        what += f" (after {named(trainer.write_error)} failed: {describe_os_error(trainer.write_error)})"
+    elif args.save and trainer.saved_at == trainer.global_step:
+        what += f", saved {args.save} (resume with --resume {args.save})"
+    print(f"ember mnist: error: {what}", file=sys.stderr)
+    return 1
 
 
 def _data_parallel_world(args: Any) -> Any:

@@ -4,6 +4,7 @@ runs (several files overlay, labelled by file name); the drawing is
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ def main(args: Any) -> int:
     runs = []
     for path in args.metrics:
         check_input_file("metrics file", path, "a JSON-lines file from `ember mnist --metrics-file`")
-        runs.append((Path(path).stem if len(args.metrics) > 1 else "", read_metrics(path)))
+        records = read_metrics(path, warn=lambda msg: print(f"ember plot: warning: {msg}", file=sys.stderr))
+        runs.append((Path(path).stem if len(args.metrics) > 1 else "", records))
     title = args.title or (run_title(runs[0][1]) if len(runs) == 1 else None)
     out = plot_metrics(runs, args.output, title=title)
     print(f"wrote {out}")

@@ -65,17 +65,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Writes `data` to `path` via a temporary file in the same folder, fsync and os.replace.
 
     On any failure (including KeyboardInterrupt) the temporary file is removed and `path` is
-    left exactly as it was.
+    left exactly as it was. An OSError names `path` (its filename), not the temporary file, which
+    no longer exists by then.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             _write(f, data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno is None:  # not from the system: nothing to restate
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -12,24 +12,39 @@ A metrics file holds one JSON object per line, each with a "type":
   (mean per-sample loss of the epoch), ``test_loss``, ``test_acc`` (a fraction),
   ``samples_per_s``, ``epoch_seconds`` (training only, evaluation excluded),
   ``eval_seconds`` and ``time``.
+
+Each record is one line written whole or not at all (see `MetricsWriter`), so a full disk never
+leaves a cut line; a file cut by a crash mid-write (or by an older ember) loses only that last
+line: readers skip it with a warning, and a resumed run removes it before appending.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "cross_entropy_sum", "correct_count", "epoch_records",
+__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "MetricsWriteError", "MetricsWarning", "cross_entropy_sum", "correct_count", "epoch_records",
            "format_loss"]
 
 
 class MetricsError(ValueError):
     """A metrics file that is not JSON lines of records; the message names file and line."""
+
+
+class MetricsWriteError(OSError):
+    """A record could not be written (full disk, vanished folder); errno and filename are set, and
+    the file was cut back to its last whole line."""
+
+
+class MetricsWarning(UserWarning):
+    """Something a reader skipped (a cut last line)."""
 
 
 def _clean(value: Any) -> Any:
@@ -46,9 +61,16 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to a JSON-lines file, one flushed line each (a crash loses no record).
+    """Appends records to a JSON-lines file, each line whole or not at all.
 
-    mode "w" starts a new file; "a" continues one (a resumed run appends to its history).
+    A record is built in full and handed to the kernel with os.write on an O_APPEND descriptor
+    (no Python buffer, so a crash loses no record and close() has nothing left to fail on); a
+    write that fails part-way, as on a full disk, is cut back to the size before it, so the file
+    never ends in half a record. The failure raises MetricsWriteError.
+
+    mode "w" starts a new file; "a" continues one (a resumed run appends to its history), after
+    removing a cut last line (a crash mid-write, an older ember): `repaired` then says what was
+    dropped, for the caller to report.
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "w") -> None:
@@ -57,18 +79,73 @@ class MetricsWriter:
         self.path = Path(path)
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: IO[str] | None = open(self.path, mode, encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if mode == "w" else 0)
+        self._fd: int | None = os.open(self.path, flags, 0o666)
+        self.repaired: str | None = None
+        if mode == "a":
+            try:
+                self.repaired = self._end_on_a_whole_line()
+            except OSError as e:
+                self.close()
+                raise MetricsWriteError(e.errno, e.strerror, os.fspath(self.path)) from None
+
+    def _end_on_a_whole_line(self) -> str | None:
+        """Makes the file end with a newline, so the next record starts a line of its own: a last
+        line that is a whole record lacking only its newline gets one; anything else is cut off."""
+        assert self._fd is not None
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return None
+        with open(self.path, "rb") as f:
+            pos, tail = size, b""
+            while pos > 0:  # back to the last newline, a block at a time (the file may be long)
+                n = min(pos, 1 << 16)
+                pos -= n
+                f.seek(pos)
+                tail = f.read(n) + tail
+                if b"\n" in tail[:n]:
+                    break
+        cut = tail[tail.rfind(b"\n") + 1:]
+        if not cut:
+            return None
+        try:
+            whole = isinstance(json.loads(cut), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            self._write_all(b"\n")
+            return None
+        os.ftruncate(self._fd, size - len(cut))
+        return (f"{self.path}: removed its cut last line ({len(cut)} bytes of an unfinished record, "
+                f"from an interrupted write) before appending")
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        done = 0
+        while done < len(data):  # os.write returns short only when the disk fills mid-line
+            n = os.write(self._fd, data[done:])
+            if n == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            done += n
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._f is None:
+        if self._fd is None:
             raise ValueError(f"{self.path}: metrics writer is closed")
-        self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
-        self._f.flush()
+        data = (json.dumps(_clean(record), allow_nan=False) + "\n").encode("utf-8")
+        before = os.fstat(self._fd).st_size
+        try:
+            self._write_all(data)
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, before)
+            except OSError:
+                pass  # nothing more to do; readers skip a cut last line
+            raise MetricsWriteError(e.errno, e.strerror, os.fspath(self.path)) from None
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -92,10 +169,11 @@ def _check_types(rec: dict[str, Any], where: str) -> None:
             raise MetricsError(f"{where}: field {key!r} of a {rec['type']!r} record is {v!r}; expected a number")
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_metrics(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of a metrics file, in order; blank lines are skipped. A line that is not a
     JSON object with a "type", or whose step/epoch numbers are not numbers, raises MetricsError
-    naming the file and line number."""
+    naming the file and line number, except a last line cut short (no newline, not valid JSON:
+    a crash mid-write), which is skipped and reported through `warn` (default: a MetricsWarning)."""
     records = []
     name = os.fspath(path)
     with open(path, encoding="utf-8") as f:
@@ -107,6 +185,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if not line.endswith("\n"):  # only the last line can lack its newline
+                        msg = (f"{name}:{lineno}: skipped the cut last line ({len(line)} characters of an "
+                               f"unfinished record: the run writing it was interrupted)")
+                        if warn is None:
+                            warnings.warn(msg, MetricsWarning, stacklevel=2)
+                        else:
+                            warn(msg)
+                        break
                     raise MetricsError(f"{name}:{lineno}: not valid JSON ({e.msg}); "
                                        f"expected one JSON object per line") from None
                 if not isinstance(rec, dict) or "type" not in rec:

@@ -7,11 +7,13 @@ the figure is drawn with the non-interactive Agg backend, so no display is neede
 """
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import atomic_write_bytes
 from .metrics import MetricsError
 
 __all__ = ["plot_metrics", "run_title"]
@@ -31,7 +33,10 @@ def _pyplot():
 
 def plot_metrics(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]] | Sequence[dict[str, Any]],
                  out: str | os.PathLike, title: str | None = None) -> Path:
-    """Draws the curves of one run (a list of records) or several ((label, records) pairs) to `out`."""
+    """Draws the curves of one run (a list of records) or several ((label, records) pairs) to `out`.
+
+    The image is drawn in memory and written through a temporary file renamed over `out`, so a
+    full disk leaves `out` as it was (no 0-byte or half image); the OSError names `out`."""
     if runs and isinstance(runs[0], dict):
         runs = [("", runs)]  # type: ignore[list-item]
     plt = _pyplot()
@@ -78,10 +83,12 @@ def plot_metrics(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]] | Sequence
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
-    if out.parent != Path(""):
-        out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:  # a name without an extension is a PNG, as savefig(path) makes it
+        fig.savefig(image, dpi=110, format=out.suffix[1:].lower() or "png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(out, image.getvalue())
     return out
 
 

@@ -37,7 +37,9 @@ class Trainer:
     limit_steps: stop each epoch after this many steps (CI and smoke runs). loss_fn: the training
     loss (default cross-entropy; evaluation reports cross-entropy and accuracy of the logits).
     metrics: a MetricsWriter (or None) that receives every record; records are also kept in
-    `self.records`. config: settings stored in checkpoints and in the run record.
+    `self.records`. A record that cannot be written (a full disk) stops the run as Ctrl-C does:
+    the step in flight completes, fit() saves, and `write_error` holds the OSError.
+    config: settings stored in checkpoints and in the run record.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train: tuple[np.ndarray, np.ndarray],
@@ -99,6 +101,8 @@ class Trainer:
         self.stop_requested = False  # set (e.g. by a signal handler) to stop after the current step
         self.resume_note: str | None = None  # set by load() when the progress had to be mapped
         self.diverged: dict[str, Any] | None = None  # the "diverged" record once the loss is not finite
+        self.write_error: OSError | None = None  # the first failed metrics write; none is tried after it
+        self.saved_at: int | None = None  # global step of the last checkpoint this trainer wrote
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
@@ -116,8 +120,14 @@ class Trainer:
     # ---- records -----------------------------------------------------------------------------
     def record(self, rec: dict[str, Any]) -> None:
         self.records.append(rec)
-        if self.metrics is not None:
-            self.metrics.write(rec)
+        if self.metrics is not None and self.write_error is None:
+            try:
+                self.metrics.write(rec)
+            except OSError as e:
+                # a full disk must not kill the run mid-step and lose what it trained: stop as
+                # Ctrl-C does (agreed by every rank, checkpoint saved) and let the caller report it
+                self.write_error = e
+                self.stop_requested = True
 
     def _agree_to_stop(self) -> bool:
         """stop_requested, agreed by every rank (a 1-value all-reduce per step in data parallel):
@@ -235,9 +245,10 @@ class Trainer:
         bar.close()
         if stopped:
             return {"type": "stopped", "epoch": epoch_no, "step": self.global_step, "step_in_epoch": self.step_in_epoch}
+        # no step ran (resumed at or past limit_steps): no training loss, rather than a loss of 0
         rec: dict[str, Any] = {"type": "epoch", "epoch": epoch_no, "step": self.global_step, "steps": steps,
-                               "samples": samples, "train_loss": loss_sum / max(samples, 1),
-                               "train_loss_batch_mean": batch_loss_sum / max(steps, 1)}
+                               "samples": samples, "train_loss": loss_sum / samples if samples else None,
+                               "train_loss_batch_mean": batch_loss_sum / steps if steps else None}
         if skip:
             rec["resumed_at_step_in_epoch"] = skip
         t_eval = time.perf_counter()
@@ -272,9 +283,11 @@ class Trainer:
     def fit(self, epochs: int, save: str | os.PathLike | None = None,
             on_epoch: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Trains until `epochs` epochs are done in all (a resumed trainer continues its count);
-        saves a checkpoint to `save` after every epoch and when stopped early."""
+        saves a checkpoint to `save` after every epoch and when stopped early (unless stopped
+        before any step ran: the file on disk then already holds this state, or a better one)."""
         done = []
         self.target_epochs = epochs
+        start_step = self.global_step
         while self.epoch < epochs:
             rec = self.train_epoch() if not self.stop_requested else {"type": "stopped"}
             if rec["type"] == "diverged":
@@ -289,9 +302,9 @@ class Trainer:
                                  "reason": "parameters"}
                 self.record(self.diverged)
                 break
-            if save is not None:
+            if save is not None and (rec["type"] != "stopped" or self.global_step > start_step):
                 self.save(save)
-            if rec["type"] == "stopped":
+            if rec["type"] == "stopped" or self.stop_requested:
                 break
         return done
 
@@ -309,6 +322,7 @@ class Trainer:
         save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
                         step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config,
                         world_size=self.world_size, global_batch=self.loader.batch_size * self.world_size)
+        self.saved_at = self.global_step
 
     def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
         """Restores parameters, optimizer state and progress from a checkpoint (a path or a loaded
