@@ -422,3 +422,83 @@ def test_relu_mask_epilogue(mask_lib, case):
     assert not np.isnan(out).any()
     assert (out[mask <= 0] == 0).all()
     assert_close(out, np.where(mask > 0, ref, 0).astype(np.float32), red)
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_relu_mask_of_a_nan_activation_blocks_the_gradient(mask_lib, case):
+    """The interpreter's ReLU VJP is where(y > 0, dy, 0): a NaN (or -inf) forward activation
+    passes no gradient, a +inf one passes it; the epilogue must agree."""
+    cid, kind, p = case
+    rng = _rng(8)
+    if kind == "gin":
+        N, C, H, W, O, KH, KW = (p[k] for k in ("N", "C", "H", "W", "O", "KH", "KW"))
+        HO, WO = _out_hw(H, W, KH, KW, p["stride"], p["padding"])
+        args, shape = [_f32(rng, N, O, HO, WO), _f32(rng, O, C, KH, KW)], (N, C, H, W)
+    else:
+        M, Nn, K, ta, tb = (p[k] for k in ("M", "N", "K", "trans_a", "trans_b"))
+        args = [_f32(rng, *((K, M) if ta else (M, K))), _f32(rng, *((Nn, K) if tb else (K, Nn))), None]
+        shape = (M, Nn)
+    mask = np.abs(_f32(rng, *shape)) + 0.5
+    flat = mask.reshape(-1)
+    flat[0::7], flat[3::11], flat[5::13] = np.nan, -np.inf, np.inf
+    out, plain = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    mask_lib(f"mk_{cid}", *args, mask, out)
+    mask_lib(f"mk_{cid}", *args, np.ones(shape, np.float32), plain)
+    np.testing.assert_array_equal(out, np.where(mask > 0, plain, np.float32(0)))
+
+
+def _poison(a: np.ndarray, seed: int) -> np.ndarray:
+    """`a` with a few NaN, +inf and -inf elements at random places."""
+    flat = a.reshape(-1)
+    idx = np.random.default_rng(seed).permutation(flat.size)[:6]
+    flat[idx] = [np.nan, np.inf, -np.inf, np.nan, np.inf, -np.inf][:idx.size]
+    return a
+
+
+def _assert_nonfinite_close(got, ref, reduction):
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg="NaN positions")
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref), err_msg="+inf positions")
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref), err_msg="-inf positions")
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], reduction)
+
+
+# Every relu case: conv in the flat, row and generic (strided) modes, matmul in the dot and axpy
+# forms, each with its vector epilogue and scalar tails.
+RELU_CONV = [c for c in CONV_CASES if c[-1] and c[0] != "mnist_conv2"]
+RELU_MATMUL = [c for c in MATMUL_CASES if c[-1]]
+
+
+@pytest.mark.parametrize("case", RELU_CONV, ids=[c[0] for c in RELU_CONV])
+def test_conv2d_forward_relu_passes_nan_and_inf(libs, case):
+    """relu(NaN) is NaN (torch.relu and the interpreter): a NaN input or bias must not come out 0."""
+    cid, N, C, H, W, O, KH, KW, st, pd, bias, relu = case
+    HO, WO = _out_hw(H, W, KH, KW, st, pd)
+    rng = _rng(11)
+    x, w = _poison(_f32(rng, N, C, H, W), 1), _f32(rng, O, C, KH, KW)
+    b = _f32(rng, O) if bias else None
+    if bias:
+        b[[0, O - 1]] = [np.nan, np.inf]
+    y = np.full((N, O, HO, WO), -1.0, np.float32)
+    libs[f"fwd_{cid}"](f"fwd_{cid}", x, w, b, y)
+    with np.errstate(invalid="ignore"):
+        ref = conv_fwd_ref(x, w, b, st, pd, relu)
+    assert np.isnan(ref).any()
+    _assert_nonfinite_close(y, ref, C * KH * KW)
+
+
+@pytest.mark.parametrize("case", RELU_MATMUL, ids=[c[0] for c in RELU_MATMUL])
+def test_matmul_relu_passes_nan_and_inf(libs, case):
+    cid, M, N, K, ta, tb, batch, bias, relu = case
+    rng = _rng(12)
+    A = _poison(_f32(rng, batch, *((K, M) if ta else (M, K))), 2)
+    B = _f32(rng, batch, *((N, K) if tb else (K, N)))
+    b = _f32(rng, N) if bias else None
+    if bias:
+        b[[0, N - 1]] = [np.nan, np.inf] if N > 1 else [np.nan]
+    C = np.full((batch, M, N), -1.0, np.float32)
+    libs[f"mm_{cid}"](f"mm_{cid}", A, B, b, C)
+    with np.errstate(invalid="ignore"):
+        ref = matmul_ref(A, B, b, ta, tb, relu)
+    assert np.isnan(ref).any()
+    _assert_nonfinite_close(C, ref, K)

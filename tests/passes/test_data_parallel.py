@@ -38,10 +38,27 @@ def test_buckets_hold_parameters_in_reverse_order_of_use():
     # a cap below every gradient: one bucket per gradient, in the same order
     tiny = plan_buckets(step, bucket_bytes=1)
     assert [b["params"] for b in tiny] == [[p] for p in one[0]["params"]]
-    # a cap of 1000 bytes: 2.* (40 + 1200 bytes) -> the 1200-byte gradient starts a new bucket
+    # a cap of 1300 bytes: 2.* (40 + 1200 bytes) share a bucket, 0.bias (120) starts the next
     mid = plan_buckets(step, bucket_bytes=1300)
     assert [p for b in mid for p in b["params"]] == one[0]["params"]
     assert all(b["bytes"] <= 1300 or len(b["nodes"]) == 1 for b in mid)
+
+
+def test_a_gradient_that_exactly_fills_the_cap_joins_the_bucket():
+    """The cap is inclusive (PyTorch DDP's bucket_cap_mb is a limit a bucket may reach): the
+    exact split at the boundary, one byte either side."""
+    step, params, _ = _case(mlp, (8, 784))
+    order = plan_buckets(step)[0]["params"]
+    size = {p: params[p].nbytes for p in order}
+    assert sorted(size.values()) == [40, 120, 1200, 94080]
+    cap = size[order[0]] + size[order[1]]   # the two gradients of layer 2 exactly
+    split = plan_buckets(step, bucket_bytes=cap)
+    assert [b["params"] for b in split] == [order[:2], [order[2]], [order[3]]]
+    assert [b["bytes"] for b in split] == [cap, size[order[2]], size[order[3]]]
+    assert plan_buckets(step, bucket_bytes=cap - 1)[0]["params"] == [order[0]]
+    # a cap that the first three fill exactly
+    three = plan_buckets(step, bucket_bytes=cap + size[order[2]])
+    assert [b["params"] for b in three] == [order[:3], [order[3]]]
 
 
 @pytest.mark.parametrize("opt", [SGD(lr=0.05, momentum=0.9), Adam()], ids=["sgd", "adam"])
