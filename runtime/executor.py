@@ -40,7 +40,8 @@ class Storage:
     def add(self, name: str, array: np.ndarray) -> None:
         raise NotImplementedError
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy of `name`, into `out` (a C-contiguous array of its shape and dtype) if given."""
         raise NotImplementedError
 
     def write(self, name: str, value: np.ndarray) -> None:
@@ -114,8 +115,11 @@ class HostStorage(Storage):
             raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
         np.copyto(target, value, casting="same_kind")
 
-    def read(self, name: str) -> np.ndarray:
-        return self._arrays[name].copy()
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return self._arrays[name].copy()
+        np.copyto(out, self._arrays[name])
+        return out
 
     def host_array(self, name: str) -> np.ndarray | None:
         return self._arrays[name]
