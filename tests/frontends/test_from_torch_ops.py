@@ -273,3 +273,24 @@ def test_checkpoint_round_trip_keeps_batch_norm_state(tmp_path):
         assert a(x, y) == b(x, y)
     for k, v in a.state_dict().items():
         np.testing.assert_array_equal(b.state_dict()[k], v, err_msg=k)
+
+
+def test_import_copies_parameters_and_buffers_so_training_leaves_torch_untouched():
+    tm = BN()
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((8, 1, 6, 6)).astype(np.float32)
+    before = {k: v.clone() for k, v in tm.state_dict().items()}
+    model = from_torch(tm, torch.from_numpy(x0))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x0, rng.integers(0, 10, 8)),
+                   device="cpu")
+    for _ in range(3):
+        step((rng.standard_normal((8, 1, 6, 6)) + 1).astype(np.float32), rng.integers(0, 10, 8))
+    assert model.state_dict()["bn.num_batches_tracked"] == 3
+    after = tm.state_dict()
+    assert list(after) == list(before)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{k} of the torch module changed"
+    again = from_torch(tm, torch.from_numpy(x0)).state_dict()  # a second import starts where the first did
+    for k, v in before.items():
+        np.testing.assert_array_equal(again[k], v.numpy(), err_msg=k)
+
