@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import functional as F
-from .tensor import Buffer, Parameter, Tensor, active, caller_location, in_ember, model_changed
+from .tensor import Buffer, Parameter, Tensor, active, caller_location, in_ember, model_changed, user_location
 
 _rng = np.random.default_rng(0)
 
@@ -355,6 +355,12 @@ class BatchNorm2d(Module):
             raise ValueError(f"BatchNorm2d({c}) expects an (N, {c}, H, W) input, got {x.type}")
         ctx = active()
         if self.training:
+            n, _, h, w = x.shape
+            if n * h * w == 1:  # PyTorch raises too: a variance of one value is 0 and its unbiased form 0/0
+                name = f" {ctx.scope()!r}" if ctx is not None and ctx.scope() else ""
+                raise ValueError(f"BatchNorm2d({c}){name} expected more than 1 value per channel when training, "
+                                 f"got input {x.type} (1 image of 1x1); use a batch of "
+                                 f"at least 2, or model.eval() ({user_location()})")
             mean = F.mean(x, (0, 2, 3), keepdims=True)
             centred = F.sub(x, mean)
             var = F.mean(F.mul(centred, centred), (0, 2, 3), keepdims=True)
