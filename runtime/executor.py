@@ -5,7 +5,9 @@ An executor runs one compiled step: `outputs = executor(inputs)`. Parameters and
 state are not arguments: they live in a target's `Storage` (host arrays here) that several
 executors share (the training step, the step compiled for a last partial batch, the inference
 step), and every `update` of the graph is written back into those arrays in place at the end of
-the call, so a caller holding a parameter array always sees its current value.
+the call, so a caller holding a host storage's array always sees its current value (a device
+storage's values reach the host only through `read`; the frontend's `TrainStep` keeps the model's
+arrays current with it).
 """
 from __future__ import annotations
 
