@@ -87,7 +87,7 @@ class _Link:
             value = held._data = np.array(value, order="C", copy=True)
         if new:
             self.storage.add(name, value)
-        else:
+        elif value is not self.storage.host_array(name):  # two host steps of one model share arrays
             self.storage.write(name, value)
         host = self.storage.host_array(name)
         self.device = host is None

@@ -199,3 +199,21 @@ def test_a_replaced_parameter_of_another_shape_or_structure_is_refused():
     model.head = nn.Linear(10, 2)
     with pytest.raises(ValueError, match=r"^parameter 'head.weight' was added after compile\(\)"):
         step(x, y)
+
+
+def test_two_steps_of_one_model_take_turns(device):
+    # each step takes the model's current values when it runs: alternating them trains like one
+    # (plain SGD: no optimizer state, which each step keeps its own of)
+    def sgd(m, dev):
+        return compile(m, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), _batches(1)[0], device=dev)
+    model, twin = Net(), Net()
+    a, b, ref = sgd(model, device), sgd(model, "reference"), sgd(twin, "reference")
+    for x, y in _batches(4):
+        a(x, y)
+        b(x, y)
+        ref(x, y)
+        ref(x, y)
+    got, want = model.state_dict(), twin.state_dict()
+    assert int(got["bn.num_batches_tracked"]) == 8
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
