@@ -108,14 +108,13 @@ def test_writes_reach_the_next_step(device):
     model.bn.running_var.data = np.full(4, 4.0, np.float32)
     model.fc.weight.data[...] = 0.0
     model.fc.weight.data[0, :] = 1.0
-    h = model.conv.weight.data  # the conv's output, then BatchNorm by the written statistics
-    conv = F_conv_numpy(x, h, model.conv.bias.data)
+    conv = _conv3x3(x, model.conv.weight.data, model.conv.bias.data)  # then BatchNorm by the written statistics
     bn = (conv - 1.0) / np.sqrt(4.0 + 1e-5) * model.bn.weight.data[:, None, None] + model.bn.bias.data[:, None, None]
     want0 = np.maximum(bn, 0).reshape(8, -1).sum(1) + 2.0
     np.testing.assert_allclose(step.inference(x)[:, 0], want0, rtol=1e-4, atol=1e-4)
 
 
-def F_conv_numpy(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _conv3x3(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """A valid 3x3 convolution of (N, 1, H, W) images, in NumPy."""
     n, _, hh, ww = x.shape
     out = np.zeros((n, w.shape[0], hh - 2, ww - 2), np.float64)
