@@ -6,11 +6,13 @@
     logits = step.inference(x)   # the model alone, on the same parameters
 
 The step traces `loss_fn(model(x), y)`, builds the train graph (autodiff, optimizer), runs the
-target's passes and hands the result to the device's executor. Parameters live in one `Storage`
-whose parameter arrays *are* the model's `Parameter.data` arrays, updated in place, so the model
-always shows the trained values; optimizer state lives there too. Every other compiled graph (a
-last partial batch, inference at any batch size) is compiled on first use, cached by input
-types, and shares that storage.
+target's passes and hands the result to the device's executor. Parameters, module buffers and
+optimizer state live in one `Storage`. On the host its parameter arrays *are* the model's
+`Parameter.data` arrays, updated in place; on a device a `_Link` keeps the model's arrays current
+lazily (pulled when read after a step, pushed before the next step when they may have been
+written), so on every device the model shows the trained values and a value written into it
+reaches the next step. Every other compiled graph (a last partial batch, inference at any batch
+size) is compiled on first use, cached by input types, and shares that storage.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
 from .nn import Module
 from .optim import as_config
-from .tensor import Parameter
+from .tensor import Buffer, Held, model_changed, model_epoch
 from .tracing import example_type, trace
 
 
@@ -61,6 +63,67 @@ def _check_batch(types: "tuple[TensorType, ...] | list[TensorType]", names: tupl
     for name, t in zip(names, types):
         if t.shape and t.shape[0] == 0:
             raise ValueError(f"{what}: input {name!r} has a batch of 0 samples (type {t}); expected at least 1")
+
+
+class _Link:
+    """Ties the model's Parameters and Buffers (`tensor.Held`) to one step's storage.
+
+    `version` counts the calls that may have changed the storage (on a device a held array is
+    stale when it last matched an older version); `written` holds the arrays the user may have
+    written since, pushed before the next call. On the host the arrays are the storage's own:
+    nothing is pulled, and only a rebound `.data` is written back (and pointed at storage again).
+    """
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.device = True  # until a name shows the storage shares host arrays (`attach`)
+        self.version = 0
+        self.written: dict[str, Held] = {}
+
+    def attach(self, name: str, held: Held, new: bool) -> None:
+        """Makes `held` the array behind `name`: added to storage (`new`) or written into it."""
+        value = held._read()  # current, also when another step held it until now
+        if not isinstance(value, np.ndarray) or not value.flags.c_contiguous or not value.flags.writeable:
+            value = held._data = np.array(value, order="C", copy=True)
+        if new:
+            self.storage.add(name, value)
+        elif value is not self.storage.host_array(name):  # two host steps of one model share arrays
+            self.storage.write(name, value)
+        host = self.storage.host_array(name)
+        self.device = host is None
+        if host is not None:
+            held._data = host
+        if held._link is not None and held._link is not self:
+            model_changed()  # the step that held it takes it back on its next call
+        held._link, held._name, held._seen = self, name, self.version
+        self.written.pop(name, None)
+
+    def fetch(self, held: Held, written: bool) -> None:
+        if held._seen != self.version:
+            self.storage.read(held._name, out=held._data)
+            held._seen = self.version
+        if written:
+            self.written[held._name] = held
+
+    def rebound(self, held: Held) -> None:
+        held._seen = self.version  # what the host holds now is the value
+        self.written[held._name] = held
+
+    def push(self) -> None:
+        for name, held in self.written.items():
+            if held._link is not self:
+                continue
+            value, host = held._data, self.storage.host_array(name)
+            if value is host:
+                continue
+            self.storage.write(name, value)
+            want = self.storage.type_of(name).dtype.numpy
+            if host is not None:
+                held._data = host
+            elif not (isinstance(value, np.ndarray) and value.dtype == want and value.flags.c_contiguous
+                      and value.flags.writeable):
+                held._data = np.array(value, dtype=want, order="C", copy=True)  # later pulls land in it
+        self.written.clear()
 
 
 class TrainStep:
@@ -101,8 +164,10 @@ class TrainStep:
         root = dump_dir if dump_dir is not None else os.environ.get("EMBER_DUMP_DIR") or None
         self.dump_dir = Path(root) if root is not None else None
         self.storage = self.target.storage()
-        self._params: dict[str, Parameter] = {}
-        self._host: dict[str, np.ndarray] = {}  # name -> the array `Parameter.data` was last synchronised with
+        self._link = _Link(self.storage)
+        self._params: dict[str, Held] = {}  # name -> the Parameter or Buffer held in storage
+        # what the model held at compile(): a name added later is refused (the step would not train it)
+        self._model_names = {name for name, _ in model._named_state()}
         self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._inference: dict[tuple[Any, ...], tuple[Graph, Executor]] = {}  # (types, training)
         self._by_key: dict[tuple, Executor] = {}
@@ -110,6 +175,7 @@ class TrainStep:
         self._example = tuple(example_type(a) for a in example_inputs)
         _check_batch(self._example, ("x", "y"), "example_inputs")
         self._train_executor(self._example)  # compile eagerly: errors surface at compile()
+        self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
         self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
 
     def sync_ranks(self) -> None:
@@ -123,23 +189,20 @@ class TrainStep:
             self.comm.broadcast_storage(self.storage)
         else:
             broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+        self._link.version += 1  # the storage changed under the model's arrays
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:
-        """Adds the parameters the graph's trace touched (the model's own arrays) and any
-        optimizer state not yet held to the shared storage."""
-        # buffers (module state) are held like parameters: storage shares the model's arrays
+        """Adds the parameters and buffers the graph's trace touched and any optimizer state not
+        yet held to the shared storage."""
         held = {**graph.meta.get("parameters", {}), **graph.meta.get("buffers", {})}
         for name, p in held.items():
             if name in self._params:
                 if self._params[name] is not p:
                     raise ValueError(f"parameter name {name!r} now names a different Parameter object")
                 continue
-            if not p.data.flags.c_contiguous or not p.data.flags.writeable:
-                p.data = np.ascontiguousarray(p.data).copy()
+            self._link.attach(name, p, new=True)
             self._params[name] = p
-            self.storage.add(name, p.data)
-            self._host[name] = p.data
         for name, value in initial_state(graph).items():
             if name not in self.storage:
                 self.storage.add(name, value)
@@ -187,22 +250,43 @@ class TrainStep:
         return hit[1]
 
     def _sync(self) -> None:
-        """Re-adopts a parameter whose `.data` the user rebound to a new array: its values are
-        copied into storage and `.data` points at the storage's host array again (where the
-        storage has one; on a device `.data` is the host copy last synchronised)."""
-        for name, p in self._params.items():
-            if p.data is not self._host[name]:
-                self.storage.write(name, p.data)
-                if self._host[name] is not None and self.storage.host_array(name) is not None:
-                    p.data = self._host[name]
-                else:
-                    self._host[name] = p.data
+        """Before anything runs: the model's current Parameters and Buffers adopted (when an
+        assignment in it changed the epoch) and the values the user may have written pushed into
+        storage. An untouched training loop does two comparisons here, and copies nothing."""
+        if self._epoch != model_epoch():
+            self._adopt()
+        if self._link.written:
+            self._link.push()
 
-    def _pull(self) -> None:
-        """Brings device-held parameters back into the model's arrays (nothing to do on the host)."""
-        for name, p in self._params.items():
-            if self.storage.host_array(name) is None:
-                np.copyto(p.data, self.storage.read(name))
+    def _adopt(self) -> None:
+        """Adopts a Parameter or Buffer assigned in place of a held one with the same shape and
+        dtype (its values go into storage, the replaced one keeps its last values in an array of
+        its own); refuses any other change to what the step holds, naming it."""
+        current = dict(self.model._named_state())
+        for name in current:
+            if name not in self._model_names:
+                raise ValueError(f"{_kind(current[name])} {name!r} was added after compile(), which does not "
+                                 f"{_verb(current[name])} it; compile() the model again")
+        for name, held in list(self._params.items()):
+            now = current.get(name) if name in self._model_names else held  # a loss's own: not the model's
+            if now is None:
+                raise ValueError(f"{_kind(held)} {name!r} was removed after compile(), which {_verb(held)}s it; "
+                                 f"put it back or compile() the model again")
+            if now is not held:
+                want, got = TensorType.of(held._data), TensorType.of(now._data)
+                if type(now) is not type(held) or got != want:
+                    by = f"a {type(now).__name__}" if type(now) is not type(held) else str(got)
+                    raise ValueError(f"{_kind(held)} {name!r} was replaced after compile() by {by}; the step was "
+                                     f"compiled for {want}: assign one of the same shape and dtype, "
+                                     f"or compile() the model again")
+                last = held._read().copy()
+                held._link = None
+                held._data = last
+                self._link.attach(name, now, new=False)
+                self._params[name] = now
+            elif held._link is not self._link:  # another step of this model took it over: take it back
+                self._link.attach(name, held, new=False)
+        self._epoch = model_epoch()
 
     def precompile(self, shape: Sequence[int]) -> None:
         """Compiles the training step for inputs `x` of `shape` (labels of the same batch) now,
@@ -214,6 +298,7 @@ class TrainStep:
             raise ValueError(f"precompile: shape {shape} does not match the example input {x_t} but in the batch size")
         types = (TensorType(shape, x_t.dtype), TensorType((shape[0], *y_t.shape[1:]), y_t.dtype))
         _check_batch(types, ("x", "y"), "precompile's shape")
+        self._sync()
         self._train_executor(types)
 
     # ---- running -----------------------------------------------------------------------------
@@ -230,16 +315,18 @@ class TrainStep:
         labels waits for the device, so a loop over a dataset whose labels were checked once when
         it was loaded passes `check_labels=False`."""
         x, y = _array(x), _array(y)
+        self._sync()  # first: a new shape traces the model as it is now
         # Per-batch fast path: a dict hit on (shape, dtype) skips building TensorTypes.
         key = (x.shape, x.dtype, y.shape, y.dtype)
         executor = self._by_key.get(key)
         if executor is None:
             executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
-        self._sync()
         inputs = {"x": x, "y": y}
         if self._classes and check_labels:
             check_class_inputs(self._classes, inputs)
-        return executor(inputs)["loss"]
+        loss = executor(inputs)["loss"]
+        self._link.version += 1  # on a device, the model's arrays are now stale until read
+        return loss
 
     def inference(self, x: Any) -> np.ndarray:
         """The model's output for `x` with the current parameters (no update), as a host array."""
@@ -247,6 +334,7 @@ class TrainStep:
         types = self._types((x,), ("x",))
         self._sync()
         out = self._inference_executor(types)({"x": x})["out"]
+        self._link.version += 1  # training mode updates BatchNorm's running statistics
         return out.get() if hasattr(out, "__cuda_array_interface__") else out
 
     def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
@@ -282,18 +370,15 @@ class TrainStep:
         return executor.kernel_times()
 
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        """Copies of the model's parameters under PyTorch's names."""
+        """Copies of the model's parameters and buffers under PyTorch's names (the same as
+        `model.state_dict()`: the model holds the current values on every device)."""
         self._sync()
-        self._pull()
         return self.model.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """`model.load_state_dict`: the values reach storage before the next step."""
         self._sync()
-        self._pull()
-        self.model.load_state_dict(dict(state), strict=strict)  # writes into the model's arrays
-        for name, p in self._params.items():
-            if self.storage.host_array(name) is None:
-                self.storage.write(name, p.data)
+        self.model.load_state_dict(dict(state), strict=strict)
 
     def optimizer_state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the optimizer state, flat by name (`<param>.exp_avg`, `step`, ...), so a
@@ -361,6 +446,14 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
                      profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision)
+
+
+def _kind(held: Held) -> str:
+    return "buffer" if isinstance(held, Buffer) else "parameter"
+
+
+def _verb(held: Held) -> str:
+    return "update" if isinstance(held, Buffer) else "train"
 
 
 PRECISIONS = ("float32", "tf32")

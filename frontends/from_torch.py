@@ -43,8 +43,14 @@ def _refuse(reason: str) -> None:
 
 # ---- modules: torch class name -> builder(torch module) -> ember module ------------------------
 
+def _copy(t: Any) -> np.ndarray:
+    """A tensor's values in an array of their own: `.numpy()` shares a CPU tensor's memory, so an
+    ember step training it in place would change the torch module (its BatchNorm statistics)."""
+    return np.array(t.detach().cpu().numpy(), order="C", copy=True)
+
+
 def _param(t: Any) -> Parameter:
-    return Parameter(t.detach().cpu().numpy().astype(np.float32))
+    return Parameter(_copy(t).astype(np.float32, copy=False))
 
 
 def _linear(m: Any) -> nn.Module:
@@ -142,9 +148,9 @@ def _batch_norm(m: Any) -> nn.Module:
     e = nn.BatchNorm2d(m.num_features, m.eps, m.momentum, affine=m.affine)
     if m.affine:
         e.weight, e.bias = _param(m.weight), _param(m.bias)
-    e.running_mean = Buffer(m.running_mean.detach().cpu().numpy())
-    e.running_var = Buffer(m.running_var.detach().cpu().numpy())
-    e.num_batches_tracked = Buffer(m.num_batches_tracked.detach().cpu().numpy(), "int64")
+    e.running_mean = Buffer(_copy(m.running_mean))
+    e.running_var = Buffer(_copy(m.running_var))
+    e.num_batches_tracked = Buffer(_copy(m.num_batches_tracked), "int64")
     return e
 
 
@@ -531,6 +537,15 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
         elif node.op == "call_method" and node.target not in methods:
             raise _fail(node, f"unsupported tensor method .{node.target}()",
                         f"supported methods: {', '.join(sorted(methods))}")
+        elif node.op == "output" and not isinstance(node.args[0], torch.fx.Node):
+            # compile() trains loss_fn(model(x), y); tracing a tuple through the loss fails far from here
+            out = node.args[0]
+            parts = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
+            nodes = [p for p in parts if isinstance(p, torch.fx.Node)]
+            names = ", ".join(p.name if isinstance(p, torch.fx.Node) else repr(p) for p in parts)
+            where = _user_line(nodes[-1]) if nodes else _user_line(node)  # fx records no line for the output
+            raise TorchImportError(f"from_torch: the model returns a {type(out).__name__} ({names}), not one "
+                                   f"tensor, at {where}; return one tensor (compile() trains loss_fn(model(x), y))")
         elif node.op == "call_function" and node.target not in functions:
             raise _fail(node, "unsupported function", "supported functions: "
                         + ", ".join(sorted({_function_name(f) for f in functions})))

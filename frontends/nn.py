@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import functional as F
-from .tensor import Buffer, Parameter, Tensor, active, caller_location, in_ember
+from .tensor import Buffer, Parameter, Tensor, active, caller_location, in_ember, model_changed, user_location
 
 _rng = np.random.default_rng(0)
 
@@ -50,9 +50,12 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() before assigning {name!r}")
         params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
+        buffers = self.__dict__.get("_buffers", {})
+        if name in params or name in modules or name in buffers or isinstance(value, (Buffer, Parameter, Module)):
+            model_changed()  # a compiled step of this model adopts or refuses it on its next call
         params.pop(name, None)
         modules.pop(name, None)
-        self.__dict__.get("_buffers", {}).pop(name, None)
+        buffers.pop(name, None)
         if isinstance(value, Buffer):
             self.__dict__["_buffers"][name] = value
         elif isinstance(value, Parameter):
@@ -109,7 +112,7 @@ class Module:
         return [p for _, p in self.named_parameters()]
 
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        return OrderedDict((k, p.data.copy()) for k, p in self._named_state())
+        return OrderedDict((k, p._read().copy()) for k, p in self._named_state())
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         own = dict(self._named_state())
@@ -121,9 +124,11 @@ class Module:
             if k not in state:
                 continue
             v = np.asarray(state[k].detach().cpu().numpy() if hasattr(state[k], "detach") else state[k])
-            if v.shape != p.data.shape:
-                raise ValueError(f"{k}: expected shape {p.data.shape}, got {v.shape}")
-            p.data[...] = v.astype(p.data.dtype)
+            if v.shape == (1,) and p.shape == ():
+                v = v.reshape(())  # checkpoints written before 0-d buffers kept num_batches_tracked 1-d
+            if v.shape != p.shape:
+                raise ValueError(f"{k}: expected shape {p.shape}, got {v.shape}")
+            p._assign(v.astype(p.dtype.numpy))
 
     def train(self, mode: bool = True) -> "Module":
         for _, m in self.named_modules():
@@ -427,6 +432,12 @@ class BatchNorm2d(Module):
             raise ValueError(f"BatchNorm2d({c}) expects an (N, {c}, H, W) input, got {x.type}")
         ctx = active()
         if self.training:
+            n, _, h, w = x.shape
+            if n * h * w == 1:  # PyTorch raises too: a variance of one value is 0 and its unbiased form 0/0
+                name = f" {ctx.scope()!r}" if ctx is not None and ctx.scope() else ""
+                raise ValueError(f"BatchNorm2d({c}){name} expected more than 1 value per channel when training, "
+                                 f"got input {x.type} (1 image of 1x1); use a batch of "
+                                 f"at least 2, or model.eval() ({user_location()})")
             mean = F.mean(x, (0, 2, 3), keepdims=True)
             centred = F.sub(x, mean)
             var = F.mean(F.mul(centred, centred), (0, 2, 3), keepdims=True)

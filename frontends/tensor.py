@@ -140,7 +140,7 @@ class TraceContext:
             if name is None:
                 raise ValueError("a buffer of a module that is not part of the traced model; "
                                  "register it on a submodule of the model")
-            node = self.graph.add_state(name, TensorType.of(buf.data), user_location(), scope=name)
+            node = self.graph.add_state(name, TensorType.of(buf._data), user_location(), scope=name)
             self.buffer_nodes[id(buf)] = node
             self.buffers[name] = buf
         return node
@@ -175,7 +175,7 @@ class TraceContext:
             scope = name or self.scope()
             name = name or f"param{len(self.param_nodes)}"
             loc = getattr(p, "_loc", None) or user_location()
-            node = self.graph.add_parameter(name, TensorType.of(p.data), loc=loc, scope=scope)
+            node = self.graph.add_parameter(name, TensorType.of(p._data), loc=loc, scope=scope)
             self.param_nodes[id(p)] = node
             self.params[name] = p
         return node
@@ -322,41 +322,103 @@ class Tensor(_Ops):
         return id(self)
 
 
-class Parameter(_Ops):
-    """A trainable array (float32 by default) owned by a Module."""
+#: bumped whenever a module's Parameter, Buffer or submodule is (re)assigned, or a held array is
+#: taken over by another compiled step: a step compares it with the value it last checked, so
+#: noticing a model change costs one comparison per step, not a walk of the model
+_MODEL_EPOCH = [0]
 
-    def __init__(self, data: Any, dtype: Any = float32) -> None:
-        self.data = np.ascontiguousarray(np.asarray(data, dtype=as_dtype(dtype).numpy))
-        self._loc = caller_location()  # the user's line creating it (or the layer holding it)
+
+def model_changed() -> None:
+    _MODEL_EPOCH[0] += 1
+
+
+def model_epoch() -> int:
+    return _MODEL_EPOCH[0]
+
+
+class Held:
+    """The array of a Parameter or Buffer, kept current with the compiled step that holds it.
+
+    On the host (cpu, reference) the step trains this very array, so nothing is ever copied. On a
+    device the step's storage owns the values; its link (`frontends.compile`) bumps a version
+    after every step, and `data` pulls the array when it is older than that. Reading `data` also
+    marks the array as written, since the caller may write into what it got; the next step pushes
+    it. So only what the user touches is copied, and an untouched training loop copies nothing.
+    """
+
+    _link: Any = None  # the link of the compiled step holding this array (None: not compiled)
+    _name: str = ""  # its name in that step's storage
+    _seen: int = -1  # the link's version the host array was last current at
+
+    @property
+    def data(self) -> np.ndarray:
+        link = self._link
+        if link is not None and link.device:
+            link.fetch(self, written=True)
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        self._data = value
+        if self._link is not None:
+            self._link.rebound(self)
+
+    def _read(self) -> np.ndarray:
+        """The current values, for a caller that only copies them (nothing to push back)."""
+        link = self._link
+        if link is not None and link.device:
+            link.fetch(self, written=False)
+        return self._data
+
+    def _assign(self, value: np.ndarray) -> None:
+        """Overwrites every value in place; nothing is pulled first, since nothing old survives."""
+        self._data[...] = value
+        if self._link is not None:
+            self._link.rebound(self)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.data.shape
+        return self._data.shape
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (`copy.deepcopy`, pickle) holds the current values and no step's link."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_link", "_name", "_seen")}
+        state["_data"] = self._read()
+        return state
+
+
+class Parameter(Held, _Ops):
+    """A trainable array (float32 by default) owned by a Module."""
+
+    def __init__(self, data: Any, dtype: Any = float32) -> None:
+        # order="C", not ascontiguousarray: that makes a 0-d array 1-d
+        self.data = np.asarray(data, dtype=as_dtype(dtype).numpy, order="C")
+        self._loc = caller_location()  # the user's line creating it (or the layer holding it)
 
     @property
     def dtype(self):
-        return as_dtype(self.data.dtype)
+        return as_dtype(self._data.dtype)
 
     def numpy(self) -> np.ndarray:
         return self.data
 
     def __repr__(self) -> str:
-        return f"Parameter({TensorType.of(self.data)})"
+        return f"Parameter({TensorType.of(self._data)})"
 
 
-class Buffer:
+class Buffer(Held):
     """A module's persistent, untrained array (PyTorch's buffer): running statistics. Traced as a
     graph `state`; `compile()` holds it in storage next to the parameters and the step updates it."""
 
     def __init__(self, data: Any, dtype: Any = float32) -> None:
-        self.data = np.ascontiguousarray(np.asarray(data, dtype=TensorType((), dtype).dtype.numpy))
+        self.data = np.asarray(data, dtype=TensorType((), dtype).dtype.numpy, order="C")
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
+    def dtype(self):
+        return as_dtype(self._data.dtype)
 
     def __repr__(self) -> str:
-        return f"Buffer(shape={self.shape}, dtype={self.data.dtype})"
+        return f"Buffer(shape={self.shape}, dtype={self._data.dtype})"
 
 
 def _scalar_fits(x: Any, dtype) -> bool:

@@ -18,7 +18,7 @@ def example_type(x: Any) -> TensorType:
     if isinstance(x, TensorType):
         return x
     if isinstance(x, Parameter):
-        return TensorType.of(x.data)
+        return TensorType.of(x._data)
     arr = np.asarray(x)
     if arr.dtype == np.float64:
         raise TypeError("example input is float64; ember models are float32: pass x.astype(np.float32)")

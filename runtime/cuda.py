@@ -94,8 +94,8 @@ class DeviceStorage(Storage):
     def device_array(self, name: str) -> Any:
         return self._arrays[name]
 
-    def read(self, name: str) -> np.ndarray:
-        return self._arrays[name].get()
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        return self._arrays[name].get(out=out)
 
     def write(self, name: str, value: np.ndarray) -> None:
         target = self._arrays[name]

@@ -5,7 +5,9 @@ An executor runs one compiled step: `outputs = executor(inputs)`. Parameters and
 state are not arguments: they live in a target's `Storage` (host arrays here) that several
 executors share (the training step, the step compiled for a last partial batch, the inference
 step), and every `update` of the graph is written back into those arrays in place at the end of
-the call, so a caller holding a parameter array always sees its current value.
+the call, so a caller holding a host storage's array always sees its current value (a device
+storage's values reach the host only through `read`; the frontend's `TrainStep` keeps the model's
+arrays current with it).
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class Storage:
     def add(self, name: str, array: np.ndarray) -> None:
         raise NotImplementedError
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy of `name`, into `out` (a C-contiguous array of its shape and dtype) if given."""
         raise NotImplementedError
 
     def write(self, name: str, value: np.ndarray) -> None:
@@ -114,8 +117,11 @@ class HostStorage(Storage):
             raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
         np.copyto(target, value, casting="same_kind")
 
-    def read(self, name: str) -> np.ndarray:
-        return self._arrays[name].copy()
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return self._arrays[name].copy()
+        np.copyto(out, self._arrays[name])
+        return out
 
     def host_array(self, name: str) -> np.ndarray | None:
         return self._arrays[name]

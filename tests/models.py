@@ -1,6 +1,7 @@
 """The MNIST models and data location shared by the tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 from ember import ir
 from ember.frontends import functional as F
 from ember.frontends import nn, spec, trace
+from ember.runtime.executor import Storage
 
 REPO = Path(__file__).resolve().parents[1]
 # ../shared/data/mnist beside the checkout; EMBER_TEST_MNIST points elsewhere (the GPU machine,
@@ -87,3 +89,77 @@ def run_compiled(graph, device: str, inputs: dict, params: dict | None = None) -
         storage.add(k, np.ascontiguousarray(v).copy())
     out = target.executor(planned, storage)(inputs)
     return planned, {k: (v.get() if hasattr(v, "get") else np.asarray(v)) for k, v in out.items()}
+
+
+FAKE_DEVICE = "fake-device"
+
+
+class FakeDeviceStorage(Storage):
+    """A stand-in for device memory, for tests on a machine without a GPU: it holds its own
+    copies (the CPU executor computes on them as a GPU's kernels do on theirs), the host reaches
+    them only through `read` and `write` (counted, so a test can see what crossed), and
+    `host_array` is None, exactly as for `runtime.cuda.DeviceStorage`."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        self.reads = self.writes = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name in self._arrays:
+            raise KeyError(f"storage already holds {name!r}")
+        self._arrays[name] = np.array(array, order="C", copy=True)
+
+    def __getitem__(self, name: str) -> np.ndarray:  # the "device pointer" the CPU executor reads
+        return self._arrays[name]
+
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        self.reads += 1
+        if out is None:
+            return self._arrays[name].copy()
+        np.copyto(out, self._arrays[name])
+        return out
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        self.writes += 1
+        target = self._arrays[name]
+        if np.shape(value) != target.shape:
+            raise ValueError(f"storage {name!r}: cannot write shape {np.shape(value)} into {target.shape}")
+        np.copyto(target, np.asarray(value), casting="same_kind")
+
+    def host_array(self, name: str) -> None:
+        return None
+
+    def type_of(self, name: str) -> ir.TensorType:
+        return ir.TensorType.of(self._arrays[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+@contextlib.contextmanager
+def fake_device_target():
+    """The cpu target's record with `FakeDeviceStorage`, registered as FAKE_DEVICE inside."""
+    import dataclasses
+
+    import ember.runtime
+    from ember.passes import targets
+    targets.register(dataclasses.replace(ember.runtime.target("cpu"), name=FAKE_DEVICE,
+                                         description="cpu kernels on device-like storage (tests)",
+                                         storage=FakeDeviceStorage))
+    try:
+        yield FAKE_DEVICE
+    finally:
+        targets.unregister(FAKE_DEVICE)
+
+
+def storage_targets() -> list:
+    """pytest params: the reference, every code-generating target (cuda marked) and FAKE_DEVICE;
+    a test takes them through a fixture that registers FAKE_DEVICE (`fake_device_target`)."""
+    import pytest
+    return [pytest.param("reference", id="reference"), *compiled_targets(), pytest.param(FAKE_DEVICE, id=FAKE_DEVICE)]

@@ -181,7 +181,7 @@ def run_alignment(model_name: str, x: np.ndarray, y: np.ndarray, *, steps: int =
     logits0_e = np.array(step.inference(x0))
     seconds["ember_setup"] = time.perf_counter() - t0
 
-    model_params = {k: p.data for k, p in model.named_parameters()}  # ember's parameters, trained in place
+    param_names = [k for k, _ in model.named_parameters()]
     ember_losses: list[float] = []
     snapshots: list[dict[str, np.ndarray]] = []  # ember's weights before each step, for the follower
     params_1_e: dict[str, np.ndarray] = {}
@@ -189,7 +189,8 @@ def run_alignment(model_name: str, x: np.ndarray, y: np.ndarray, *, steps: int =
     log(f"ember: {steps} steps ...")
     for i, (xb, yb) in enumerate(batches):
         if synchronized:
-            snapshots.append({k: v.copy() for k, v in model_params.items()})
+            current = model.state_dict()  # the trained values on every device
+            snapshots.append({k: current[k] for k in param_names})
         ember_losses.append(step(xb, yb))
         if i == 0:
             params_1_e = {k: v.astype(np.float64) for k, v in step.state_dict().items()}

@@ -304,3 +304,19 @@ def test_dropout_is_the_identity_in_eval_mode_and_draws_masks_in_training():
     out = step.inference(x)
     kept = out != 0
     np.testing.assert_allclose(out[kept], 2 * _forward(tm, x)[kept], rtol=1e-6)
+
+
+class TwoHeads(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = tnn.Linear(4, 3), tnn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_a_model_returning_several_values_is_refused_at_import():
+    with pytest.raises(TorchImportError, match=r"^from_torch: the model returns a tuple \(a, b\), not one tensor, "
+                                              r"at .*test_from_torch.py:\d+: return self.a\(x\), self.b\(x\); "
+                                              r"return one tensor \(compile\(\) trains loss_fn\(model\(x\), y\)\)$"):
+        from_torch(TwoHeads(), torch.zeros(2, 4))

@@ -273,3 +273,62 @@ def test_checkpoint_round_trip_keeps_batch_norm_state(tmp_path):
         assert a(x, y) == b(x, y)
     for k, v in a.state_dict().items():
         np.testing.assert_array_equal(b.state_dict()[k], v, err_msg=k)
+
+
+def test_import_copies_parameters_and_buffers_so_training_leaves_torch_untouched():
+    tm = BN()
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal((8, 1, 6, 6)).astype(np.float32)
+    before = {k: v.clone() for k, v in tm.state_dict().items()}
+    model = from_torch(tm, torch.from_numpy(x0))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x0, rng.integers(0, 10, 8)),
+                   device="cpu")
+    for _ in range(3):
+        step((rng.standard_normal((8, 1, 6, 6)) + 1).astype(np.float32), rng.integers(0, 10, 8))
+    assert model.state_dict()["bn.num_batches_tracked"] == 3
+    after = tm.state_dict()
+    assert list(after) == list(before)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{k} of the torch module changed"
+    again = from_torch(tm, torch.from_numpy(x0)).state_dict()  # a second import starts where the first did
+    for k, v in before.items():
+        np.testing.assert_array_equal(again[k], v.numpy(), err_msg=k)
+
+
+def test_batch_norm_needs_more_than_one_value_per_channel_when_training():
+    torch.manual_seed(0)
+    tm = tnn.Sequential(tnn.Conv2d(1, 4, 3), tnn.BatchNorm2d(4), tnn.Flatten(), tnn.Linear(4, 10))  # 3x3 -> 1x1
+    one, two = torch.zeros(1, 1, 3, 3), torch.zeros(2, 1, 3, 3)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        tm(one)  # PyTorch refuses one image of a 1x1 map in training mode
+    refusal = (r"^BatchNorm2d\(4\) '1' expected more than 1 value per channel when training, got input "
+               r"f32\[1,4,1,1\] \(1 image of 1x1\); use a batch of at least 2, or model.eval\(\) \(.*\)$")
+    with pytest.raises(ValueError, match=refusal):
+        from_torch(tm, one)
+    model = from_torch(tm, two)  # two values per channel: fine
+    y = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match=refusal):  # a batch of 1 compiled later (e.g. a last partial batch)
+        compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (one.numpy(), y))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (two.numpy(), np.zeros(2, np.int64)))
+    with pytest.raises(ValueError, match=refusal):
+        step.precompile((1, 1, 3, 3))
+    # eval mode normalises by the running statistics: one image is fine, as in PyTorch
+    x = np.random.default_rng(0).standard_normal((1, 1, 3, 3)).astype(np.float32)
+    model.eval()
+    tm.eval()
+    np.testing.assert_allclose(step.inference(x), tm(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+    from_torch(tm, one)
+
+
+def test_batch_norm_running_var_on_non_square_images_matches_torch():
+    # the unbiased variance counts N*H*W values per channel: H != W catches a count from the wrong axis
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2, 3, 3, 5)) * 3 + 1).astype(np.float32)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(45, 10))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (x, rng.integers(0, 10, 2)), device="reference")
+    step(x, rng.integers(0, 10, 2))
+    tbn = tnn.BatchNorm2d(3)
+    tbn(torch.from_numpy(x))
+    sd = step.state_dict()
+    np.testing.assert_allclose(sd["0.running_mean"], tbn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sd["0.running_var"], tbn.running_var.numpy(), rtol=1e-5)

@@ -264,3 +264,17 @@ def test_logits_match_pytorch(kind, record_property):
 def test_mnist_data_present_is_used(mnist_dir):
     x, source = batch((1, 28, 28))
     assert source == "MNIST test images" and x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1
+
+
+def test_batch_norm_state_dict_loads_pytorch_and_back():
+    torch.manual_seed(0)
+    tbn = torch.nn.BatchNorm2d(3)
+    tbn(torch.randn(4, 3, 2, 5))  # running statistics and num_batches_tracked (a 0-d tensor) move
+    bn = nn.BatchNorm2d(3)
+    bn.load_state_dict(tbn.state_dict())
+    sd = bn.state_dict()
+    assert {k: v.shape for k, v in sd.items()} == {k: tuple(v.shape) for k, v in tbn.state_dict().items()}
+    twin = torch.nn.BatchNorm2d(3)
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
+    for k, v in tbn.state_dict().items():
+        assert torch.equal(twin.state_dict()[k], v), k
