@@ -314,10 +314,11 @@ def cross_entropy(logits: Operand, labels: Operand, reduction: str = "mean", lab
     smoothing = float(label_smoothing)
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}{_at()}")
+    log_p = log_softmax(z, 1)
     target = one_hot(y, z.shape[1], z.dtype)
     if smoothing:
         target = add(mul(target, 1.0 - smoothing), smoothing / z.shape[1])
-    picked = sum(mul(log_softmax(z, 1), target), 1)
+    picked = sum(mul(log_p, target), 1)
     return _reduce_loss(neg(picked), reduction)
 
 
