@@ -1,7 +1,7 @@
 """`compile()`: model + loss + optimizer -> a `TrainStep` that runs one training step per call.
 
     step = ember.frontends.compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
-                                   example_inputs=(x, y), device="reference")
+                                   example_inputs=(x, y), device="cpu")
     loss = step(x, y)            # forward, backward and the update: one compiled step
     logits = step.inference(x)   # the model alone, on the same parameters
 
@@ -33,6 +33,7 @@ from ember.runtime.comm import broadcast_parameters
 from ember.runtime.consistency import agree_on_step
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
+from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .nn import Module
 from .optim import as_config
 from .tensor import Buffer, Held, model_changed, model_epoch
@@ -63,6 +64,29 @@ def _check_batch(types: "tuple[TensorType, ...] | list[TensorType]", names: tupl
     for name, t in zip(names, types):
         if t.shape and t.shape[0] == 0:
             raise ValueError(f"{what}: input {name!r} has a batch of 0 samples (type {t}); expected at least 1")
+
+
+def _check_model(model: Any, what: str) -> None:
+    if not isinstance(model, Module):
+        hint = " (a torch module? import it with ember.frontends.from_torch first)" \
+            if type(model).__module__.split(".")[0] == "torch" else ""
+        raise TypeError(f"{what} expects an ember.frontends.nn.Module, got {type(model).__name__}{hint}")
+
+
+def _resolve_device(device: Any) -> tuple[Any, int | None]:
+    """"cpu" -> (its target, None); "cuda:1" -> (cuda's target, 1), as PyTorch spells a GPU."""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    name, colon, index = device.partition(":")
+    target = get_target(name)
+    if not colon:
+        return target, None
+    if not index.isdigit():
+        raise ValueError(f"device {device!r}: expected {name!r} or {name}:N with a device index N >= 0")
+    if target.select_device is None:
+        raise ValueError(f"device {device!r}: device {name!r} takes no index (only devices with several "
+                         f"units do: 'cuda:N')")
+    return target, int(index)
 
 
 class _Link:
@@ -126,39 +150,22 @@ class _Link:
         self.written.clear()
 
 
-class TrainStep:
-    """A compiled training step bound to a model; see the module docstring."""
+class _Compiled:
+    """What a compiled training step and a compiled inference model share: the device, the
+    storage that holds the model's parameters and buffers, their link to the model, and the
+    inference graphs compiled per input shape."""
 
-    def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
-                 example_inputs: tuple[Any, Any], device: str = "reference",
-                 dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                 communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 precision: str = "float32") -> None:
-        self.target = get_target(device)
+    def __init__(self, model: Module, device: str, dump_dir: str | os.PathLike | None, profile: bool,
+                 precision: str) -> None:
+        self.target, self.device_index = _resolve_device(device)
         check_precision(precision, self.target)
         self.precision = precision
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
-                             f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
-        self.bucket_bytes = int(bucket_bytes)
-        # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
-        # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
-        self.comm = communicator if communicator is not None and communicator.size > 1 else None
-        if self.comm is not None and device not in ("cpu", "cuda"):
-            raise ValueError(f"data parallel over a communicator runs on devices 'cpu' (MPI) and 'cuda' (NCCL), "
-                             f"not {device!r}")
+        _check_model(model, "compile()" if isinstance(self, TrainStep) else "compile_inference()")
         if self.target.available is not None:
             self.target.available()
-        if not isinstance(model, Module):
-            raise TypeError(f"compile() expects an ember.frontends.nn.Module, got {type(model).__name__}")
-        if len(example_inputs) != 2:
-            raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
-        if not model.parameters():
-            raise ValueError(f"compile(): the model ({type(model).__name__}) has no parameters to train; "
-                             f"an optimizer needs at least one Parameter (a Linear, Conv2d, ...)")
+        if self.device_index is not None:
+            self.target.select_device(self.device_index)
         self.model = model
-        self.loss_fn = loss_fn
-        self.config = optimizer
         self.device = device
         self.profile = profile
         root = dump_dir if dump_dir is not None else os.environ.get("EMBER_DUMP_DIR") or None
@@ -168,28 +175,8 @@ class TrainStep:
         self._params: dict[str, Held] = {}  # name -> the Parameter or Buffer held in storage
         # what the model held at compile(): a name added later is refused (the step would not train it)
         self._model_names = {name for name, _ in model._named_state()}
-        self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
         self._inference: dict[tuple[Any, ...], tuple[Graph, Executor]] = {}  # (types, training)
-        self._by_key: dict[tuple, Executor] = {}
-        self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
-        self._example = tuple(example_type(a) for a in example_inputs)
-        _check_batch(self._example, ("x", "y"), "example_inputs")
-        self._train_executor(self._example)  # compile eagerly: errors surface at compile()
-        self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
-        self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
-
-    def sync_ranks(self) -> None:
-        """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
-        that every rank holds the same bits (a collective: every rank calls it; no-op alone).
-        Done at the start and after loading a checkpoint."""
-        if self.comm is None:
-            return
-        self._sync()
-        if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
-            self.comm.broadcast_storage(self.storage)
-        else:
-            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
-        self._link.version += 1  # the storage changed under the model's arrays
+        self._epoch = model_epoch()
 
     # ---- building ----------------------------------------------------------------------------
     def _bind(self, graph: Graph) -> None:
@@ -209,31 +196,6 @@ class TrainStep:
 
     def _dump_subdir(self, kind: str, types: tuple[TensorType, ...]) -> Path | None:
         return self.dump_dir / f"{kind}-{_shape_tag(types)}" if self.dump_dir is not None else None
-
-    def _train_executor(self, types: tuple[TensorType, ...]) -> Executor:
-        hit = self._steps.get(types)
-        if hit is None:
-            model, loss_fn = self.model, self.loss_fn
-            forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
-            forward.meta["precision"] = self.precision
-            dump = self._dump_subdir("train", types)
-            passes = train_passes(self.config) + self.target.passes()
-            extra = {}
-            if self.comm is not None:
-                passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
-                extra = {"communicator": self.comm}
-            graph = run_passes(forward, passes, dump_dir=dump)
-            self._bind(forward)
-            self._bind(graph)
-            # Every shape traces the same loss, so one graph fixes which inputs are labels.
-            self._classes = class_inputs(forward)
-            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
-                                                                    **extra))
-            if self.comm is not None:
-                # every rank must have compiled the same step (same code, model and settings):
-                # checked before the parameters are broadcast, which a different model would hang
-                agree_on_step(self.comm, hit[1], graph)
-        return hit[1]
 
     def _inference_executor(self, types: tuple[TensorType, ...]) -> Executor:
         key = (types, self.model.training)  # train/eval mode changes the graph (BatchNorm)
@@ -288,6 +250,115 @@ class TrainStep:
                 self._link.attach(name, held, new=False)
         self._epoch = model_epoch()
 
+    def inference(self, x: Any) -> np.ndarray:
+        """The model's output for `x` with the current parameters (no update), as a host array."""
+        x = _array(x)
+        types = self._types((x,), ("x",))
+        self._sync()
+        out = self._inference_executor(types)({"x": x})["out"]
+        self._link.version += 1  # training mode updates BatchNorm's running statistics
+        return out.get() if hasattr(out, "__cuda_array_interface__") else out
+
+    def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
+        """Input types of a call. A new shape compiles a new step; a new dtype is a user error
+        (the model's parameters fix it), reported before any tracing."""
+        types = []
+        for name, a, want in zip(names, arrays, self._example):
+            t = TensorType(tuple(a.shape), as_dtype(a.dtype))
+            if t.dtype != want.dtype:
+                raise TypeError(f"input {name!r}: expected dtype {want.dtype.name} (as compiled, e.g. {want}), "
+                                f"got {t}; convert with .astype(np.{want.dtype.numpy_name})")
+            types.append(t)
+        _check_batch(types, names, "the batch")
+        return tuple(types)
+
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """Copies of the model's parameters and buffers under PyTorch's names (the same as
+        `model.state_dict()`: the model holds the current values on every device)."""
+        self._sync()
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """`model.load_state_dict`: the values reach storage before the next step."""
+        self._sync()
+        self.model.load_state_dict(dict(state), strict=strict)
+
+
+class TrainStep(_Compiled):
+    """A compiled training step bound to a model; see the module docstring."""
+
+    def __init__(self, model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: OptimizerConfig,
+                 example_inputs: tuple[Any, Any], device: str = "cpu",
+                 dump_dir: str | os.PathLike | None = None, profile: bool = False,
+                 communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 precision: str = "float32") -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
+                             f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
+        self.bucket_bytes = int(bucket_bytes)
+        # data parallel: this process is one rank of `communicator`'s world (ember.runtime.comm);
+        # its train step all-reduces the gradients (passes/data_parallel.py) and averages the loss
+        self.comm = communicator if communicator is not None and communicator.size > 1 else None
+        if self.comm is not None and device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"data parallel over a communicator runs on devices 'cpu' (MPI) and 'cuda' (NCCL), "
+                             f"not {device!r}")
+        _check_model(model, "compile()")
+        if len(example_inputs) != 2:
+            raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
+        if not model.parameters():
+            raise ValueError(f"compile(): the model ({type(model).__name__}) has no parameters to train; "
+                             f"an optimizer needs at least one Parameter (a Linear, Conv2d, ...)")
+        super().__init__(model, device, dump_dir, profile, precision)
+        self.loss_fn = loss_fn
+        self.config = optimizer
+        self.steps_run = 0  # training steps this step (or the checkpoint it loaded) has run
+        self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        self._by_key: dict[tuple, Executor] = {}
+        self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
+        self._example = tuple(example_type(a) for a in example_inputs)
+        _check_batch(self._example, ("x", "y"), "example_inputs")
+        self._train_executor(self._example)  # compile eagerly: errors surface at compile()
+        self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
+        self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
+
+    def sync_ranks(self) -> None:
+        """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
+        that every rank holds the same bits (a collective: every rank calls it; no-op alone).
+        Done at the start and after loading a checkpoint."""
+        if self.comm is None:
+            return
+        self._sync()
+        if hasattr(self.comm, "broadcast_storage"):  # a device communicator broadcasts device memory
+            self.comm.broadcast_storage(self.storage)
+        else:
+            broadcast_parameters(self.comm, {k: self.storage[k] for k in self.storage})
+        self._link.version += 1  # the storage changed under the model's arrays
+
+    def _train_executor(self, types: tuple[TensorType, ...]) -> Executor:
+        hit = self._steps.get(types)
+        if hit is None:
+            model, loss_fn = self.model, self.loss_fn
+            forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+            forward.meta["precision"] = self.precision
+            dump = self._dump_subdir("train", types)
+            passes = train_passes(self.config) + self.target.passes()
+            extra = {}
+            if self.comm is not None:
+                passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
+                extra = {"communicator": self.comm}
+            graph = run_passes(forward, passes, dump_dir=dump)
+            self._bind(forward)
+            self._bind(graph)
+            # Every shape traces the same loss, so one graph fixes which inputs are labels.
+            self._classes = class_inputs(forward)
+            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
+                                                                    **extra))
+            if self.comm is not None:
+                # every rank must have compiled the same step (same code, model and settings):
+                # checked before the parameters are broadcast, which a different model would hang
+                agree_on_step(self.comm, hit[1], graph)
+        return hit[1]
+
     def precompile(self, shape: Sequence[int]) -> None:
         """Compiles the training step for inputs `x` of `shape` (labels of the same batch) now,
         e.g. the last partial batch of an epoch, so the epoch does not stall on it mid-way.
@@ -326,29 +397,8 @@ class TrainStep:
             check_class_inputs(self._classes, inputs)
         loss = executor(inputs)["loss"]
         self._link.version += 1  # on a device, the model's arrays are now stale until read
+        self.steps_run += 1
         return loss
-
-    def inference(self, x: Any) -> np.ndarray:
-        """The model's output for `x` with the current parameters (no update), as a host array."""
-        x = _array(x)
-        types = self._types((x,), ("x",))
-        self._sync()
-        out = self._inference_executor(types)({"x": x})["out"]
-        self._link.version += 1  # training mode updates BatchNorm's running statistics
-        return out.get() if hasattr(out, "__cuda_array_interface__") else out
-
-    def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
-        """Input types of a call. A new shape compiles a new step; a new dtype is a user error
-        (the model's parameters fix it), reported before any tracing."""
-        types = []
-        for name, a, want in zip(names, arrays, self._example):
-            t = TensorType(tuple(a.shape), as_dtype(a.dtype))
-            if t.dtype != want.dtype:
-                raise TypeError(f"input {name!r}: expected dtype {want.dtype.name} (as compiled, e.g. {want}), "
-                                f"got {t}; convert with .astype(np.{want.dtype.numpy_name})")
-            types.append(t)
-        _check_batch(types, names, "the batch")
-        return tuple(types)
 
     # ---- inspecting and checkpointing --------------------------------------------------------
     @property
@@ -368,17 +418,6 @@ class TrainStep:
         if not hasattr(executor, "kernel_times"):
             raise RuntimeError(f"device {self.device!r} runs no compiled kernels to time")
         return executor.kernel_times()
-
-    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        """Copies of the model's parameters and buffers under PyTorch's names (the same as
-        `model.state_dict()`: the model holds the current values on every device)."""
-        self._sync()
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """`model.load_state_dict`: the values reach storage before the next step."""
-        self._sync()
-        self.model.load_state_dict(dict(state), strict=strict)
 
     def optimizer_state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the optimizer state, flat by name (`<param>.exp_avg`, `step`, ...), so a
@@ -400,9 +439,56 @@ class TrainStep:
     def _state_names(self) -> set[str]:
         return {name for name in self.storage if name not in self._params}
 
+    def save(self, path: str | os.PathLike, **progress: Any) -> None:
+        """Writes model, optimizer state and `steps_run` to one safetensors checkpoint,
+        atomically (a crash leaves the old file whole). `progress` adds the fields a training
+        loop keeps (`epoch`, `step_in_epoch`, `config`, `world_size`, `global_batch`; see
+        `ember.frontends.checkpoint`); `step` defaults to `steps_run`."""
+        progress.setdefault("step", self.steps_run)
+        save_checkpoint(path, self.state_dict(), self.optimizer_state_dict(), **progress)
+
+    def load(self, path: "str | os.PathLike | Checkpoint") -> Checkpoint:
+        """Restores what `save` wrote (model, optimizer state, `steps_run`); returns the
+        checkpoint for the progress fields. A file of another model or optimizer is refused in one
+        line naming it."""
+        ckpt = path if isinstance(path, Checkpoint) else load_checkpoint(path)
+        try:
+            self.load_state_dict(ckpt.model)
+            self.load_optimizer_state_dict(ckpt.optimizer)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{ckpt.path}: does not fit this model and optimizer: {e}") from None
+        self.steps_run = ckpt.step
+        return ckpt
+
     def __repr__(self) -> str:
         return (f"TrainStep(device={self.device!r}, optimizer={self.config}, "
                 f"compiled={[_shape_tag(t) for t in self._steps]})")
+
+
+class InferenceStep(_Compiled):
+    """A model compiled for inference alone (no loss, no optimizer): `step(x)` is the model's
+    output for `x` as a host array, each new input shape compiled on first use. It holds the
+    model's parameters like a TrainStep: the model shows, and a write into it reaches, the step."""
+
+    def __init__(self, model: Module, example_input: Any, device: str = "cpu",
+                 dump_dir: str | os.PathLike | None = None, profile: bool = False,
+                 precision: str = "float32") -> None:
+        super().__init__(model, device, dump_dir, profile, precision)
+        self._example = (example_type(example_input),)
+        _check_batch(self._example, ("x",), "example_input")
+        self._inference_executor(self._example)  # compile eagerly: errors surface here
+        self._epoch = model_epoch()
+
+    def __call__(self, x: Any) -> np.ndarray:
+        return self.inference(x)
+
+    @property
+    def graph(self) -> Graph:
+        """The inference graph for the example input (in the model's current mode), after every pass."""
+        return self._inference[(self._example, self.model.training)][0]
+
+    def __repr__(self) -> str:
+        return f"InferenceStep(device={self.device!r}, compiled={[_shape_tag(k[0]) for k in self._inference]})"
 
 
 def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, example_inputs: tuple[Any, Any],
@@ -425,13 +511,14 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
 
 
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
-            example_inputs: tuple[Any, Any], device: str = "reference",
+            example_inputs: tuple[Any, Any], device: str = "cpu",
             dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = "float32") -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
-    compile on first use). device: "reference" (NumPy interpreter) or a registered backend.
+    compile on first use). device: "cpu" (default: compiled C++), "cuda" or "cuda:N" (an NVIDIA
+    GPU, as PyTorch spells it), or "reference" (the NumPy interpreter: every op, slowly).
     dump_dir (or $EMBER_DUMP_DIR): the graph after every pass, per compiled step, in
     `<dump_dir>/train-<x shape>/` and `<dump_dir>/inference-<x shape>/`.
     profile: compile timers around every kernel (CPU); read them with `TrainStep.kernel_times()`.
@@ -446,6 +533,16 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
                      profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision)
+
+
+def compile_inference(model: Module, example_input: Any, device: str = "cpu",
+                      dump_dir: str | os.PathLike | None = None, profile: bool = False,
+                      precision: str = "float32") -> InferenceStep:
+    """Compiles `model(x)` alone for `device` (no loss, no optimizer): `compile_inference(model,
+    x)(x)` is the model's output. `example_input` (an array or a `spec`) fixes the shape and
+    dtype; other batch sizes compile on first use. The model's mode (train/eval) at each call
+    decides the graph, as for `TrainStep.inference`."""
+    return InferenceStep(model, example_input, device=device, dump_dir=dump_dir, profile=profile, precision=precision)
 
 
 def _kind(held: Held) -> str:
@@ -468,4 +565,4 @@ def check_precision(precision: Any, target: Any) -> None:
                          f"(it computes in {', '.join(sorted(target.precisions))}); TF32 is a CUDA tensor-core mode")
 
 
-__all__ = ["compile", "plan", "TrainStep"]
+__all__ = ["compile", "compile_inference", "plan", "TrainStep", "InferenceStep"]

@@ -70,6 +70,9 @@ class Target:
     storage: Callable[..., Any] | None = None
     #: () -> None, or raises a one-line error when the target cannot run here (no GPU, ...)
     available: Callable[[], None] | None = None
+    #: (index) -> None: makes unit `index` of a target with several ("cuda:1") the one this
+    #: process runs on, or raises a one-line error; None: the target takes no index
+    select_device: Callable[[int], None] | None = None
     #: data parallel: whether each bucket's collectives run as soon as the bucket is ready (its
     #: runtime overlaps them with the rest of the backward pass) or all at one point (`schedule`)
     early_collectives: bool = False

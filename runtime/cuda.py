@@ -77,6 +77,25 @@ def check_available() -> None:
     _cupy()
 
 
+_SELECTED: list[int] = []  # the GPU index "cuda:N" chose for this process, once chosen
+
+
+def select_device(index: int) -> None:
+    """Makes GPU `index` current for this process ("cuda:N"). Storage, modules, streams and CUDA
+    graphs are made on the current device, so one process uses one GPU (one rank a GPU, as under
+    `ember launch`); asking for another later is refused rather than mixing devices."""
+    cp = _cupy()
+    count = cp.cuda.runtime.getDeviceCount()
+    if not 0 <= index < count:
+        raise ValueError(f"device 'cuda:{index}': this machine has {count} GPU{'s' if count != 1 else ''} "
+                         f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})")
+    if _SELECTED and _SELECTED[0] != index:
+        raise ValueError(f"device 'cuda:{index}': this process already runs on cuda:{_SELECTED[0]}; one process "
+                         f"uses one GPU (start one process per GPU, e.g. with ember launch)")
+    cp.cuda.Device(index).use()
+    _SELECTED[:] = [index]
+
+
 class DeviceStorage(Storage):
     """Parameters and optimizer state as CuPy arrays on the current GPU; host copies only on request."""
 
@@ -389,6 +408,7 @@ TARGET = targets.register(targets.Target(
     executor=CudaExecutor,
     storage=DeviceStorage,
     available=check_available,
+    select_device=select_device,
     to_device=to_device,
     precisions=frozenset({"float32", "tf32"}),
 ))

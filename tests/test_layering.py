@@ -156,7 +156,7 @@ def test_public_api_names_exist():
 
     names, modules = _public_api()
     assert {"compile", "nn", "optim", "functional", "trace", "spec"} <= names
-    assert modules == {"nn", "optim", "functional"}
+    assert modules == {"nn", "optim", "functional", "checkpoint"}
     for name in names:
         assert hasattr(api, name), name
 

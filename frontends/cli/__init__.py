@@ -54,7 +54,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user has something to fix, not that ember has a bug."""
     from ember.codegen.compiler import CacheDirError, CompilerNotFoundError
 
-    from ..training.checkpoint import CheckpointError
+    from ember.frontends.checkpoint import CheckpointError
     from ..training.metrics import MetricsError
     from .cli_checks import UsageError
     return UsageError, CompilerNotFoundError, CacheDirError, CheckpointError, MetricsError

@@ -316,7 +316,7 @@ def main(args: Any) -> int:
     from ember.runtime.data import IDXError, default_data_dir, load_mnist
     from pathlib import Path
 
-    from ..training.checkpoint import CheckpointError, load_weights
+    from ember.frontends.checkpoint import CheckpointError, load_weights
     from ..training.datasets import DownloadError, ensure_mnist
     root = Path(args.data).expanduser() if args.data else default_data_dir()
     try:

@@ -19,7 +19,7 @@ from ember.runtime import target_names
 
 from ember.frontends import nn, plan
 
-from ..training.checkpoint import atomic_write_bytes
+from ember.frontends.checkpoint import atomic_write_bytes
 from ..training.recipes import MODELS, build_model, make_optimizer
 from .cli_checks import check_output_dir, describe_os_error
 

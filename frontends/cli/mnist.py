@@ -23,7 +23,7 @@ from typing import Any
 from ember.runtime import target_names
 from ember.runtime.consistency import ConsistencyError
 
-from ..training.checkpoint import CheckpointError, load_checkpoint, load_weights
+from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
 from ..training.recipes import INITS, MODELS, build_model, make_optimizer
 from ..training.trainer import Trainer, check_config

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import atomic_write_bytes
+from ember.frontends.checkpoint import atomic_write_bytes
 from .metrics import MetricsError
 
 __all__ = ["plot_metrics", "run_title"]

@@ -20,7 +20,7 @@ import numpy as np
 from ember.frontends import compile as ember_compile
 from ember.frontends import nn
 
-from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from ember.frontends.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from .metrics import MetricsWriter, correct_count, cross_entropy_sum, format_loss
 
 __all__ = ["Trainer", "NonFiniteError", "check_config"]
@@ -319,9 +319,9 @@ class Trainer:
         holds NaN or inf, so a diverged run never overwrites a good checkpoint."""
         if not self.finite():
             raise NonFiniteError(f"{path}: not written: the parameters or optimizer state are not finite")
-        save_checkpoint(path, self.step.state_dict(), self.step.optimizer_state_dict(), epoch=self.epoch,
-                        step=self.global_step, step_in_epoch=self.step_in_epoch, config=self.config,
-                        world_size=self.world_size, global_batch=self.loader.batch_size * self.world_size)
+        self.step.save(path, epoch=self.epoch, step=self.global_step, step_in_epoch=self.step_in_epoch,
+                       config=self.config, world_size=self.world_size,
+                       global_batch=self.loader.batch_size * self.world_size)
         self.saved_at = self.global_step
 
     def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
@@ -330,11 +330,8 @@ class Trainer:
         ckpt = source if isinstance(source, Checkpoint) else load_checkpoint(source)
         where = ckpt.path if isinstance(source, Checkpoint) else source
         check_config(ckpt, self.config, check, where)
-        try:
-            self.step.load_state_dict(ckpt.model)
-            self.step.load_optimizer_state_dict(ckpt.optimizer)
-        except (KeyError, ValueError) as e:
-            raise CheckpointError(f"{where}: does not fit this model and optimizer: {e}") from None
+        ckpt.path = os.fspath(where)
+        self.step.load(ckpt)
         # data parallel: every rank read the file; rank 0's copy is broadcast and all are checked
         # equal, so a rank that read another (stale, node-local) file cannot train on it
         self.step.sync_ranks()

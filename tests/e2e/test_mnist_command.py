@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.checkpoint import load_checkpoint
 
 from conftest import require_mnist
 from models import MNIST_DIR

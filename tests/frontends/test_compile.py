@@ -86,7 +86,7 @@ def test_training_steps_full_and_partial_batches_match_pytorch() -> None:
     weights = [p.data for p in model.parameters()]
     x, y = _batch(11)
     step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                   example_inputs=(x[:8], y[:8]))
+                   example_inputs=(x[:8], y[:8]), device="reference")
     topt = torch.optim.SGD(tmodel.parameters(), lr=0.1, momentum=0.9)
     for xb, yb in [(x[:8], y[:8]), (x[8:], y[8:]), (x[:8], y[:8])]:  # 8, then a last partial batch of 3
         loss = step(xb, yb)
@@ -104,7 +104,7 @@ def test_training_steps_full_and_partial_batches_match_pytorch() -> None:
 def test_inference_shares_the_trained_parameters() -> None:
     model, tmodel = _pair()
     x, y = _batch(8)
-    step = compile(model, nn.CrossEntropyLoss(), optim.Adam(lr=1e-2), example_inputs=(x, y))
+    step = compile(model, nn.CrossEntropyLoss(), optim.Adam(lr=1e-2), example_inputs=(x, y), device="reference")
     before = step.inference(x[:5])
     with torch.no_grad():
         np.testing.assert_allclose(before, tmodel(torch.from_numpy(x[:5])).numpy(), rtol=1e-5, atol=1e-6)
@@ -123,7 +123,7 @@ def test_inference_shares_the_trained_parameters() -> None:
 def test_state_dicts_round_trip() -> None:
     model, _ = _pair()
     x, y = _batch(8)
-    step = compile(model, nn.CrossEntropyLoss(), optim.AdamW(model.parameters(), lr=1e-2), example_inputs=(x, y))
+    step = compile(model, nn.CrossEntropyLoss(), optim.AdamW(model.parameters(), lr=1e-2), example_inputs=(x, y), device="reference")
     step(x, y)
     sd, osd = step.state_dict(), step.optimizer_state_dict()
     assert list(sd) == ["0.weight", "0.bias", "2.weight", "2.bias", "5.weight", "5.bias"]
@@ -143,7 +143,7 @@ def test_state_dicts_round_trip() -> None:
 def test_rebound_parameter_data_is_adopted() -> None:
     model, _ = _pair()
     x, y = _batch(4)
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
     p = model[0].bias
     p.data = np.zeros_like(p.data)  # rebinding, not writing in place
     step(x, y)
@@ -153,7 +153,7 @@ def test_rebound_parameter_data_is_adopted() -> None:
 def test_inputs_are_checked_with_clear_errors() -> None:
     model, _ = _pair()
     x, y = _batch(4)
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
     with pytest.raises(TypeError, match=r"input 'y': expected dtype int64 .*got i32\[4\]"):
         step(x, y.astype(np.int32))
     with pytest.raises(TypeError, match="input 'x': expected dtype float32"):
@@ -189,7 +189,7 @@ def test_compile_dumps_every_pass(tmp_path) -> None:
     model, _ = _pair()
     x, y = _batch(4)
     step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(spec((4, 1, 12, 12)), spec((4,), "int64")),
-                   dump_dir=tmp_path)
+                   dump_dir=tmp_path, device="reference")
     step.inference(x[:2])
     train = sorted(p.name for p in (tmp_path / "train-4x1x12x12").iterdir())
     assert train == ["00-input.dot", "00-input.txt", "01-autodiff.dot", "01-autodiff.txt", "02-optimizer.dot",
@@ -205,9 +205,9 @@ def test_compile_argument_errors() -> None:
         compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="tpu")
     with pytest.raises(TypeError, match="torch optimizer"):
         compile(model, nn.CrossEntropyLoss(), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
-                example_inputs=(x, y))
+                example_inputs=(x, y), device="reference")
     with pytest.raises(TypeError, match="float scalar"):
-        compile(model, lambda out, y: out, optim.SGD(lr=0.1), example_inputs=(x, y))
+        compile(model, lambda out, y: out, optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
 
 
 def test_optim_frontend_configs() -> None:

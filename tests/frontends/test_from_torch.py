@@ -86,7 +86,7 @@ def test_state_dict_names_equal_torch_and_round_trip():
             p.add_(1.0)
     model.load_state_dict(other.state_dict())  # torch tensors load by the same names
     x, _ = _batch(4, (1, 28, 28))
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.05), _batch(4, (1, 28, 28)))
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.05), _batch(4, (1, 28, 28)), device="reference")
     np.testing.assert_allclose(step.inference(x), _forward(other, x), rtol=1e-5, atol=1e-5)
 
 
@@ -117,7 +117,7 @@ def test_nested_modules_functions_and_gradients():
     model = from_torch(tm, torch.from_numpy(x))
     assert [k for k, _ in model.named_parameters()] == [k for k, _ in tm.named_parameters()]
     y = np.array([1, 3])
-    step = compile(model, nn.NLLLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y))
+    step = compile(model, nn.NLLLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device="reference")
     np.testing.assert_allclose(step.inference(x), _forward(tm, x), rtol=1e-5, atol=1e-6)
     loss = step(x, y)
     ref = TF.nll_loss(tm(torch.from_numpy(x)), torch.from_numpy(y))
@@ -254,7 +254,7 @@ def test_imported_loss_trains_an_imported_model():
     x, y = _batch(8, (1, 28, 28))
     model = from_torch(tm, torch.from_numpy(x))
     loss_fn = from_torch(tnn.CrossEntropyLoss(), (torch.zeros(8, 10), torch.from_numpy(y)))
-    step = compile(model, loss_fn, optim.SGD(model.parameters(), lr=0.05), (x, y))
+    step = compile(model, loss_fn, optim.SGD(model.parameters(), lr=0.05), (x, y), device="reference")
     topt = torch.optim.SGD(ref.parameters(), lr=0.05)
     for _ in range(2):
         ours = step(x, y)
@@ -298,7 +298,7 @@ def test_dropout_is_the_identity_in_eval_mode_and_draws_masks_in_training():
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     model = from_torch(tm.eval(), torch.from_numpy(x))
     assert not model.training
-    step = compile(model, nn.MSELoss(), optim.SGD(lr=0.1), (x, np.zeros((2, 3), np.float32)))
+    step = compile(model, nn.MSELoss(), optim.SGD(lr=0.1), (x, np.zeros((2, 3), np.float32)), device="reference")
     np.testing.assert_allclose(step.inference(x), _forward(tm, x), rtol=1e-6)
     model.train()
     out = step.inference(x)

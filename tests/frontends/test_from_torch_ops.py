@@ -251,7 +251,7 @@ def test_batch_norm_trains_and_tracks_running_stats_like_torch(device):
 
 
 def test_checkpoint_round_trip_keeps_batch_norm_state(tmp_path):
-    from ember.frontends.training.checkpoint import load_checkpoint, save_checkpoint
+    from ember.frontends.checkpoint import load_checkpoint, save_checkpoint
     rng = np.random.default_rng(0)
     batches = [((rng.standard_normal((8, 1, 6, 6)) + 1).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(4)]
 
@@ -308,8 +308,8 @@ def test_batch_norm_needs_more_than_one_value_per_channel_when_training():
     model = from_torch(tm, two)  # two values per channel: fine
     y = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match=refusal):  # a batch of 1 compiled later (e.g. a last partial batch)
-        compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (one.numpy(), y))
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (two.numpy(), np.zeros(2, np.int64)))
+        compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (one.numpy(), y), device="reference")
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (two.numpy(), np.zeros(2, np.int64)), device="reference")
     with pytest.raises(ValueError, match=refusal):
         step.precompile((1, 1, 3, 3))
     # eval mode normalises by the running statistics: one image is fine, as in PyTorch

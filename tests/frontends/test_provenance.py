@@ -125,7 +125,7 @@ def test_a_module_that_forgets_super_init_still_traces_with_provenance():
 def test_loss_module_nodes_get_its_construction_line_or_the_calling_line():
     model = nn.Linear(4, 3)  # LOSS-MODEL
     criterion = nn.CrossEntropyLoss()  # LOSS-NEW
-    step = compile(model, criterion, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")))
+    step = compile(model, criterion, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")), device="reference")
     g = step.train_graph
     (oh,) = by_op(g, "one_hot")
     assert prov(g, oh) == ("CrossEntropyLoss", here("LOSS-NEW"))
@@ -134,14 +134,14 @@ def test_loss_module_nodes_get_its_construction_line_or_the_calling_line():
     def loss_fn(out, y):
         return criterion(out, y)  # LOSS-CALL
 
-    step = compile(model, loss_fn, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")))
+    step = compile(model, loss_fn, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")), device="reference")
     (oh,) = by_op(step.train_graph, "one_hot")
     assert prov(step.train_graph, oh) == ("CrossEntropyLoss", here("LOSS-CALL"))
 
     def functional_loss(out, y):
         return F.cross_entropy(out, y)  # LOSS-F
 
-    step = compile(model, functional_loss, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")))
+    step = compile(model, functional_loss, optim.SGD(lr=0.1), example_inputs=(spec((2, 4)), spec((2,), "int64")), device="reference")
     (oh,) = by_op(step.train_graph, "one_hot")
     assert prov(step.train_graph, oh) == ("", here("LOSS-F"))
 

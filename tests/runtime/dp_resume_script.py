@@ -13,7 +13,7 @@ import numpy as np
 from ember.frontends import compile as ember_compile
 from ember.frontends import nn
 from ember.frontends.training import Trainer, build_model, make_optimizer
-from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.checkpoint import load_checkpoint
 from ember.runtime import comm as C
 from ember.runtime.data import load_mnist
 

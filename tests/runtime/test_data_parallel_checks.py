@@ -160,7 +160,7 @@ def test_a_rank_reading_other_data_stops_the_run_naming_it(mnist_dir, tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_three(mnist_dir, tmp_path):
     import json
-    from ember.frontends.training.checkpoint import load_checkpoint
+    from ember.frontends.checkpoint import load_checkpoint
     env = _mpi_env()
     ckpt, metrics = tmp_path / "two.safetensors", tmp_path / "m.jsonl"
     mnist = [sys.executable, "-m", "ember.frontends.cli", "mnist", "--model", "mlp", "--device", "cpu",

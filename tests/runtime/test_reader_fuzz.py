@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ember.frontends.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ember.frontends.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ember.runtime.data import IDXError, read_idx
 
 FUZZ = settings(max_examples=60, deadline=timedelta(seconds=2), derandomize=True,

@@ -16,7 +16,7 @@ from ember.frontends import cli
 from ember.frontends.cli import mnist
 from ember.frontends.training import trainer
 from ember.frontends import compile as ember_compile
-from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.checkpoint import load_checkpoint
 from ember.frontends.cli.cli_checks import format_loss
 from ember.frontends.training.metrics import read_metrics
 
@@ -163,19 +163,19 @@ def test_compile_checks_bucket_bytes():
     ex = (np.zeros((2, 4), np.float32), np.zeros((2,), np.int64))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=r"bucket_bytes .*: expected an integer >= 1"):
-            ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=ex, bucket_bytes=bad)
+            ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=ex, bucket_bytes=bad, device="reference")
 
 
 def test_compile_refuses_empty_batches_and_parameterless_models():
     model = nn.Sequential(nn.Linear(4, 2))
     x, y = np.zeros((0, 4), np.float32), np.zeros((0,), np.int64)
     with pytest.raises(ValueError, match=r"example_inputs: input 'x' has a batch of 0 samples .*expected at least 1"):
-        ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y))
+        ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
     with pytest.raises(ValueError, match="the model .* has no parameters to train"):
         ember_compile(nn.Sequential(nn.ReLU()), nn.CrossEntropyLoss(), optim.SGD(lr=0.1),
-                      example_inputs=(np.zeros((2, 4), np.float32), np.zeros((2,), np.int64)))
+                      example_inputs=(np.zeros((2, 4), np.float32), np.zeros((2,), np.int64)), device="reference")
     step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1),
-                         example_inputs=(np.zeros((2, 4), np.float32), np.zeros((2,), np.int64)))
+                         example_inputs=(np.zeros((2, 4), np.float32), np.zeros((2,), np.int64)), device="reference")
     with pytest.raises(ValueError, match="the batch: input 'x' has a batch of 0 samples"):
         step(x, y)
 

@@ -16,7 +16,7 @@ import pytest
 from ember.frontends import cli
 from ember.frontends.cli import bench
 from ember.frontends.training import trainer
-from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.checkpoint import load_checkpoint
 from ember.frontends.training.metrics import read_metrics
 
 from fullfs import fill, tiny_tmpfs

@@ -11,7 +11,7 @@ import pytest
 
 from ember.frontends import cli
 from ember.frontends.cli import mnist
-from ember.frontends.training.checkpoint import load_checkpoint
+from ember.frontends.checkpoint import load_checkpoint
 from ember.frontends.training.metrics import MetricsError, read_metrics
 from ember.frontends.training import Trainer, build_model, make_optimizer
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ember.frontends import compile, nn, optim
-from ember.frontends.training import checkpoint
-from ember.frontends.training.checkpoint import CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from ember.frontends import checkpoint
+from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights, save_checkpoint
 
 from models import mlp
 
