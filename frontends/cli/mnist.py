@@ -300,6 +300,8 @@ def main(args: Any) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
     try:
         trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch)
+    except ConsistencyError as e:  # another step plan (--epochs, --limit-steps) on some rank
+        return _ranks_disagree(comm, e)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
