@@ -22,6 +22,7 @@ from typing import Any
 
 from ember.runtime import target as get_target
 from ember.runtime import target_names
+from ember.runtime.comm import WorldError, world_from_env
 from ember.runtime.consistency import ConsistencyError
 
 from ..training.checkpoint import CheckpointError, load_checkpoint, load_weights
@@ -197,7 +198,10 @@ def main(args: Any) -> int:
         except RuntimeError as exc:
             return _error(f"--device {args.device}: {exc}")
     _check_args(args)
-    comm = _data_parallel_world(args)
+    try:
+        comm = _data_parallel_world(args)
+    except WorldError as e:  # every rank has it: rank 0 alone says it
+        return _world_error(e)
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
 
@@ -339,6 +343,18 @@ def _data_parallel_world(args: Any) -> Any:
         args.metrics_file = args.tensorboard = args.save = args.plot = None
         args.no_progress = True
     return comm
+
+
+def _world_error(error: Exception) -> int:
+    """This process cannot join its data-parallel world: one line, from rank 0 only where the
+    environment names a rank (every rank of the launch has the same fault), and exit 2."""
+    try:
+        rank = world_from_env()[0]
+    except WorldError:
+        rank = 0
+    if rank == 0:
+        print(f"ember mnist: error: {error}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _ranks_disagree(comm: Any, error: Exception) -> int:
