@@ -66,7 +66,6 @@ def main(args: argparse.Namespace) -> int:
     port = _integer("--master-port", args.master_port, "a TCP port in 1..65535")
     grace, exit_grace = _seconds("--grace", args.grace), _seconds("--exit-grace", args.exit_grace)
     try:
-        _launch.check_world(nproc, nnodes, node_rank, port)
         return _launch.launch(cmd, nproc, nnodes=nnodes, node_rank=node_rank, master_addr=args.master_addr,
                               master_port=port, mpi=False if args.no_mpi else None, grace=grace,
                               exit_grace=exit_grace)
