@@ -354,6 +354,10 @@ def _world_error(error: Exception) -> int:
         rank = 0
     if rank == 0:
         print(f"ember mnist: error: {error}", file=sys.stderr, flush=True)
+    else:
+        # no world to hold the others at a barrier: the first rank to exit gets the rest stopped
+        # (by mpiexec, by the launcher), so give rank 0 a head start to say it
+        time.sleep(2.0)
     return 2
 
 
