@@ -91,7 +91,7 @@ class MpiCommunicator:
         try:
             from mpi4py import MPI
         except ImportError as e:  # one line, with the fix
-            raise RuntimeError(f"data parallel on the CPU needs mpi4py ({e}); pip install 'ember[mpi]'") from None
+            raise WorldError(f"data parallel on the CPU needs mpi4py ({e}); pip install 'ember[mpi]'") from None
         self._mpi = MPI
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
@@ -114,32 +114,53 @@ class MpiCommunicator:
         self.comm.Barrier()
 
 
+class WorldError(ValueError):
+    """This process cannot join the data-parallel world its environment describes (a bad RANK or
+    WORLD_SIZE, no mpi4py, a launcher and MPI that disagree): a one-line setup error."""
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, expected: str) -> int:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise WorldError(f"{name}={text}: expected {expected}") from None
+
+
 def world_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world size, local rank) from the launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK)
-    or, under a bare `mpiexec`, hydra's (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID); (0, 1, 0) otherwise."""
+    or, under a bare `mpiexec`, hydra's (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID); (0, 1, 0) otherwise.
+    Raises WorldError for values that are not integers or a rank outside the world."""
     env = os.environ if env is None else env
     if "WORLD_SIZE" in env:
-        rank, size = int(env.get("RANK", "0")), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", str(rank)))
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     elif "PMI_SIZE" in env:
-        rank, size = int(env.get("PMI_RANK", "0")), int(env["PMI_SIZE"])
-        local = int(env.get("MPI_LOCALRANKID", str(rank)))
+        names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
     else:
         return 0, 1, 0
+    size = _env_int(env, names[1], 1, "the number of ranks, an integer >= 1")
+    if size < 1:
+        raise WorldError(f"{names[1]}={size}: expected the number of ranks, an integer >= 1")
+    rank = _env_int(env, names[0], 0, f"this process's rank, an integer in 0..{size - 1}")
     if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a world of {size} ranks")
-    return rank, size, local
+        raise WorldError(f"{names[0]}={rank} is outside a world of {names[1]}={size} ranks: expected 0..{size - 1}")
+    return rank, size, _env_int(env, names[2], rank, "an integer >= 0")
 
 
 def from_env() -> "Communicator":
-    """The communicator of this process's world (see the module docstring)."""
+    """The communicator of this process's world (see the module docstring); WorldError when this
+    process cannot join the world its environment describes."""
     rank, size, _ = world_from_env()
     if size == 1:
         return SingleProcess()
     comm = MpiCommunicator()
     if (comm.rank, comm.size) != (rank, size):
-        raise RuntimeError(f"the launcher says rank {rank} of {size}, MPI says rank {comm.rank} of {comm.size}: "
-                           f"start the ranks with `ember launch` or `mpiexec -n {size}`")
+        alone = " (started alone, not by a launcher: unset WORLD_SIZE to run one process)" if comm.size == 1 else ""
+        raise WorldError(f"the environment says rank {rank} of {size} (RANK, WORLD_SIZE), MPI says rank {comm.rank} "
+                         f"of {comm.size}{alone}; start the ranks with `ember launch --nproc-per-node {size}` "
+                         f"or `mpiexec -n {size}`")
     return comm
 
 

@@ -1,9 +1,12 @@
 """Start-of-run checks that every rank of a data-parallel world runs the same thing.
 
 Parameters are broadcast from rank 0 and hashed (`comm.broadcast_parameters`); this module adds
-the two other ways ranks silently diverge: a rank that compiled a different step (another
-version of the code, another `--lr`, another model) and a rank that reads different data
-(another folder, a damaged file). Each rank reduces what it has to a SHA-256 digest plus a few
+the other ways ranks silently diverge: a rank started with other settings (another model,
+`--lr`, batch size) or another step plan (epochs, steps per epoch: a rank that runs fewer steps
+leaves the others waiting for it in an all-reduce, forever), a rank that compiled a different
+step (another version of the code) and a rank that reads different data (another folder, a
+damaged file). Settings are compared as labelled values (`agree_on_fields`), so the message
+names the first that differs and its value on each rank; steps and data as digests. Each rank reduces what it has to a SHA-256 digest plus a few
 numbers (sizes), the digests are gathered on every rank (an all-reduce of one slot per rank,
 so it works through any communicator with `all_reduce`, and every rank reaches the same verdict
 and stops together instead of leaving the others waiting in the first step), and a mismatch
@@ -127,3 +130,48 @@ def agree_on_data(comm: Any, name: str, arrays: Sequence[Any]) -> None:
     facts = [len(arrays[0]) if len(arrays) else 0, sum(int(np.prod(a.shape)) for a in arrays)]
     how = "" if full else " (of a strided sample)"
     agree(comm, name, digest, facts, describe=lambda f, d: f"{f[0]} samples, sha256{how} {d.hex()[:12]}")
+
+
+#: bytes of a setting's text shown per rank in a mismatch (the comparison uses its whole digest)
+VALUE_BYTES = 64
+
+
+def _shown(value: object) -> bytes:
+    text = value if isinstance(value, str) else repr(value)
+    return text.encode()[:VALUE_BYTES].ljust(VALUE_BYTES, b"\0")
+
+
+def agree_on_fields(comm: Any, fields: Sequence[tuple[str, object]],
+                    must: str = "every rank must be started with the same settings") -> None:
+    """Every rank holds the same value for every labelled field (model name, batch size, epochs,
+    ...); raises ConsistencyError on every rank otherwise, naming the first field that differs and
+    its value on the first rank that differs and on rank 0:
+    "rank 1 differs from rank 0: model is mlp on rank 1, cnn on rank 0; <must>".
+
+    A collective: every rank must call it; the labels are agreed first, so ranks that pass
+    different fields get a ConsistencyError too, not a hang."""
+    if comm is None or comm.size <= 1:
+        return
+    labels = "\0".join(label for label, _ in fields).encode()
+    agree(comm, "the settings checked at the start", hashlib.sha256(labels).digest(), [len(fields)],
+          describe=lambda f, d: f"{f[0]} settings (names sha256 {d.hex()[:12]})")
+    width = _DIGEST + VALUE_BYTES
+    mine = np.zeros(len(fields) * width)
+    for i, (_, value) in enumerate(fields):
+        text = value if isinstance(value, str) else repr(value)
+        row = hashlib.sha256(text.encode()).digest() + _shown(value)
+        mine[i * width:(i + 1) * width] = np.frombuffer(row, np.uint8)
+    table = np.zeros(comm.size * mine.size)
+    table[comm.rank * mine.size:(comm.rank + 1) * mine.size] = mine
+    comm.all_reduce(table, "sum")
+    table = table.reshape(comm.size, len(fields), width)
+    for i, (label, _) in enumerate(fields):
+        differ = [r for r in range(1, comm.size) if not np.array_equal(table[r, i], table[0, i])]
+        if differ:
+            def said(r: int) -> str:
+                return bytes(table[r, i, _DIGEST:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+            ranks = f"rank {differ[0]} differs" if len(differ) == 1 else \
+                f"ranks {', '.join(map(str, differ))} differ"
+            beyond = f" (they differ past the {VALUE_BYTES} bytes shown)" if said(differ[0]) == said(0) else ""
+            raise ConsistencyError(f"{ranks} from rank 0: {label} is {said(differ[0])} on rank {differ[0]}, "
+                                   f"{said(0)} on rank 0{beyond}; {must}")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.runtime import target_names
+from ember.runtime.comm import WorldError, world_from_env
 from ember.runtime.consistency import ConsistencyError
 
 from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights
@@ -191,7 +192,10 @@ def main(args: Any) -> int:
 
     check_device(args.device)
     _check_args(args)
-    comm = _data_parallel_world(args)
+    try:
+        comm = _data_parallel_world(args)
+    except WorldError as e:  # every rank has it: rank 0 alone says it
+        return _world_error(e)
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read when the first compiled step loads
 
@@ -300,6 +304,8 @@ def main(args: Any) -> int:
         if e.errno is None:
             raise
         return _write_failed(e, args, trainer)
+    except ConsistencyError as e:  # another step plan (--epochs, --limit-steps) on some rank
+        return _ranks_disagree(comm, e)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -373,6 +379,22 @@ def _data_parallel_world(args: Any) -> Any:
         args.metrics_file = args.tensorboard = args.save = args.plot = None
         args.no_progress = True
     return comm
+
+
+def _world_error(error: Exception) -> int:
+    """This process cannot join its data-parallel world: one line, from rank 0 only where the
+    environment names a rank (every rank of the launch has the same fault), and exit 2."""
+    try:
+        rank = world_from_env()[0]
+    except WorldError:
+        rank = 0
+    if rank == 0:
+        print(f"ember mnist: error: {error}", file=sys.stderr, flush=True)
+    else:
+        # no world to hold the others at a barrier: the first rank to exit gets the rest stopped
+        # (by mpiexec, by the launcher), so give rank 0 a head start to say it
+        time.sleep(2.0)
+    return 2
 
 
 def _ranks_disagree(comm: Any, error: Exception) -> int:

@@ -62,9 +62,16 @@ class Trainer:
         self.rank, self.world_size = (communicator.rank, communicator.size) if communicator is not None else (0, 1)
         self.dropped_tail = 0
         if self.world_size > 1:
-            # every rank must read the same data (before sharding it): a rank with another folder
+            # every rank must be started with the same settings, then read the same data (before
+            # sharding it); settings first, so a rank with another model is named as such, not
+            # as one reading other data (the MLP reads flat images); a rank with another folder
             # or a damaged file stops the run here, instead of training on something else
-            from ember.runtime.consistency import agree_on_data
+            from ember.runtime.consistency import agree_on_data, agree_on_fields
+            shapes = [f"{name}{tuple(p.data.shape)}" for name, p in model.named_parameters()]
+            agree_on_fields(communicator, [*((str(k), v) for k, v in (config or {}).items()),
+                                           ("the model's parameters", f"{len(shapes)} tensors: {' '.join(shapes)}"),
+                                           ("device", device), ("batch size", batch_size), ("shuffle", shuffle),
+                                           ("seed", seed), ("eval batch size", eval_batch_size)])
             agree_on_data(communicator, "the training data", (x, y))
             if test is not None:
                 agree_on_data(communicator, "the test data", test)
@@ -288,6 +295,14 @@ class Trainer:
         done = []
         self.target_epochs = epochs
         start_step = self.global_step
+        if self.world_size > 1:
+            # a rank that runs fewer steps leaves the others waiting in their next all-reduce
+            from ember.runtime.consistency import agree_on_fields
+            agree_on_fields(self.step.comm, [("epochs", epochs), ("limit steps", self.limit_steps or "none"),
+                                             ("steps per epoch", self.steps_per_epoch()),
+                                             ("resume point (epochs done, steps into the next)",
+                                              f"{self.epoch}, {self.step_in_epoch}")],
+                            must="every rank must run the same steps")
         while self.epoch < epochs:
             rec = self.train_epoch() if not self.stop_requested else {"type": "stopped"}
             if rec["type"] == "diverged":

@@ -103,6 +103,62 @@ def test_step_digest_ignores_comment_lines_only():
     assert K.source_digest(base) != K.source_digest(base.replace("0.05f", "0.04f"))
 
 
+def test_labelled_settings_name_the_first_that_differs_and_its_value_per_rank():
+    def model(c):
+        K.agree_on_fields(c, [("model", "mlp" if c.rank == 1 else "cnn"), ("batch size", 64)])
+    errs = _run(2, model)
+    assert all(isinstance(e, K.ConsistencyError) for e in errs) and str(errs[0]) == str(errs[1])
+    assert str(errs[0]) == ("rank 1 differs from rank 0: model is mlp on rank 1, cnn on rank 0; "
+                            "every rank must be started with the same settings"), errs[0]
+
+    def later(c):  # the first differing label is named, values compared whole beyond what is shown
+        long = "x" * 100
+        K.agree_on_fields(c, [("model", "cnn"), ("lr", 0.05), ("init", long + str(c.rank > 1)),
+                              ("batch size", 32 if c.rank else 64)])
+    x64 = "x" * K.VALUE_BYTES
+    assert str(_run(3, later)[0]) == (f"rank 2 differs from rank 0: init is {x64} on rank 2, {x64} on rank 0 (they "
+                                      f"differ past the 64 bytes shown); every rank must be started with the same "
+                                      f"settings")
+    assert _run(3, lambda c: K.agree_on_fields(c, [("epochs", 2), ("steps per epoch", 10)])) == [None] * 3
+
+    def fields(c):  # ranks passing different fields: named, not a hang in a mismatched all-reduce
+        K.agree_on_fields(c, [("epochs", 2)] + ([("limit steps", 10)] if c.rank else []))
+    assert str(_run(2, fields)[0]).startswith("rank 1 differs from rank 0 in the settings checked at the start: 2 settings")
+
+
+def test_trainer_checks_settings_before_data_and_the_step_plan_before_training(monkeypatch):
+    """A rank with another model reads other-shaped data (the MLP's are flat): the model must be
+    named, not the data; a rank with another epoch count or step limit would leave the others
+    waiting in an all-reduce forever: fit() stops every rank before the first step."""
+    from types import SimpleNamespace
+
+    from ember.frontends import nn, optim
+    from ember.frontends.training import trainer as T
+
+    def fake_compile(model, loss, opt, example_inputs, communicator=None, **kw):
+        return SimpleNamespace(comm=communicator, precompile=lambda *a: None)
+    monkeypatch.setattr(T, "ember_compile", fake_compile)
+    x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int64)
+
+    def build(c, **kw):
+        flat = c.rank == 0
+        data = (x if flat else x.reshape(64, 1, 2, 2), y)
+        return T.Trainer(nn.Linear(4, 3), optim.SGD(lr=0.1), data, device="cpu", batch_size=8, communicator=c,
+                         config={"model": "mlp" if flat else "cnn"}, **kw)
+    msg = str(_run(2, build)[0])
+    assert msg == ("rank 1 differs from rank 0: model is cnn on rank 1, mlp on rank 0; "
+                   "every rank must be started with the same settings"), msg
+
+    def plan(c, what):
+        t = T.Trainer(nn.Linear(4, 3), optim.SGD(lr=0.1), (x, y), device="cpu", batch_size=8, communicator=c,
+                      limit_steps=(2 if c.rank else 4) if what == "limit" else None)
+        t.fit(2 if c.rank and what == "epochs" else 1)
+    assert str(_run(2, lambda c: plan(c, "epochs"))[0]) == (
+        "rank 1 differs from rank 0: epochs is 2 on rank 1, 1 on rank 0; every rank must run the same steps")
+    assert str(_run(2, lambda c: plan(c, "limit"))[0]) == (
+        "rank 1 differs from rank 0: limit steps is 2 on rank 1, 4 on rank 0; every rank must run the same steps")
+
+
 # ---- end to end over MPI ------------------------------------------------------------------------
 
 def _mpi_env() -> dict:
@@ -115,12 +171,12 @@ def _mpi_env() -> dict:
 
 def _launch_mnist(per_rank: str, data: str, *extra: str) -> subprocess.CompletedProcess:
     """`ember launch` of 2 ranks running `ember mnist` (MLP), where `per_rank` is a shell snippet
-    setting LR and DATA from $RANK."""
-    mnist = (f'{per_rank}; exec "{sys.executable}" -m ember.frontends.cli mnist --model mlp --device cpu '
+    setting LR, DATA or MODEL from $RANK."""
+    mnist = (f'{per_rank}; exec "{sys.executable}" -m ember.frontends.cli mnist --model "$MODEL" --device cpu '
              f'--epochs 1 --limit-steps 1 --no-progress --eval-batch-size 5000 --lr "$LR" --data "$DATA" '
              + " ".join(extra))
     return subprocess.run([sys.executable, "-m", "ember.frontends.cli", "launch", "--nproc-per-node", "2", "--",
-                           "sh", "-c", mnist], env=_mpi_env() | {"DATA": data, "LR": "0.05"},
+                           "sh", "-c", mnist], env=_mpi_env() | {"DATA": data, "LR": "0.05", "MODEL": "mlp"},
                           capture_output=True, text=True, timeout=240)
 
 
@@ -135,8 +191,26 @@ def test_a_rank_with_another_lr_stops_the_run_naming_it(mnist_dir):
     r = _launch_mnist('[ "$RANK" = 1 ] && LR=0.04', str(mnist_dir))
     assert r.returncode == 1, r.stderr[-3000:]
     line = _rank0_error(r.stderr)
-    assert line.startswith("ember mnist: error: rank 1 differs from rank 0 in the compiled training step"), line
+    assert line == ("ember mnist: error: rank 1 differs from rank 0: lr is 0.04 on rank 1, 0.05 on rank 0; every "
+                    "rank must be started with the same settings"), line
     assert "epoch 1/1" not in r.stdout  # stopped before training
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_model_is_named_as_such_not_as_other_data(mnist_dir):
+    r = _launch_mnist('[ "$RANK" = 1 ] && MODEL=cnn', str(mnist_dir))
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert _rank0_error(r.stderr) == ("ember mnist: error: rank 1 differs from rank 0: model is cnn on rank 1, mlp on "
+                                      "rank 0; every rank must be started with the same settings")
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_epoch_count_stops_before_training(mnist_dir):
+    r = _launch_mnist('[ "$RANK" = 1 ] && EXTRA="--epochs 2"', str(mnist_dir), "$EXTRA")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert _rank0_error(r.stderr) == ("ember mnist: error: rank 1 differs from rank 0: epochs is 2 on rank 1, 1 on "
+                                      "rank 0; every rank must run the same steps")
+    assert "epoch 1/1" not in r.stdout
 
 
 @pytest.mark.slow
