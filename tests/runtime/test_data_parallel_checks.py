@@ -61,21 +61,35 @@ def _run(size, fn):
     return out
 
 
-def test_same_data_passes_and_a_changed_label_names_the_rank_and_the_data():
+@pytest.mark.parametrize("size", [2, 3])  # 2: the smallest world, where a skipped check once went unseen
+def test_same_data_passes_and_a_changed_label_names_the_rank_and_the_data(size):
     x = np.random.default_rng(0).random((100, 1, 4, 4), dtype=np.float32)
     y = np.arange(100) % 10
-    assert _run(3, lambda c: K.agree_on_data(c, "the training data", (x, y))) == [None] * 3
+    last = size - 1
+    assert _run(size, lambda c: K.agree_on_data(c, "the training data", (x, y))) == [None] * size
 
     def changed(c):
         yy = y.copy()
-        if c.rank == 2:
+        if c.rank == last:
             yy[57] = 3
         K.agree_on_data(c, "the training data", (x, yy))
-    errs = _run(3, changed)
+    errs = _run(size, changed)
     assert all(isinstance(e, K.ConsistencyError) for e in errs)  # every rank stops, none waits
     msg = str(errs[0])
     assert len(msg.splitlines()) == 1 and all(str(e) == msg for e in errs)
-    assert msg.startswith("rank 2 differs from rank 0 in the training data: 100 samples, sha256 "), msg
+    assert msg.startswith(f"rank {last} differs from rank 0 in the training data: 100 samples, sha256 "), msg
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_rank_that_compiled_another_step_is_named(size):
+    class Step:
+        def __init__(self, code):
+            self.source = type("Source", (), {"code": code})()
+
+    def run(c):
+        K.agree_on_step(c, Step("k();\n" if c.rank < size - 1 else "k(); k();\n"))
+    msg = str(_run(size, run)[0])
+    assert msg.startswith(f"rank {size - 1} differs from rank 0 in the compiled training step"), msg
 
 
 def test_sizes_are_named_and_several_ranks_listed():
