@@ -11,6 +11,7 @@ only when written, memory a step's plan cannot get) is one line too, with exit s
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -35,8 +36,53 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where its help already says it (or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command) if command else None
+    return None
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+def _command_of(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _dashes(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """torchrun's and PyTorch scripts' underscore spellings (`--nproc_per_node`, `--batch_size`)
+    as ember's (`--nproc-per-node`): a token is respelled only where the dashed form is an option
+    of its command, and nothing after a bare `--` (a launched command's own arguments)."""
+    sub = _subparser(parser, _command_of(argv))
+    known = set(_options(parser)) | set(_options(sub) if sub is not None else ())
+    out, passthrough = [], False
+    for token in argv:
+        if token == "--":
+            passthrough = True
+        if not passthrough and token.startswith("--") and "_" in token:
+            name, eq, value = token.partition("=")
+            dashed = name.replace("_", "-")
+            if dashed in known:
+                token = dashed + eq + value
+        out.append(token)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember", description="ember: a graph compiler for training small neural networks")
+    parser = argparse.ArgumentParser(prog="ember", description="ember: a graph compiler for training small neural networks",
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"ember {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (also: EMBER_DEBUG=1)")
     # SUPPRESS: a subcommand that is not given --debug must not reset the top-level one
@@ -45,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error (also: EMBER_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common], formatter_class=_HelpFormatter)
         importlib.import_module(f"{__name__}.{module}").add_arguments(p)
     return parser
 
@@ -62,7 +108,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = _dashes(parser, list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, and the closest spelling of what was meant
+        sub = _subparser(parser, args.command) or parser
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag.replace("_", "-"), _options(sub), n=1, cutoff=0.6)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; did you mean {close[0]}?" if close else ""))
     if args.command is None:
         parser.print_help()
         return 2

@@ -282,3 +282,29 @@ def test_epoch_line_after_a_mid_epoch_resume_says_what_the_loss_covers(tmp_path,
     assert cli.main(trainer_args + ["--resume", str(ck)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("epoch 1/1"))
     assert "(steps 5-6 of the epoch only, those run since the resume)" in line, line
+
+
+def test_help_shows_defaults_and_unknown_options_suggest_the_closest(capsys, monkeypatch):
+    from ember.frontends.cli import main
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option
+    with pytest.raises(SystemExit) as e:
+        main(["mnist", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "(a resumed run continues the count) (default: 1)" in out  # added where the help was silent
+    assert out.count("default 64") == 1 and "(default: 64)" not in out  # not repeated where it spoke
+    with pytest.raises(SystemExit) as e:
+        main(["mnist", "--lrr", "0.1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ember mnist") and "unrecognized arguments: --lrr 0.1; did you mean --lr?" in err
+
+
+def test_torchrun_underscore_spellings_are_accepted():
+    from ember.frontends.cli import _dashes, build_parser
+    parser = build_parser()
+    argv = ["launch", "--nproc_per_node=2", "--master_port", "29501", "--", "ember", "mnist", "--batch_size", "8"]
+    assert _dashes(parser, argv) == ["launch", "--nproc-per-node=2", "--master-port", "29501", "--", "ember", "mnist",
+                                     "--batch_size", "8"]  # the launched command respells its own
+    assert _dashes(parser, ["mnist", "--batch_size", "8", "--not_an_option"])[1:] == ["--batch-size", "8",
+                                                                                      "--not_an_option"]
