@@ -29,7 +29,7 @@ from .templates_env import environment
 NARROW_MAX_N = 16
 SHORT_MAX_M = 16
 # Blocks a launch aims for, measured on an H200 (tests/codegen/cuda_skinny_try.py, the MNIST
-# linear layer; notes/cuda_skinny_h200.json): the narrow kernel (2 blocks of 256 threads resident a
+# linear layer; docs/benchmarks.md, "History"): the narrow kernel (2 blocks of 256 threads resident a
 # multiprocessor) ran best at about one wave (1024 x 18432 x 10: 256 blocks 25.0 us, 480 28.6,
 # 1152 35.1), the short-M kernel at about 4 blocks a multiprocessor (10 x 18432 x 1024: 576
 # blocks 24.1 us, 1152 24.9, 2304 28.0); more blocks only add partials to sum.

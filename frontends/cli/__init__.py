@@ -19,7 +19,7 @@ import sys
 
 # subcommand -> (module under ember.frontends.cli, one-line help)
 COMMANDS = {
-    "mnist": ("mnist", "train the MNIST CNN or MLP with a compiled step (the main job)"),
+    "mnist": ("mnist", "train an MNIST model (cnn, mlp, lenet5, resnet8) with a compiled step (the main job)"),
     "plot": ("plot", "plot loss and accuracy curves from `ember mnist --metrics-file` JSON lines"),
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
