@@ -11,6 +11,8 @@ pointers by the runtime; codegen never allocates.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -59,6 +61,10 @@ class CudaStepSource:
     launches: list[LaunchArgs]
     arena_bytes: int
     kernels: list[tuple[str, str, list[str]]] = field(default_factory=list)  # (name, spec, implements)
+    # what the runtime compiles: the prelude every module starts with, and one unit per distinct
+    # kernel (its code and the functions it defines); `code` is all of them in one source
+    prelude: str = ""
+    units: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
 
 
 def _signature(sub: Graph) -> str:
@@ -339,10 +345,16 @@ def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
 
 
 def render_step(graph: Graph) -> CudaStepSource:
-    """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order."""
-    parts = [ENV.get_template("prelude.j2").render()]
+    """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order.
+
+    Kernels whose code is the same up to their name (the same convolution shape twice, say) are
+    one function: the later ones launch the first one's, with their own buffers."""
+    prelude = ENV.get_template("prelude.j2").render()
+    parts = [prelude]
     launches: list[LaunchArgs] = []
     kernels = []
+    units: list[tuple[str, tuple[str, ...]]] = []
+    defined: dict[str, str] = {}  # code with its kernel's name blanked -> the kernel that defines it
     for n in graph.meta["schedule"]:
         if graph.op(n) != "fused":
             continue
@@ -388,6 +400,18 @@ def render_step(graph: Graph) -> CudaStepSource:
             for launch in kernel.launches:
                 args = tuple(("scratch", n) if roles.get(r, r) == "scratch" else node_of[roles[r]] for r in launch.args)
                 launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name))
-        parts.append(header + code)
+        mine = [i for i, la in enumerate(launches) if la.kernel == name]
+        functions = tuple(dict.fromkeys(launches[i].function for i in mine))
+        canonical = code.replace(name, "\0") if all(f.startswith(name) for f in functions) else None
+        if canonical is not None and canonical in defined:
+            first = defined[canonical]
+            for i in mine:
+                launches[i] = dataclasses.replace(launches[i], function=first + launches[i].function[len(name):])
+            parts.append(header + f"// (the same code as {first}: its functions are launched)\n")
+        else:
+            if canonical is not None:
+                defined[canonical] = name
+            units.append((code, functions))
+            parts.append(header + code)
         kernels.append((name, spec.describe(), implements))
-    return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels)
+    return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels, prelude, units)

@@ -14,6 +14,7 @@ in place are copied into it inside the graph.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from collections.abc import Mapping
@@ -182,16 +183,15 @@ class CudaExecutor:
         # CUDA version; ember keeps that cache under its own cache directory.
         os.environ.setdefault("CUPY_CACHE_DIR", str(Path(os.environ.get("EMBER_CACHE_DIR") or
                                                          Path.home() / ".cache" / "ember") / "cupy"))
-        self.module = cp.RawModule(code=self.source.code + _RING_SOURCE, options=options)
         collectives = [la for la in self.source.launches if la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)]
         if collectives and not getattr(communicator, "device_collectives", False):
             raise ValueError(f"the CUDA step all-reduces ({len(collectives)} collectives) and needs a device "
                              f"communicator (ember.runtime.cuda_comm: NCCL), got {type(communicator).__name__}")
         self.communicator = communicator
-        self.functions = {la.function: (self.module.get_function(la.function)
-                                        if not la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)
-                                        else self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):]))
-                          for la in self.source.launches}
+        self.module = cp.RawModule(code=_RING_SOURCE, options=options)
+        self.functions = compile_units(cp, self.source.prelude, self.source.units, options)
+        self.functions.update({la.function: self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):])
+                               for la in collectives})
         self.compile_seconds = time.perf_counter() - t0
         self.arena = cp.zeros(max(self.source.arena_bytes, 256), dtype=cp.uint8)
         self.peak_bytes = self.source.arena_bytes
@@ -342,6 +342,28 @@ class CudaExecutor:
 # keeps its own count of calls and returns a view of that slot. Slots are never reused: a full
 # chunk is replaced by a fresh one (ember_ring_reset, stream-ordered before the next step), and
 # the old chunk lives as long as any returned view of it.
+def compile_units(cp: Any, prelude: str, units: list[tuple[str, tuple[str, ...]]],
+                  options: tuple[str, ...]) -> dict[str, Any]:
+    """function name -> kernel, one NVRTC module per distinct kernel, compiled on a thread pool
+    (NVRTC runs without the GIL). CuPy caches each module on disk by its own source, so a step
+    that shares kernels with one compiled before (another batch size, the inference step, a
+    model changed in one layer) compiles only the kernels that are new."""
+    device = cp.cuda.Device().id  # a worker thread starts on device 0: compile and load on ours
+
+    def build(unit: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
+        code, functions = unit
+        with cp.cuda.Device(device):
+            module = cp.RawModule(code=prelude + code, options=options)
+            return {f: module.get_function(f) for f in functions}
+
+    out: dict[str, Any] = {}
+    workers = max(1, min(len(units), os.cpu_count() or 1, 32))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for found in pool.map(build, units):
+            out.update(found)
+    return out
+
+
 _RING_SOURCE = r"""
 // ---- the scalar output ring (runtime/cuda.py: _LossRing)
 extern "C" __global__ void ember_ring_put(const float* value, float* const* chunk, unsigned* count) {

@@ -65,3 +65,37 @@ def test_dropout_and_overlapping_ceil_mode_pooling_compile_with_nvcc(tmp_path):
 def test_kernels_command_refuses_a_device_without_sources(tmp_path, capsys):
     assert ember_main(["kernels", "--model", "mlp", "--device", "reference", "--out", str(tmp_path)]) == 2
     assert "generates no source code" in capsys.readouterr().err
+
+
+def test_identical_kernels_are_one_function_and_every_unit_compiles_alone(tmp_path):
+    """Kernels whose code differs only in their name (ResNet-8's repeated shapes) are rendered
+    once and launched under the first one's name; the runtime compiles each distinct kernel as
+    a module of its own (prelude + its code), so each unit must compile alone."""
+    import re
+
+    import numpy as np
+
+    from ember.codegen.cuda import render_step
+    from ember.frontends import nn, optim, plan
+    from ember.frontends.training.recipes import build_model
+
+    model = build_model("resnet8")
+    example = (np.zeros((8, 1, 28, 28), np.float32), np.zeros(8, np.int64))
+    graph = next(g for k, g in plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda").items()
+                 if k.startswith("train"))
+    source = render_step(graph)
+    defined = {f for _, functions in source.units for f in functions}
+    launched = {la.function for la in source.launches if not la.function.startswith("collective:")}
+    assert launched == defined  # every launch finds its function, and no unit is dead
+    assert len(source.units) < len(source.kernels) - 10, (len(source.units), len(source.kernels))
+    for code, functions in source.units:
+        for f in functions:  # a unit defines its own functions, nothing else
+            assert re.search(rf'extern "C" __global__[^\n]*\b{f}\(', code), f
+    assert source.code.count("(the same code as ") == len(source.kernels) - len(source.units)
+    nvcc = nvcc_or_skip()
+    biggest = sorted(source.units, key=lambda u: -len(u[0]))[:2] + source.units[:2]
+    paths = []
+    for i, (code, _) in enumerate(biggest):
+        paths.append(tmp_path / f"unit{i}.cu")
+        paths[-1].write_text(source.prelude + code)
+    _compile_all(nvcc, paths)
