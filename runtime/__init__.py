@@ -18,8 +18,9 @@ for _module in BACKENDS:
 
 
 def target(name: str) -> targets.Target:
-    """The registered target `name` (a one-line ValueError naming the known ones otherwise)."""
-    return targets.get(name)
+    """The registered target `name` (a one-line ValueError naming the known ones otherwise); a
+    device with an index, PyTorch's "cuda:1", names its target ("cuda")."""
+    return targets.get(name.partition(":")[0] if isinstance(name, str) else name)
 
 
 def target_names() -> list[str]:

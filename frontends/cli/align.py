@@ -292,7 +292,7 @@ def format_alignment(a: Alignment, rows: int = 2) -> str:
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument("--steps", type=int, default=200, help="training steps to compare (default 200; 938 = one epoch)")
-    p.add_argument("--device", choices=target_names(), default="cpu", help="ember's device")
+    p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]", help="ember's device")
     p.add_argument("--data", default=None, metavar="DIR", help="MNIST folder (default: $EMBER_DATA, else ~/.cache/ember/mnist)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)

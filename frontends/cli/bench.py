@@ -329,7 +329,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: cnn and mlp")
-    p.add_argument("--device", choices=target_names(), default="cpu")
+    p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (cuda: 64 and 1024)")
@@ -347,7 +347,7 @@ def main(args: Any) -> int:
     check_device(args.device)
     check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
     models = ["cnn", "mlp"] if args.model == "all" else [args.model]
-    if args.device == "cuda":
+    if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
         report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, log=lambda s: print(s, file=sys.stderr))

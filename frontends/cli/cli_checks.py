@@ -139,8 +139,13 @@ def check_device(device: str) -> None:
     one-line reason otherwise, the same for every command."""
     from ember.runtime import target, target_names
 
-    if device not in target_names():
-        raise UsageError(f"--device {device}: no such backend; available: {', '.join(target_names())}")
+    name, colon, index = device.partition(":")
+    if name not in target_names():
+        raise UsageError(f"--device {device}: no such backend; available: {', '.join(target_names())} "
+                         f"(a GPU by index: cuda:N)")
+    if colon and not (index.isdigit() and target(name).select_device is not None):
+        raise UsageError(f"--device {device}: expected {name!r}" + (f" or {name}:N with a device index N >= 0"
+                                                                     if target(name).select_device else ""))
     available = target(device).available
     if available is not None:
         try:
@@ -150,5 +155,5 @@ def check_device(device: str) -> None:
 
 
 def check_tf32(tf32: bool, device: str) -> None:
-    if tf32 and device != "cuda":
+    if tf32 and device.partition(":")[0] != "cuda":
         raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {device} computes in float32")

@@ -52,7 +52,7 @@ def write_kernels(model_name: str, device: str, out: Path, batch_size: int = 64,
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
-    p.add_argument("--device", choices=target_names(), default="cpu")
+    p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the sources (created)")
     p.add_argument("--tf32", action="store_true", help="cuda: the kernels of compile(..., precision='tf32')")

@@ -39,7 +39,7 @@ MNIST_MIRRORS: tuple[str, ...] | None = None
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default), mlp, lenet5 or resnet8")
-    p.add_argument("--device", choices=target_names(), default="cpu",
+    p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
     p.add_argument("--tf32", action="store_true",
                    help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
