@@ -276,3 +276,13 @@ def test_bench_warns_once_when_threads_exceed_the_cores(monkeypatch, capsys):
     lines = [line for line in err.splitlines() if "warning" in line.lower()]
     assert len(lines) == 1 and "--threads 2 exceeds the 1 cores" in lines[0], err
     assert "measured fp32 FMA peak on 1 thread(s)" in err
+
+
+def test_optimizer_options_build_torchs_optimizers():
+    assert repr(make_optimizer("sgd", 0.1, 0.9, 1e-4, nesterov=True)) == (
+        "SGD(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0001, schedule=None)")
+    assert make_optimizer("adamw", 1e-3).config.weight_decay == 0.01  # torch.optim.AdamW's default
+    assert make_optimizer("adamw", 1e-3, weight_decay=0.0).config.weight_decay == 0.0
+    assert make_optimizer("adam", 1e-3, weight_decay=0.1).config.weight_decay == 0.1
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
+        make_optimizer("sgd", 0.1, nesterov=True)
