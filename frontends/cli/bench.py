@@ -218,7 +218,7 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
         loss = fwd(torch.from_numpy(x), torch.from_numpy(y))
         loss.backward()
         opt_step()
-        return loss
+        return loss.detach()  # read with float() each step: a tensor that requires grad warns there
 
     return step, res
 
@@ -226,7 +226,13 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
 def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int = 64,
               lr: float = 0.05, threads: int | None = None, data: str | None = None, torch_compile: bool = True,
               rounds: int = 4, seed: int = 0, profile: bool = False, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
-    threads = threads or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    if threads and threads > cores:
+        # threads beyond the cores time-share them: the step times measure the oversubscription, and
+        # a peak measured on them is below the machine's (kernels showed 185% of it)
+        log(f"ember bench: warning: --threads {threads} exceeds the {cores} cores of this machine; the timings "
+            f"include threads waiting for a core, and % of peak is taken against the peak of {cores} threads")
+    threads = threads or cores
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     # Threads must not spin between blocks: ember's team and PyTorch's share one libgomp in this
     # process (PyTorch's bundled libgomp.so.1 is loaded first and ember's steps bind to it), and
@@ -240,8 +246,8 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
     if device == "cpu":
         from ember.codegen.cpu_vector import resolve
         report["cpu_vector"] = resolve().name   # the kernels' vector variant ($EMBER_CPU_VECTOR or native)
-        report["fma_peak_gflops"] = fma_peak_gflops(threads)
-        log(f"measured fp32 FMA peak on {threads} thread(s): {report['fma_peak_gflops']:.1f} GFLOP/s; "
+        report["fma_peak_gflops"] = fma_peak_gflops(min(threads, cores))
+        log(f"measured fp32 FMA peak on {min(threads, cores)} thread(s): {report['fma_peak_gflops']:.1f} GFLOP/s; "
             f"ember's CPU kernels: {report['cpu_vector']}")
     try:
         import torch  # noqa: F401

@@ -24,16 +24,19 @@ from ember.runtime import target_names
 from ember.runtime.comm import WorldError, world_from_env
 from ember.runtime.consistency import ConsistencyError
 
+from ember.frontends import nn
 from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
-from ..training.recipes import INITS, MODELS, build_model, make_optimizer
+from ..training.recipes import INITS, MODELS, OPTIMIZERS, build_model, make_optimizer
 from ..training.trainer import Trainer, check_config
+from . import mnist_setup as setup
 from .cli_checks import (UsageError, check_device, check_hyperparameters, check_input_file, check_output_dir,
                          check_output_file, check_plot_file, check_tf32, describe_os_error)
 
 __all__ = ["add_arguments", "main"]
 
-# Where a missing MNIST folder is filled from (a module attribute so tests can point it elsewhere).
+# Where a missing dataset folder is filled from (a module attribute so tests can point it elsewhere;
+# None: the dataset's own mirrors).
 MNIST_MIRRORS: tuple[str, ...] | None = None
 
 
@@ -45,15 +48,15 @@ def add_arguments(p: Any) -> None:
                    help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
                         "as PyTorch's allow_tf32); default: exact float32")
     p.add_argument("--data", default=None, metavar="DIR",
-                   help="folder with the MNIST IDX files (default: $EMBER_DATA, else ~/.cache/ember/mnist, "
-                        "where missing files are downloaded, md5-checked)")
+                   help="folder with the dataset's four IDX files (default: the --dataset's folder, where missing "
+                        "files are downloaded, md5-checked)")
     p.add_argument("--download", action="store_true",
-                   help="download the MNIST files missing from --data DIR (the default folder downloads anyway)")
+                   help="download the dataset files missing from --data DIR (the default folder downloads anyway)")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train in all (a resumed run continues the count)")
     p.add_argument("--batch-size", type=int, default=64, help="training batch (default 64; the last partial batch is kept)")
     p.add_argument("--eval-batch-size", type=int, default=1000, help="test-set batch of the inference graph (default 1000)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="torch.optim's SGD, Adam or AdamW")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffled order")
     p.add_argument("--init", choices=INITS, default="torch",
@@ -85,6 +88,7 @@ def add_arguments(p: Any) -> None:
                    help="data parallel: all-reduce the gradients in buckets of at most N bytes (default 26214400, "
                         "25 MiB as PyTorch DDP); smaller buckets start communicating earlier in the backward pass")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    setup.add_training_arguments(p)
 
 
 def _error(msg: str) -> int:
@@ -107,6 +111,7 @@ def _check_args(args: Any) -> None:
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
     check_hyperparameters(args.lr, args.momentum)
+    setup.check_training_args(args)
     check_tf32(getattr(args, "tf32", False), args.device)
     if args.save:
         check_output_file("--save", args.save)
@@ -132,15 +137,14 @@ def _check_args(args: Any) -> None:
 
 
 def _prepare_data(args: Any) -> Path:
-    """The MNIST folder. The default one is filled by downloading; a folder given with --data
+    """The dataset's folder. The default one is filled by downloading; a folder given with --data
     only with --download, so a typo is reported instead of filled with a fresh download."""
-    from ember.runtime.data import default_data_dir
+    from ..training.datasets import DATASETS, dataset_dir, ensure_mnist, missing_mnist_files
 
-    from ..training.datasets import ensure_mnist, missing_mnist_files
-
+    dataset = DATASETS[args.dataset]
     explicit = args.data is not None
-    root = Path(args.data).expanduser() if explicit else default_data_dir()
-    where = f"--data {root}" if explicit else f"the MNIST folder {root}"
+    root = Path(args.data).expanduser() if explicit else dataset_dir(dataset.name)
+    where = f"--data {root}" if explicit else f"the {dataset.name} folder {root}"
     if root.exists() and not root.is_dir():
         raise UsageError(f"{where}: is a file; expected a folder holding the four MNIST IDX files")
     missing = missing_mnist_files(root)
@@ -153,13 +157,14 @@ def _prepare_data(args: Any) -> Path:
     if missing:
         if root.exists() or root.parent.exists():
             check_output_dir("--data" if explicit else "MNIST folder", root)
-        print(f"MNIST: {len(missing)} of 4 files missing in {root}; downloading them (md5-checked)", file=sys.stderr)
-        kwargs = {"mirrors": MNIST_MIRRORS} if MNIST_MIRRORS is not None else {}
-        ensure_mnist(root, **kwargs)
+        print(f"{dataset.name}: {len(missing)} of 4 files missing in {root}; downloading them (md5-checked)",
+              file=sys.stderr)
+        ensure_mnist(root, mirrors=MNIST_MIRRORS if MNIST_MIRRORS is not None else dataset.mirrors, md5s=dataset.md5s)
     return root
 
 
-def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int | None = None) -> str:
+def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int | None = None,
+                world_size: int = 1) -> str:
     train = f"train loss {format_loss(rec['train_loss'])}" if rec["steps"] else "no step ran"
     if not rec["steps"] and rec.get("resumed_at_step_in_epoch"):
         train += f": the checkpoint is at step {rec['resumed_at_step_in_epoch'] + 1} of the epoch" + \
@@ -168,9 +173,13 @@ def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int 
         # the steps before the resume ran in another process: their losses are not in this mean
         train += f" (steps {rec['resumed_at_step_in_epoch'] + 1}-{rec['resumed_at_step_in_epoch'] + rec['steps']} " \
                  f"of the epoch only, those run since the resume)"
-    return (f"epoch {rec['epoch']}/{epochs}: {train}, test loss {format_loss(rec['test_loss'])}, test accuracy "
+    val = (f", val loss {format_loss(rec['val_loss'])}, val accuracy {100 * rec['val_acc']:.2f}%"
+           if "val_loss" in rec else "")
+    speed = (f"{rec['samples_per_s_all_ranks']:.0f} samples/s (all {world_size} ranks)" if world_size > 1
+             else f"{rec['samples_per_s']:.0f} samples/s")
+    return (f"epoch {rec['epoch']}/{epochs}: {train}{val}, test loss {format_loss(rec['test_loss'])}, test accuracy "
             f"{100 * rec['test_acc']:.2f}% ({round(rec['test_acc'] * n_test)}/{n_test}); {rec['epoch_seconds']:.1f} s, "
-            f"{rec['samples_per_s']:.0f} samples/s")
+            f"{speed}")
 
 
 def _divergence_message(d: dict[str, Any], args: Any) -> str:
@@ -211,8 +220,12 @@ def main(args: Any) -> int:
     for split, x in (("training", x_train), ("test", x_test)):
         if len(x) == 0:
             return _error(f"--data {root}: the {split} set holds no images; expected the MNIST IDX files")
+    n_files = len(x_train)
+    (x_train, y_train), val = setup.split_validation(x_train, y_train, args.val_split)
 
-    config = {"model": args.model, "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum,
+    config = {"model": args.model, "dataset": args.dataset, "optimizer": args.optimizer, "lr": args.lr,
+              "momentum": args.momentum, "weight_decay": args.weight_decay, "nesterov": args.nesterov,
+              "label_smoothing": args.label_smoothing, "val_split": args.val_split,
               "init": args.init_weights or f"{args.init} seed {args.seed}",
               "precision": "tf32" if args.tf32 else "float32"}
     try:
@@ -226,7 +239,7 @@ def main(args: Any) -> int:
                 model.load_state_dict(weights)
             except (KeyError, ValueError) as e:
                 raise CheckpointError(f"{args.init_weights}: does not fit the {args.model} model: {e}") from None
-        opt = make_optimizer(args.optimizer, args.lr, args.momentum)
+        opt = make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay, args.nesterov)
     except (ValueError, OSError) as e:
         return _error(str(e))
 
@@ -234,7 +247,7 @@ def main(args: Any) -> int:
     if args.resume:  # read and check it before compiling anything
         try:
             ckpt = load_checkpoint(args.resume)
-            check_config(ckpt, config, ("model", "optimizer"), args.resume)
+            check_config(ckpt, config, ("model", "optimizer", "dataset"), args.resume)
         except (CheckpointError, OSError) as e:
             return _error(str(e))
         if ckpt.epoch >= args.epochs:
@@ -242,18 +255,35 @@ def main(args: Any) -> int:
                   f"(the epoch count is the total; pass a larger --epochs to continue)")
             return 0
 
+    run_dir = setup.run_folder(args.output_dir, args.resume) if args.output_dir else None
+    notes = setup.use_run_folder(args, run_dir) if run_dir is not None else []
     started = time.perf_counter()
-    print(f"ember mnist: {args.model} on {args.device}, {args.optimizer} lr {args.lr}"
-          + (f" momentum {args.momentum}" if args.momentum else "")
-          + f", batch {args.batch_size}, {len(x_train)} training / {len(x_test)} test images from {root}", flush=True)
+    print(f"data: {args.dataset} from {root} ({len(x_train)} training"
+          + (f" + {len(val[0])} validation (the last {args.val_split:g} of {n_files})" if val is not None else "")
+          + f" / {len(x_test)} test images)", flush=True)
+    # the schedule, attached by the trainer, gets a line of its own
+    print(f"ember mnist: {args.model} on {args.device}, {repr(opt).replace(', schedule=None', '')}, batch {args.batch_size}"
+          + (f", label smoothing {args.label_smoothing:g}" if args.label_smoothing else ""), flush=True)
+    if run_dir is not None:
+        setup.write_config(run_dir, args, {"run_dir": os.fspath(run_dir), "data": os.fspath(root)})
+        print(f"run folder: {run_dir}", flush=True)
+    for msg in notes:
+        setup.note(msg)
+    schedule = setup.lr_schedule(args)
     try:
         trainer = Trainer(model, opt, (x_train, y_train), (x_test, y_test), device=args.device,
                           batch_size=args.batch_size, shuffle=args.shuffle, seed=args.seed,
                           eval_batch_size=args.eval_batch_size, limit_steps=args.limit_steps, log_every=args.log_every,
                           progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm,
-                          bucket_bytes=args.bucket_bytes, precision=config["precision"])
+                          bucket_bytes=args.bucket_bytes, precision=config["precision"], val=val,
+                          loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
+                          lr_schedule=schedule, epochs=args.epochs)
     except ConsistencyError as e:  # raised on every rank at once: rank 0 alone says it
         return _ranks_disagree(comm, e)
+    except ValueError as e:  # a warm-up longer than the run, known only with the steps per epoch
+        return _error(str(e))
+    if schedule is not None:
+        print(schedule.describe(args.lr, args.epochs * trainer.steps_per_epoch()), flush=True)
     if trainer.world_size > 1:
         print(f"data parallel: {trainer.world_size} ranks x batch {args.batch_size} = global batch "
               f"{args.batch_size * trainer.world_size}; {len(trainer.loader.x)} "
@@ -287,7 +317,7 @@ def main(args: Any) -> int:
     trainer.run_record(epochs=args.epochs, resumed_from=args.resume, threads=args.threads)
 
     def on_epoch(rec: dict[str, Any]) -> None:
-        trainer.print(_epoch_line(rec, args.epochs, len(x_test), args.limit_steps))
+        trainer.print(_epoch_line(rec, args.epochs, len(x_test), args.limit_steps, trainer.world_size))
         sys.stdout.flush()
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -299,7 +329,7 @@ def main(args: Any) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
     try:
-        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch)
+        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch, save_every=args.save_every)
     except OSError as e:  # the checkpoint (or a dump of the inference step) could not be written
         if e.errno is None:
             raise
@@ -376,7 +406,7 @@ def _data_parallel_world(args: Any) -> Any:
     comm = C.from_env()
     if comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-        args.metrics_file = args.tensorboard = args.save = args.plot = None
+        args.metrics_file = args.tensorboard = args.save = args.plot = args.output_dir = None
         args.no_progress = True
     return comm
 

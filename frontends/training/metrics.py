@@ -7,11 +7,13 @@ A metrics file holds one JSON object per line, each with a "type":
 * ``step``: every ``log_every`` training steps: ``epoch`` (1-based), ``step`` (global, counted
   from the first step of the first run, so a resumed run continues the count), ``loss`` (that
   batch), ``loss_avg`` (mean batch loss since the previous step record), ``samples_per_s``
-  (over that interval) and ``time`` (seconds since the run started).
+  (over that interval), ``lr`` (the learning rate that step used, from the schedule) and
+  ``time`` (seconds since the run started).
 * ``epoch``: after each epoch: ``epoch``, ``step``, ``steps``, ``samples``, ``train_loss``
   (mean per-sample loss of the epoch), ``test_loss``, ``test_acc`` (a fraction),
-  ``samples_per_s``, ``epoch_seconds`` (training only, evaluation excluded),
-  ``eval_seconds`` and ``time``.
+  ``val_loss``, ``val_acc`` (with a validation split), ``samples_per_s`` (this rank's;
+  data parallel: ``samples_per_s_all_ranks`` too), ``epoch_seconds`` (training only, evaluation
+  excluded), ``eval_seconds`` and ``time``.
 
 Each record is one line written whole or not at all (see `MetricsWriter`), so a full disk never
 leaves a cut line; a file cut by a crash mid-write (or by an older ember) loses only that last
@@ -156,9 +158,9 @@ class MetricsWriter:
 
 # the numeric fields of each record type that readers (plot, trackers) compute with
 _NUMERIC: dict[str, tuple[str, ...]] = {
-    "step": ("epoch", "step", "loss", "loss_avg", "samples_per_s", "time"),
-    "epoch": ("epoch", "step", "steps", "samples", "train_loss", "test_loss", "test_acc", "samples_per_s",
-              "epoch_seconds", "eval_seconds", "time"),
+    "step": ("epoch", "step", "loss", "loss_avg", "lr", "samples_per_s", "time"),
+    "epoch": ("epoch", "step", "steps", "samples", "train_loss", "test_loss", "test_acc", "val_loss", "val_acc",
+              "samples_per_s", "samples_per_s_all_ranks", "epoch_seconds", "eval_seconds", "time"),
 }
 
 

@@ -1,7 +1,7 @@
 """Loss and accuracy curves of one or more runs, from their metrics records (`ember plot`).
 
 Left: training loss against the global step (the step records' interval means, and each
-epoch's mean train loss, drawn at the middle of the epoch) and the test loss after each epoch. Right: test accuracy per epoch.
+epoch's mean train loss, drawn at the middle of the epoch) and the test (and validation) loss after each epoch. Right: test (and validation) accuracy per epoch.
 Several files overlay, labelled by file name. Needs matplotlib (`pip install 'ember[plot]'`);
 the figure is drawn with the non-interactive Agg backend, so no display is needed.
 """
@@ -60,6 +60,12 @@ def plot_metrics(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]] | Sequence
         if ep_test:
             ax_loss.plot([r["step"] for r in ep_test], [r["test_loss"] for r in ep_test], "o--", color=c,
                          ms=6, label=f"{tag}test")
+        ep_val = [r for r in epochs if r.get("val_loss") is not None]  # --val-split
+        if ep_val:
+            ax_loss.plot([r["step"] for r in ep_val], [r["val_loss"] for r in ep_val], "^:", color=c,
+                         ms=6, label=f"{tag}validation")
+            ax_acc.plot([r["epoch"] for r in ep_val], [100 * r["val_acc"] for r in ep_val], "^:", color=c, ms=6,
+                        label=f"{tag}validation ({100 * ep_val[-1]['val_acc']:.2f}%)")
         ep_acc = [r for r in epochs if r.get("test_acc") is not None]
         if ep_acc:
             ax_acc.plot([r["epoch"] for r in ep_acc], [100 * r["test_acc"] for r in ep_acc], "o-", color=c, ms=6,

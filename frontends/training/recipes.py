@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,8 @@ import numpy as np
 from ember.frontends import functional as F
 from ember.frontends import nn, optim
 
-__all__ = ["ResNet8", "BasicBlock", "MODELS", "INITS", "build_model", "pytorch_init", "make_optimizer"]
+__all__ = ["ResNet8", "BasicBlock", "MODELS", "INITS", "OPTIMIZERS", "LR_SCHEDULES", "WARMUP_START_FACTOR",
+           "LRSchedule", "build_model", "pytorch_init", "make_optimizer"]
 
 
 def _cnn() -> nn.Module:
@@ -126,11 +128,99 @@ def build_model(name: str, seed: int = 0, init: str = "torch") -> nn.Module:
     return pytorch_init(model, seed) if init == "torch" else model
 
 
-def make_optimizer(name: str, lr: float, momentum: float = 0.0) -> optim.Optimizer:
+OPTIMIZERS = ("sgd", "adam", "adamw")
+_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+
+
+def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
+                   nesterov: bool = False) -> optim.Optimizer:
+    """The named optimizer with torch.optim's semantics and checks. weight_decay None: torch's
+    default (0 for SGD and Adam, 0.01 for AdamW's decoupled decay)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
     if name == "sgd":
-        return optim.SGD(lr=lr, momentum=momentum)
-    if name == "adam":
-        if momentum:
-            raise ValueError("--momentum applies to SGD; Adam's moment decay is its betas (0.9, 0.999)")
-        return optim.Adam(lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; expected 'sgd' or 'adam'")
+        if nesterov and momentum <= 0:  # torch's words, and the flag that fixes it
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening (add --momentum M > 0)")
+        return optim.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay or 0.0, nesterov=nesterov)
+    if momentum:
+        raise ValueError(f"--momentum applies to SGD; {_NAMES[name]}'s moment decay is its betas (0.9, 0.999)")
+    if nesterov:
+        raise ValueError(f"--nesterov applies to SGD with momentum, not {name}")
+    cls = optim.Adam if name == "adam" else optim.AdamW
+    return cls(lr=lr, weight_decay=weight_decay)
+
+
+LR_SCHEDULES = ("constant", "cosine", "onecycle", "step", "linear")
+#: a warm-up starts at this fraction of the learning rate (torch's LinearLR start_factor)
+WARMUP_START_FACTOR = 0.1
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """A learning-rate schedule by name, as `ember mnist --lr-schedule` takes it; `attach` turns it
+    into `optim.lr_scheduler` objects for a run of `total_steps` (the trainer knows that number:
+    epochs x steps per epoch), so the rate is computed inside the compiled step.
+
+    constant: lr throughout; cosine: CosineAnnealingLR down to 0 at the end of the run; linear:
+    LinearLR from lr down to 0 at the end; step: StepLR(step_size, gamma); onecycle: OneCycleLR
+    with max_lr = lr over the run (the rate only: cycle_momentum=False, so --momentum holds).
+    With `warmup_steps` W: SequentialLR of LinearLR(WARMUP_START_FACTOR, 1, W) and the schedule
+    (which then spans the remaining steps), milestone W; onecycle has its own rise, so W sets
+    its pct_start (W / total) instead.
+    """
+    name: str = "constant"
+    warmup_steps: int = 0
+    step_size: int | None = None
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.name not in LR_SCHEDULES:
+            raise ValueError(f"unknown learning-rate schedule {self.name!r}; expected one of {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: expected an integer >= 0")
+        if self.name == "step" and not self.step_size:
+            raise ValueError("--lr-schedule step needs --lr-step-size N (the rate is multiplied by --lr-gamma "
+                             "every N steps)")
+        if self.step_size is not None and self.step_size < 1:
+            raise ValueError(f"--lr-step-size {self.step_size}: expected an integer >= 1")
+        if not (math.isfinite(self.gamma) and self.gamma > 0):
+            raise ValueError(f"--lr-gamma {self.gamma}: expected a finite factor > 0")
+
+    def check(self, total_steps: int) -> None:
+        """Refuses a warm-up that leaves no steps for the schedule after it."""
+        if self.warmup_steps and self.name != "constant" and self.warmup_steps >= total_steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: the run has {total_steps} steps in all "
+                             f"(epochs x steps per epoch); expected fewer warm-up steps than that")
+
+    def attach(self, optimizer: optim.Optimizer, total_steps: int) -> Any:
+        """Attaches the schedule to `optimizer` (its config); returns the scheduler, None for constant."""
+        self.check(total_steps)
+        S = optim.lr_scheduler
+        w = self.warmup_steps
+        if self.name == "onecycle":
+            return S.OneCycleLR(optimizer, max_lr=optimizer.config.lr, total_steps=total_steps,
+                                pct_start=w / total_steps if w else 0.3, cycle_momentum=False)
+        warm = S.LinearLR(optimizer, start_factor=WARMUP_START_FACTOR, end_factor=1.0, total_iters=w) if w else None
+        rest = total_steps - w
+        if self.name == "constant":
+            return warm  # LinearLR holds the rate once its warm-up is done
+        if self.name == "cosine":
+            main = S.CosineAnnealingLR(optimizer, T_max=rest)
+        elif self.name == "linear":
+            main = S.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=rest)
+        else:
+            main = S.StepLR(optimizer, step_size=int(self.step_size or 1), gamma=self.gamma)
+        return S.SequentialLR(optimizer, [warm, main], milestones=[w]) if warm is not None else main
+
+    def describe(self, lr: float, total_steps: int) -> str:
+        """One line for the run's header."""
+        w = self.warmup_steps
+        if self.name == "onecycle":
+            return (f"lr schedule: onecycle up to {lr:g} over {w or round(0.3 * total_steps)} steps, then down, "
+                    f"{total_steps} steps in all")
+        warm = f"warm-up from {lr * WARMUP_START_FACTOR:g} to {lr:g} over {w} steps, then " if w else ""
+        main = {"constant": f"constant {lr:g}",
+                "cosine": f"cosine from {lr:g} to 0 over {total_steps - w} steps",
+                "linear": f"linear from {lr:g} to 0 over {total_steps - w} steps",
+                "step": f"x{self.gamma:g} every {self.step_size} steps"}[self.name]
+        return f"lr schedule: {warm}{main}"

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ember.frontends import compile as ember_compile
-from ember.frontends import nn
+from ember.frontends import nn, optim
 
 from ember.frontends.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from .metrics import MetricsWriter, correct_count, cross_entropy_sum, format_loss
@@ -40,6 +40,11 @@ class Trainer:
     `self.records`. A record that cannot be written (a full disk) stops the run as Ctrl-C does:
     the step in flight completes, fit() saves, and `write_error` holds the OSError.
     config: settings stored in checkpoints and in the run record.
+    val: a held-out (x, y) evaluated after every epoch as the test set is (`val_loss`, `val_acc`
+    in the epoch record). lr_schedule: a `recipes.LRSchedule` attached to `optimizer` for
+    `epochs` x steps_per_epoch() steps (a schedule already attached with `optim.lr_scheduler`
+    works as it is); step records then log each step's `lr`. A resumed trainer must be built with
+    the same schedule (checkpoints record it, and `load` refuses another).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train: tuple[np.ndarray, np.ndarray],
@@ -48,7 +53,9 @@ class Trainer:
                  log_every: int = 50, metrics: MetricsWriter | None = None, progress: bool = False,
                  dump_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
-                 communicator: Any = None, bucket_bytes: int | None = None, precision: str = "float32") -> None:
+                 communicator: Any = None, bucket_bytes: int | None = None, precision: str = "float32",
+                 val: tuple[np.ndarray, np.ndarray] | None = None, lr_schedule: Any = None,
+                 epochs: int | None = None) -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -75,6 +82,8 @@ class Trainer:
             agree_on_data(communicator, "the training data", (x, y))
             if test is not None:
                 agree_on_data(communicator, "the test data", test)
+            if val is not None:  # held out before sharding: every rank evaluates the same set
+                agree_on_data(communicator, "the validation data", val)
             per = len(x) // self.world_size
             if per == 0:
                 raise ValueError(f"{len(x)} training samples cannot be sharded over {self.world_size} ranks")
@@ -92,8 +101,11 @@ class Trainer:
             x, y = to_device(x), to_device(y)
             if test is not None:
                 test = (to_device(test[0]), test[1])
+            if val is not None:
+                val = (to_device(val[0]), val[1])
         self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed)
         self.test = test
+        self.val = val
         self.eval_batch_size = eval_batch_size
         self.limit_steps = limit_steps
         self.log_every = log_every
@@ -111,6 +123,16 @@ class Trainer:
         self.write_error: OSError | None = None  # the first failed metrics write; none is tried after it
         self.saved_at: int | None = None  # global step of the last checkpoint this trainer wrote
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
+        self.save_every: int | None = None  # fit(): also checkpoint every N steps, to fit's `save`
+        self._save_path: str | os.PathLike | None = None
+        # the schedule's length is fixed here, in the compiled step: epochs x steps per epoch
+        self.scheduler = None
+        if lr_schedule is not None:
+            if epochs is None:
+                raise ValueError("lr_schedule needs epochs: the schedule spans epochs x steps per epoch")
+            self.scheduler = lr_schedule.attach(optimizer, epochs * self.steps_per_epoch())
+        self.optimizer_config = optim.as_config(optimizer)
+        self.config["lr_schedule"] = str(self.optimizer_config.schedule or "constant")
         self._t0 = time.perf_counter()
         t0 = time.perf_counter()
         extra = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}  # else compile()'s default
@@ -123,6 +145,12 @@ class Trainer:
         if last and reaches_end and not getattr(self.loader, "drop_last", False):
             self.step.precompile((last, *x.shape[1:]))
         self.compile_seconds = time.perf_counter() - t0
+
+    def lr_at(self, t: int) -> float:
+        """The learning rate of optimizer step t (0-based, counted over the whole run), as the
+        compiled step computes it from its step counter."""
+        cfg = self.optimizer_config
+        return cfg.schedule.value(int(t), cfg.lr) if cfg.schedule is not None else cfg.lr
 
     # ---- records -----------------------------------------------------------------------------
     def record(self, rec: dict[str, Any]) -> None:
@@ -228,7 +256,7 @@ class Trainer:
             if logging:
                 now = time.perf_counter()
                 self.record({"type": "step", "epoch": epoch_no, "step": self.global_step, "loss": loss,
-                             "loss_avg": interval_loss / interval_steps,
+                             "loss_avg": interval_loss / interval_steps, "lr": self.lr_at(self.global_step - 1),
                              "samples_per_s": interval_samples / max(now - t_interval, 1e-12),
                              "time": now - self._t0})
                 interval_loss, interval_samples, interval_steps, t_interval = 0.0, 0, 0, now
@@ -239,6 +267,16 @@ class Trainer:
                     bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, "
                                         f"{samples / (now - t_start):.0f} samples/s", refresh=False)
                     t_bar = now
+            if (self.save_every and self._save_path is not None and self.global_step % self.save_every == 0
+                    and self.step_in_epoch < total):  # the epoch's own checkpoint follows its last step
+                if settle() is not None:
+                    bar.close()
+                    self.record(self.diverged)
+                    return self.diverged
+                if not self.finite():  # never save a state that overflowed; fit() reports it
+                    stopped = True
+                    break
+                self.save(self._save_path)
             if self._agree_to_stop():
                 stopped = self.step_in_epoch < total
                 break
@@ -261,8 +299,12 @@ class Trainer:
         t_eval = time.perf_counter()
         if self.test is not None:
             rec["test_loss"], rec["test_acc"] = self.evaluate()
+        if self.val is not None:
+            rec["val_loss"], rec["val_acc"] = self.evaluate(self.val)
         rec.update(samples_per_s=samples / max(epoch_seconds, 1e-12), epoch_seconds=epoch_seconds,
                    eval_seconds=time.perf_counter() - t_eval, time=time.perf_counter() - self._t0)
+        if self.world_size > 1:  # every rank trains as many samples in the same steps
+            rec["samples_per_s_all_ranks"] = rec["samples_per_s"] * self.world_size
         self.epoch += 1
         self.step_in_epoch = 0
         self.record(rec)
@@ -288,12 +330,15 @@ class Trainer:
         return loss / len(x), correct / len(x)
 
     def fit(self, epochs: int, save: str | os.PathLike | None = None,
-            on_epoch: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+            on_epoch: Callable[[dict[str, Any]], None] | None = None,
+            save_every: int | None = None) -> list[dict[str, Any]]:
         """Trains until `epochs` epochs are done in all (a resumed trainer continues its count);
         saves a checkpoint to `save` after every epoch and when stopped early (unless stopped
-        before any step ran: the file on disk then already holds this state, or a better one)."""
+        before any step ran: the file on disk then already holds this state, or a better one),
+        and with `save_every` also every that many steps (mid-epoch checkpoints resume there)."""
         done = []
         self.target_epochs = epochs
+        self.save_every, self._save_path = save_every, save
         start_step = self.global_step
         if self.world_size > 1:
             # a rank that runs fewer steps leaves the others waiting in their next all-reduce
@@ -339,7 +384,8 @@ class Trainer:
                        global_batch=self.loader.batch_size * self.world_size)
         self.saved_at = self.global_step
 
-    def load(self, source: "str | os.PathLike | Checkpoint", check: tuple[str, ...] = ("model", "optimizer")) -> None:
+    def load(self, source: "str | os.PathLike | Checkpoint",
+             check: tuple[str, ...] = ("model", "optimizer", "lr_schedule")) -> None:
         """Restores parameters, optimizer state and progress from a checkpoint (a path or a loaded
         `Checkpoint`). The settings in `check` must match (a mismatch raises CheckpointError)."""
         ckpt = source if isinstance(source, Checkpoint) else load_checkpoint(source)
@@ -372,4 +418,7 @@ def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...]
     for key in keys:
         have, want = ckpt.config.get(key), config.get(key)
         if have is not None and want is not None and have != want:
-            raise CheckpointError(f"{where}: checkpoint was written with {key}={have!r}, this run has {key}={want!r}")
+            hint = ("; a schedule spans epochs x steps per epoch, so resume with the checkpoint's epochs, "
+                    "steps per epoch and schedule settings" if key == "lr_schedule" else "")
+            raise CheckpointError(f"{where}: checkpoint was written with {key}={have!r}, this run has {key}={want!r}"
+                                  + hint)
