@@ -315,6 +315,16 @@ def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tu
             break
 
 
+def _role_nodes(graph: Graph, kind: str, notes: dict[str, Any]) -> set[int]:
+    """The outer nodes `_spec` names as roles of a template kernel (they must be operands)."""
+    if kind in ("pointwise", "reduction", "collective"):
+        return set()
+    nodes = {notes[k] for k in ("a", "b", "logits", "labels", "bias_node", "relu_mask") if notes.get(k) is not None}
+    if kind not in ("matmul", "softmax_xent", "softmax_xent_grad") and notes.get("core") is not None:
+        nodes |= set(graph.operands(notes["core"]))
+    return nodes
+
+
 def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: dict[int, int],
           submap: dict[int, int]) -> KernelSpec:
     """The typed plan of one group: roles are indices of the fused node's operands."""
@@ -363,21 +373,26 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     owner = {m: r for r, (_, ms, _) in groups.items() for m in ms}
     topo = graph.topo_order()
     position = {n: i for i, n in enumerate(topo)}
+    role_nodes = {r: _role_nodes(graph, kind, notes) for r, (kind, _, notes) in groups.items()}
+    operands_of_templates = set().union(*role_nodes.values()) if role_nodes else set()
     for n in topo:
         op = graph.op(n)
         if n in groups:
             kind, members, notes = groups[n]
             submap: dict[int, int] = {}
+            # a template's roles (a 1x1 matmul operand that is a constant, say) stay operands:
+            # only the scalars a generated body reads are copied in
+            roles = role_nodes[n]
             sub, outer = subgraph_of(graph, members, n, f"k{n}_{kind}",
-                                     copy_in=lambda o: _inline_constant(graph, o), mapping=submap, keep_ids=True,
-                                     position=position)
+                                     copy_in=lambda o: _inline_constant(graph, o) and o not in roles, mapping=submap,
+                                     keep_ids=True, position=position)
             index_of = {o: i for i, o in enumerate(outer)}
             node = out.add("fused", [mapping[o] for o in outer], node_id=n, **graph.provenance(n), graph=sub,
                            kernel=_spec(graph, n, kind, notes, index_of, submap))
             out.annotate(node, "implements", [f"%{m} {graph.op(m)} {graph.where(m)}".rstrip() for m in sorted(members)])
             mapping[n] = node
         elif n in owner or (_inline_constant(graph, n) and all(u in owner for u, _ in graph.users(n))
-                            and n not in graph.outputs.values()):
+                            and n not in graph.outputs.values() and n not in operands_of_templates):
             continue
         else:  # sources, constants and reshape aliases, as they are
             mapping[n] = out.clone_node(graph, n, [mapping[o] for o in graph.operands(n)])

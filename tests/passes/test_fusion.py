@@ -73,3 +73,21 @@ def test_train_graph_kernels_and_numerics(name, model, shape, expected):
 def test_fusion_is_deterministic():
     g = train_graph(mlp(), (16, 784))
     assert ir.format_graph(fuse(g)) == ir.format_graph(fuse(g))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_constant_operand_of_a_one_by_one_matmul_stays_an_operand(device):
+    """A batch of one row makes the weight gradient a 1x1 matmul of the mean's constant cotangent:
+    a scalar-sized constant, which fusion copies into generated bodies, must still be an operand
+    of the matmul template (it was dropped: KeyError in fusion's kernel plan)."""
+    import numpy as np
+
+    from ember.frontends import functional as F
+    from ember.frontends import nn, optim, plan
+    from ember.runtime import target
+
+    model = nn.Linear(1, 1, bias=False)
+    graphs = plan(model, lambda out, _: F.mean(out), optim.SGD(lr=0.1),
+                  (np.ones((1, 1), np.float32), np.zeros(1, np.int64)), device=device)
+    for graph in graphs.values():
+        assert target(device).source(graph)
