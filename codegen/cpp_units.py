@@ -27,16 +27,17 @@ from .templates_env import environment
 
 _ENV = environment("cpp")
 
-#: -O level per kernel kind. Measured (2-core Xeon, g++ 12.2, ResNet-8 and the MNIST CNN, see
-#: ARCHITECTURE.md "Building a CPU step"): the contraction templates run slower at -O2, and
-#: the cheap kinds' compile time is mostly the compiler's start, so -O2 buys little there.
+#: -O level per kernel kind, measured with the kernel timers on -O2 and -O3 builds of one step
+#: (g++ 12.2, 2-core Xeon; numbers in ARCHITECTURE.md "Building a CPU step"): -O2 runs ResNet-8's
+#: convolutions 1.2-1.5x and reductions 1.15x slower; it compiles matmuls no faster; pointwise
+#: kernels run as fast and compile ~10% faster, but a group of their own costs its start.
 OPT_LEVELS: dict[str, str] = {
     "conv2d": "-O3", "conv2d_grad_input": "-O3", "conv2d_grad_weight": "-O3", "matmul": "-O3",
     "max_pool2d": "-O3", "max_pool2d_grad": "-O3", "pointwise": "-O3", "reduction": "-O3",
     "entry": "-O3",
 }
 #: Kinds compiled several to a unit: their code is small, so a unit of its own would cost more
-#: in starting the compiler (~0.035 s a process) than in compiling (~0.01 s a kernel).
+#: in starting the compiler (~0.02-0.035 s a unit) than in compiling (~0.01 s a kernel).
 CHEAP_KINDS = frozenset({"pointwise", "reduction", "max_pool2d", "max_pool2d_grad"})
 #: Cheap kernels go to one of this many groups by their name (a hash), so that a kernel that
 #: changes rebuilds its group alone, and the groups keep both cores busy beside the contractions.
