@@ -18,6 +18,7 @@ Loading the result is the runtime's job, not this module's.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -415,6 +416,14 @@ class UnitsArtifact:
                 "jobs": self.jobs}
 
 
+def _cores() -> int:
+    """The cores this process may run on (taskset, cgroups' cpusets), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _step_alias(compiler: Sequence[str], units: Sequence[Unit], headers: Mapping[str, str],
                 link_flags: Sequence[str]) -> str:
     """Every input of a multi-unit library, without the compiler's identity: finds the library
@@ -426,8 +435,8 @@ def compile_units(units: Sequence[Unit], *, link_flags: Sequence[str], name: str
                   headers: Mapping[str, str] | None = None, cache: Path | None = None,
                   dump_dir: Path | None = None, jobs: int | None = None) -> UnitsArtifact:
     """Compiles each unit to an object file (``$CXX <flags> -c``), at most `jobs` at once
-    (default: os.cpu_count()), each cached by its own source, flags, included `headers` and the
-    compiler's identity; then links them into a shared library (``$CXX <link_flags> *.o``),
+    (default: the cores this process may use), each cached by its own source, flags, included
+    `headers` and the compiler's identity; then links them into a shared library (``$CXX <link_flags> *.o``),
     cached by the objects' keys. So a library that differs from an earlier one in one unit
     compiles that unit only, and libraries sharing a kernel share its object.
 
@@ -436,7 +445,6 @@ def compile_units(units: Sequence[Unit], *, link_flags: Sequence[str], name: str
     entry, as ``<name>.cpp``), the headers, ``<name>.compile.sh`` (all the commands: it rebuilds
     ``<name>.so`` there) and ``<name>.cache_key`` (the library's key). A unit that fails raises
     its CompileError (the first failing unit in unit order, once all have finished)."""
-    import concurrent.futures
 
     t0 = time.perf_counter()
     compiler = _cxx()
@@ -450,7 +458,7 @@ def compile_units(units: Sequence[Unit], *, link_flags: Sequence[str], name: str
             return hit
         _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
     root = root or cache_dir()
-    jobs = max(1, jobs or os.cpu_count() or 1)
+    jobs = max(1, jobs or _cores())
     stems = [name if i == 0 else f"{name}.{u.name}" for i, u in enumerate(units)]
     dump = Path(dump_dir) if dump_dir is not None else None
 

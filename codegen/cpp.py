@@ -6,9 +6,10 @@ Reads only what the passes recorded on the graph: each `fused` node's subgraph a
 `meta["schedule"]`, and each node's storage notes from the memory plan. Pointwise and reduction
 kernels are the target-neutral lowering (`lowering.py`) spelled with `SPELLING`; contractions
 come from the templates in `cpp_kernels`. Every call is preceded by a header naming the graph
-nodes it implements (and the user's source lines), and so is every kernel in the dumps. The entry point receives the external buffers
-(parameters, states, non-scalar constants) as `ext[slot]` and the arena, which holds the step's
-inputs, every intermediate and every kernel's scratch; each buffer gets a named local.
+nodes it implements (and the user's source lines), and so is every kernel in the dumps. The
+entry point receives the external buffers (parameters, states, non-scalar constants) as
+`ext[slot]` and the arena, which holds the step's inputs, every intermediate and every kernel's
+scratch; each buffer gets a named local.
 """
 from __future__ import annotations
 

@@ -98,6 +98,20 @@ def test_identical_kernels_are_one_function_called_with_different_buffers(tmp_pa
         np.testing.assert_allclose(step(x, y), reference(x, y), rtol=RTOL32)
 
 
+def test_profile_times_every_call_also_of_a_shared_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    x, y = np.random.default_rng(0).random((4, 3, 6, 6), dtype=np.float32), np.arange(4) % 10
+    step = compile(_two_same_convs(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y),
+                   device="cpu", profile=True)
+    src = step._steps[step._example][1].source
+    step(x, y)
+    times = step.kernel_times()
+    assert [name for name, _, _ in times] == [k.name for k in src.kernels]  # per call, by the graph's names
+    assert all(sec > 0 for _, _, sec in times) and all(what.startswith("%") for _, what, _ in times)
+    convs = [k for k in src.kernels if k.kind.startswith("conv2d ")]
+    assert convs[1].function == convs[2].function and times[convs[1].index][2] != times[convs[2].index][2]
+
+
 def test_a_model_that_differs_in_one_layer_rebuilds_only_the_units_that_changed(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     first = _compile_cnn(_two_same_convs())
