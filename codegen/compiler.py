@@ -45,6 +45,7 @@ DEFAULT_CXX_FLAGS: tuple[str, ...] = (
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG", "-pipe",
 )
 
+_WHAT = {"cpp": "cpp compilation", "obj": "cpp compilation (of one unit)", "cubin": "cubin compilation"}
 _MAX_STDERR_CHARS = 6000
 _MAX_STDERR_LINES = 60
 
@@ -330,7 +331,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
                 for fname, text in extra.items():  # so that the command reruns there
                     _atomic_write(kept.parent / fname, text)
             raise CompileError(
-                f"{kind} compilation failed (exit {proc.returncode}) for {name!r}{what}, key {key[:16]}\n"
+                f"{_WHAT.get(kind, kind)} failed (exit {proc.returncode}) for {name!r}{what}, key {key[:16]}\n"
                 f"source kept at: {kept}\n"
                 f"command: cd {shlex.quote(str(kept.parent))} && {shlex.join(kept_cmd)}\n"
                 f"--- compiler output ---\n{_trim(stderr)}",
