@@ -68,7 +68,7 @@ class CpuExecutor:
         self.artifact = compile_units(self.source.units, link_flags=self.source.link_flags, name=name,
                                       headers=self.source.headers, dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
-        # where the time went (the frontend adds its passes' seconds); in the dump as <name>.compile_stats.json
+        # where the time went (the frontend adds its passes' seconds and writes compile_stats.json in a dump)
         self.compile_stats: dict[str, float | int | bool] = {
             "render_s": round(t_render - t0, 4), "compiler_s": round(self.compile_seconds - (t_render - t0), 4),
             "kernel_calls": len(self.source.kernels), "kernel_functions": len(self.source.functions),
