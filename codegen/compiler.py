@@ -18,6 +18,7 @@ Loading the result is the runtime's job, not this module's.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 FORMAT_VERSION = 1
 
@@ -44,28 +45,31 @@ DEFAULT_CXX_FLAGS: tuple[str, ...] = (
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG", "-pipe",
 )
 
+_WHAT = {"cpp": "cpp compilation", "obj": "cpp compilation (of one unit)", "cubin": "cubin compilation"}
 _MAX_STDERR_CHARS = 6000
 _MAX_STDERR_LINES = 60
 
 _stats_lock = threading.Lock()
-_stats = {"hits": 0, "misses": 0, "rebuilds": 0}
+_stats: dict[str, dict[str, int]] = {}  # artefact kind ("cpp": a library, "obj", "cubin") -> counters
 
 
-def cache_stats() -> dict[str, int]:
-    """Process-wide counters: hits, misses (nothing cached), rebuilds (cached but corrupt)."""
+def cache_stats(kind: str | None = None) -> dict[str, int]:
+    """Process-wide counters: hits, misses (nothing cached), rebuilds (cached but corrupt); of
+    one artefact kind ("cpp": linked libraries, "obj": object files, "cubin"), or of all."""
     with _stats_lock:
-        return dict(_stats)
+        kinds = [_stats.get(kind, {})] if kind is not None else list(_stats.values())
+        return {what: sum(c.get(what, 0) for c in kinds) for what in ("hits", "misses", "rebuilds")}
 
 
 def reset_cache_stats() -> None:
     with _stats_lock:
-        for k in _stats:
-            _stats[k] = 0
+        _stats.clear()
 
 
-def _count(what: str) -> None:
+def _count(kind: str, what: str) -> None:
     with _stats_lock:
-        _stats[what] += 1
+        counters = _stats.setdefault(kind, {})
+        counters[what] = counters.get(what, 0) + 1
 
 
 class CacheDirError(OSError):
@@ -175,19 +179,23 @@ def _identity(argv: tuple[str, ...], native: bool) -> str:
     return out.strip()
 
 
-def _key(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str) -> str:
+def _key(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str,
+         extra: Mapping[str, str] | None = None) -> str:
     native = any(f.endswith("=native") for f in flags)
     ident = _identity(tuple(compiler), native)
     blob = json.dumps({"format": FORMAT_VERSION, "kind": kind, "compiler": ident,
-                       "flags": list(flags), "source": source}, sort_keys=True)
+                       "flags": list(flags), "source": source, **({"extra": dict(extra)} if extra else {})},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _alias(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str) -> str:
+def _alias(kind: str, compiler: Sequence[str], flags: Sequence[str], source: str,
+           extra: Mapping[str, str] | None = None) -> str:
     """The key without the compiler's identity (which needs the compiler to run): it finds a
     library built earlier when the compiler is no longer on PATH."""
     blob = json.dumps({"format": FORMAT_VERSION, "kind": kind, "compiler_argv": list(compiler),
-                       "flags": list(flags), "source": source}, sort_keys=True)
+                       "flags": list(flags), "source": source, **({"extra": dict(extra)} if extra else {})},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -205,7 +213,7 @@ def _lookup_without_compiler(kind: str, out_ext: str, src_ext: str, argv_for: Ca
     out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
     if _cached(out, meta) != "hit":
         return None
-    _count("hits")
+    _count(kind, "hits")
     return CompiledArtifact(out, key, tuple(argv_for(src.name, out.name)), src, True, time.perf_counter() - t0)
 
 
@@ -259,38 +267,49 @@ def _cached(out: Path, meta: Path) -> str:
 
 def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str], list[str]],
            compiler: Sequence[str], flags: Sequence[str], source: str, cache: Path | None,
-           name: str, dump_dir: Path | None) -> CompiledArtifact:
+           name: str, dump_dir: Path | None, *, extra: Mapping[str, str] | None = None,
+           dump_note: str = "", what: str = "", dump_script: bool = True) -> CompiledArtifact:
+    """One cached artefact. `extra`: files the source includes (name -> text), part of the key,
+    written beside it; `dump_note`: comment lines for the dumped copy only (not compiled, not
+    keyed); `what`: added to a compile error's first line (e.g. the kernels a unit holds)."""
     t0 = time.perf_counter()
     root = Path(cache) if cache is not None else cache_dir()
-    key = _key(kind, compiler, flags, source)
-    alias = root / kind / "alias" / f"{_alias(kind, compiler, flags, source)}.json"
+    key = _key(kind, compiler, flags, source, extra)
+    alias = root / kind / "alias" / f"{_alias(kind, compiler, flags, source, extra)}.json"
     shard = root / kind / key[:2]
     out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
     command = tuple(argv_for(src.name, out.name))
+    extra = dict(extra or {})
 
     if dump_dir is not None:  # written first, so a failing build is dumped too
         dump_dir = Path(dump_dir)
         dump_cmd = argv_for(f"{name}{src_ext}", f"{name}{out_ext}")
         # The dumped copy names its cache key in a first comment line (the key hashes the source
         # without it); the comment changes nothing the compiler produces.
-        _atomic_write(dump_dir / f"{name}{src_ext}", f"// ember cache key: {key}\n{source}")
-        _atomic_write(dump_dir / f"{name}.cache_key", key + "\n")
-        _atomic_write(dump_dir / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
-                      f"# ember: rebuild {name}{out_ext} from {name}{src_ext} (cache key {key})\n"
-                      f'set -euo pipefail\ncd "$(dirname "$0")"\n{shlex.join(dump_cmd)}\n', 0o755)
+        _atomic_write(dump_dir / f"{name}{src_ext}", f"// ember cache key: {key}\n{dump_note}{source}")
+        for fname, text in extra.items():
+            _atomic_write(dump_dir / fname, text)
+        if dump_script:
+            _atomic_write(dump_dir / f"{name}.cache_key", key + "\n")
+            _atomic_write(dump_dir / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
+                          f"# ember: rebuild {name}{out_ext} from {name}{src_ext} (cache key {key})\n"
+                          f'set -euo pipefail\ncd "$(dirname "$0")"\n{shlex.join(dump_cmd)}\n', 0o755)
 
     state = _cached(out, meta)
     if state == "hit":
-        _count("hits")
+        _count(kind, "hits")
         try:  # a read-only cache still serves its hits
             if not src.exists():
                 _atomic_write(src, source)
+            for fname, text in extra.items():
+                if not (shard / fname).exists():
+                    _atomic_write(shard / fname, text)
             if not alias.exists():
                 _atomic_write(alias, json.dumps({"key": key}) + "\n")
         except OSError:
             pass
         return CompiledArtifact(out, key, command, src, True, time.perf_counter() - t0)
-    _count("misses" if state == "miss" else "rebuilds")
+    _count(kind, "misses" if state == "miss" else "rebuilds")
 
     _check_writable(root)
     try:
@@ -299,6 +318,8 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
         raise _cache_fault(root, f"cannot be written ({e.strerror or e})") from None
     with tempfile.TemporaryDirectory(dir=shard, prefix=f".{key[:12]}.") as tmp:
         (Path(tmp) / src.name).write_text(source)
+        for fname, text in extra.items():
+            (Path(tmp) / fname).write_text(text)
         proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0 or not (Path(tmp) / out.name).exists():
             stderr = proc.stderr or proc.stdout
@@ -307,13 +328,17 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
             else:
                 kept, kept_cmd = root / "failed" / src.name, command
                 _atomic_write(kept, source)
+                for fname, text in extra.items():  # so that the command reruns there
+                    _atomic_write(kept.parent / fname, text)
             raise CompileError(
-                f"{kind} compilation failed (exit {proc.returncode}) for {name!r}, key {key[:16]}\n"
+                f"{_WHAT.get(kind, kind)} failed (exit {proc.returncode}) for {name!r}{what}, key {key[:16]}\n"
                 f"source kept at: {kept}\n"
                 f"command: cd {shlex.quote(str(kept.parent))} && {shlex.join(kept_cmd)}\n"
                 f"--- compiler output ---\n{_trim(stderr)}",
                 source_path=kept, command=kept_cmd, stderr=stderr)
         digest = _sha256_file(Path(tmp) / out.name)
+        for fname in extra:  # content-named (the source includes them by name): any copy will do
+            os.replace(Path(tmp) / fname, shard / fname)
         os.replace(Path(tmp) / src.name, src)
         os.replace(Path(tmp) / out.name, out)
     _atomic_write(meta, json.dumps({
@@ -358,3 +383,139 @@ def compile_cuda_check(source: str, *, arch: str = "sm_90", name: str = "kernels
     compiler, flags = ("nvcc",), ("-cubin", f"-arch={arch}")
     return _build("cubin", ".cu", ".cubin", lambda s, o: [*compiler, *flags, s, "-o", o],
                   compiler, flags, source, cache, name, None).path
+
+
+# --------------------------------------------------------------------------- several translation units
+
+@dataclass(frozen=True)
+class Unit:
+    """One translation unit of a library built from several (compile_units)."""
+    name: str                    # file stem in a dump (``<library>.<name>.cpp``; the entry is the library's name)
+    source: str
+    flags: tuple[str, ...]       # compiler flags; compile_units adds ``-c``
+    note: str = ""               # comment lines for the dumped copy only (e.g. which graph nodes it implements)
+    what: str = ""               # what a compile error adds to the unit's name (e.g. the kernels it holds)
+
+
+@dataclass(frozen=True)
+class UnitsArtifact:
+    path: Path                   # the linked .so in the cache
+    key: str                     # the link's key (it hashes the objects' keys and the link flags)
+    objects: tuple[CompiledArtifact, ...]   # one per unit, in unit order
+    link: CompiledArtifact
+    seconds: float               # wall time: lookups, compiles (in parallel), link
+    jobs: int                    # compilers run at once
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.link.cache_hit and all(o.cache_hit for o in self.objects)
+
+    def stats(self) -> dict[str, int | float | bool]:
+        built = [o for o in self.objects if not o.cache_hit]
+        return {"objects": len(self.objects), "objects_built": len(built),
+                "objects_cached": len(self.objects) - len(built), "link_cached": self.link.cache_hit,
+                "jobs": self.jobs}
+
+
+def _cores() -> int:
+    """The cores this process may run on (taskset, cgroups' cpusets), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _step_alias(compiler: Sequence[str], units: Sequence[Unit], headers: Mapping[str, str],
+                link_flags: Sequence[str]) -> str:
+    """Every input of a multi-unit library, without the compiler's identity: finds the library
+    when no compiler is on PATH (the object keys, which need it, cannot be computed then)."""
+    return _alias("cpp", compiler, link_flags, json.dumps([[u.source, list(u.flags)] for u in units]), headers)
+
+
+def compile_units(units: Sequence[Unit], *, link_flags: Sequence[str], name: str = "step",
+                  headers: Mapping[str, str] | None = None, cache: Path | None = None,
+                  dump_dir: Path | None = None, jobs: int | None = None) -> UnitsArtifact:
+    """Compiles each unit to an object file (``$CXX <flags> -c``), at most `jobs` at once
+    (default: the cores this process may use), each cached by its own source, flags, included
+    `headers` and the compiler's identity; then links them into a shared library (``$CXX <link_flags> *.o``),
+    cached by the objects' keys. So a library that differs from an earlier one in one unit
+    compiles that unit only, and libraries sharing a kernel share its object.
+
+    `headers` (file name -> text) are the files the units include by name; name them by their
+    content. With `dump_dir`, writes every unit as ``<name>.<unit>.cpp`` (the first unit, the
+    entry, as ``<name>.cpp``), the headers, ``<name>.compile.sh`` (all the commands: it rebuilds
+    ``<name>.so`` there) and ``<name>.cache_key`` (the library's key). A unit that fails raises
+    its CompileError (the first failing unit in unit order, once all have finished)."""
+
+    t0 = time.perf_counter()
+    compiler = _cxx()
+    headers = dict(headers or {})
+    link_flags = tuple(link_flags)
+    root = Path(cache) if cache is not None else None
+    if not _found(compiler):
+        # a library built earlier loads without any compiler
+        hit = _units_without_compiler(compiler, units, headers, link_flags, root)
+        if hit is not None:
+            return hit
+        _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
+    root = root or cache_dir()
+    jobs = max(1, jobs or _cores())
+    stems = [name if i == 0 else f"{name}.{u.name}" for i, u in enumerate(units)]
+    dump = Path(dump_dir) if dump_dir is not None else None
+
+    def one(i: int) -> CompiledArtifact:
+        u = units[i]
+        return _build("obj", ".cpp", ".o", lambda s, o: [*compiler, *u.flags, "-c", s, "-o", o], compiler,
+                      u.flags, u.source, root, stems[i], dump, extra=headers, dump_note=u.note,
+                      what=f" ({u.what})" if u.what else "", dump_script=False)
+
+    # largest first: the long compiles start at once and the short ones fill in around them
+    order = sorted(range(len(units)), key=lambda i: -len(units[i].source))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {i: pool.submit(one, i) for i in order}
+        concurrent.futures.wait(futures.values())
+    for i in range(len(units)):
+        if futures[i].exception() is not None:
+            raise futures[i].exception()
+    objects = tuple(futures[i].result() for i in range(len(units)))
+
+    manifest = json.dumps({"objects": [o.key for o in objects]}, indent=1) + "\n"
+    obj_paths = [str(o.path) for o in objects]
+    link = _build("cpp", ".link", ".so", lambda s, o: [*compiler, *link_flags, *obj_paths, "-o", o], compiler,
+                  link_flags, manifest, root, name, None)
+    try:
+        _atomic_write(root / "cpp" / "alias" / f"{_step_alias(compiler, units, headers, link_flags)}.json",
+                      json.dumps({"key": link.key}) + "\n")
+    except OSError:
+        pass  # a read-only cache still serves its hits
+    if dump is not None:
+        cmds = [shlex.join([*compiler, *u.flags, "-c", f"{s}.cpp", "-o", f"{s}.o"]) for u, s in zip(units, stems)]
+        cmds.append(shlex.join([*compiler, *link_flags, *[f"{s}.o" for s in stems], "-o", f"{name}.so"]))
+        _atomic_write(dump / f"{name}.cache_key", link.key + "\n")
+        _atomic_write(dump / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
+                      f"# ember: rebuild {name}.so from its {len(units)} translation units (cache key {link.key}); "
+                      f"ember runs the compiles {jobs} at a time\n"
+                      'set -euo pipefail\ncd "$(dirname "$0")"\n' + "\n".join(cmds) + "\n", 0o755)
+    return UnitsArtifact(link.path, link.key, objects, link, time.perf_counter() - t0, jobs)
+
+
+def _units_without_compiler(compiler: Sequence[str], units: Sequence[Unit], headers: Mapping[str, str],
+                            link_flags: tuple[str, ...], cache: Path | None) -> UnitsArtifact | None:
+    t0 = time.perf_counter()
+    try:
+        root = cache or cache_dir()
+        key = json.loads((root / "cpp" / "alias" / f"{_step_alias(compiler, units, headers, link_flags)}.json")
+                         .read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    shard = root / "cpp" / str(key)[:2]
+    out, meta = shard / f"{key}.so", shard / f"{key}.json"
+    if _cached(out, meta) != "hit":
+        return None
+    _count("cpp", "hits")
+    try:
+        command = tuple(json.loads(meta.read_text())["command"])
+    except (OSError, ValueError, KeyError, TypeError):
+        command = ()
+    link = CompiledArtifact(out, key, command, shard / f"{key}.link", True, time.perf_counter() - t0)
+    return UnitsArtifact(out, key, (), link, time.perf_counter() - t0, 0)

@@ -1,13 +1,15 @@
-"""C++ for the CPU target: the op spelling table and the step renderer (one translation unit per
-step, with an OpenMP `ember_step` entry that runs every kernel in order).
+"""C++ for the CPU target: the op spelling table and the step renderer (the step's kernels, each
+generated once however often it is called, and an OpenMP `ember_step` entry that calls them in
+order; `cpp_units` splits them into translation units that compile in parallel).
 
 Reads only what the passes recorded on the graph: each `fused` node's subgraph and `KernelSpec`,
 `meta["schedule"]`, and each node's storage notes from the memory plan. Pointwise and reduction
 kernels are the target-neutral lowering (`lowering.py`) spelled with `SPELLING`; contractions
-come from the templates in `cpp_kernels`. Every kernel is preceded by a header naming the graph
-nodes it implements (and the user's source lines). The entry point receives the external buffers
-(parameters, states, non-scalar constants) as `ext[slot]` and the arena, which holds the step's
-inputs, every intermediate and every kernel's scratch; each buffer gets a named local.
+come from the templates in `cpp_kernels`. Every call is preceded by a header naming the graph
+nodes it implements (and the user's source lines), and so is every kernel in the dumps. The
+entry point receives the external buffers (parameters, states, non-scalar constants) as
+`ext[slot]` and the arena, which holds the step's inputs, every intermediate and every kernel's
+scratch; each buffer gets a named local.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec, TensorType
 
-from . import cpp_kernels, cpu_vector, pool_kernels
+from . import cpp_kernels, cpp_units, cpu_vector, pool_kernels
+from .compiler import Unit
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 from .templates_env import environment
 
@@ -121,19 +124,21 @@ def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
 
 @dataclass
 class KernelCode:
+    """One call of the step (`function`'s code may serve several calls)."""
     index: int
-    name: str
+    name: str            # the graph's name for this kernel (k12_conv2d): per call, stable across dumps
     kind: str
     out_type: str
     implements: list[str]
     code: str
     call: str
     node: int = -1  # the fused node it implements (its operands are what it reads)
+    function: str = ""  # the C function it calls: ek_<hash of its code>
 
 
 @dataclass
 class StepSource:
-    code: str
+    code: str  # the whole step as one file (`ember kernels`); the library is built from `units`
     slots: list[tuple[str, str]]  # (storage kind, name) per ext slot
     arena_bytes: int
     kernels: list[KernelCode] = field(default_factory=list)
@@ -144,6 +149,12 @@ class StepSource:
     # the vector variant the kernels were generated for, and the g++ flags that build them
     isa: cpu_vector.VectorISA = cpu_vector.AVX2
     flags: tuple[str, ...] = ()
+    # the translation units (the entry first), the headers they include (name -> text), and
+    # the link's flags: what compiler.compile_units builds
+    units: list[Unit] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    link_flags: tuple[str, ...] = cpp_units.LINK_FLAGS
+    functions: list[cpp_units.KernelFunction] = field(default_factory=list)
 
 
 def _slots(graph: Graph) -> list[tuple[str, str]]:
@@ -198,6 +209,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     slots = _slots(graph)
     slot_of = {s: i for i, s in enumerate(slots)}
     kernels: list[KernelCode] = []
+    functions: dict[str, cpp_units.KernelFunction] = {}
     used: list[int] = []
     scratch_decls: list[str] = []
     segments: list[list[int]] = [[]]
@@ -215,10 +227,10 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         in_place = notes["storage"] in ("parameter", "state")
         if spec.kind == "pointwise":
             code = render_pointwise(name, sub, restrict=not in_place)
-            call = f"{name}({', '.join(args + [out])})"
+            call_args = args + [out]
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
-            call = f"{name}({', '.join(args + [out])})"
+            call_args = args + [out]
         elif spec.kind == "collective":
             # not compiled: the step ends a segment here and the runtime's communicator runs it;
             # collectives with no kernel between them meet at one boundary (one flat bucket)
@@ -243,15 +255,25 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                                      f"  // {spec.scratch_bytes} bytes")
             call_args = [named[a] if a is not None else "nullptr" for a in order] + [scratch]
             code = ks.code
-            call = f"{name}({', '.join(call_args)})"
+        fname, code, declaration = cpp_units.name_by_content(code, name)
+        fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))
         segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
-                                  code, call, n))
+                                  code, f"{fname}({', '.join(call_args)})", n, fname))
+        fn.calls.append(kernels[-1])
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
-    code = ENV.get_template("step.j2").render(graph_name=graph.name, kernels=kernels, segments=seg_kernels,
-                                              arena_bytes=graph.meta["arena_bytes"],
-                                              profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
-                                              buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
-    return StepSource(code, slots, graph.meta["arena_bytes"], kernels,
+    header, header_text = cpp_units.prelude()
+    fns = list(functions.values())
+
+    def entry(preamble: str) -> str:
+        return ENV.get_template("step.j2").render(
+            graph_name=graph.name, kernels=kernels, functions=len(fns), segments=seg_kernels, preamble=preamble,
+            arena_bytes=graph.meta["arena_bytes"], profile=profile,
+            slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
+            buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
+
+    flags = cpu_vector.cxx_flags(isa)
+    units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags)
+    return StepSource(entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"], kernels,
                       segments if collectives else [list(range(len(kernels)))], collectives,
-                      isa, cpu_vector.cxx_flags(isa))
+                      isa, flags, units, {header: header_text}, cpp_units.LINK_FLAGS, fns)

@@ -16,7 +16,10 @@ size) is compiled on first use, cached by input types, and shares that storage.
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +56,26 @@ def _array(a: Any) -> Any:
         _DEVICE_ARRAY_TYPES.add(t)
         return a
     return a if isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def _note_compile_stats(executor: Any, passes_seconds: float, dump: Path | None) -> None:
+    """Adds the passes' seconds to what the executor measured (rendering, compiler, cache hits)
+    and writes it all to `<dump>/compile_stats.json` (atomically) when dumping."""
+    stats = {"passes_s": round(passes_seconds, 4), **getattr(executor, "compile_stats", {})}
+    try:
+        executor.compile_stats = stats
+    except AttributeError:  # an executor that does not take attributes: stats stay unrecorded
+        return
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dump, prefix=".compile_stats.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(stats, indent=1) + "\n")
+            os.replace(tmp, dump / "compile_stats.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _shape_tag(types: tuple[TensorType, ...]) -> str:
@@ -206,9 +229,12 @@ class _Compiled:
             if list(forward.outputs) != ["out"]:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
+            t0 = time.perf_counter()
             graph = run_passes(forward, self.target.passes(), dump_dir=dump)
+            passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             hit = self._inference[key] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
+            _note_compile_stats(hit[1], passes_seconds, dump)
         return hit[1]
 
     def _sync(self) -> None:
@@ -321,6 +347,13 @@ class TrainStep(_Compiled):
         self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
         self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
 
+    @property
+    def compile_stats(self) -> dict[str, Any]:
+        """Where the example shape's training step compile went: seconds in the passes
+        (`passes_s`), rendering (`render_s`) and the compiler (`compiler_s`, cache lookups
+        included), and on the CPU how many objects were built or found in the cache."""
+        return dict(getattr(self._steps[self._example][1], "compile_stats", {}))
+
     def sync_ranks(self) -> None:
         """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
         that every rank holds the same bits (a collective: every rank calls it; no-op alone).
@@ -346,13 +379,16 @@ class TrainStep(_Compiled):
             if self.comm is not None:
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
                 extra = {"communicator": self.comm}
+            t0 = time.perf_counter()
             graph = run_passes(forward, passes, dump_dir=dump)
+            passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             self._bind(graph)
             # Every shape traces the same loss, so one graph fixes which inputs are labels.
             self._classes = class_inputs(forward)
             hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
                                                                     **extra))
+            _note_compile_stats(hit[1], passes_seconds, dump)
             if self.comm is not None:
                 # every rank must have compiled the same step (same code, model and settings):
                 # checked before the parameters are broadcast, which a different model would hang

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ember.codegen import cpp, cpu_vector
-from ember.codegen.compiler import compile_cpp
+from ember.codegen.compiler import compile_units
 from ember.ir import Graph, TensorType
 
 # Threading between steps: GOMP's workers busy-wait ~300k spins (a fraction of a millisecond to
@@ -74,6 +74,7 @@ class CpuExecutor:
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
         self.source = cpp.render_step(graph, profile=self.profile)
+        t_render = time.perf_counter()
         self.isa = self.source.isa
         if not cpu_vector.host_supports(self.isa):
             # a forced variant this CPU cannot run would die of SIGILL inside the first step
@@ -81,9 +82,15 @@ class CpuExecutor:
                                f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
                                f"(no {self.isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
                                f"{cpu_vector.native_isa().name}")
-        self.artifact = compile_cpp(self.source.code, flags=self.source.flags, name=name,
-                                    dump_dir=Path(dump_dir) if dump_dir else None)
+        # the step's units compile in parallel, each through the cache (codegen/cpp_units.py)
+        self.artifact = compile_units(self.source.units, link_flags=self.source.link_flags, name=name,
+                                      headers=self.source.headers, dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
+        # where the time went (the frontend adds its passes' seconds and writes compile_stats.json in a dump)
+        self.compile_stats: dict[str, float | int | bool] = {
+            "render_s": round(t_render - t0, 4), "compiler_s": round(self.compile_seconds - (t_render - t0), 4),
+            "kernel_calls": len(self.source.kernels), "kernel_functions": len(self.source.functions),
+            **self.artifact.stats()}
         self.lib = ctypes.CDLL(str(self.artifact.path))
         if self.lib.ember_abi_version() != cpp.ABI_VERSION:
             raise RuntimeError(f"{self.artifact.path}: ABI version {self.lib.ember_abi_version()}, "

@@ -89,6 +89,20 @@ def add_arguments(p: Any) -> None:
                         "25 MiB as PyTorch DDP); smaller buckets start communicating earlier in the backward pass")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     setup.add_training_arguments(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="also print where the compile went (passes, rendering, compiler; objects cached or built)")
+
+
+def _format_compile_stats(stats: dict[str, Any]) -> str:
+    """One line: seconds per phase, then the cache's share (`ember mnist --verbose`)."""
+    parts = [f"{label} {stats[key]:.2f} s" for key, label in (("passes_s", "passes"), ("render_s", "render"),
+                                                               ("compiler_s", "compiler")) if key in stats]
+    if "objects" in stats:
+        parts.append(f"{stats['objects']} objects ({stats['objects_cached']} cached, {stats['objects_built']} built "
+                     f"{stats['jobs']} at a time), link {'cached' if stats['link_cached'] else 'built'}")
+    if "kernel_functions" in stats:
+        parts.append(f"{stats['kernel_calls']} kernel calls of {stats['kernel_functions']} kernels")
+    return "; ".join(parts)
 
 
 def _error(msg: str) -> int:
@@ -293,6 +307,8 @@ def main(args: Any) -> int:
     print(f"compiled the training step in {trainer.compile_seconds:.2f} s"
           + (f" (planned peak memory {trainer.step.peak_bytes / 2**20:.1f} MiB)" if trainer.step.peak_bytes else ""),
           flush=True)
+    if args.verbose and trainer.step.compile_stats:
+        print("compile: " + _format_compile_stats(trainer.step.compile_stats), flush=True)
     if ckpt is not None:
         try:
             trainer.load(ckpt)

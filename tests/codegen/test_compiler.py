@@ -278,3 +278,85 @@ def test_read_only_cache_serves_hits_and_refuses_builds_clearly(tmp_path, monkey
     assert compile_cpp(ADD, cache=tmp_path).cache_hit
     with pytest.raises(C.CacheDirError, match=r"is not writable \(permission denied\); set EMBER_CACHE_DIR"):
         compile_cpp(ADD + "// new\n", cache=tmp_path)
+
+
+# ---- several translation units (compile_units): a step's kernels, entry and shared header
+
+_HEADER = {"hdr_1.h": "#pragma once\n#define EMBER_KERNEL __attribute__((visibility(\"hidden\")))\n"}
+_FLAGS = ("-O2", "-fPIC", "-std=c++17")
+
+
+def _units(k2: str = "return a * b;") -> list:
+    entry = ('#include "hdr_1.h"\nEMBER_KERNEL int k1(int, int);\nEMBER_KERNEL int k2(int, int);\n'
+             'extern "C" int add(int a, int b) { return k1(a, b) + 0 * k2(a, b); }\n')
+    return [C.Unit("entry", entry, _FLAGS),
+            C.Unit("k1", '#include "hdr_1.h"\nEMBER_KERNEL int k1(int a, int b) { return a + b; }\n', _FLAGS,
+                   "// k1 implements %1 add\n", "k7_add"),
+            C.Unit("k2", '#include "hdr_1.h"\nEMBER_KERNEL int k2(int a, int b) { ' + k2 + ' }\n', _FLAGS, "", "k9_mul")]
+
+
+@needs_gxx
+def test_units_compile_in_parallel_and_a_changed_unit_alone_is_rebuilt(tmp_path):
+    first = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path, jobs=2)
+    assert _add(first.path) == 42
+    assert cache_stats("obj") == {"hits": 0, "misses": 3, "rebuilds": 0} and cache_stats("cpp")["misses"] == 1
+    assert first.stats() == {"objects": 3, "objects_built": 3, "objects_cached": 0, "link_cached": False, "jobs": 2}
+    again = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+    assert again.cache_hit and again.path == first.path
+    reset_cache_stats()
+    changed = C.compile_units(_units("return a - b;"), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+    assert cache_stats("obj") == {"hits": 2, "misses": 1, "rebuilds": 0}  # k2 alone
+    assert cache_stats("cpp")["misses"] == 1 and changed.path != first.path and _add(changed.path) == 42
+    # the header takes part in every unit's key
+    reset_cache_stats()
+    C.compile_units(_units(), link_flags=("-shared",), headers={"hdr_1.h": _HEADER["hdr_1.h"] + "// v2\n"},
+                    cache=tmp_path)
+    assert cache_stats("obj")["misses"] == 3
+
+
+@needs_gxx
+def test_a_corrupt_cached_object_is_rebuilt(tmp_path):
+    first = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+    obj = first.objects[1].path
+    damaged = obj.with_name("damaged.tmp")
+    damaged.write_bytes(obj.read_bytes()[: obj.stat().st_size // 2])
+    os.replace(damaged, obj)
+    reset_cache_stats()
+    again = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+    assert cache_stats("obj") == {"hits": 2, "misses": 0, "rebuilds": 1}
+    assert not again.objects[1].cache_hit and _add(again.path) == 42
+
+
+@needs_gxx
+def test_a_failing_unit_names_itself_its_kernels_and_the_compiler_output(tmp_path):
+    with pytest.raises(CompileError) as info:
+        C.compile_units(_units("return a * ;"), link_flags=("-shared",), headers=_HEADER, cache=tmp_path, jobs=3)
+    message = str(info.value)
+    assert "'step.k2' (k9_mul)" in message and "expected primary-expression" in message
+    kept = info.value.source_path
+    assert kept.exists() and "return a * ;" in kept.read_text() and (kept.parent / "hdr_1.h").exists()
+    # the command it shows reruns where the source was kept
+    rerun = subprocess.run(info.value.command, cwd=kept.parent, capture_output=True, text=True)
+    assert rerun.returncode != 0 and "expected primary-expression" in rerun.stderr
+
+
+@needs_gxx
+def test_units_dump_every_source_and_one_script_that_rebuilds_the_library(tmp_path):
+    dump = tmp_path / "dump"
+    art = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path / "c", dump_dir=dump)
+    assert sorted(p.name for p in dump.iterdir()) == ["hdr_1.h", "step.cache_key", "step.compile.sh", "step.cpp",
+                                                      "step.k1.cpp", "step.k2.cpp"]
+    assert (dump / "step.cache_key").read_text().strip() == art.key
+    k1 = (dump / "step.k1.cpp").read_text()
+    assert k1.startswith(f"// ember cache key: {art.objects[1].key}\n// k1 implements %1 add\n")
+    subprocess.run(["bash", str(dump / "step.compile.sh")], check=True, capture_output=True)
+    assert _add(dump / "step.so") == 42
+
+
+@needs_gxx
+def test_units_load_without_a_compiler_once_built(tmp_path, monkeypatch):
+    first = C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    assert C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path).path == first.path
+    with pytest.raises(C.CompilerNotFoundError):
+        C.compile_units(_units("return 0;"), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -26,16 +27,20 @@ def test_second_compile_hits_the_cache_and_a_corrupt_library_is_rebuilt(tmp_path
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     compiler.reset_cache_stats()
     first = _step()
-    assert compiler.cache_stats()["misses"] == 1 and compiler.cache_stats()["hits"] == 0
-    _step()
-    assert compiler.cache_stats()["hits"] == 1
+    units = len(first._steps[first._example][1].source.units)
+    assert units >= 3  # the entry, the matmuls, the cheap kernels' groups
+    assert compiler.cache_stats("cpp") == {"hits": 0, "misses": 1, "rebuilds": 0}
+    assert compiler.cache_stats("obj") == {"hits": 0, "misses": units, "rebuilds": 0}
+    second = _step()
+    assert compiler.cache_stats("cpp")["hits"] == 1 and compiler.cache_stats("obj")["hits"] == units
+    assert second.compile_stats["objects_cached"] == units and second.compile_stats["link_cached"]
     path = first._steps[first._example][1].artifact.path
     # A truncated entry, written as a new file: the loaded library's own pages stay mapped.
     damaged = path.with_name("damaged.tmp")
     damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     os.replace(damaged, path)
     third = _step()
-    assert compiler.cache_stats()["rebuilds"] == 1
+    assert compiler.cache_stats("cpp")["rebuilds"] == 1 and compiler.cache_stats("obj")["hits"] == 2 * units
     x, y = np.random.default_rng(0).random((8, 784), dtype=np.float32), np.arange(8) % 10
     reference = compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="reference")
     np.testing.assert_allclose(third(x, y), reference(x, y), rtol=RTOL32)  # the rebuilt library computes the step
@@ -54,6 +59,71 @@ def test_a_template_that_does_not_compile_names_the_source_and_the_error(tmp_pat
     message = str(info.value)
     assert "undefined_symbol" in message and "source kept at:" in message
     assert info.value.source_path.exists() and "undefined_symbol" in info.value.source_path.read_text()
+    # the failing unit is named with the graph's kernels it holds (the units compile in parallel)
+    assert "'step.eg_" in message and "_pointwise" in message.splitlines()[0]
+
+
+def _two_same_convs(classes: int = 10):
+    nn.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, classes))
+
+
+def _compile_cnn(model):
+    x, y = np.zeros((4, 3, 6, 6), np.float32), np.zeros(4, np.int64)
+    return compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="cpu")
+
+
+def test_identical_kernels_are_one_function_called_with_different_buffers(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    step = _compile_cnn(_two_same_convs())
+    src = step._steps[step._example][1].source
+    defined = re.findall(r"^EMBER_KERNEL void (ek_[0-9a-f]{12})\(", src.code, flags=re.M)  # definitions: one each
+    assert len(defined) == len(set(defined)) == len(src.functions) < len(src.kernels)
+    calls = [k.function for k in src.kernels]
+    assert sorted(set(calls)) == sorted(defined)
+    # the second and third convolutions (same shapes, bias and ReLU) are one kernel, called twice
+    convs = [k for k in src.kernels if k.kind.startswith("conv2d ")]
+    assert len(convs) == 3 and convs[1].function == convs[2].function != convs[0].function
+    assert convs[1].call != convs[2].call  # with different buffers
+    # each call still names the graph nodes it implements, in the entry and the one-file form
+    entry = src.units[0].source
+    for k in convs:
+        assert f"// call {k.index} {k.name}: conv2d" in entry and f"// call {k.index} {k.name}\n" in src.code
+        assert all(f"//   implements {line}" in entry for line in k.implements)
+    x, y = np.random.default_rng(0).random((4, 3, 6, 6), dtype=np.float32), np.arange(4) % 10
+    reference = compile(_two_same_convs(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1),
+                        example_inputs=(x, y), device="reference")
+    for _ in range(2):
+        np.testing.assert_allclose(step(x, y), reference(x, y), rtol=RTOL32)
+
+
+def test_profile_times_every_call_also_of_a_shared_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    x, y = np.random.default_rng(0).random((4, 3, 6, 6), dtype=np.float32), np.arange(4) % 10
+    step = compile(_two_same_convs(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y),
+                   device="cpu", profile=True)
+    src = step._steps[step._example][1].source
+    step(x, y)
+    times = step.kernel_times()
+    assert [name for name, _, _ in times] == [k.name for k in src.kernels]  # per call, by the graph's names
+    assert all(sec > 0 for _, _, sec in times) and all(what.startswith("%") for _, what, _ in times)
+    convs = [k for k in src.kernels if k.kind.startswith("conv2d ")]
+    assert convs[1].function == convs[2].function and times[convs[1].index][2] != times[convs[2].index][2]
+
+
+def test_a_model_that_differs_in_one_layer_rebuilds_only_the_units_that_changed(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    first = _compile_cnn(_two_same_convs())
+    compiler.reset_cache_stats()
+    second = _compile_cnn(_two_same_convs(classes=12))  # the head and the loss change; the convolutions do not
+    before = {u.source for u in first._steps[first._example][1].source.units}
+    after = second._steps[second._example][1].source.units
+    changed = [u for u in after if u.source not in before]
+    assert 0 < len(changed) < len(after) and compiler.cache_stats("obj") == {
+        "hits": len(after) - len(changed), "misses": len(changed), "rebuilds": 0}
+    assert second.compile_stats["objects_built"] == len(changed)
+    assert not any(u.name.startswith("ek_") and "conv2d" in u.what for u in changed)  # every convolution reused
 
 
 def test_inputs_are_checked_against_the_compiled_signature():

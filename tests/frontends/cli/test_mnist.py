@@ -152,6 +152,16 @@ def test_init_weights_are_the_starting_point(tmp_path, mnist_dir):
     assert all(np.array_equal(got[k], v) for k, v in init.items())
 
 
+def test_verbose_says_where_the_compile_went(tmp_path, mnist_dir, monkeypatch, capsys):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    for cached in (False, True):
+        assert _mnist(tmp_path, mnist_dir, "--epochs", "1", "--limit-steps", "1", "--verbose") == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("compile: "))
+        assert "passes " in line and "render " in line and "compiler " in line, line
+        objects = int(line.split(" objects (")[0].rsplit(" ", 1)[1])
+        assert (f"({objects} cached, 0 built" if cached else f"(0 cached, {objects} built") in line, line
+
+
 def test_refusals_are_clear(tmp_path, mnist_dir, monkeypatch, capsys):
     try:
         import cupy  # noqa: F401
