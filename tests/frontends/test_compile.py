@@ -193,8 +193,9 @@ def test_compile_dumps_every_pass(tmp_path) -> None:
     step.inference(x[:2])
     train = sorted(p.name for p in (tmp_path / "train-4x1x12x12").iterdir())
     assert train == ["00-input.dot", "00-input.txt", "01-autodiff.dot", "01-autodiff.txt", "02-optimizer.dot",
-                     "02-optimizer.txt", "03-simplify.dot", "03-simplify.txt"]
-    assert sorted(p.name for p in (tmp_path / "inference-2x1x12x12").iterdir())[-1] == "01-simplify.txt"
+                     "02-optimizer.txt", "03-simplify.dot", "03-simplify.txt", "compile_stats.json"]
+    inference = sorted(p.name for p in (tmp_path / "inference-2x1x12x12").iterdir())
+    assert inference[-2:] == ["01-simplify.txt", "compile_stats.json"]
     assert "conv2d_grad_weight" in (tmp_path / "train-4x1x12x12" / "03-simplify.txt").read_text()
 
 
