@@ -334,7 +334,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", choices=[*MODELS, "all"], default="all", help="all: cnn and mlp")
+    p.add_argument("--model", default="cnn,mlp", metavar="M[,M...]|all",
+                   help=f"models to time, comma-separated ({', '.join(MODELS)}), or all of them")
     p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
@@ -352,7 +353,12 @@ def main(args: Any) -> int:
     from .cli_checks import check_device, check_tf32
     check_device(args.device)
     check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
-    models = ["cnn", "mlp"] if args.model == "all" else [args.model]
+    models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        from .cli_checks import UsageError
+        raise UsageError(f"--model {args.model}: expected model names from {', '.join(MODELS)} "
+                         f"(comma-separated) or all")
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]

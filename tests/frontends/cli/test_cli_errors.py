@@ -308,3 +308,10 @@ def test_torchrun_underscore_spellings_are_accepted():
                                      "--batch_size", "8"]  # the launched command respells its own
     assert _dashes(parser, ["mnist", "--batch_size", "8", "--not_an_option"])[1:] == ["--batch-size", "8",
                                                                                       "--not_an_option"]
+
+
+def test_bench_models_are_a_list_or_all(capsys):
+    from ember.frontends.cli import main
+    assert main(["bench", "--model", "cnn,lenett", "--steps", "1"]) == 2
+    assert "--model cnn,lenett: expected model names from cnn, mlp, lenet5, resnet8 (comma-separated) or all" \
+        in capsys.readouterr().err
