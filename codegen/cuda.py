@@ -21,6 +21,7 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
+from .device import H200
 from .indexing import delinearize
 from .shapes import pair
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
@@ -101,7 +102,7 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
 # A split reduction is bandwidth-bound: it needs enough warps in flight on each of an H200's 132
 # multiprocessors to hide memory latency (measured: 2 blocks of 256 per SM read a bias gradient's
 # 75 MB at 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
-TARGET_BLOCKS = 8 * 132
+TARGET_BLOCKS = 8 * H200.multiprocessors
 
 
 @dataclass(frozen=True)
