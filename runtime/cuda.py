@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
+from ember.codegen import cuda_choices
 from ember.codegen.device import Device
 from ember.ir import Graph, TensorType
 from ember.passes import pipeline, targets
@@ -438,7 +439,7 @@ TARGET = targets.register(targets.Target(
                               loss_kernels=True),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
-    kernel_scratch=cuda_codegen.kernel_scratch,
+    choose_kernel=cuda_choices.stamp,  # the choice table: family, plan and scratch of each kernel
     language="cuda",
     source=lambda graph: cuda_codegen.render_step(graph).code,
     executor=CudaExecutor,
