@@ -12,17 +12,15 @@ pointers by the runtime; codegen never allocates.
 from __future__ import annotations
 
 import dataclasses
-
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
+from . import cuda_choices, cuda_kernels, pool_kernels
+from .device import H200
 from .indexing import delinearize
-from .shapes import pair
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
                        reduction_init)
 from .templates_env import environment
@@ -101,7 +99,7 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
 # A split reduction is bandwidth-bound: it needs enough warps in flight on each of an H200's 132
 # multiprocessors to hide memory latency (measured: 2 blocks of 256 per SM read a bias gradient's
 # 75 MB at 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
-TARGET_BLOCKS = 8 * 132
+TARGET_BLOCKS = 8 * H200.multiprocessors
 
 
 @dataclass(frozen=True)
@@ -172,153 +170,24 @@ def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEp
     return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
 
 
-#: "direct" (default): forward convolutions with a small window and grad-weights with few weights
-#: use the memory-bound kernels (`cuda_small_conv`), stride-1 convolutions with enough window work
-#: per staged input the direct kernels (`cuda_direct`), others the implicit GEMM; "gemm": always the implicit GEMM (for
-#: comparisons: EMBER_CUDA_CONV=gemm ember bench --device cuda). TF32 runs on the GEMM's tensor cores.
-CONV_ALGORITHM = os.environ.get("EMBER_CUDA_CONV", "direct")
-DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
-# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
-# for the MNIST CNN's conv2 (tests/codegen/cuda_direct_try.py), at batch 64 (37k positions) the
-# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
-# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
-DIRECT_MIN_POSITIONS = 1 << 17
-
-
-def _small_convolution(name: str, spec: KernelSpec, epilogue: Any, geometry: dict[str, Any]) -> Any:
-    """The memory-bound kernel (`cuda_small_conv`) of a forward convolution with a small window
-    (C*KH*KW <= 32) or a grad-weight with few weights (O*C*KH*KW <= 512), else None. 1x1
-    convolutions stay with the GEMM, which gathers nothing for them."""
-    c, o, kh, kw = (geometry[k] for k in ("C", "O", "KH", "KW"))
-    if kh * kw == 1:
-        return None
-    if spec.kind == "conv2d" and c * kh * kw <= cuda_small_conv.MAX_WINDOW:
-        return cuda_small_conv.render_small_forward(name, bias="bias" in spec.epilogues, relu="relu" in spec.epilogues,
-                                                    epilogue=epilogue, **geometry)
-    if spec.kind == "conv2d_grad_weight" and o * c * kh * kw <= cuda_small_conv.MAX_WEIGHTS:
-        return cuda_small_conv.render_small_grad_weight(name, epilogue=epilogue, **geometry)
-    return None
-
-
-def _direct_convolution(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, tf32: bool) -> Any:
-    """The direct kernel for a convolution spec where one applies (see CONV_ALGORITHM), else None."""
-    if tf32 or CONV_ALGORITHM != "direct" or spec.kind not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
-        return None
-    core = sub.attrs(spec.core)
-    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
-    if spec.kind == "conv2d":
-        (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
-    elif spec.kind == "conv2d_grad_input":
-        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
-    else:
-        (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
-    window = (o if spec.kind == "conv2d_grad_input" else c) * kh * kw
-    geometry = dict(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
-    if small := _small_convolution(name, spec, epilogue, geometry):
-        return small
-    ph, pw_ = pair(core["padding"], "padding")
-    positions = n * (h - kh + 1 + 2 * ph) * (w - kw + 1 + 2 * pw_)
-    if window < DIRECT_MIN_WINDOW or positions < DIRECT_MIN_POSITIONS:
-        return None
-    if spec.kind == "conv2d_grad_weight":
-        return cuda_direct.render_direct_grad_weight(name, epilogue=epilogue, **geometry)
-    return cuda_direct.render_direct(name, grad_input=spec.kind == "conv2d_grad_input", bias="bias" in spec.epilogues,
-                                     relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues,
-                                     epilogue=epilogue, **geometry)
-
-
-def _thin_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:
-    """The short-contraction matmul kernel where it applies (K <= 16, one batch), else None."""
-    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
-    if a_t.rank != 2 or b_t.rank != 2:
-        return None
-    (m, kk), n = a_t.shape, sub.type(spec.core).shape[-1]
-    return cuda_direct.render_matmul_thin(name, M=m, N=n, K=kk, trans_a=spec.param("trans_a"),
-                                          trans_b=spec.param("trans_b"), bias=bias, relu=relu, epilogue=epilogue)
-
-
-#: "auto" (default): memory-bound matmuls with few output rows or columns whose large operand has at
-#: least SKINNY_MIN_BYTES use the skinny kernels (`cuda_skinny`); "off": the GEMM (for comparisons:
-#: EMBER_CUDA_SKINNY=off ember bench --device cuda); "on": every shape the skinny kernels take.
-SKINNY = os.environ.get("EMBER_CUDA_SKINNY", "auto")
-# Measured on an H200 (tests/codegen/cuda_skinny_try.py): for the MNIST linear layer the skinny
-# kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
-# 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
-# are untested against them, so smaller operands keep the GEMM.
-SKINNY_MIN_BYTES = 4 << 20
-
-
-def _skinny_matmul(name: str, sub: Graph, spec: KernelSpec, epilogue: Any, bias: bool, relu: bool) -> Any:
-    """The skinny matmul kernel (few columns and a long contraction, or few rows and many
-    columns) where one applies (see SKINNY), else None."""
-    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
-    if SKINNY == "off" or a_t.rank != 2 or b_t.rank != 2:
-        return None
-    (m, kk), n = a_t.shape, sub.type(spec.core).shape[-1]
-    if SKINNY != "on" and 4 * max(m * kk, kk * n) < SKINNY_MIN_BYTES:
-        return None
-    args = dict(M=m, N=n, K=kk, trans_a=bool(spec.param("trans_a")), trans_b=bool(spec.param("trans_b")), bias=bias,
-                relu=relu, epilogue=epilogue)
-    return cuda_skinny.render_matmul_narrow(name, **args) or cuda_skinny.render_matmul_short_m(name, **args)
-
-
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:
-    """A contraction template for `spec`; returns it and its roles -> subgraph input names ("out" for the result)."""
-    core = sub.attrs(spec.core)
+    """The kernel of the family and plan stamped on `spec` (by `select`; chosen here for a spec
+    that was not through it); returns it and its roles -> subgraph input names ("out" for the result)."""
+    choice = spec.choice or cuda_choices.choose(sub, spec)
     if spec.kind in pool_kernels.POOL_KINDS:  # no epilogues; x (and dy) in, out
         x_t = sub.type(sub.operands(spec.core)[0])
         if x_t.dtype.name != "float32":
             raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 only, got {x_t.dtype.name} "
                                       f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
-        return (pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, core)),
-                {**{role: f"in{i}" for role, i in spec.roles}, "out": "out"})
-    a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
-    bias = "bias" in spec.epilogues
-    relu = "relu" in spec.epilogues
-    known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu"}, "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
-    known = known | {"pointwise"}  # every template takes the generated epilogue
-    if unknown := [e for e in spec.epilogues if e not in known]:
+        return (cuda_choices.render(name, sub, spec, choice), {**{role: f"in{i}" for role, i in spec.roles}, "out": "out"})
+    if unknown := [e for e in spec.epilogues if e not in cuda_choices.EPILOGUES.get(spec.kind, {"pointwise"})]:
         raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
                                   f"the target's FusionCaps must not advertise it")
     inputs = {role: f"in{i}" for role, i in spec.roles}
-    epilogue = pointwise_epilogue(sub, spec)
-    tf32 = bool(spec.param("tf32"))  # precision="tf32": tensor cores (stamped by kernel selection)
-    direct = _direct_convolution(name, sub, spec, epilogue, tf32)
-    if direct is not None:
-        k = direct
-        if spec.kind == "conv2d_grad_input" and "relu_mask" in spec.epilogues:
-            inputs["mask_src"] = inputs["mask"]
-    elif spec.kind == "conv2d":
-        (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
-        k = cuda_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                               padding=core["padding"], bias=bias, relu=relu,
-                                               epilogue=epilogue, tf32=tf32)
-    elif spec.kind == "conv2d_grad_input":
-        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
-        k = cuda_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=core["stride"], padding=core["padding"],
-                                                  relu_mask="relu_mask" in spec.epilogues, epilogue=epilogue, tf32=tf32)
-        if "relu_mask" in spec.epilogues:
-            inputs["mask_src"] = inputs["mask"]  # the template's name for the forward ReLU's output
-    elif spec.kind == "conv2d_grad_weight":
-        (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
-        k = cuda_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False, epilogue=epilogue, tf32=tf32)
-    elif spec.kind == "matmul" and not tf32 and (thin := _thin_matmul(name, sub, spec, epilogue, bias, relu)):
-        k = thin
-    elif spec.kind == "matmul" and not tf32 and (skinny := _skinny_matmul(name, sub, spec, epilogue, bias, relu)):
-        k = skinny
-    elif spec.kind == "matmul":
-        if a_t.shape[:-2] != b_t.shape[:-2]:
-            raise NotImplementedError(f"matmul of {a_t} and {b_t} broadcasts batch dimensions, which the CUDA "
-                                      f"templates do not support yet; broadcast_to the operands first")
-        *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
-        k = cuda_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=kk, trans_a=spec.param("trans_a"),
-                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias, relu=relu,
-                                       epilogue=epilogue, tf32=tf32)
-    else:
-        raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
-    return k, {**inputs, "out": "out"}
+    kernel = cuda_choices.render(name, sub, spec, choice, pointwise_epilogue(sub, spec))
+    if spec.kind == "conv2d_grad_input" and "relu_mask" in spec.epilogues:
+        inputs["mask_src"] = inputs["mask"]  # the templates' name for the forward ReLU's output
+    return kernel, {**inputs, "out": "out"}
 
 
 def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str]]:
@@ -333,15 +202,14 @@ def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.C
     return kernel, {**roles, "loss": "out"}
 
 
-def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
-    """Scratch bytes the CUDA kernel of this spec needs (the target record's `kernel_scratch`)."""
-    if spec.kind in ("softmax_xent", "softmax_xent_grad"):
+def reduction_scratch(sub: Graph, core: int) -> int:
+    """Scratch bytes of a reduction kernel: its split partials, from the lowering (no rendering)."""
+    low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
+    if low.reduced <= PER_THREAD_MAX or (splits := _split_count(low)) == 1:
         return 0
-    if spec.kind == "reduction":
-        return render_reduction(sub.name, sub, spec.core).scratch_bytes
-    if spec.template is None:
-        return 0
-    return render_contraction(sub.name, sub, spec)[0].scratch_bytes
+    outer = low.loops[0][1]
+    splits = math.ceil(outer / math.ceil(outer / splits))
+    return splits * low.outputs * {"float": 4, "double": 8}.get(low.acc_type, 8)
 
 
 def render_step(graph: Graph) -> CudaStepSource:

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
                            _reduce_groups, kernel_signature, with_epilogue)
+from .device import H200
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-SMEM_LIMIT = 44 * 1024  # static shared memory per block (48 KB cap) with room for the compiler's own
-DYNAMIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch may take without opting in
+SMEM_LIMIT = H200.shared_per_block - 4 * 1024  # static shared memory a block, with room for the compiler's own
+DYNAMIC_SMEM_LIMIT = H200.shared_per_block  # dynamic shared memory a launch may take without opting in
 
 _env = environment("cuda")
 
@@ -41,7 +42,7 @@ class DirectPlan:
     CC: int   # input channels per shared-memory stage
     NCG: int  # column groups per row
     threads: int
-    score: float
+    score: float = 0.0  # the planner's ranking (not part of a stamped plan)
 
 
 def padded_channels(CO: int) -> int:
@@ -96,6 +97,25 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
     return best
 
 
+def _direct_geometry(grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, HO: int, WO: int,
+                     ph: int, pw_: int) -> dict[str, int]:
+    """The forward convolution a direct kernel computes: grad-input is one of dy, padded by K-1-P,
+    with the flipped, transposed kernel."""
+    if grad_input:
+        return dict(CI=O, H_IN=HO, W_IN=WO, CO=C, HO_=H, WO_=W, PH=KH - 1 - ph, PW=KW - 1 - pw_)
+    return dict(CI=C, H_IN=H, W_IN=W, CO=O, HO_=HO, WO_=WO, PH=ph, PW=pw_)
+
+
+def direct_plan(*, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
+                padding=(0, 0)) -> DirectPlan | None:
+    """The plan `render_direct` uses for these arguments, or None where no direct kernel fits."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry("direct", N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW or N > 65535:
+        return None
+    geo = _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_)
+    return direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
+
+
 def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                   stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
                   epilogue: PointwiseEpilogue | None = None, plan: DirectPlan | None = None,
@@ -111,14 +131,13 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
-    if grad_input:  # a forward convolution of dy, padded by K-1-P, with the flipped, transposed kernel
-        geo = dict(CI=O, H_IN=HO, W_IN=WO, CO=C, HO_=H, WO_=W, PH=KH - 1 - ph, PW=KW - 1 - pw_)
+    geo = _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_)
+    if grad_input:
         roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
         inputs, src = ("dy", "w", "mask_src"), "dy"
         description = (f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
                        f"{' *relu-mask' if relu_mask else ''}")
     else:
-        geo = dict(CI=C, H_IN=H, W_IN=W, CO=O, HO_=HO, WO_=WO, PH=ph, PW=pw_)
         roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
         inputs, src = ("x", "w", "bias"), "x"
         description = (f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
@@ -181,13 +200,15 @@ def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, W
 def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                               stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
                               blocks: int | None = None, rows: int | None = None,
-                              min_blocks: int | None = None) -> CudaKernel | None:
+                              min_blocks: int | None = None,
+                              plan: tuple[int, int, int] | None = None) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) for stride 1: roles x, dy, out (O,C,KH,KW); None where no
-    direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum."""
+    direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum.
+    `plan` is (OT, RB, blocks) as `direct_grad_weight_plan` gives it (the default)."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
-    choice = direct_grad_weight_plan(N, C, O, KH, KW, HO, WO)
+    choice = plan or direct_grad_weight_plan(N, C, O, KH, KW, HO, WO)
     if choice is None:
         return None
     OT, RB, nblocks = choice
@@ -219,6 +240,19 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
 THIN_MAX_K = 16
 
 
+def _thin_threads(N: int) -> tuple[int, int]:
+    """(threads a block, column blocks) of the thin matmul: 4 columns a thread."""
+    threads = 128 if N >= 512 else 32 * ceil_div(N // 4, 32)
+    return threads, ceil_div(N // 4, threads)
+
+
+def thin_rows(M: int, N: int) -> int:
+    """Rows a block of the thin matmul (its plan): enough blocks to fill the GPU several times
+    over; 4-16 rows measured alike on an H200 (1024 x 18432, K = 10: 28-29 us), 35 and 64 slower
+    (42, 35 us)."""
+    return max(4, min(16, ceil_div(M * _thin_threads(N)[1], 8 * NUM_SMS)))
+
+
 def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                        bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
                        rows: int | None = None) -> CudaKernel | None:
@@ -226,11 +260,8 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     batch: roles a, b, [bias], out; None where the shape does not suit."""
     if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
         return None
-    threads = 128 if N >= 512 else 32 * ceil_div(N // 4, 32)
-    col_blocks = ceil_div(N // 4, threads)
-    # rows a block: enough blocks to fill the GPU several times over; 4-16 rows measured alike on
-    # an H200 (1024 x 18432, K = 10: 28-29 us), 35 and 64 slower (42, 35 us)
-    RM = rows or max(4, min(16, ceil_div(M * col_blocks, 8 * NUM_SMS)))
+    threads, col_blocks = _thin_threads(N)
+    RM = rows or thin_rows(M, N)
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     grid = (col_blocks, ceil_div(M, RM), 1)
@@ -242,5 +273,5 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
 
 
-__all__ = ["DirectPlan", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight",
+__all__ = ["DirectPlan", "direct_plan", "thin_rows", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight",
            "render_matmul_thin"]

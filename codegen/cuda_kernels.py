@@ -35,18 +35,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .device import H200
 from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "NUM_SMS", "plan_gemm", "plan_candidates",
+    "gemm_scratch_bytes",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
 ]
 
 
-#: Streaming multiprocessors of the target (H200 SXM). Only affects tile / split choices.
-NUM_SMS = 132
+#: Streaming multiprocessors of the target (`device.H200`). Only affects tile / split choices.
+NUM_SMS = H200.multiprocessors
 #: Alignment in bytes of every sub-buffer carved out of the scratch block.
 SCRATCH_ALIGN = 256
 
@@ -134,7 +136,7 @@ class GemmPlan:
     TN: int
     splits: int
     kchunk: int
-    est_us: float  # the cost model's estimate (for comparisons only)
+    est_us: float = 0.0  # the cost model's estimate (for ranking only: not part of a stamped plan)
 
     @property
     def threads(self) -> int:
@@ -166,7 +168,8 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
     regs = round_up(regs, 8)
     smem = 4 * BK * (BM + BN)
-    occ = min(2048 // threads, 65536 // (threads * regs), (228 * 1024) // (smem + 1024), 32)
+    occ = min(H200.max_threads_per_multiprocessor // threads, H200.registers_per_multiprocessor // (threads * regs),
+              H200.shared_per_multiprocessor // (smem + 1024), 32)
     if occ < 1:
         return None
     # Issue slots per warp per k: TM*TN FMAs, the shared-memory vector loads, and the
@@ -329,6 +332,13 @@ def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast:
                            min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32)[0]
 
 
+def gemm_scratch_bytes(plan: GemmPlan, M: int, N: int, batch: int = 1, rowsum: bool = False) -> int:
+    """Scratch of a GEMM-skeleton kernel with this plan: the split-K partials (and row sums)."""
+    if plan.splits == 1:
+        return 0
+    return 4 * (round_up(plan.splits * batch * M * N, SCRATCH_ALIGN // 4) + (plan.splits * batch * M if rowsum else 0))
+
+
 def _reduce_groups(splits: int) -> int:
     """Split groups per output in the reduce launch: each thread sums at most ~8 partials."""
     rg = 1
@@ -379,8 +389,6 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
     rsum_off = round_up(part_floats, SCRATCH_ALIGN // 4)
-    rsum_floats = splits * batch * M if (splits > 1 and rowsum) else 0
-    scratch_floats = rsum_off + rsum_floats if splits > 1 else 0
     grid = (ceil_div(M, plan.BM), ceil_div(N, plan.BN), batch * splits)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"grid {grid} too large")
@@ -400,7 +408,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
     if splits > 1:
         launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args))
-    return CudaKernel(name, code, tuple(launches), 4 * scratch_floats)
+    return CudaKernel(name, code, tuple(launches), gemm_scratch_bytes(plan, M, N, batch, rowsum))
 
 
 # --------------------------------------------------------------------------- convolution

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
                            kernel_signature, with_epilogue)
+from .device import H200
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
@@ -35,7 +36,7 @@ SHORT_MAX_M = 16
 # blocks 24.1 us, 1152 24.9, 2304 28.0); more blocks only add partials to sum.
 NARROW_TARGET_BLOCKS = 2 * NUM_SMS
 SHORT_TARGET_BLOCKS = 4 * NUM_SMS
-SMEM_LIMIT = 44 * 1024  # static shared memory a block (48 KB cap) with room for the compiler's own
+SMEM_LIMIT = H200.shared_per_block - 4 * 1024  # static shared memory a block, with room for the compiler's own
 SMEM_A_BYTES = 16 * 1024  # short-M: a's staged k chunk, at most (the group sums take the rest)
 
 _env = environment("cuda")

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
                            _reduce_groups, kernel_signature, with_epilogue)
+from .device import H200
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-SMEM_LIMIT = 40 * 1024  # static shared memory per block, with room for the block reduction
+SMEM_LIMIT = H200.shared_per_block - 8 * 1024  # static shared memory a block, with room for the block reduction
 MAX_WINDOW = 32         # C*KH*KW of the forward: the filters of OT channels live in registers
 MAX_WEIGHTS = 512       # O*C*KH*KW of the grad-weight: per-block partials, the reduce launch
 FWD_FILTER_REGS = 40    # OT*C*KH*KW registers for the forward's filters

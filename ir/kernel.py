@@ -3,8 +3,8 @@
 Fusion decides what a kernel computes; codegen decides how to spell it. The spec is the whole
 contract between the two: the kind of kernel, which template (if any) implements it, the role
 of each operand, the epilogues and prologues folded into it, the layouts it reads and writes, its
-outputs, and the scratch memory it needs (set by the target's kernel selection before memory
-planning, so the arena covers everything). It is frozen: a pass that changes a decision makes a
+outputs, and the kernel family, plan and scratch memory the target's kernel selection chose for
+it (before memory planning, so the arena covers everything). It is frozen: a pass that changes a decision makes a
 new spec with `dataclasses.replace`. The verifier checks it against the fused node's subgraph.
 """
 from __future__ import annotations
@@ -47,6 +47,9 @@ class KernelSpec:
     layouts: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ("out",)
     scratch_bytes: int = 0
+    #: (family, plan as (field, value) pairs) chosen by the target's kernel selection (`select`);
+    #: None where the target chooses nothing (codegen then renders its only way)
+    choice: tuple[str, tuple[tuple[str, Any], ...]] | None = None
 
     def role(self, name: str) -> int | None:
         """The subgraph input index that plays `name`, or None."""
@@ -63,7 +66,11 @@ class KernelSpec:
         flags = [k for k, v in self.params if v is True]
         text = self.kind + (f"[{','.join(flags)}]" if flags else "")
         text += "".join(f" +{e}" for e in self.epilogues)
-        return text + (f" scratch={self.scratch_bytes}" if self.scratch_bytes else "")
+        text += f" scratch={self.scratch_bytes}" if self.scratch_bytes else ""
+        if self.choice is not None:
+            family, plan = self.choice
+            text += f" choice={family}" + (f"({','.join(f'{k}={v}' for k, v in plan)})" if plan else "")
+        return text
 
     def check(self, n_operands: int, sub_nodes: Any, outputs: Any) -> str | None:
         """A reason this spec cannot describe a fused node with these operands/subgraph, or None."""
@@ -85,4 +92,9 @@ class KernelSpec:
             return f"outputs {self.outputs} do not match the subgraph's {tuple(outputs)}"
         if self.scratch_bytes < 0:
             return "negative scratch size"
+        if self.choice is not None:
+            c = self.choice
+            if not (isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], tuple)
+                    and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in c[1])):
+                return f"choice {self.choice!r} is not (family, ((field, value), ...))"
         return None

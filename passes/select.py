@@ -1,4 +1,10 @@
-"""Kernel selection: each fused node's scratch size, asked of the target before memory planning.
+"""Kernel selection: which kernel family and plan serves each fused node, and its scratch size,
+asked of the target before memory planning.
+
+A target with a choice table (`Target.choose_kernel`: the cuda target's `codegen/cuda_choices`)
+answers (family, plan, scratch bytes) per kernel; the pass stamps that on the node's `KernelSpec`
+(`choice`, `scratch_bytes`), so dumps show it and codegen renders exactly it, once. A target
+without one is asked the scratch size alone (`Target.kernel_scratch`).
 
 The step's precision (`meta["precision"]`, set by the frontend) is stamped here too: under "tf32"
 every contraction's spec gets the `tf32` flag, which the target's templates read (and which
@@ -6,9 +12,9 @@ changes the tile plan, so the scratch asked for below is that of the kernel that
 
 A contraction template may need scratch memory (per-thread partial sums, split-K partials, packed
 panels); how much depends on the template and the shapes, which only the target's code generator
-knows. The target record carries that question (`Target.kernel_scratch`); this pass asks it for
-every fused node and records the answer in the node's `KernelSpec`, so the memory plan can place
-each kernel's scratch in the arena and the arena is the step's whole memory.
+knows. The target record carries that question; this pass asks it for every fused node and
+records the answer in the node's `KernelSpec`, so the memory plan can place each kernel's scratch
+in the arena and the arena is the step's whole memory.
 """
 from __future__ import annotations
 
@@ -33,6 +39,13 @@ def select_kernels(graph: Graph, target: Target) -> Graph:
         spec = attrs["kernel"]
         if precision == "tf32" and spec.kind in CONTRACTIONS and not spec.param("tf32"):
             spec = attrs["kernel"] = dataclasses.replace(spec, params=spec.params + (("tf32", True),))
+        if target.choose_kernel is not None:
+            chosen = target.choose_kernel(attrs["graph"], spec)
+            if chosen is not None:
+                family, plan, scratch = chosen
+                spec = attrs["kernel"] = dataclasses.replace(spec, choice=(family, tuple(plan)),
+                                                             scratch_bytes=int(scratch))
+            continue
         if target.kernel_scratch is None:
             continue
         scratch = int(target.kernel_scratch(attrs["graph"], spec))

@@ -1,8 +1,9 @@
 """The target registry: one record per backend, the only place a backend's choices live.
 
 A `Target` says what a backend is: its name, the passes it runs after autodiff and the optimizer,
-what its fusion may do (`FusionCaps`), its buffer alignment, how big each kernel's scratch block is
-(`kernel_scratch`, asked before memory planning so the arena covers a step's whole memory), which
+what its fusion may do (`FusionCaps`), its buffer alignment, which kernel family and plan serves each
+kernel and how big its scratch block is (`choose_kernel`, or `kernel_scratch` alone; asked before
+memory planning so the arena covers a step's whole memory), which
 spelling table its code generator uses, and the runtime factories (executor, storage). Passes read
 a record's data and never import a backend; each backend's runtime module builds its record and
 calls `register`; frontends only query (`get`, `names`). So the CLI's `--device` choices, the
@@ -61,6 +62,10 @@ class Target:
     reuse_memory: bool = True
     #: (fused subgraph, spec) -> scratch bytes its kernel needs; None: kernels need none
     kernel_scratch: Callable[[Graph, KernelSpec], int] | None = None
+    #: (fused subgraph, spec) -> (family, plan as (field, value) pairs, scratch bytes) that serves
+    #: the kernel, or None for a kernel it does not render; stamped on the spec by `select` (and
+    #: then `kernel_scratch` is not asked). None: the target chooses nothing
+    choose_kernel: Callable[[Graph, KernelSpec], tuple[str, tuple, int] | None] | None = None
     #: name of the codegen spelling table the target's generated kernels use ("cpp", "cuda"), or None
     language: str | None = None
     #: planned graph -> the source code its step compiles (for dumps and `ember kernels`), or None

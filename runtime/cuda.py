@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
+from ember.codegen import cuda_choices
+from ember.codegen.device import Device
 from ember.ir import Graph, TensorType
 from ember.passes import pipeline, targets
 
@@ -141,6 +143,19 @@ class DeviceStorage(Storage):
 
 
 _STEP_STREAMS: dict[int, Any] = {}
+
+
+def device_from_cupy(cp: Any, index: int | None = None) -> Device:
+    """The descriptor of CUDA device `index` (default: the current one), read from its attributes."""
+    dev = cp.cuda.Device(index) if index is not None else cp.cuda.Device()
+    a = dev.attributes
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    return Device(name=name.decode() if isinstance(name, bytes) else str(name),
+                  multiprocessors=a["MultiProcessorCount"], shared_per_block=a["MaxSharedMemoryPerBlock"],
+                  shared_per_block_optin=a["MaxSharedMemoryPerBlockOptin"],
+                  shared_per_multiprocessor=a["MaxSharedMemoryPerMultiprocessor"],
+                  registers_per_multiprocessor=a["MaxRegistersPerMultiprocessor"],
+                  max_threads_per_multiprocessor=a["MaxThreadsPerMultiProcessor"], warp_size=a["WarpSize"])
 
 
 def _step_stream(cp: Any) -> Any:
@@ -424,7 +439,7 @@ TARGET = targets.register(targets.Target(
                               loss_kernels=True),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
-    kernel_scratch=cuda_codegen.kernel_scratch,
+    choose_kernel=cuda_choices.stamp,  # the choice table: family, plan and scratch of each kernel
     language="cuda",
     source=lambda graph: cuda_codegen.render_step(graph).code,
     executor=CudaExecutor,

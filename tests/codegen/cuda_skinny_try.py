@@ -7,7 +7,7 @@ warps, splits, unroll; k groups, splits), each checked against float64 (relative
 
 One line a kernel: batch, shape, label, graph-timed us, GB/s of compulsory traffic (each operand
 read once, the output written once), relative error. The fastest variant of each shape decides
-the planner defaults and `cuda.SKINNY_MIN_BYTES` (which batch sizes use the skinny kernels).
+the planner defaults and `cuda_choices.SKINNY_MIN_BYTES` (which batch sizes use the skinny kernels).
 """
 from __future__ import annotations
 

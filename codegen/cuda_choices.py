@@ -1,0 +1,497 @@
+"""The CUDA choice table: which kernel family, with which plan, serves each kernel, as data.
+
+A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
+the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the
+small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), pooling and
+the generated kinds. Each entry says which kernel kinds it serves and the epilogues it takes, when
+it applies to a kernel's geometry (a reason when it does not), when it is *preferred* (the measured
+defaults below), its candidate plans (best first), its scratch from a plan, and its renderer.
+
+`candidates(sub, spec)` lists every applicable (family, plan) in rank order: the preferred
+families by priority, then the others; `choose` takes the first, `stamp` records it on the spec
+(the `select` pass calls it through `Target.choose_kernel`) and codegen renders exactly that.
+A plan is stamped as (field, value) pairs, so a graph dump shows it and a later tuner can store it.
+
+The thresholds here are measured defaults (H200, docs/benchmarks.md), pending the tuner that will
+measure candidates per device; `force(...)` overrides the ranking for experiments.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ember.ir import Graph, KernelSpec
+
+from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
+from .cuda_kernels import CudaKernel, GemmPlan, Launch
+from .device import H200, Device
+from .shapes import pair, round_up
+
+Plan = tuple[tuple[str, Any], ...]  # a stamped plan: (field, value) pairs
+Choice = tuple[str, Plan]            # (family, plan)
+
+#: epilogues each contraction kind's templates take, in every family that serves the kind
+EPILOGUES: dict[str, frozenset[str]] = {
+    "conv2d": frozenset({"bias", "relu", "pointwise"}), "matmul": frozenset({"bias", "relu", "pointwise"}),
+    "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}), "conv2d_grad_weight": frozenset({"pointwise"})}
+CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+
+# Measured defaults (not switches): where a family is preferred over the implicit GEMM.
+DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
+# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
+# for the MNIST CNN's conv2 (tests/codegen/cuda_direct_try.py), at batch 64 (37k positions) the
+# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
+# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
+DIRECT_MIN_POSITIONS = 1 << 17
+# Measured on an H200 (tests/codegen/cuda_skinny_try.py): for the MNIST linear layer the skinny
+# kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
+# 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
+# are untested against them, so smaller operands keep the GEMM.
+SKINNY_MIN_BYTES = 4 << 20
+
+
+# --------------------------------------------------------------------------- geometry
+
+def geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
+    """What the families decide on: the kind, epilogues, precision and the contraction's sizes
+    (convolutions: N C H W O KH KW stride padding HO WO; matmuls: M N K batch trans_a trans_b rank2)."""
+    g: dict[str, Any] = dict(kind=spec.kind, epilogues=spec.epilogues, tf32=bool(spec.param("tf32")))
+    if spec.kind in CONVS:
+        core = sub.attrs(spec.core)
+        a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+        if spec.kind == "conv2d":
+            (n, c, h, w), (o, _, kh, kw) = a_t.shape, b_t.shape
+        elif spec.kind == "conv2d_grad_input":
+            (n, c, h, w), (o, _, kh, kw) = core["input_shape"], b_t.shape
+        else:
+            (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
+        g.update(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
+        *_, g["HO"], g["WO"] = cuda_kernels._conv_geometry("k", **_conv_args(g))
+    elif spec.kind == "matmul":
+        a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
+        *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
+        g.update(M=m, N=sub.type(spec.core).shape[-1], K=kk, batch=math.prod(batch), trans_a=spec.param("trans_a"),
+                 trans_b=spec.param("trans_b"), rank2=a_t.rank == 2 and b_t.rank == 2,
+                 broadcast=a_t.shape[:-2] != b_t.shape[:-2], operands=f"{a_t} and {b_t}")
+    return g
+
+
+def _conv_args(g: dict[str, Any]) -> dict[str, Any]:
+    return {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
+
+
+def _pairs(plan: Any) -> Plan:
+    """A plan dataclass as stamped pairs (its ranking score left out)."""
+    return tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.name not in ("est_us", "score"))
+
+
+# --------------------------------------------------------------------------- families
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kinds: tuple[str, ...]
+    #: rank among the preferred families (lower first); a family not preferred ranks after them all
+    priority: int
+    #: geometry -> candidate plans, best first ([] where the family does not apply)
+    plans: Callable[[dict[str, Any]], list[Plan]]
+    #: geometry -> None where the family applies, else why not (before any plan is sought)
+    rejects: Callable[[dict[str, Any]], str | None]
+    #: geometry -> whether the measured defaults prefer it to the families after it
+    preferred: Callable[[dict[str, Any]], bool]
+    #: (geometry, plan) -> scratch bytes
+    scratch: Callable[[dict[str, Any], Plan], int]
+    #: (name, sub, spec, geometry, plan, epilogue) -> the kernel
+    render: Callable[..., CudaKernel]
+
+    def applies(self, g: dict[str, Any]) -> str | None:
+        if g["kind"] not in self.kinds:
+            return f"it serves {', '.join(self.kinds)}"
+        if unknown := [e for e in g["epilogues"] if e not in EPILOGUES.get(g["kind"], {"pointwise"})]:
+            return f"no {', '.join(unknown)} epilogue"
+        return self.rejects(g)
+
+
+def _always(g: dict[str, Any]) -> str | None:
+    return None
+
+
+def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return 0
+
+
+def _fp32(g: dict[str, Any]) -> bool:
+    # only the GEMM has a tensor-core path: under tf32 it ranks first
+    return not g["tf32"]
+
+
+# -- gemm: the implicit-GEMM skeleton (every contraction; MEASURED_PLANS consulted by plan_gemm)
+
+def _gemm_problem(g: dict[str, Any]) -> dict[str, Any]:
+    """(M, N, K, batch, a_kfast, b_kfast) of the GEMM view of a contraction."""
+    if g["kind"] == "matmul":
+        return dict(M=g["M"], N=g["N"], K=g["K"], batch=g["batch"], a_kfast=not g["trans_a"], b_kfast=g["trans_b"])
+    n, c, o, kh, kw, ho, wo = (g[k] for k in ("N", "C", "O", "KH", "KW", "HO", "WO"))
+    if g["kind"] == "conv2d":
+        return dict(M=n * ho * wo, N=o, K=c * kh * kw, batch=1, a_kfast=False, b_kfast=True)
+    if g["kind"] == "conv2d_grad_input":
+        return dict(M=n * g["H"] * g["W"], N=c, K=o * kh * kw, batch=1, a_kfast=False, b_kfast=True)
+    return dict(M=o, N=c * kh * kw, K=n * ho * wo, batch=1, a_kfast=True, b_kfast=True)
+
+
+def _gemm_rejects(g: dict[str, Any]) -> str | None:
+    if g["kind"] == "matmul" and g["broadcast"]:
+        raise NotImplementedError(f"matmul of {g['operands']} broadcasts batch dimensions, which the CUDA "
+                                  f"templates do not support yet; broadcast_to the operands first")
+    return None
+
+
+def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
+    p = _gemm_problem(g)
+    best = cuda_kernels.plan_gemm(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"],
+                                  tf32=g["tf32"])
+    return [_pairs(best)]
+
+
+def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
+    """Every plan of the GEMM's cost model, the default first (what a tuner would measure)."""
+    p = _gemm_problem(g)
+    rest = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
+                                        b_kfast=p["b_kfast"], tf32=g["tf32"])
+    plans = _gemm_plans(g)
+    return plans + [q for q in map(_pairs, rest) if q != plans[0]]
+
+
+def _gemm_scratch(g: dict[str, Any], plan: Plan) -> int:
+    p = _gemm_problem(g)
+    return cuda_kernels.gemm_scratch_bytes(GemmPlan(**dict(plan)), p["M"], p["N"], p["batch"])
+
+
+def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    gp, tf32, eps = GemmPlan(**dict(plan)), g["tf32"], spec.epilogues
+    if g["kind"] == "matmul":
+        return cuda_kernels.render_matmul(name, M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"],
+                                          trans_b=g["trans_b"], batch=g["batch"], bias="bias" in eps,
+                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp)
+    if g["kind"] == "conv2d":
+        return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
+                                                  epilogue=epilogue, tf32=tf32, plan=gp)
+    if g["kind"] == "conv2d_grad_input":
+        return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps,
+                                                     epilogue=epilogue, tf32=tf32, plan=gp)
+    return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, epilogue=epilogue, tf32=tf32,
+                                                  plan=gp)
+
+
+# -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
+
+def _direct_rejects(g: dict[str, Any]) -> str | None:
+    ph, pw_ = pair(g["padding"], "padding")
+    if pair(g["stride"], "stride") != (1, 1):
+        return "stride is not 1"
+    if ph >= g["KH"] or pw_ >= g["KW"]:
+        return "padding is not smaller than the kernel"
+    return None
+
+
+def _direct_plans(g: dict[str, Any]) -> list[Plan]:
+    if g["kind"] == "conv2d_grad_weight":
+        gw = cuda_direct.direct_grad_weight_plan(g["N"], g["C"], g["O"], g["KH"], g["KW"], g["HO"], g["WO"])
+        return [] if gw is None else [(("OT", gw[0]), ("RB", gw[1]), ("blocks", gw[2]))]
+    plan = cuda_direct.direct_plan(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
+    return [] if plan is None else [_pairs(plan)]
+
+
+def _direct_preferred(g: dict[str, Any]) -> bool:
+    window = (g["O"] if g["kind"] == "conv2d_grad_input" else g["C"]) * g["KH"] * g["KW"]
+    ph, pw_ = pair(g["padding"], "padding")
+    positions = g["N"] * (g["H"] - g["KH"] + 1 + 2 * ph) * (g["W"] - g["KW"] + 1 + 2 * pw_)
+    return _fp32(g) and window >= DIRECT_MIN_WINDOW and positions >= DIRECT_MIN_POSITIONS
+
+
+def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
+    if g["kind"] != "conv2d_grad_weight":
+        return 0
+    return round_up(4 * dict(plan)["blocks"] * g["O"] * g["C"] * g["KH"] * g["KW"], cuda_kernels.SCRATCH_ALIGN)
+
+
+def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    p, eps = dict(plan), spec.epilogues
+    if g["kind"] == "conv2d_grad_weight":
+        return cuda_direct.render_direct_grad_weight(name, **_conv_args(g), epilogue=epilogue,
+                                                     plan=(p["OT"], p["RB"], p["blocks"]))
+    return cuda_direct.render_direct(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
+                                     bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                                     epilogue=epilogue, plan=cuda_direct.DirectPlan(**p))
+
+
+# -- small_window: memory-bound convolutions with a small window / few weights (cuda_small_conv)
+
+def _small_args(g: dict[str, Any]) -> tuple:
+    sh, sw = pair(g["stride"], "stride")
+    _, pw_ = pair(g["padding"], "padding")
+    return g["N"], g["C"], g["O"], g["KH"], g["KW"], g["HO"], g["WO"], sh, g["W"], pw_, sw
+
+
+def _small_rejects(g: dict[str, Any]) -> str | None:
+    ckk = g["C"] * g["KH"] * g["KW"]
+    if g["kind"] == "conv2d" and ckk > cuda_small_conv.MAX_WINDOW:
+        return f"its window C*KH*KW = {ckk} exceeds {cuda_small_conv.MAX_WINDOW}"
+    if g["kind"] == "conv2d_grad_weight" and g["O"] * ckk > cuda_small_conv.MAX_WEIGHTS:
+        return f"its {g['O'] * ckk} weights exceed {cuda_small_conv.MAX_WEIGHTS}"
+    return None
+
+
+def _small_plans(g: dict[str, Any]) -> list[Plan]:
+    planner = cuda_small_conv.small_forward_plan if g["kind"] == "conv2d" else cuda_small_conv.small_grad_weight_plan
+    plan = planner(*_small_args(g))
+    return [] if plan is None else [_pairs(plan)]
+
+
+def _small_preferred(g: dict[str, Any]) -> bool:
+    return _fp32(g) and g["KH"] * g["KW"] != 1  # a 1x1 convolution: the GEMM gathers nothing
+
+
+def _small_scratch(g: dict[str, Any], plan: Plan) -> int:
+    if g["kind"] == "conv2d":
+        return 0
+    return round_up(4 * dict(plan)["blocks"] * g["O"] * g["C"] * g["KH"] * g["KW"], cuda_kernels.SCRATCH_ALIGN)
+
+
+def _small_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    sp = cuda_small_conv.SmallPlan(**dict(plan))
+    if g["kind"] == "conv2d":
+        return cuda_small_conv.render_small_forward(name, **_conv_args(g), bias="bias" in spec.epilogues,
+                                                    relu="relu" in spec.epilogues, epilogue=epilogue, plan=sp)
+    return cuda_small_conv.render_small_grad_weight(name, **_conv_args(g), epilogue=epilogue, plan=sp)
+
+
+# -- thin, skinny_narrow, skinny_short: matmuls that are passes over memory
+
+def _thin_rejects(g: dict[str, Any]) -> str | None:
+    if not g["rank2"]:
+        return "it takes one batch of 2-d operands"
+    if g["K"] > cuda_direct.THIN_MAX_K or g["N"] % 4 or g["trans_b"] or g["M"] * g["N"] >= 2**31:
+        return f"it needs K <= {cuda_direct.THIN_MAX_K}, N a multiple of 4 and b stored (K, N)"
+    return None
+
+
+def _matmul_args(g: dict[str, Any], spec: KernelSpec, epilogue: Any) -> dict[str, Any]:
+    return dict(M=g["M"], N=g["N"], K=g["K"], bias="bias" in spec.epilogues, relu="relu" in spec.epilogues,
+                epilogue=epilogue)
+
+
+def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    return cuda_direct.render_matmul_thin(name, trans_a=g["trans_a"], trans_b=g["trans_b"], rows=dict(plan)["RM"],
+                                          **_matmul_args(g, spec, epilogue))
+
+
+def _skinny_preferred(g: dict[str, Any]) -> bool:
+    return _fp32(g) and 4 * max(g["M"] * g["K"], g["K"] * g["N"]) >= SKINNY_MIN_BYTES
+
+
+def _narrow_rejects(g: dict[str, Any]) -> str | None:
+    if not g["rank2"]:
+        return "it takes one batch of 2-d operands"
+    if g["trans_a"] or not g["trans_b"] or g["N"] > cuda_skinny.NARROW_MAX_N \
+            or g["M"] * max(g["N"], g["K"]) >= 2**40:
+        return f"it needs a (M, K) @ b (N, K)^T with N <= {cuda_skinny.NARROW_MAX_N}"
+    return None
+
+
+def _narrow_plans(g: dict[str, Any]) -> list[Plan]:
+    plan = cuda_skinny.narrow_plan(g["M"], g["N"], g["K"])
+    if math.ceil(g["M"] / plan.rows) > 65535 or plan.S >= 2**31 or g["K"] % plan.V:
+        return []
+    return [_pairs(plan)]
+
+
+def _short_rejects(g: dict[str, Any]) -> str | None:
+    if not g["rank2"]:
+        return "it takes one batch of 2-d operands"
+    if g["trans_b"] or g["M"] > cuda_skinny.SHORT_MAX_M or g["N"] % 4 or max(g["M"], g["N"]) * g["K"] >= 2**40:
+        return f"it needs M <= {cuda_skinny.SHORT_MAX_M}, N a multiple of 4 and b stored (K, N)"
+    return None
+
+
+def _short_plans(g: dict[str, Any]) -> list[Plan]:
+    plan = cuda_skinny.short_m_plan(g["M"], g["N"], g["K"])
+    if plan is None or math.ceil(g["N"] // 4 / plan.CT) >= 2**31 or plan.S > 65535:
+        return []
+    return [_pairs(plan)]
+
+
+def _split_scratch(g: dict[str, Any], plan: Plan) -> int:
+    s = dict(plan)["S"]
+    return round_up(4 * s * g["M"] * g["N"], cuda_kernels.SCRATCH_ALIGN) if s > 1 else 0
+
+
+def _narrow_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    return cuda_skinny.render_matmul_narrow(name, trans_a=bool(g["trans_a"]), trans_b=bool(g["trans_b"]),
+                                            plan=cuda_skinny.NarrowPlan(**dict(plan)), **_matmul_args(g, spec, epilogue))
+
+
+def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    return cuda_skinny.render_matmul_short_m(name, trans_a=bool(g["trans_a"]), trans_b=bool(g["trans_b"]),
+                                             plan=cuda_skinny.ShortMPlan(**dict(plan)),
+                                             **_matmul_args(g, spec, epilogue))
+
+
+# -- pool and the generated kinds: one family each, one plan
+
+def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    x_t = sub.type(sub.operands(spec.core)[0])
+    return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)))
+
+
+def _generated(module_function: str) -> Callable[..., CudaKernel]:
+    """The renderer of a generated kind, as a CudaKernel whose roles are in0.. out (scratch).
+    Imported when called: `cuda` (the step renderer) imports this table."""
+    def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+        from . import cuda
+        args = tuple(sub.inputs) + ("out",)
+        if module_function == "pointwise":
+            code, grid, block = cuda.render_pointwise(name, sub)
+            return CudaKernel(name, code, (Launch(name, grid, block, 0, args),), 0)
+        if module_function == "reduction":
+            red = cuda.render_reduction(name, sub, spec.core)
+            return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + (("scratch",) if s else ()))
+                                                    for f, grid, block, s in red.launches), red.scratch_bytes)
+        return cuda.render_loss(name, sub, spec)[0]
+    return render
+
+
+def _reduction_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return g["reduction_scratch"]
+
+
+def _one_plan(g: dict[str, Any]) -> list[Plan]:
+    return [()]
+
+
+def _plain(g: dict[str, Any]) -> bool:
+    return True
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects, _small_preferred,
+           _small_scratch, _small_render),
+    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _direct_preferred, _direct_scratch, _direct_render),
+    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
+           _fp32, _no_scratch, _thin_render),
+    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _skinny_preferred, _split_scratch, _narrow_render),
+    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _skinny_preferred, _split_scratch,
+           _short_render),
+    Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render),
+    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
+    Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
+    Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
+    Family("loss", ("softmax_xent", "softmax_xent_grad"), 0, _one_plan, _always, _plain, _no_scratch,
+           _generated("loss")),
+)}
+
+
+# --------------------------------------------------------------------------- choosing
+
+_FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("ember_cuda_forced", default={})
+
+
+@contextlib.contextmanager
+def force(family: str | None = None, **kinds: str) -> Iterator[None]:
+    """Within the block, kernels are served by a given family (for experiments and comparisons):
+    `force("gemm")` for every kind the family serves, `force(matmul="skinny_narrow")` per kind.
+    A kernel the forced family cannot serve is refused with one line when it is compiled.
+
+        with cuda_choices.force("gemm"):
+            step = compile(model, loss, opt, example, device="cuda")
+    """
+    wanted = dict(kinds)
+    if family is not None:
+        if family not in FAMILIES:
+            raise ValueError(f"no CUDA kernel family {family!r} (known: {', '.join(FAMILIES)})")
+        wanted.update({k: family for k in FAMILIES[family].kinds if k not in kinds})
+    for kind, name in wanted.items():
+        if name not in FAMILIES or kind not in FAMILIES[name].kinds:
+            raise ValueError(f"CUDA kernel family {name!r} does not serve {kind} kernels")
+    token = _FORCED.set({**_FORCED.get(), **wanted})
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def _ranked(g: dict[str, Any]) -> list[Family]:
+    """The families that serve the kernel's kind, in rank order (preferred ones by priority)."""
+    fams = [f for f in FAMILIES.values() if g["kind"] in f.kinds and f.applies(g) is None]
+    return sorted(fams, key=lambda f: (not f.preferred(g), f.priority))
+
+
+def _check_device(device: Device) -> None:
+    if device != H200:  # the planners still read the H200's numbers (their modules' constants)
+        raise NotImplementedError(f"CUDA kernel plans are made for the {H200.name} only, not {device.name}")
+
+
+def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
+    if not any(spec.kind in f.kinds for f in FAMILIES.values()):
+        raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
+    g = geometry(sub, spec)
+    if spec.kind == "reduction":  # its split count comes out of the lowering, not a plan (yet)
+        from . import cuda
+        g["reduction_scratch"] = cuda.reduction_scratch(sub, spec.core)
+    return g
+
+
+def candidates(sub: Graph, spec: KernelSpec, device: Device = H200) -> list[Choice]:
+    """Every (family, plan) that can serve this kernel, the default first."""
+    _check_device(device)
+    g = _geometry(sub, spec)
+    out: list[Choice] = []
+    for f in _ranked(g):
+        plans = gemm_candidates(g) if f.name == "gemm" else f.plans(g)
+        out += [(f.name, p) for p in plans]
+    return out
+
+
+def choose(sub: Graph, spec: KernelSpec, device: Device = H200) -> Choice:
+    """The (family, plan) that serves this kernel: a forced family, else the best-ranked family
+    with a plan, and its best plan (the first of `candidates`)."""
+    _check_device(device)
+    g = _geometry(sub, spec)
+    forced = _FORCED.get().get(spec.kind)
+    if forced is not None:
+        f = FAMILIES[forced]
+        reason = f.applies(g) or (None if (plans := f.plans(g)) else "no plan of it fits the geometry")
+        if reason is not None:
+            raise ValueError(f"kernel {sub.name} ({spec.describe()}): forced family {forced!r} does not apply: {reason}")
+        return forced, plans[0]
+    for f in _ranked(g):
+        if plans := f.plans(g):
+            return f.name, plans[0]
+    raise NotImplementedError(f"no CUDA kernel family serves {spec.describe()} (at {sub.name})")
+
+
+def scratch_bytes(sub: Graph, spec: KernelSpec, choice: Choice) -> int:
+    return FAMILIES[choice[0]].scratch(_geometry(sub, spec), choice[1])
+
+
+def stamp(sub: Graph, spec: KernelSpec) -> tuple[str, Plan, int] | None:
+    """`Target.choose_kernel` of the cuda target: (family, plan, scratch bytes), None for a
+    collective (no kernel: the communicator carries it out)."""
+    if spec.kind == "collective":
+        return None
+    family, plan = choose(sub, spec)
+    return family, plan, scratch_bytes(sub, spec, (family, plan))
+
+
+def render(name: str, sub: Graph, spec: KernelSpec, choice: Choice, epilogue: Any = None) -> CudaKernel:
+    """The kernel of `choice` for this spec: exactly the stamped family and plan."""
+    family, plan = choice
+    kernel = FAMILIES[family].render(name, sub, spec, _geometry(sub, spec), plan, epilogue)
+    if kernel is None:
+        raise AssertionError(f"{name}: family {family!r} refused the plan it was chosen with: {plan}")
+    return kernel
