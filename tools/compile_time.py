@@ -43,7 +43,8 @@ print(json.dumps({"compile_s": first, "new_batch_s": again, "stats": stats if is
 
 
 def _run(model: str, device: str, batch: int, cache: str, second: int = 0) -> dict:
-    env = dict(os.environ, EMBER_CACHE_DIR=cache)
+    # CuPy's NVRTC cache too: ember points it under EMBER_CACHE_DIR only where it is not set
+    env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
     out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second)], env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
