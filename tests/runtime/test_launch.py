@@ -173,6 +173,10 @@ def test_killing_a_ranks_wrapper_stops_every_rank(tmp_path, nested):
                 CODE=_sleeper(tmp_path, True)) as run:
         folder = run.status_folder()
         assert _wait_for(lambda: all((tmp_path / f"up{r}").exists() for r in "01") and (folder / "1.pid").exists())
+        # The launcher starts watching a wrapper when it reads its pid file (every 0.1 s poll);
+        # wrappers that die before it has looked at them once cannot be ordered (mpiexec kills
+        # rank 0's a millisecond after rank 1's), so give it a few polls, as a real run has.
+        time.sleep(1.0)
         wrapper = int((folder / "1.pid").read_text().split()[0])
         os.kill(wrapper, signal.SIGKILL)
         t0 = time.monotonic()
