@@ -499,8 +499,13 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
     """An ember `nn.Module` computing what the PyTorch `module` computes, starting from its
     parameters (same names). Raises `TorchImportError` (one line: fx node, PyTorch call, user's
     source line) for anything it cannot translate faithfully."""
-    import torch
-    import torch.fx
+    try:
+        import torch
+        import torch.fx
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise ModuleNotFoundError("from_torch needs PyTorch: pip install 'ember[torch]'") from None
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")

@@ -39,7 +39,7 @@ from ..training.torch_twins import torch_model
 __all__ = ["ember_gradients", "run_alignment", "Alignment", "format_alignment", "add_arguments", "main"]
 
 TORCH_MISSING = ("ember align needs PyTorch as the reference it compares with, and PyTorch is not "
-                 "installed here: pip install torch (CPU wheel), or pip install -e '.[test]'")
+                 "installed here: pip install 'ember[torch]'")
 
 
 def ember_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray, device: str = "cpu") -> tuple[float, dict[str, np.ndarray]]:

@@ -254,7 +254,7 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         have_torch = True
     except ImportError:
         have_torch = False
-        log("PyTorch is not importable: timing ember alone (pip install torch to compare)")
+        log("PyTorch is not importable: timing ember alone (pip install 'ember[torch]' to compare)")
     for name in models:
         batches = _batches(name, batch, 16, data, seed)
         init = build_model(name, seed, init="torch").state_dict()  # the reference recipe's weights

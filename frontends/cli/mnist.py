@@ -1,4 +1,4 @@
-"""`ember mnist`: train the MNIST CNN or MLP with a compiled step.
+"""`ember mnist`: train an MNIST model (cnn, mlp, lenet5, resnet8) with a compiled step.
 
     ember mnist --model cnn --device cpu --epochs 1 --data ../shared/data/mnist
 

@@ -117,4 +117,4 @@ def test_ember_align_says_when_pytorch_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     assert cli.main(["align", "--model", "mlp", "--steps", "5", "--data", str(MNIST_DIR)]) == 2
     err = capsys.readouterr().err
-    assert "needs PyTorch" in err and "pip install torch" in err
+    assert "needs PyTorch" in err and "pip install 'ember[torch]'" in err

@@ -320,3 +320,12 @@ def test_a_model_returning_several_values_is_refused_at_import():
                                               r"at .*test_from_torch.py:\d+: return self.a\(x\), self.b\(x\); "
                                               r"return one tensor \(compile\(\) trains loss_fn\(model\(x\), y\)\)$"):
         from_torch(TwoHeads(), torch.zeros(2, 4))
+
+
+def test_from_torch_without_pytorch_names_the_extra(monkeypatch):
+    import sys
+
+    from ember.frontends import from_torch
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch now fails as if it were missing
+    with pytest.raises(ModuleNotFoundError, match=r"from_torch needs PyTorch: pip install 'ember\[torch\]'"):
+        from_torch(object(), ())
