@@ -46,6 +46,7 @@ def test_the_training_command_prints_pytorchs_accuracy(mnist_dir, tmp_path):
     res = subprocess.run(argv + ["--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"test loss 0\.108\d, test accuracy 96\.8[34]%", res.stdout), res.stdout
+    assert "data: mnist from ../shared/data/mnist" in res.stdout  # the first run says where its data comes from
 
 
 def _modules() -> list[str]:
