@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ember.passes.pipeline import write_atomic
 
 __all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint", "load_weights", "atomic_write_bytes"]
 
@@ -68,34 +69,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     left exactly as it was. An OSError names `path` (its filename), not the temporary file, which
     no longer exists by then.
     """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.errno is None:  # not from the system: nothing to restate
-            raise
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable; not possible everywhere, and not needed for atomicity
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    write_atomic(path, data, durable=True, write=lambda f, d: _write(f, d))
 
 
 def save_checkpoint(path: str | os.PathLike, model: Mapping[str, np.ndarray],

@@ -14,6 +14,7 @@ import functools
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 from ember.ir import Graph, format_graph, to_dot
@@ -70,16 +71,25 @@ def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> lis
             ("optimizer", lambda g: apply_optimizer(g, optimizer_config))]
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path` and renames it over `path`; on failure the
-    temporary file is removed and the OSError names `path`."""
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = False,
+                 write: Callable[[Any, Any], None] | None = None) -> None:
+    """Writes `data` to a temporary file beside `path` and renames it over `path`, so a crash or
+    a full disk leaves the old file whole and no partial one; on failure the temporary file is
+    removed and the OSError names `path`. `durable` also flushes the file and the rename to disk
+    (checkpoints); `write(file, data)` replaces the plain write (a seam for crash tests)."""
+    path = Path(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
         raise OSError(e.errno, e.strerror, os.fspath(path)) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes)
+                                                                         else {"encoding": "utf-8"})) as f:
+            (write or (lambda f_, d: f_.write(d)))(f, data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
@@ -89,6 +99,20 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        try:  # make the rename itself durable; not possible everywhere, and not needed for atomicity
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`write_atomic` for a text file (dumps)."""
+    write_atomic(path, text)
 
 
 def _dump(dump_dir: Path, index: int, name: str, graph: Graph) -> None:
