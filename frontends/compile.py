@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
-from ember.passes.pipeline import run_passes, train_passes, with_data_parallel
+from ember.passes.pipeline import run_passes, train_passes, with_data_parallel, write_atomic
 from ember.runtime import target as get_target
 from ember.runtime.comm import broadcast_parameters
 from ember.runtime.consistency import agree_on_step
@@ -67,15 +66,7 @@ def _note_compile_stats(executor: Any, passes_seconds: float, dump: Path | None)
     except AttributeError:  # an executor that does not take attributes: stats stay unrecorded
         return
     if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dump, prefix=".compile_stats.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(stats, indent=1) + "\n")
-            os.replace(tmp, dump / "compile_stats.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(dump / "compile_stats.json", json.dumps(stats, indent=1) + "\n")
 
 
 def _shape_tag(types: tuple[TensorType, ...]) -> str:

@@ -187,6 +187,7 @@ class CudaExecutor:
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
         self.source = cuda_codegen.render_step(graph)
+        rendered = time.perf_counter()
         self.arch = _arch(cp)
         options = ("-std=c++17", f"-arch={self.arch}")
         if dump_dir is not None:
@@ -208,6 +209,10 @@ class CudaExecutor:
         self.functions.update({la.function: self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):])
                                for la in collectives})
         self.compile_seconds = time.perf_counter() - t0
+        # where the time went (the frontend adds its passes' seconds; `ember mnist --verbose`)
+        self.compile_stats: dict[str, float | int] = {
+            "render_s": round(rendered - t0, 4), "compiler_s": round(time.perf_counter() - rendered, 4),
+            "kernel_functions": len(self.source.units), "kernel_calls": len(self.source.kernels)}
         self.arena = cp.zeros(max(self.source.arena_bytes, 256), dtype=cp.uint8)
         self.peak_bytes = self.source.arena_bytes
         self._constants = {n: cp.asarray(_c_order(graph.attrs(n)["value"]))
