@@ -263,15 +263,20 @@ class Graph:
 
     # ---- checking ----------------------------------------------------------------------------
     def verify(self, full: bool | None = None) -> "Graph":
-        """Checks the graph's structure (acyclic, operand indices, named tables, kernel plans);
-        with `full`, also every node's type rule and every fused subgraph, recursively.
+        """Checks the graph: with `full`, every node's type rule and every fused subgraph,
+        recursively, besides the structure (acyclic, operand indices, named tables, kernel plans);
+        with `full=False`, the structure alone.
 
-        `full` defaults to the environment's `EMBER_VERIFY` (read per call; the test suite sets
-        it): the full check re-infers every type after every pass, which cost more than the
-        passes themselves on deep models, and a pass's own tests are where type errors are caught.
+        `full=None` (what the passes call after their work) defers to the environment's
+        `EMBER_VERIFY` (read per call; the test suite sets it): set, the full check; unset,
+        nothing, and `run_passes` checks the structure once, after the last pass. The full check
+        after every pass cost more than the passes themselves on deep models, and each pass's
+        own tests are where its type errors are caught.
         """
         if full is None:
-            full = os.environ.get("EMBER_VERIFY", "") not in ("", "0")
+            if os.environ.get("EMBER_VERIFY", "") in ("", "0"):
+                return self
+            full = True
         if not nx.is_directed_acyclic_graph(self.g):
             raise VerifyError(f"graph {self.name!r} has a cycle: {nx.find_cycle(self.g)}")
         for n in self.g:

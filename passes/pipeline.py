@@ -123,7 +123,9 @@ def _dump(dump_dir: Path, index: int, name: str, graph: Graph) -> None:
 
 def run_passes(graph: Graph, passes: Sequence[tuple[str, Pass]], *, dump_dir: str | os.PathLike | None = None,
                before: Hook | None = None, after: Hook | None = None) -> Graph:
-    """Applies `passes` in order; verifies after each; hooks are called as hook(name, graph)."""
+    """Applies `passes` in order; hooks are called as hook(name, graph). Each result is verified
+    fully under `EMBER_VERIFY=1` (the tests); otherwise the structure of the last one only
+    (`Graph.verify`)."""
     if dump_dir is None:
         dump_dir = os.environ.get("EMBER_DUMP_DIR") or None
     out = Path(dump_dir) if dump_dir is not None else None
@@ -141,6 +143,8 @@ def run_passes(graph: Graph, passes: Sequence[tuple[str, Pass]], *, dump_dir: st
             after(name, graph)
         if out is not None:
             _dump(out, i, name, graph)
+    if os.environ.get("EMBER_VERIFY", "") in ("", "0"):
+        graph.verify(full=False)
     return graph
 
 
