@@ -173,7 +173,7 @@ def _direct_conv_ctx(name, *, N, CI, CO, HI, WI, HO, WO, KH, KW, SH, SW, PT, PL,
       flat  - stride 1: the image is copied (zero-padded, row pitch P = WO+KW-1) into a
               per-thread buffer and output pixels are tiled on the flattened (oh*P + ow) grid,
               so 26-wide outputs waste WO/P (7%) instead of 19% with 32-wide rows;
-      generic - any stride: plain loops (correct, not tuned).
+      generic - any stride: plain loops over a clipped column range (they vectorise), not register-tiled.
     """
     if SH == 1 and SW == 1:
         mode = "flat"
