@@ -132,15 +132,6 @@ class DeviceStorage(Storage):
         a = self._arrays[name]
         return TensorType.of(np.empty(a.shape, a.dtype))
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._arrays
-
-    def __iter__(self):
-        return iter(self._arrays)
-
-    def __len__(self) -> int:
-        return len(self._arrays)
-
 
 _STEP_STREAMS: dict[int, Any] = {}
 

@@ -56,11 +56,17 @@ class Storage:
         """The live host array holding `name`, where the storage keeps one (None on a device)."""
         return None
 
+    # every storage keeps its values by name in `_arrays` (host or device arrays)
+    _arrays: dict[str, Any]
+
     def __contains__(self, name: object) -> bool:
-        raise NotImplementedError
+        return name in self._arrays
 
     def __iter__(self) -> Iterator[str]:
-        raise NotImplementedError
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
     def check(self, graph: Graph) -> None:
         """Every parameter and state of `graph` is held here with exactly its type."""
@@ -97,15 +103,6 @@ class HostStorage(Storage):
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._arrays[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._arrays
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._arrays)
-
-    def __len__(self) -> int:
-        return len(self._arrays)
 
     def items(self):
         return self._arrays.items()

@@ -132,15 +132,6 @@ class FakeDeviceStorage(Storage):
     def type_of(self, name: str) -> ir.TensorType:
         return ir.TensorType.of(self._arrays[name])
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._arrays
-
-    def __iter__(self):
-        return iter(self._arrays)
-
-    def __len__(self) -> int:
-        return len(self._arrays)
-
 
 @contextlib.contextmanager
 def fake_device_target():
