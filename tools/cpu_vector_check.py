@@ -1,7 +1,7 @@
 """One command for a machine with AVX-512 (the GPU machine's 16-core Xeon host): checks ember's
 AVX-512 CPU kernels and times them, next to the AVX2 variant, and prints a summary.
 
-    python tests/codegen/cpu_vector_check.py [--threads 16] [--variants avx512,avx2] [--out DIR]
+    python tools/cpu_vector_check.py [--threads 16] [--variants avx512,avx2] [--out DIR]
 
 From the repository root, with ember installed (``pip install --no-deps --no-build-isolation -e .``;
 this script installs nothing and needs no network). Not a test (pytest does not collect it).

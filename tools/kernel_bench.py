@@ -1,6 +1,6 @@
 """Benchmark of ember's generated CPU kernels for the MNIST CNN and MLP steps against PyTorch eager.
 
-    python tests/codegen/kernel_bench.py [--runs 60] [--threads 2] [--bind close] [--max-seconds 180]
+    python tools/kernel_bench.py [--runs 60] [--threads 2] [--bind close] [--max-seconds 180]
                                          [--kernels all|cnn|mlp]
 
 Not a test (pytest does not collect it). Each kernel is timed with OpenMP on ``--threads``

@@ -5,7 +5,7 @@ For each model and batch: the full `step.run` loop as `ember bench` times it; th
 CUDA graph alone replayed back to back (the device's time for one step); and the host parts of a
 call (input copies, replay, output copy). PyTorch's captured step is timed the same two ways.
 
-    python tests/e2e/cuda_step_overhead.py [--out result.json]
+    python tools/cuda_step_overhead.py [--out result.json]
 """
 from __future__ import annotations
 

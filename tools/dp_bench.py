@@ -3,8 +3,8 @@
 "comm" is the time in the communicator's path (copies into and out of the flat bucket buffers,
 starting, progressing and waiting for the all-reduces: it includes waiting for the slower
 rank), "allreduce" the time inside the MPI calls alone. The load average is printed with it.
-    OMP_NUM_THREADS=2 python tests/runtime/dp_bench.py 64
-    OMP_NUM_THREADS=1 mpiexec -n 2 python tests/runtime/dp_bench.py 32 [STEPS] [BUCKET_BYTES]
+    OMP_NUM_THREADS=2 python tools/dp_bench.py 64
+    OMP_NUM_THREADS=1 mpiexec -n 2 python tools/dp_bench.py 32 [STEPS] [BUCKET_BYTES]
     EMBER_COMM_OVERLAP=0 ... (blocking all-reduces, for comparison)"""
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import cnn  # noqa: E402
 
 from ember.frontends import compile as ember_compile  # noqa: E402
+from ember.frontends.training.recipes import build_model  # noqa: E402
 from ember.frontends import nn  # noqa: E402
 from ember.passes.optimizer import SGD  # noqa: E402
 from ember.runtime import comm as C  # noqa: E402
@@ -28,7 +27,7 @@ comm = C.from_env()
 rng = np.random.default_rng(comm.rank)
 x = rng.random((batch, 1, 28, 28), dtype=np.float32)
 y = rng.integers(0, 10, batch)
-step = ember_compile(cnn(), nn.CrossEntropyLoss(), SGD(lr=0.01), (x, y), device="cpu", communicator=comm, **extra)
+step = ember_compile(build_model("cnn"), nn.CrossEntropyLoss(), SGD(lr=0.01), (x, y), device="cpu", communicator=comm, **extra)
 for _ in range(3):
     step(x, y)
 ex = next(iter(step._steps.values()))[1]

@@ -2,7 +2,7 @@
 """One epoch of an MNIST recipe with `ember mnist` and with its PyTorch twin, from the same
 initial weights, on the same batches; prints one JSON line with both test accuracies.
 
-    python tests/e2e/torch_mnist_compare.py --model lenet5 --data ../shared/data/mnist
+    python tools/torch_mnist_compare.py --model lenet5 --data ../shared/data/mnist
 
 The recipe is `ember mnist`'s: PyTorch's default initialisation for --seed (ember reproduces it
 bit for bit, so both start from identical weights), pixels/255, the training set in file order,
