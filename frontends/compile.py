@@ -319,13 +319,12 @@ class TrainStep(_Compiled):
         if self.comm is not None and device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"data parallel over a communicator runs on devices 'cpu' (MPI) and 'cuda' (NCCL), "
                              f"not {device!r}")
-        _check_model(model, "compile()")
+        super().__init__(model, device, dump_dir, profile, precision)  # checks the device and the model
         if len(example_inputs) != 2:
             raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
         if not model.parameters():
             raise ValueError(f"compile(): the model ({type(model).__name__}) has no parameters to train; "
                              f"an optimizer needs at least one Parameter (a Linear, Conv2d, ...)")
-        super().__init__(model, device, dump_dir, profile, precision)
         self.loss_fn = loss_fn
         self.config = optimizer
         self.steps_run = 0  # training steps this step (or the checkpoint it loaded) has run
