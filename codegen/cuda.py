@@ -212,13 +212,18 @@ def reduction_scratch(sub: Graph, core: int) -> int:
     return splits * low.outputs * {"float": 4, "double": 8}.get(low.acc_type, 8)
 
 
+def prelude() -> str:
+    """The source every module of a step starts with (helpers the kernels share)."""
+    return ENV.get_template("prelude.j2").render()
+
+
 def render_step(graph: Graph) -> CudaStepSource:
     """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order.
 
     Kernels whose code is the same up to their name (the same convolution shape twice, say) are
     one function: the later ones launch the first one's, with their own buffers."""
-    prelude = ENV.get_template("prelude.j2").render()
-    parts = [prelude]
+    shared = prelude()
+    parts = [shared]
     launches: list[LaunchArgs] = []
     kernels = []
     units: list[tuple[str, tuple[str, ...]]] = []
@@ -282,4 +287,4 @@ def render_step(graph: Graph) -> CudaStepSource:
             units.append((code, functions))
             parts.append(header + code)
         kernels.append((name, spec.describe(), implements))
-    return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels, prelude, units)
+    return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels, shared, units)

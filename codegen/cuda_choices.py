@@ -3,37 +3,30 @@
 A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
 the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the
 small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), pooling and
-the generated kinds. Each entry says which kernel kinds it serves and the epilogues it takes, when
-it applies to a kernel's geometry (a reason when it does not), when it is *preferred* (the measured
-defaults below), its candidate plans (best first), its scratch from a plan, and its renderer.
+the generated kinds. Each entry (a `choices.Family`) says which kernel kinds it serves, when it
+applies to a kernel's geometry (a reason when it does not), when the cost model prefers it, its
+plans (the cost model's best first; the GEMM's tuner list is a wider spread of its cost model's
+plans), its scratch from a plan, its renderer and its version.
 
-`candidates(sub, spec)` lists every applicable (family, plan) in rank order: the preferred
-families by priority, then the others; `choose` takes the first, `stamp` records it on the spec
-(the `select` pass calls it through `Target.choose_kernel`) and codegen renders exactly that.
-A plan is stamped as (field, value) pairs, so a graph dump shows it and a later tuner can store it.
-
-The thresholds here are measured defaults (H200, docs/benchmarks.md), pending the tuner that will
-measure candidates per device; `force(...)` overrides the ranking for experiments.
+`TABLE` (a `choices.ChoiceTable`) answers for a kernel: its candidates, the decision (forced, else
+the tuning database's measurement for this GPU model, else the cost model) and its stamp; the
+module-level functions are its methods. The `preferred` rules below are the cost model's priors
+for kernels nobody tuned (H200 measurements, docs/benchmarks.md); a tuned kernel ignores them.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
+from .choices import Choice, ChoiceTable, Family, Plan
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
-from .device import H200, Device
+from .device import H200
 from .shapes import pair, round_up
-
-Plan = tuple[tuple[str, Any], ...]  # a stamped plan: (field, value) pairs
-Choice = tuple[str, Plan]            # (family, plan)
 
 #: epilogues each contraction kind's templates take, in every family that serves the kind
 EPILOGUES: dict[str, frozenset[str]] = {
@@ -92,42 +85,12 @@ def _pairs(plan: Any) -> Plan:
 
 # --------------------------------------------------------------------------- families
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    kinds: tuple[str, ...]
-    #: rank among the preferred families (lower first); a family not preferred ranks after them all
-    priority: int
-    #: geometry -> candidate plans, best first ([] where the family does not apply)
-    plans: Callable[[dict[str, Any]], list[Plan]]
-    #: geometry -> None where the family applies, else why not (before any plan is sought)
-    rejects: Callable[[dict[str, Any]], str | None]
-    #: geometry -> whether the measured defaults prefer it to the families after it
-    preferred: Callable[[dict[str, Any]], bool]
-    #: (geometry, plan) -> scratch bytes
-    scratch: Callable[[dict[str, Any], Plan], int]
-    #: (name, sub, spec, geometry, plan, epilogue) -> the kernel
-    render: Callable[..., CudaKernel]
-
-    def applies(self, g: dict[str, Any]) -> str | None:
-        if g["kind"] not in self.kinds:
-            return f"it serves {', '.join(self.kinds)}"
-        if unknown := [e for e in g["epilogues"] if e not in EPILOGUES.get(g["kind"], {"pointwise"})]:
-            return f"no {', '.join(unknown)} epilogue"
-        return self.rejects(g)
-
-
 def _always(g: dict[str, Any]) -> str | None:
     return None
 
 
 def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
-
-
-def _fp32(g: dict[str, Any]) -> bool:
-    # only the GEMM has a tensor-core path: under tf32 it ranks first
-    return not g["tf32"]
 
 
 # -- gemm: the implicit-GEMM skeleton (every contraction; MEASURED_PLANS consulted by plan_gemm)
@@ -158,13 +121,41 @@ def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
     return [_pairs(best)]
 
 
+#: the GEMM plans the tuner measures: the cost model's best TUNE_TOP, then the best of each split
+#: count and of each block tile among its first TUNE_SPREAD (the cost model orders tiles well but
+#: misjudges splits and gathers by up to 2x, so the spread covers what it ranks low)
+TUNE_TOP, TUNE_SPREAD = 8, 300
+
+
 def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
-    """Every plan of the GEMM's cost model, the default first (what a tuner would measure)."""
+    """The GEMM plans worth measuring for this kernel, the cost model's pick first."""
     p = _gemm_problem(g)
-    rest = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                        b_kfast=p["b_kfast"], tf32=g["tf32"])
-    plans = _gemm_plans(g)
-    return plans + [q for q in map(_pairs, rest) if q != plans[0]]
+    ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
+                                          b_kfast=p["b_kfast"], tf32=g["tf32"])
+    chosen = [*_gemm_plans(g), *map(_pairs, ranked[:TUNE_TOP])]
+    splits, tiles = set(), set()
+    for q in ranked[:TUNE_SPREAD]:
+        if q.splits not in splits:
+            splits.add(q.splits)
+            chosen.append(_pairs(q))
+        if (q.BM, q.BN, q.TM, q.TN) not in tiles and len(tiles) < TUNE_TOP:
+            tiles.add((q.BM, q.BN, q.TM, q.TN))
+            chosen.append(_pairs(q))
+    return list(dict.fromkeys(chosen))[:3 * TUNE_TOP]
+
+
+def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
+    """A stored GEMM plan fits when the cost model finds it feasible as it is (the same splits)."""
+    p, fields = _gemm_problem(g), dict(plan)
+    try:
+        gp = GemmPlan(**fields)
+    except TypeError:
+        return False
+    if g["tf32"] and (gp.BK % 8 or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
+        return False
+    q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
+                                p["a_kfast"], p["b_kfast"])
+    return q is not None and _pairs(q) == plan
 
 
 def _gemm_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -211,7 +202,7 @@ def _direct_preferred(g: dict[str, Any]) -> bool:
     window = (g["O"] if g["kind"] == "conv2d_grad_input" else g["C"]) * g["KH"] * g["KW"]
     ph, pw_ = pair(g["padding"], "padding")
     positions = g["N"] * (g["H"] - g["KH"] + 1 + 2 * ph) * (g["W"] - g["KW"] + 1 + 2 * pw_)
-    return _fp32(g) and window >= DIRECT_MIN_WINDOW and positions >= DIRECT_MIN_POSITIONS
+    return window >= DIRECT_MIN_WINDOW and positions >= DIRECT_MIN_POSITIONS
 
 
 def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -254,7 +245,7 @@ def _small_plans(g: dict[str, Any]) -> list[Plan]:
 
 
 def _small_preferred(g: dict[str, Any]) -> bool:
-    return _fp32(g) and g["KH"] * g["KW"] != 1  # a 1x1 convolution: the GEMM gathers nothing
+    return g["KH"] * g["KW"] != 1  # a 1x1 convolution: the GEMM gathers nothing
 
 
 def _small_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -292,7 +283,7 @@ def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
 
 
 def _skinny_preferred(g: dict[str, Any]) -> bool:
-    return _fp32(g) and 4 * max(g["M"] * g["K"], g["K"] * g["N"]) >= SKINNY_MIN_BYTES
+    return 4 * max(g["M"] * g["K"], g["K"] * g["N"]) >= SKINNY_MIN_BYTES
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:
@@ -383,11 +374,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            _small_scratch, _small_render),
     Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _direct_preferred, _direct_scratch, _direct_render),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
-           _fp32, _no_scratch, _thin_render),
+           _plain, _no_scratch, _thin_render),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _skinny_preferred, _split_scratch, _narrow_render),
     Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _skinny_preferred, _split_scratch,
            _short_render),
-    Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render),
+    # the only family with a tensor-core path: under precision "tf32" its plans use mma.sync (the
+    # others compute in float32 whatever the precision, which TF32 permits)
+    Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
+           tuning_plans=gemm_candidates, accepts=_gemm_accepts),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
@@ -396,49 +390,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 
-# --------------------------------------------------------------------------- choosing
-
-_FORCED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("ember_cuda_forced", default={})
-
-
-@contextlib.contextmanager
-def force(family: str | None = None, **kinds: str) -> Iterator[None]:
-    """Within the block, kernels are served by a given family (for experiments and comparisons):
-    `force("gemm")` for every kind the family serves, `force(matmul="skinny_narrow")` per kind.
-    A kernel the forced family cannot serve is refused with one line when it is compiled.
-
-        with cuda_choices.force("gemm"):
-            step = compile(model, loss, opt, example, device="cuda")
-    """
-    wanted = dict(kinds)
-    if family is not None:
-        if family not in FAMILIES:
-            raise ValueError(f"no CUDA kernel family {family!r} (known: {', '.join(FAMILIES)})")
-        wanted.update({k: family for k in FAMILIES[family].kinds if k not in kinds})
-    for kind, name in wanted.items():
-        if name not in FAMILIES or kind not in FAMILIES[name].kinds:
-            raise ValueError(f"CUDA kernel family {name!r} does not serve {kind} kernels")
-    token = _FORCED.set({**_FORCED.get(), **wanted})
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
-
-
-def _ranked(g: dict[str, Any]) -> list[Family]:
-    """The families that serve the kernel's kind, in rank order (preferred ones by priority)."""
-    fams = [f for f in FAMILIES.values() if g["kind"] in f.kinds and f.applies(g) is None]
-    return sorted(fams, key=lambda f: (not f.preferred(g), f.priority))
-
-
-def _check_device(device: Device) -> None:
-    if device != H200:  # the planners still read the H200's numbers (their modules' constants)
-        raise NotImplementedError(f"CUDA kernel plans are made for the {H200.name} only, not {device.name}")
-
+# --------------------------------------------------------------------------- the table
 
 def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
-    if not any(spec.kind in f.kinds for f in FAMILIES.values()):
-        raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
     g = geometry(sub, spec)
     if spec.kind == "reduction":  # its split count comes out of the lowering, not a plan (yet)
         from . import cuda
@@ -446,52 +400,16 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     return g
 
 
-def candidates(sub: Graph, spec: KernelSpec, device: Device = H200) -> list[Choice]:
-    """Every (family, plan) that can serve this kernel, the default first."""
-    _check_device(device)
-    g = _geometry(sub, spec)
-    out: list[Choice] = []
-    for f in _ranked(g):
-        plans = gemm_candidates(g) if f.name == "gemm" else f.plans(g)
-        out += [(f.name, p) for p in plans]
-    return out
+def _device_name() -> str:
+    return H200.name
 
 
-def choose(sub: Graph, spec: KernelSpec, device: Device = H200) -> Choice:
-    """The (family, plan) that serves this kernel: a forced family, else the best-ranked family
-    with a plan, and its best plan (the first of `candidates`)."""
-    _check_device(device)
-    g = _geometry(sub, spec)
-    forced = _FORCED.get().get(spec.kind)
-    if forced is not None:
-        f = FAMILIES[forced]
-        reason = f.applies(g) or (None if (plans := f.plans(g)) else "no plan of it fits the geometry")
-        if reason is not None:
-            raise ValueError(f"kernel {sub.name} ({spec.describe()}): forced family {forced!r} does not apply: {reason}")
-        return forced, plans[0]
-    for f in _ranked(g):
-        if plans := f.plans(g):
-            return f.name, plans[0]
-    raise NotImplementedError(f"no CUDA kernel family serves {spec.describe()} (at {sub.name})")
+TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES)
 
-
-def scratch_bytes(sub: Graph, spec: KernelSpec, choice: Choice) -> int:
-    return FAMILIES[choice[0]].scratch(_geometry(sub, spec), choice[1])
-
-
-def stamp(sub: Graph, spec: KernelSpec) -> tuple[str, Plan, int] | None:
-    """`Target.choose_kernel` of the cuda target: (family, plan, scratch bytes), None for a
-    collective (no kernel: the communicator carries it out)."""
-    if spec.kind == "collective":
-        return None
-    family, plan = choose(sub, spec)
-    return family, plan, scratch_bytes(sub, spec, (family, plan))
-
-
-def render(name: str, sub: Graph, spec: KernelSpec, choice: Choice, epilogue: Any = None) -> CudaKernel:
-    """The kernel of `choice` for this spec: exactly the stamped family and plan."""
-    family, plan = choice
-    kernel = FAMILIES[family].render(name, sub, spec, _geometry(sub, spec), plan, epilogue)
-    if kernel is None:
-        raise AssertionError(f"{name}: family {family!r} refused the plan it was chosen with: {plan}")
-    return kernel
+force = TABLE.force
+candidates = TABLE.candidates
+decide = TABLE.decide
+choose = TABLE.choose
+scratch_bytes = TABLE.scratch_bytes
+stamp = TABLE.stamp
+render = TABLE.render

@@ -31,6 +31,7 @@ from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
 from ember.passes.pipeline import run_passes, train_passes, with_data_parallel, write_atomic
 from ember.runtime import target as get_target
+from ember.runtime import target_names
 from ember.runtime.comm import broadcast_parameters
 from ember.runtime.consistency import agree_on_step
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
@@ -170,10 +171,12 @@ class _Compiled:
     inference graphs compiled per input shape."""
 
     def __init__(self, model: Module, device: str, dump_dir: str | os.PathLike | None, profile: bool,
-                 precision: str) -> None:
+                 precision: str, tune: bool | float = False) -> None:
         self.target, self.device_index = _resolve_device(device)
         check_precision(precision, self.target)
         self.precision = precision
+        self.tune_budget_s = _check_tune(tune, self.target)
+        self.tune_reports: list[Any] = []  # one per tuned step: what `tune` measured and chose
         _check_model(model, "compile()" if isinstance(self, TrainStep) else "compile_inference()")
         if self.target.available is not None:
             self.target.available()
@@ -208,6 +211,16 @@ class _Compiled:
             if name not in self.storage:
                 self.storage.add(name, value)
 
+    def _tuned(self, build: Callable[[], Graph]) -> Graph:
+        """`build()`'s graph; with tuning on, its kernels measured first (the tuning database then
+        holds them) and the graph built again so `select` takes the measured winners."""
+        graph = build()
+        if self.tune_budget_s is None:
+            return graph
+        report = self.target.tune(graph, budget_s=self.tune_budget_s)
+        self.tune_reports.append(report)
+        return build() if report.measured else graph
+
     def _dump_subdir(self, kind: str, types: tuple[TensorType, ...]) -> Path | None:
         return self.dump_dir / f"{kind}-{_shape_tag(types)}" if self.dump_dir is not None else None
 
@@ -221,7 +234,7 @@ class _Compiled:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
             t0 = time.perf_counter()
-            graph = run_passes(forward, self.target.passes(), dump_dir=dump)
+            graph = self._tuned(lambda: run_passes(forward, self.target.passes(), dump_dir=dump))
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             hit = self._inference[key] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
@@ -308,7 +321,7 @@ class TrainStep(_Compiled):
                  example_inputs: tuple[Any, Any], device: str = "cpu",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
                  communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 precision: str = "float32") -> None:
+                 precision: str = "float32", tune: bool | float = False) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
                              f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
@@ -319,7 +332,7 @@ class TrainStep(_Compiled):
         if self.comm is not None and device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"data parallel over a communicator runs on devices 'cpu' (MPI) and 'cuda' (NCCL), "
                              f"not {device!r}")
-        super().__init__(model, device, dump_dir, profile, precision)  # checks the device and the model
+        super().__init__(model, device, dump_dir, profile, precision, tune)  # checks the device and the model
         if len(example_inputs) != 2:
             raise ValueError(f"example_inputs must be (x, y), got {len(example_inputs)} values")
         if not model.parameters():
@@ -370,7 +383,7 @@ class TrainStep(_Compiled):
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
                 extra = {"communicator": self.comm}
             t0 = time.perf_counter()
-            graph = run_passes(forward, passes, dump_dir=dump)
+            graph = self._tuned(lambda: run_passes(forward, passes, dump_dir=dump))
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             self._bind(graph)
@@ -498,8 +511,8 @@ class InferenceStep(_Compiled):
 
     def __init__(self, model: Module, example_input: Any, device: str = "cpu",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                 precision: str = "float32") -> None:
-        super().__init__(model, device, dump_dir, profile, precision)
+                 precision: str = "float32", tune: bool | float = False) -> None:
+        super().__init__(model, device, dump_dir, profile, precision, tune)
         self._example = (example_type(example_input),)
         _check_batch(self._example, ("x",), "example_input")
         self._inference_executor(self._example)  # compile eagerly: errors surface here
@@ -539,7 +552,8 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
 def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  # noqa: A001 (torch.compile's name)
             example_inputs: tuple[Any, Any], device: str = "cpu",
             dump_dir: str | os.PathLike | None = None, profile: bool = False, communicator: Any = None,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = "float32") -> TrainStep:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = "float32",
+            tune: bool | float = False) -> TrainStep:
     """Compiles one training step of `model` under `loss_fn(model(x), y)` and `optimizer`.
 
     example_inputs: (x, y) arrays or `spec`s fixing the batch's shapes and dtypes (other shapes
@@ -556,19 +570,25 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
     "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
     cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
+    tune: True (or a budget in seconds; True is 300 s) measures every candidate kernel of each
+    step compiled, on this device, before building it (`ember tune` does the same from the command
+    line); the winners go into the tuning database under $EMBER_CACHE_DIR/tuning, which every later
+    compile reads, so a model is tuned once per device. `step.tune_reports` says what was chosen.
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
-                     profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision)
+                     profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision,
+                     tune=tune)
 
 
 def compile_inference(model: Module, example_input: Any, device: str = "cpu",
                       dump_dir: str | os.PathLike | None = None, profile: bool = False,
-                      precision: str = "float32") -> InferenceStep:
+                      precision: str = "float32", tune: bool | float = False) -> InferenceStep:
     """Compiles `model(x)` alone for `device` (no loss, no optimizer): `compile_inference(model,
     x)(x)` is the model's output. `example_input` (an array or a `spec`) fixes the shape and
     dtype; other batch sizes compile on first use. The model's mode (train/eval) at each call
-    decides the graph, as for `TrainStep.inference`."""
-    return InferenceStep(model, example_input, device=device, dump_dir=dump_dir, profile=profile, precision=precision)
+    decides the graph, as for `TrainStep.inference`. `tune`: as for `compile`."""
+    return InferenceStep(model, example_input, device=device, dump_dir=dump_dir, profile=profile, precision=precision,
+                         tune=tune)
 
 
 def _kind(held: Held) -> str:
@@ -580,6 +600,23 @@ def _verb(held: Held) -> str:
 
 
 PRECISIONS = ("float32", "tf32")
+DEFAULT_TUNE_BUDGET_S = 300.0
+
+
+def _check_tune(tune: Any, target: Any) -> float | None:
+    """The tuning budget in seconds (None: no tuning), or a one-line ValueError."""
+    if tune is False or tune is None:
+        return None
+    if tune is True:
+        budget = DEFAULT_TUNE_BUDGET_S
+    elif isinstance(tune, (int, float)) and not isinstance(tune, bool) and tune > 0:
+        budget = float(tune)
+    else:
+        raise ValueError(f"tune={tune!r}: expected True, False or a budget in seconds > 0")
+    if target.tune is None:
+        raise ValueError(f"tune: device {target.name!r} has no kernel choices to measure (devices that tune: "
+                         f"{', '.join(t for t in target_names() if get_target(t).tune is not None) or 'none'})")
+    return budget
 
 
 def check_precision(precision: Any, target: Any) -> None:

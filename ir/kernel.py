@@ -9,7 +9,7 @@ new spec with `dataclasses.replace`. The verifier checks it against the fused no
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Kinds a fused node may have. Contractions are implemented by templates; pointwise and
@@ -50,6 +50,9 @@ class KernelSpec:
     #: (family, plan as (field, value) pairs) chosen by the target's kernel selection (`select`);
     #: None where the target chooses nothing (codegen then renders its only way)
     choice: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+    #: why `choice` was taken: "cost model", "forced", or the tuning measurement that chose it
+    #: (shown by dumps and `ember kernels`; not part of what is rendered)
+    why: str = field(default="", compare=False)
 
     def role(self, name: str) -> int | None:
         """The subgraph input index that plays `name`, or None."""

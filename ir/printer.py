@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 
 from .graph import Graph
+from .kernel import KernelSpec
 
 
 def _fmt_value(v: Any) -> str:
     if isinstance(v, Graph):
         return f"<{len(v)} nodes>"
+    if isinstance(v, KernelSpec):  # with why its family was chosen (a dump's reader asks; sources do not)
+        return str(v).replace(" ", "") + (f" ({v.why})" if v.why else "")
     if isinstance(v, np.ndarray):
         if v.size <= 4:
             return np.array2string(v.astype(v.dtype), separator=",", floatmode="unique").replace("\n", "")

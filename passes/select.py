@@ -2,8 +2,10 @@
 asked of the target before memory planning.
 
 A target with a choice table (`Target.choose_kernel`: the cuda target's `codegen/cuda_choices`)
-answers (family, plan, scratch bytes) per kernel; the pass stamps that on the node's `KernelSpec`
-(`choice`, `scratch_bytes`), so dumps show it and codegen renders exactly it, once. A target
+answers (family, plan, scratch bytes, why) per kernel: from the tuning database where it holds a
+measurement of this kernel on this device, else from the target's cost model (`codegen/choices`).
+The pass stamps that on the node's `KernelSpec` (`choice`, `scratch_bytes`, `why`), so dumps show
+it and codegen renders exactly it, once. A target
 without one is asked the scratch size alone (`Target.kernel_scratch`).
 
 The step's precision (`meta["precision"]`, set by the frontend) is stamped here too: under "tf32"
@@ -42,9 +44,9 @@ def select_kernels(graph: Graph, target: Target) -> Graph:
         if target.choose_kernel is not None:
             chosen = target.choose_kernel(attrs["graph"], spec)
             if chosen is not None:
-                family, plan, scratch = chosen
+                family, plan, scratch, why = chosen
                 spec = attrs["kernel"] = dataclasses.replace(spec, choice=(family, tuple(plan)),
-                                                             scratch_bytes=int(scratch))
+                                                             scratch_bytes=int(scratch), why=why)
             continue
         if target.kernel_scratch is None:
             continue

@@ -62,10 +62,14 @@ class Target:
     reuse_memory: bool = True
     #: (fused subgraph, spec) -> scratch bytes its kernel needs; None: kernels need none
     kernel_scratch: Callable[[Graph, KernelSpec], int] | None = None
-    #: (fused subgraph, spec) -> (family, plan as (field, value) pairs, scratch bytes) that serves
-    #: the kernel, or None for a kernel it does not render; stamped on the spec by `select` (and
-    #: then `kernel_scratch` is not asked). None: the target chooses nothing
-    choose_kernel: Callable[[Graph, KernelSpec], tuple[str, tuple, int] | None] | None = None
+    #: (fused subgraph, spec) -> (family, plan as (field, value) pairs, scratch bytes, why) that
+    #: serves the kernel, or None for a kernel it does not render; stamped on the spec by `select`
+    #: (and then `kernel_scratch` is not asked). None: the target chooses nothing
+    choose_kernel: Callable[[Graph, KernelSpec], tuple[str, tuple, int, str] | None] | None = None
+    #: (selected graph, **options) -> a report: measures the candidates of the graph's kernels on
+    #: this machine and stores the winners in the tuning database (`ember.runtime.tuner`); None:
+    #: the target has nothing to tune
+    tune: Callable[..., Any] | None = None
     #: name of the codegen spelling table the target's generated kernels use ("cpp", "cuda"), or None
     language: str | None = None
     #: planned graph -> the source code its step compiles (for dumps and `ember kernels`), or None

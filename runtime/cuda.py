@@ -419,6 +419,13 @@ class _LossRing:
         return self._chunk[self._used - 1]
 
 
+def _tune(graph: Graph, **options: Any) -> Any:
+    """`Target.tune`: the candidates of every kernel measured on this GPU (`runtime/tuner.py`)."""
+    from .tuner import tune_graph
+    from .tuner_cuda import CudaMeasurer
+    return tune_graph(graph, table=cuda_choices.TABLE, measurer=CudaMeasurer, **options)
+
+
 TARGET = targets.register(targets.Target(
     name="cuda",
     description="generated CUDA compiled with NVRTC (CuPy), the whole step replayed as one CUDA graph",
@@ -436,6 +443,7 @@ TARGET = targets.register(targets.Target(
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
     choose_kernel=cuda_choices.stamp,  # the choice table: family, plan and scratch of each kernel
+    tune=_tune,
     language="cuda",
     source=lambda graph: cuda_codegen.render_step(graph).code,
     executor=CudaExecutor,

@@ -1,0 +1,201 @@
+"""Kernel choice as data: the machinery every target's choice table shares.
+
+A target's table (`cuda_choices`, `cpp_choices`) is a `ChoiceTable`: its kernel families, each a
+`Family` entry (the kinds it serves, when it applies, its plans, its scratch from a plan, its
+renderer, its version), and how a kernel's geometry is read off its fused subgraph. For one
+kernel the table answers:
+
+- `candidates`: every (family, plan) that can serve it, in the cost model's order (the preferred
+  families by priority, each family's plans best first): what the tuner measures;
+- `decide`: the one that serves it and why: a forced family (`force`, for experiments), else the
+  tuning database's measurement for this kernel on this device (`tuning_db`), else the cost
+  model's first candidate;
+- `stamp`: that decision as the `select` pass records it on the kernel's spec (family, plan,
+  scratch bytes, why), so dumps show it and codegen renders exactly it.
+
+A plan is a tuple of (field, value) pairs, so it prints in a dump and stores in the database
+as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.ir import Graph, KernelSpec
+
+from . import tuning_db
+
+Plan = tuple[tuple[str, Any], ...]  # a stamped plan: (field, value) pairs
+Choice = tuple[str, Plan]            # (family, plan)
+Geometry = dict[str, Any]
+
+
+def _all_plans_valid(g: Geometry, plan: Plan) -> bool | None:
+    return None  # "ask candidates"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kinds: tuple[str, ...]
+    #: rank among the preferred families (lower first); a family not preferred ranks after them all
+    priority: int
+    #: geometry -> the cost model's plans, best first ([] where no plan fits the geometry)
+    plans: Callable[[Geometry], list[Plan]]
+    #: geometry -> None where the family applies, else why not (before any plan is sought)
+    rejects: Callable[[Geometry], str | None]
+    #: geometry -> whether the cost model prefers it to the families after it
+    preferred: Callable[[Geometry], bool]
+    #: (geometry, plan) -> scratch bytes
+    scratch: Callable[[Geometry, Plan], int]
+    #: (name, sub, spec, geometry, plan, epilogue) -> the kernel
+    render: Callable[..., Any]
+    #: geometry -> every plan the tuner measures (default: `plans`)
+    tuning_plans: Callable[[Geometry], list[Plan]] | None = None
+    #: (geometry, plan) -> whether a plan (from the database) fits this geometry; None: it must
+    #: be one of `tuning_plans`
+    accepts: Callable[[Geometry, Plan], bool | None] = _all_plans_valid
+    #: bumped whenever the family's code or plan fields change: database records of another
+    #: version are stale
+    version: int = 1
+
+    def all_plans(self, g: Geometry) -> list[Plan]:
+        return (self.tuning_plans or self.plans)(g)
+
+    def fits(self, g: Geometry, plan: Plan) -> bool:
+        ok = self.accepts(g, plan)
+        return plan in self.all_plans(g) if ok is None else ok
+
+
+@dataclass(frozen=True)
+class Decision:
+    choice: Choice
+    #: one line: "cost model", "forced", or the database record's summary
+    why: str
+    record: tuning_db.Record | None = None
+
+
+@dataclass
+class ChoiceTable:
+    #: the target's name as the tuning database keys it ("cuda", "cpu")
+    target: str
+    families: dict[str, Family]
+    #: (sub, spec) -> the kernel's geometry: `kind`, `epilogues`, sizes, precision
+    geometry: Callable[[Graph, KernelSpec], Geometry]
+    #: () -> the device model the choices are for (the tuning database's second key)
+    device: Callable[[], str]
+    #: contraction kind -> epilogues its templates take (others: "pointwise" only)
+    epilogues: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: kinds that are no kernel (collectives): `stamp` answers None
+    no_kernel: frozenset[str] = frozenset({"collective"})
+
+    def __post_init__(self) -> None:
+        self._forced: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
+            f"ember_{self.target}_forced", default={})
+
+    # -- forcing (experiments)
+
+    @contextlib.contextmanager
+    def force(self, family: str | None = None, **kinds: str) -> Iterator[None]:
+        """Within the block, kernels are served by a given family (experiments, comparisons):
+        `force("gemm")` for every kind the family serves, `force(matmul="thin")` per kind. A
+        kernel the forced family cannot serve is refused with one line when it is compiled."""
+        wanted = dict(kinds)
+        if family is not None:
+            if family not in self.families:
+                raise ValueError(f"no {self._label} kernel family {family!r} (known: {', '.join(self.families)})")
+            wanted.update({k: family for k in self.families[family].kinds if k not in kinds})
+        for kind, name in wanted.items():
+            if name not in self.families or kind not in self.families[name].kinds:
+                raise ValueError(f"{self._label} kernel family {name!r} does not serve {kind} kernels")
+        token = self._forced.set({**self._forced.get(), **wanted})
+        try:
+            yield
+        finally:
+            self._forced.reset(token)
+
+    @property
+    def _label(self) -> str:
+        return {"cuda": "CUDA", "cpu": "CPU"}.get(self.target, self.target)
+
+    # -- the table
+
+    def applies(self, f: Family, g: Geometry) -> str | None:
+        if g["kind"] not in f.kinds:
+            return f"it serves {', '.join(f.kinds)}"
+        if unknown := [e for e in g["epilogues"] if e not in self.epilogues.get(g["kind"], {"pointwise"})]:
+            return f"no {', '.join(unknown)} epilogue"
+        return f.rejects(g)
+
+    def ranked(self, g: Geometry) -> list[Family]:
+        """The families that serve the kernel, in the cost model's order (preferred ones by priority)."""
+        fams = [f for f in self.families.values() if g["kind"] in f.kinds and self.applies(f, g) is None]
+        return sorted(fams, key=lambda f: (not f.preferred(g), f.priority))
+
+    def _geometry(self, sub: Graph, spec: KernelSpec) -> Geometry:
+        if not any(spec.kind in f.kinds for f in self.families.values()):
+            raise NotImplementedError(f"no {self._label} template for kernel kind {spec.kind!r}")
+        return self.geometry(sub, spec)
+
+    def candidates(self, sub: Graph, spec: KernelSpec) -> list[Choice]:
+        """Every (family, plan) that can serve this kernel, the cost model's first."""
+        g = self._geometry(sub, spec)
+        return [(f.name, p) for f in self.ranked(g) for p in f.all_plans(g)]
+
+    def key(self, sub: Graph, spec: KernelSpec) -> str:
+        """The kernel's key in the tuning database."""
+        return tuning_db.kernel_key(self._geometry(sub, spec))
+
+    def versions(self, sub: Graph, spec: KernelSpec) -> dict[str, int]:
+        """The version of every family that serves this kind (what a record must match)."""
+        return {f.name: f.version for f in self.families.values() if spec.kind in f.kinds}
+
+    def decide(self, sub: Graph, spec: KernelSpec, db: Any = ...) -> Decision:
+        """The (family, plan) that serves this kernel, and why. `db`: the tuning database to read
+        (default: the active one; None: none)."""
+        g = self._geometry(sub, spec)
+        forced = self._forced.get().get(spec.kind)
+        if forced is not None:
+            f = self.families[forced]
+            reason = self.applies(f, g) or (None if (plans := f.plans(g)) else "no plan of it fits the geometry")
+            if reason is not None:
+                raise ValueError(f"kernel {sub.name} ({spec.describe()}): forced family {forced!r} does not apply: "
+                                 f"{reason}")
+            return Decision((forced, plans[0]), "forced")
+        ranked = self.ranked(g)
+        db = tuning_db.active() if db is ... else db
+        if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
+            rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))
+            if rec is not None:
+                family, plan = rec.choice
+                f = self.families.get(family)
+                if f is not None and f in ranked and f.fits(g, plan):
+                    return Decision(rec.choice, rec.summary(), rec)
+        for f in ranked:
+            if plans := f.plans(g):
+                return Decision((f.name, plans[0]), "cost model")
+        raise NotImplementedError(f"no {self._label} kernel family serves {spec.describe()} (at {sub.name})")
+
+    def choose(self, sub: Graph, spec: KernelSpec) -> Choice:
+        return self.decide(sub, spec).choice
+
+    def scratch_bytes(self, sub: Graph, spec: KernelSpec, choice: Choice) -> int:
+        return self.families[choice[0]].scratch(self._geometry(sub, spec), choice[1])
+
+    def stamp(self, sub: Graph, spec: KernelSpec) -> tuple[str, Plan, int, str] | None:
+        """`Target.choose_kernel`: (family, plan, scratch bytes, why); None for a kind that is no kernel."""
+        if spec.kind in self.no_kernel:
+            return None
+        d = self.decide(sub, spec)
+        return d.choice[0], d.choice[1], self.scratch_bytes(sub, spec, d.choice), d.why
+
+    def render(self, name: str, sub: Graph, spec: KernelSpec, choice: Choice, epilogue: Any = None) -> Any:
+        """The kernel of `choice` for this spec: exactly the stamped family and plan."""
+        family, plan = choice
+        kernel = self.families[family].render(name, sub, spec, self._geometry(sub, spec), plan, epilogue)
+        if kernel is None:
+            raise AssertionError(f"{name}: family {family!r} refused the plan it was chosen with: {plan}")
+        return kernel

@@ -1,0 +1,198 @@
+"""The tuning database: which (family, plan) measured fastest for a kernel, per device.
+
+A record is keyed by what decides a kernel's speed and nothing else: the target ("cuda", "cpu"),
+the device model (the GPU's name; the CPU's vector variant and thread count), and the kernel's
+key (kind, sizes, stride/padding, epilogues, precision; `kernel_key`). It holds the winning
+choice, the time of every candidate measured (so `ember kernels` and the docs can show the
+margin), the candidates refused (their result differed beyond rounding) and the version of every
+kernel family measured: a record whose families changed since is stale and ignored, so a new
+template never runs with a plan measured for its predecessor.
+
+Records live in JSON files, one per (target, device model):
+- the user's, under `$EMBER_CACHE_DIR/tuning/`, written by `ember tune` / `compile(tune=True)`;
+- the shipped ones, package data in `codegen/tuning/`, produced by `ember tune` on that device
+  (`tools/ship_tuning.py` copies a user database there) so an untuned install keeps the speed
+  the shipped models were tuned to.
+A lookup reads the user's file first, then the shipped one. Writes replace the whole file
+atomically (a temporary file renamed over it), so an interrupted tuner leaves the previous
+database whole; every measured kernel is written as soon as it is measured, which makes a tuning
+run resumable.
+
+Which database a compile reads is the active one (`active()`): the default (user + shipped),
+or one given with `using(db)` (tests use a fixed one; `using(None)` reads nothing, leaving every
+choice to the cost model).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Record", "TuningDB", "kernel_key", "device_slug", "active", "using", "default_db", "SHIPPED_DIR"]
+
+#: format of the files; a file of another format is ignored (and rewritten by the next tuning run)
+SCHEMA = 1
+SHIPPED_DIR = Path(__file__).parent / "tuning"
+
+Choice = tuple[str, tuple[tuple[str, Any], ...]]
+
+
+def kernel_key(geometry: Mapping[str, Any]) -> str:
+    """The canonical text of a kernel's geometry (sorted keys, JSON values): the part of a record's
+    key that names the kernel. Only plain values take part (numbers, strings, booleans, tuples)."""
+    plain = {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(geometry.items())
+             if isinstance(v, (int, float, str, bool, tuple)) or v is None}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"))
+
+
+def device_slug(target: str, device: str) -> str:
+    """The file stem of a (target, device model) database: `cuda-nvidia-h200`."""
+    return re.sub(r"[^a-z0-9]+", "-", f"{target}-{device}".lower()).strip("-")
+
+
+def _plan_json(plan: tuple[tuple[str, Any], ...]) -> list:
+    return [[k, list(v) if isinstance(v, tuple) else v] for k, v in plan]
+
+
+def _plan_tuple(plan: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((str(k), tuple(v) if isinstance(v, list) else v) for k, v in plan)
+
+
+def choice_text(choice: Choice) -> str:
+    """One line naming a choice: `gemm(BM=64,BN=32,...)`."""
+    family, plan = choice
+    return family + (f"({','.join(f'{k}={v}' for k, v in plan)})" if plan else "")
+
+
+@dataclass(frozen=True)
+class Record:
+    """What tuning found for one kernel on one device."""
+    choice: Choice
+    #: candidate (choice_text) -> median microseconds; the winner's is the smallest
+    timings_us: dict[str, float]
+    #: family name -> version, for every family measured
+    versions: dict[str, int]
+    #: candidate (choice_text) -> why it was refused
+    rejected: dict[str, str] = field(default_factory=dict)
+    #: seconds since the epoch when it was measured
+    when: float = 0.0
+    #: "shipped" or "user": where the lookup found it (not stored)
+    source: str = "user"
+
+    @property
+    def time_us(self) -> float:
+        return self.timings_us[choice_text(self.choice)]
+
+    def summary(self) -> str:
+        """`tuned: 12.3 us, best of 14 (next: 13.1 us)` for dumps and `ember kernels`."""
+        others = sorted(t for c, t in self.timings_us.items() if c != choice_text(self.choice))
+        text = f"tuned ({self.source}): {self.time_us:.2f} us, best of {len(self.timings_us)}"
+        return text + (f" (next {others[0]:.2f} us)" if others else "")
+
+    def to_json(self) -> dict:
+        return dict(family=self.choice[0], plan=_plan_json(self.choice[1]), timings_us=self.timings_us,
+                    versions=self.versions, rejected=self.rejected, when=self.when)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str) -> "Record":
+        return cls(choice=(str(data["family"]), _plan_tuple(data["plan"])),
+                   timings_us={str(k): float(v) for k, v in data["timings_us"].items()},
+                   versions={str(k): int(v) for k, v in data["versions"].items()},
+                   rejected={str(k): str(v) for k, v in data.get("rejected", {}).items()},
+                   when=float(data.get("when", 0.0)), source=source)
+
+
+class TuningDB:
+    """Records of one or more (target, device) files: a writable user folder (None: read only)
+    and read-only folders after it (the shipped database)."""
+
+    def __init__(self, user_dir: str | os.PathLike | None, shipped_dirs: tuple[str | os.PathLike, ...] = ()) -> None:
+        self.user_dir = None if user_dir is None else Path(user_dir)
+        self.shipped_dirs = tuple(Path(d) for d in shipped_dirs)
+        self._files: dict[tuple[Path, str], dict[str, Record]] = {}
+
+    def _load(self, folder: Path, slug: str, source: str) -> dict[str, Record]:
+        key = (folder, slug)
+        if key not in self._files:
+            records: dict[str, Record] = {}
+            path = folder / f"{slug}.json"
+            try:
+                data = json.loads(path.read_text())
+                if data.get("schema") == SCHEMA:
+                    records = {k: Record.from_json(v, source) for k, v in data["records"].items()}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                # an unreadable or damaged database costs speed, never a compile: the cost model decides
+                records = {}
+            self._files[key] = records
+        return self._files[key]
+
+    def lookup(self, target: str, device: str, key: str, versions: Mapping[str, int]) -> Record | None:
+        """The record of this kernel, the user's before the shipped one; None when there is none
+        or its families' versions differ from `versions` (the families as they are now)."""
+        slug = device_slug(target, device)
+        folders = ([(self.user_dir, "user")] if self.user_dir is not None else []) + \
+            [(d, "shipped") for d in self.shipped_dirs]
+        for folder, source in folders:
+            rec = self._load(folder, slug, source).get(key)
+            if rec is not None and all(versions.get(f) == v for f, v in rec.versions.items()):
+                return rec
+        return None
+
+    def store(self, target: str, device: str, key: str, record: Record) -> None:
+        """Adds (or replaces) a record in the user's file, written whole and atomically."""
+        if self.user_dir is None:
+            raise ValueError("this tuning database is read-only (it has no user folder)")
+        from .compiler import _atomic_write  # the compile cache's writer: temporary file, then rename
+
+        slug = device_slug(target, device)
+        records = dict(self._load(self.user_dir, slug, "user"))
+        records[key] = Record(**{**record.__dict__, "when": record.when or time.time(), "source": "user"})
+        data = {"schema": SCHEMA, "target": target, "device": device,
+                "records": {k: r.to_json() for k, r in sorted(records.items())}}
+        _atomic_write(self.user_dir / f"{slug}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
+        self._files[(self.user_dir, slug)] = records
+
+    def records(self, target: str, device: str) -> dict[str, Record]:
+        """Every record for (target, device), shipped ones overridden by the user's."""
+        slug = device_slug(target, device)
+        out: dict[str, Record] = {}
+        for d in reversed(self.shipped_dirs):
+            out.update(self._load(d, slug, "shipped"))
+        if self.user_dir is not None:
+            out.update(self._load(self.user_dir, slug, "user"))
+        return out
+
+
+def default_db() -> TuningDB:
+    """The user's database under the compile cache (`$EMBER_CACHE_DIR/tuning`), then the shipped one."""
+    from .compiler import cache_dir
+
+    return TuningDB(cache_dir() / "tuning", (SHIPPED_DIR,))
+
+
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("ember_tuning_db", default=...)
+
+
+def active() -> TuningDB | None:
+    """The database kernel selection reads now (None: none, the cost model decides)."""
+    db = _ACTIVE.get()
+    return default_db() if db is ... else db
+
+
+@contextlib.contextmanager
+def using(db: TuningDB | None) -> Iterator[None]:
+    """Within the block, kernel selection reads `db` (None: no database)."""
+    token = _ACTIVE.set(db)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

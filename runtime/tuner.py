@@ -1,0 +1,183 @@
+"""The autotuner: measures every candidate (family, plan) of every kernel of a step on the device at
+hand and stores the fastest in the tuning database, where `select` finds it from then on.
+
+For each fused kernel with more than one candidate (`ChoiceTable.candidates`) whose key the
+database does not hold yet: the target's measurer (`runtime/tuner_cuda.py` for GPUs) builds every
+candidate, runs it on the same random inputs, and times it. The cost model's choice is the
+reference: a candidate whose result differs from it by more than rounding (relative to the
+result's magnitude, `TOLERANCE` per precision) or is not finite is refused and recorded as such;
+the fastest of the rest wins. Each kernel's record is written as soon as it is measured, so a
+run stopped by its budget or by the user resumes where it stopped; kernels with the same key
+(the same convolution twice, or shared by another model) are measured once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ember.codegen import tuning_db
+from ember.codegen.choices import Choice, ChoiceTable
+from ember.codegen.tuning_db import Record, choice_text
+from ember.ir import Graph, KernelSpec
+
+__all__ = ["Trial", "Measurer", "KernelReport", "TuneReport", "tune_graph", "kernels_of", "TOLERANCE", "DEFAULT_BUDGET_S"]
+
+#: largest difference from the reference candidate's result, relative to its largest magnitude,
+#: that counts as rounding: float32 sums in another order differ by ~1e-6 (1e-4 leaves room for
+#: long split-K sums); TF32 operands are rounded to 10 mantissa bits (~5e-4 a product). A wrong
+#: index or a missed tile differs by O(1).
+TOLERANCE = {"float32": 1e-4, "tf32": 1e-2}
+DEFAULT_BUDGET_S = 300.0
+
+
+@dataclass
+class Trial:
+    """One candidate's measurement: its median time, or why it could not run; its result (host array)."""
+    choice: Choice
+    time_us: float | None = None
+    output: np.ndarray | None = None
+    error: str | None = None
+
+
+class Measurer(Protocol):
+    def measure(self, sub: Graph, spec: KernelSpec, choices: Sequence[Choice], *, seed: int) -> list[Trial]: ...
+
+
+@dataclass
+class KernelReport:
+    name: str
+    kind: str
+    key: str
+    #: "measured", "reused" (the database held it), "single" (one candidate), "budget" (not reached)
+    status: str
+    choice: Choice | None = None
+    time_us: float | None = None
+    default: Choice | None = None
+    default_us: float | None = None
+    candidates: int = 0
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        if self.status in ("single", "budget"):
+            return f"{self.name:28s} {self.kind:20s} {self.status}"
+        gain = (f"  x{self.default_us / self.time_us:.2f} vs cost model {self.default_us:.2f} us"
+                if self.default_us and self.time_us and self.default != self.choice else "")
+        refused = f"  ({len(self.rejected)} refused)" if self.rejected else ""
+        return (f"{self.name:28s} {self.kind:20s} {self.status:8s} {choice_text(self.choice)}  "
+                f"{self.time_us:.2f} us of {self.candidates}{gain}{refused}")
+
+
+@dataclass
+class TuneReport:
+    kernels: list[KernelReport]
+    seconds: float
+    budget_s: float
+
+    @property
+    def measured(self) -> int:
+        return sum(k.status == "measured" for k in self.kernels)
+
+    @property
+    def reused(self) -> int:
+        return sum(k.status == "reused" for k in self.kernels)
+
+    @property
+    def out_of_budget(self) -> int:
+        return sum(k.status == "budget" for k in self.kernels)
+
+    def summary(self) -> str:
+        return (f"{len(self.kernels)} kernels: {self.measured} measured, {self.reused} from the database, "
+                f"{self.out_of_budget} left for lack of budget, in {self.seconds:.1f} s")
+
+
+def kernels_of(graph: Graph) -> list[tuple[Graph, KernelSpec]]:
+    """The (subgraph, spec) of every fused kernel of a graph, in schedule order."""
+    return [(graph.attrs(n)["graph"], graph.attrs(n)["kernel"]) for n in graph.meta["schedule"]
+            if graph.op(n) == "fused"]
+
+
+def _close(out: np.ndarray, ref: np.ndarray, tolerance: float) -> str | None:
+    """None when `out` matches `ref` up to rounding, else why not."""
+    if out.shape != ref.shape:
+        return f"shape {out.shape}, expected {ref.shape}"
+    if not np.all(np.isfinite(out) == np.isfinite(ref)):
+        return "non-finite values where the reference has none"
+    finite = np.isfinite(ref)
+    scale = float(np.max(np.abs(ref[finite]), initial=0.0)) or 1.0
+    err = float(np.max(np.abs(out[finite].astype(np.float64) - ref[finite]), initial=0.0)) / scale
+    return None if err <= tolerance else f"differs from the reference by {err:.1e} of its magnitude (> {tolerance:g})"
+
+
+def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callable[[], Measurer],
+               db: tuning_db.TuningDB | None = None, budget_s: float = DEFAULT_BUDGET_S, retune: bool = False,
+               progress: Callable[[KernelReport], None] | None = None, seed: int = 0) -> TuneReport:
+    """Measures the kernels of a selected graph (`select` ran) whose keys `db` (default: the active
+    database) does not hold, storing each winner as it is found. `retune` measures held keys again.
+    `budget_s` bounds the wall time: a kernel is started only while time is left."""
+    db = tuning_db.active() if db is None else db
+    if db is None or db.user_dir is None:
+        raise ValueError("tuning needs a writable tuning database (a user folder); got none")
+    precision = graph.meta.get("precision", "float32")
+    device = table.device()
+    t0 = time.perf_counter()
+    reports: list[KernelReport] = []
+    seen: dict[str, KernelReport] = {}
+    instrument: Measurer | None = measurer if hasattr(measurer, "measure") else None
+    for sub, spec in kernels_of(graph):
+        if spec.kind in table.no_kernel:
+            continue
+        cands = table.candidates(sub, spec)
+        key = table.key(sub, spec)
+        versions = table.versions(sub, spec)
+        if len(cands) <= 1:
+            continue
+        if key in seen:  # the same kernel again: its record serves both
+            rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
+        elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None:
+            rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
+        elif time.perf_counter() - t0 >= budget_s:
+            rep = KernelReport(sub.name, spec.kind, key, "budget", candidates=len(cands))
+        else:
+            if instrument is None:
+                instrument = measurer()  # type: ignore[operator]
+            rep = _measure_one(sub, spec, cands, key, versions, instrument, db, table, device,
+                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed)
+        seen.setdefault(key, rep)
+        reports.append(rep)
+        if progress is not None:
+            progress(rep)
+    return TuneReport(reports, time.perf_counter() - t0, budget_s)
+
+
+def _measure_one(sub: Graph, spec: KernelSpec, cands: list[Choice], key: str, versions: dict[str, int],
+                 measurer: Measurer, db: tuning_db.TuningDB, table: ChoiceTable, device: str, tolerance: float,
+                 seed: int) -> KernelReport:
+    trials = measurer.measure(sub, spec, cands, seed=seed)
+    by_choice = {t.choice: t for t in trials}
+    reference = by_choice.get(cands[0])
+    rejected: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    for t in trials:
+        why = t.error
+        if why is None and t.time_us is None:
+            why = "not timed"
+        if why is None and reference is not None and reference.output is not None and t is not reference:
+            why = _close(t.output, reference.output, tolerance) if t.output is not None else "no result"
+        if why is None:
+            timings[choice_text(t.choice)] = round(float(t.time_us), 3)
+        else:
+            rejected[choice_text(t.choice)] = why
+    if not timings:
+        raise RuntimeError(f"tuning {sub.name} ({spec.describe()}): no candidate ran: "
+                           + "; ".join(f"{c}: {w}" for c, w in list(rejected.items())[:3]))
+    best = min((t for t in trials if choice_text(t.choice) in timings), key=lambda t: t.time_us)
+    db.store(table.target, device, key, Record(best.choice, timings, versions, rejected))
+    default_us = timings.get(choice_text(cands[0]))
+    return KernelReport(sub.name, spec.kind, key, "measured", best.choice, timings[choice_text(best.choice)],
+                        cands[0], default_us, len(trials), rejected)
+

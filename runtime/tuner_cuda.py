@@ -1,0 +1,126 @@
+"""The tuner's CUDA measurer: every candidate of one kernel built, run and timed on the GPU.
+
+The candidates of a kernel are rendered under their own names (`t<i>_<kernel>`), compiled together
+on the NVRTC thread pool (`cuda.compile_units`: one module each, so a candidate that fails to build
+is refused alone), run once on the same random inputs (their results go back for the check
+against the reference), then timed: `REPEATS` back-to-back launches captured in one CUDA graph,
+replayed `ROUNDS` times, the median per launch taken. A graph keeps the host's launch cost out of
+the time of kernels shorter than it, as the step's own graph does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ember.codegen import cuda as cuda_codegen
+from ember.codegen import cuda_choices
+from ember.codegen.choices import Choice
+from ember.ir import Graph, KernelSpec
+
+from .tuner import Trial
+
+__all__ = ["CudaMeasurer"]
+
+ROUNDS = 5
+#: launches per graph: enough for ~1 ms of work, within these bounds
+MIN_REPEATS, MAX_REPEATS = 3, 200
+TARGET_MS = 1.0
+
+
+def _random(cp: Any, rng: np.random.Generator, t: Any) -> Any:
+    shape = tuple(t.shape)
+    if t.dtype.name.startswith("float"):
+        return cp.asarray(rng.standard_normal(shape).astype(t.dtype.name))
+    return cp.zeros(shape, dtype=t.dtype.name)
+
+
+class CudaMeasurer:
+    """Measures candidates on the current GPU (CuPy)."""
+
+    def __init__(self) -> None:
+        from .cuda import _arch, _cupy
+        self.cp = _cupy()
+        self.options = ("-std=c++17", f"-arch={_arch(self.cp)}")
+        self.prelude = cuda_codegen.prelude()
+
+    def measure(self, sub: Graph, spec: KernelSpec, choices: Sequence[Choice], *, seed: int = 0) -> list[Trial]:
+        from .cuda import compile_units
+        cp = self.cp
+        rng = np.random.default_rng(seed)
+        inputs = {name: _random(cp, rng, sub.type(n)) for name, n in sub.inputs.items()}
+        out_t = sub.type(sub.outputs["out"])
+        built: list[tuple[Choice, Any, dict, int] | Trial] = []
+        units = []
+        for i, choice in enumerate(choices):
+            c_spec = dataclasses.replace(spec, choice=choice, scratch_bytes=cuda_choices.scratch_bytes(sub, spec, choice))
+            try:
+                kernel, roles = cuda_codegen.render_contraction(f"t{i}_{sub.name}", sub, c_spec)
+            except Exception as exc:  # a plan its template refuses: that candidate is out, the rest go on
+                built.append(Trial(choice, error=f"render: {exc}"))
+                continue
+            units.append((kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))))
+            built.append((choice, kernel, roles, c_spec.scratch_bytes))
+        functions: dict[str, Any] = {}
+        for code, names in units:  # one at a time on failure: the pool raises the first error only
+            try:
+                functions.update(compile_units(cp, self.prelude, [(code, names)], self.options))
+            except Exception as exc:
+                functions.update({f: exc for f in names})
+        trials = []
+        stream = cp.cuda.Stream(non_blocking=True)
+        for item in built:
+            if isinstance(item, Trial):
+                trials.append(item)
+                continue
+            choice, kernel, roles, scratch = item
+            trials.append(self._run(choice, kernel, roles, scratch, inputs, out_t, functions, stream))
+        return trials
+
+    def _run(self, choice: Choice, kernel: Any, roles: dict, scratch_bytes: int, inputs: dict, out_t: Any,
+             functions: dict, stream: Any) -> Trial:
+        cp = self.cp
+        failed = [functions[la.function] for la in kernel.launches if isinstance(functions.get(la.function), Exception)]
+        if failed:
+            return Trial(choice, error=f"compile: {str(failed[0]).splitlines()[0][:200]}")
+        out = cp.full(tuple(out_t.shape), np.nan, dtype=out_t.dtype.name)
+        scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
+        buffers = {**inputs, "out": out, "scratch": scratch}
+        calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
+                  tuple(buffers[roles.get(r, r)] for r in la.args)) for la in kernel.launches]
+
+        def launch() -> None:
+            for fn, grid, block, shared, args in calls:
+                fn(grid, block, args, shared_mem=shared)
+
+        try:
+            with stream:
+                launch()
+                stream.synchronize()
+                result = cp.asnumpy(out)
+                start, end = stream.record(), None
+                launch()
+                end = stream.record()
+                end.synchronize()
+                once_ms = max(cp.cuda.get_elapsed_time(start, end), 1e-3)
+                repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, TARGET_MS / once_ms)))
+                stream.begin_capture()
+                try:
+                    for _ in range(repeats):
+                        launch()
+                finally:
+                    graph = stream.end_capture()
+                graph.launch(stream)
+                times = []
+                for _ in range(ROUNDS):
+                    start = stream.record()
+                    graph.launch(stream)
+                    end = stream.record()
+                    end.synchronize()
+                    times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / repeats)
+        except Exception as exc:  # a launch the device refuses (too many resources): that candidate is out
+            return Trial(choice, error=f"launch: {str(exc).splitlines()[0][:200]}")
+        return Trial(choice, statistics.median(times), result)
