@@ -93,7 +93,7 @@ def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
 
 
-# -- gemm: the implicit-GEMM skeleton (every contraction; MEASURED_PLANS consulted by plan_gemm)
+# -- gemm: the implicit-GEMM skeleton (every contraction)
 
 def _gemm_problem(g: dict[str, Any]) -> dict[str, Any]:
     """(M, N, K, batch, a_kfast, b_kfast) of the GEMM view of a contraction."""

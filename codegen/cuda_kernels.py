@@ -286,48 +286,10 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
     return out
 
 
-#: Plans measured on an H200 (CUDA-graph device time, tests/codegen/cuda_kernel_bench.py
-#: --sweep 4, 2026-12) that beat the cost model's pick by more than 5%, keyed by
-#: (M, N, K, batch, a_kfast, b_kfast, rowsum) -> (BM, BN, BK, TM, TN, splits).
-MEASURED_PLANS: dict[tuple, tuple[int, int, int, int, int, int]] = {
-    (43264, 16, 9, 1, False, True, False): (128, 16, 9, 1, 8, 1),  # conv1_fwd B=64: 3.37 us vs model pick 4.45 us
-    (36864, 32, 144, 1, False, True, False): (64, 32, 16, 2, 8, 1),  # conv2_fwd B=64: 19.22 us vs model pick 21.39 us
-    (64, 10, 18432, 1, True, True, False): (64, 16, 32, 2, 4, 192),  # linear_fwd B=64: 8.26 us vs model pick 12.39 us
-    (64, 18432, 10, 1, True, False, False): (64, 64, 10, 4, 4, 1),  # linear_gi B=64: 6.48 us vs model pick 7.09 us
-    (10, 18432, 64, 1, False, False, False): (16, 128, 16, 4, 2, 1),  # linear_gw B=64: 5.43 us vs model pick 9.66 us
-    (64, 30, 784, 1, True, True, False): (32, 4, 16, 1, 2, 9),  # mlp1_fwd B=64: 5.45 us vs model pick 6.14 us
-    (692224, 16, 9, 1, False, True, False): (128, 16, 9, 1, 8, 1),  # conv1_fwd B=1024: 23.58 us vs model pick 29.16 us
-    (10, 18432, 1024, 1, False, False, False): (16, 128, 16, 4, 4, 8),  # linear_gw B=1024: 40.17 us vs model pick 48.2 us
-    (30, 784, 1024, 1, False, False, False): (16, 128, 16, 8, 2, 32),  # mlp1_gw B=1024: 7.97 us vs model pick 9.48 us
-    (1024, 10, 30, 1, True, True, False): (128, 8, 30, 4, 1, 1),  # mlp2_fwd B=1024: 2.71 us vs model pick 2.93 us
-    (1024, 30, 10, 1, True, False, False): (64, 64, 10, 2, 8, 1),  # mlp2_gi B=1024: 2.61 us vs model pick 3.4 us
-    # Sweep of session 2 (after the shared-memory gather tables), --sweep 3:
-    (43264, 16, 288, 1, False, True, False): (128, 16, 16, 2, 8, 1),  # conv2_gi B=64: 26.23 us vs model pick 35.82 us
-    (32, 144, 36864, 1, True, True, True): (32, 32, 32, 4, 2, 128),  # conv2_gw+db B=64: 28.21 us vs model pick 30.93 us
-    (32, 144, 589824, 1, True, True, True): (32, 32, 32, 4, 2, 256),  # conv2_gw+db B=1024: 376.4 us vs model pick 416.8 us
-    (16, 9, 43264, 1, True, True, True): (32, 16, 32, 2, 2, 451),  # conv1_gw+db B=64: 9.89 us vs model pick 11.37 us
-    (16, 9, 692224, 1, True, True, True): (16, 16, 32, 2, 2, 1031),  # conv1_gw+db B=1024: 44.6 us vs model pick 54.3 us
-    # Sweep of session 3 (tests/codegen/cuda_direct_try.py --sweep-only): the fused step's
-    # conv1 grad-weight has no bias row sum (its key differs from the +db kernel's above).
-    (1024, 10, 18432, 1, True, True, False): (128, 16, 32, 4, 2, 32),  # linear_fwd B=1024: 41.4 us vs model pick 46.1 us
-    (16, 9, 692224, 1, True, True, False): (16, 16, 32, 4, 1, 1031),  # conv1_gw B=1024: 40.6 us vs model pick 50.8 us
-    (16, 9, 43264, 1, True, True, False): (16, 16, 32, 4, 1, 451),  # conv1_gw B=64: 7.81 us vs model pick 10.7 us
-}
-
-
 def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
               min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False) -> GemmPlan:
-    """Chooses tile sizes and the split-K factor for C (batch, M, N) = A (M, K) @ B (K, N):
-    a measured plan where MEASURED_PLANS has one (and, for tf32, fits the warp grid), else the
-    cost model's best."""
-    hit = MEASURED_PLANS.get((M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows))
-    if hit is not None and (allow_split or hit[5] == 1):
-        BM, BN, BK, TM, TN, splits = hit
-        if tf32:
-            BK = round_up(BK, 8)
-        plan = _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast)
-        if plan is not None and plan.splits == splits and (not tf32 or tf32_warp_grid(BM, BN, plan.threads)):
-            return plan
+    """The cost model's best tile sizes and split-K factor for C (batch, M, N) = A (M, K) @ B (K, N).
+    Measured plans come from the tuning database (`cuda_choices`), not from here."""
     return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
                            min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32)[0]
 

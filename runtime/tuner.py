@@ -115,10 +115,11 @@ def _close(out: np.ndarray, ref: np.ndarray, tolerance: float) -> str | None:
 
 def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callable[[], Measurer],
                db: tuning_db.TuningDB | None = None, budget_s: float = DEFAULT_BUDGET_S, retune: bool = False,
-               progress: Callable[[KernelReport], None] | None = None, seed: int = 0) -> TuneReport:
+               progress: Callable[[KernelReport, int, int], None] | None = None, seed: int = 0) -> TuneReport:
     """Measures the kernels of a selected graph (`select` ran) whose keys `db` (default: the active
     database) does not hold, storing each winner as it is found. `retune` measures held keys again.
-    `budget_s` bounds the wall time: a kernel is started only while time is left."""
+    `budget_s` bounds the wall time: a kernel is started only while time is left. `progress(report,
+    done, total)` is called after each kernel with more than one candidate."""
     db = tuning_db.active() if db is None else db
     if db is None or db.user_dir is None:
         raise ValueError("tuning needs a writable tuning database (a user folder); got none")
@@ -127,15 +128,18 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
     t0 = time.perf_counter()
     reports: list[KernelReport] = []
     seen: dict[str, KernelReport] = {}
-    instrument: Measurer | None = measurer if hasattr(measurer, "measure") else None
+    # a measurer, or a factory (a class) made only once something is measured (it may start a GPU)
+    instrument: Measurer | None = None if isinstance(measurer, type) or not hasattr(measurer, "measure") else measurer
+    work = []
     for sub, spec in kernels_of(graph):
         if spec.kind in table.no_kernel:
             continue
         cands = table.candidates(sub, spec)
+        if len(cands) > 1:
+            work.append((sub, spec, cands))
+    for done, (sub, spec, cands) in enumerate(work, 1):
         key = table.key(sub, spec)
         versions = table.versions(sub, spec)
-        if len(cands) <= 1:
-            continue
         if key in seen:  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None:
@@ -150,7 +154,7 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         seen.setdefault(key, rep)
         reports.append(rep)
         if progress is not None:
-            progress(rep)
+            progress(rep, done, len(work))
     return TuneReport(reports, time.perf_counter() - t0, budget_s)
 
 

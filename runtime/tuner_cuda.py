@@ -65,11 +65,14 @@ class CudaMeasurer:
             units.append((kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))))
             built.append((choice, kernel, roles, c_spec.scratch_bytes))
         functions: dict[str, Any] = {}
-        for code, names in units:  # one at a time on failure: the pool raises the first error only
-            try:
-                functions.update(compile_units(cp, self.prelude, [(code, names)], self.options))
-            except Exception as exc:
-                functions.update({f: exc for f in names})
+        try:
+            functions.update(compile_units(cp, self.prelude, units, self.options))
+        except Exception:  # one at a time, to refuse only the candidates that fail to build
+            for code, names in units:
+                try:
+                    functions.update(compile_units(cp, self.prelude, [(code, names)], self.options))
+                except Exception as exc:
+                    functions.update({f: exc for f in names})
         trials = []
         stream = cp.cuda.Stream(non_blocking=True)
         for item in built:

@@ -23,6 +23,7 @@ COMMANDS = {
     "plot": ("plot", "plot loss and accuracy curves from `ember mnist --metrics-file` JSON lines"),
     "align": ("align", "train ember and PyTorch side by side from the same weights and compare them"),
     "bench": ("bench", "time ember's MNIST training step against PyTorch in one run"),
+    "tune": ("tune", "measure every candidate kernel of models' steps on this device and keep the fastest"),
     "kernels": ("kernels", "write the generated sources of a model's steps for a device (no compiler or GPU needed)"),
     "launch": ("launch", "start the ranks of a data-parallel job (RANK, WORLD_SIZE, ...: the torchrun contract)"),
     "export-metrics": ("export", "replay a `--metrics-file` JSON-lines file into an experiment tracker (SwanLab)"),

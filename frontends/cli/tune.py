@@ -1,0 +1,107 @@
+"""`ember tune`: measure every candidate kernel of models' steps on this machine and keep the fastest.
+
+    ember tune --model cnn,mlp --device cuda --batch-size 64,1024 [--tf32] [--budget-s 300]
+
+For each model and batch size, the training and inference steps are planned as `compile` plans
+them, then every kernel with more than one candidate (family and plan) is built, checked against
+the cost model's choice on random inputs and timed on the device (`ember.runtime.tuner`). The
+winners go into the tuning database (`--db`, default `$EMBER_CACHE_DIR/tuning`), which every later
+compile on this device model reads. Kernels the database already holds are not measured again
+(`--retune` measures them anyway), so an interrupted run resumes where it stopped, and models that
+share a kernel share its measurement. A Python model is tuned through the API:
+`compile(..., tune=True)`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ember.codegen import tuning_db
+from ember.frontends import nn, plan
+from ember.runtime import target as get_target
+from ember.runtime import target_names
+
+from ..training.recipes import MODELS, build_model, make_optimizer
+from .cli_checks import UsageError
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{what} {text!r}: expected integers separated by commas, e.g. 64,1024") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{what} {text!r}: expected integers >= 1")
+    return values
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default="cnn,mlp", metavar="M[,M...]|all",
+                   help=f"models to tune: {', '.join(MODELS)} (default cnn,mlp)")
+    p.add_argument("--device", default="cuda", metavar="{" + ",".join(target_names()) + "}[:N]")
+    p.add_argument("--batch-size", default="64,1024", metavar="B[,B...]", help="batch sizes (default 64,1024)")
+    p.add_argument("--tf32", action="store_true", help="cuda: tune the kernels of precision='tf32'")
+    p.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for the whole run, in seconds")
+    p.add_argument("--retune", action="store_true", help="measure kernels the database already holds again")
+    p.add_argument("--db", default=None, metavar="DIR",
+                   help="tuning database folder to write (default: $EMBER_CACHE_DIR/tuning)")
+    p.add_argument("--quiet", action="store_true", help="no line per kernel, no progress bar")
+
+
+def main(args: Any) -> int:
+    models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    if unknown := [m for m in models if m not in MODELS]:
+        raise UsageError(f"--model {', '.join(unknown)}: expected names from {', '.join(MODELS)} (or all)")
+    batches = _ints(args.batch_size, "--batch-size")
+    if not args.budget_s > 0:
+        raise UsageError(f"--budget-s {args.budget_s}: expected a number of seconds > 0")
+    name, _, index = args.device.partition(":")
+    target = get_target(name)
+    if target.tune is None:
+        raise UsageError(f"--device {args.device}: it has no kernel choices to measure")
+    if target.available is not None:
+        target.available()
+    if index:
+        target.select_device(int(index))
+    db = tuning_db.TuningDB(args.db, (tuning_db.SHIPPED_DIR,)) if args.db else tuning_db.default_db()
+    precision = "tf32" if args.tf32 else "float32"
+    t0 = time.perf_counter()
+    totals = {"measured": 0, "reused": 0, "budget": 0}
+    with tuning_db.using(db):
+        for model_name in models:
+            for batch in batches:
+                shape = (batch, 784) if MODELS[model_name][1] else (batch, 1, 28, 28)
+                example = (np.zeros(shape, np.float32), np.zeros(batch, np.int64))
+                graphs = plan(build_model(model_name), nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example,
+                              device=name, precision=precision)
+                for step, graph in graphs.items():
+                    left = args.budget_s - (time.perf_counter() - t0)
+                    report = target.tune(graph, db=db, budget_s=max(left, 0.0), retune=args.retune,
+                                         progress=None if args.quiet else _progress(f"{model_name} {step}"))
+                    for k in report.kernels:
+                        totals[k.status] = totals.get(k.status, 0) + 1
+                    print(f"{model_name} {step}: {report.summary()}", flush=True)
+    where = db.user_dir
+    print(f"ember tune: {totals['measured']} kernels measured, {totals['reused']} reused, "
+          f"{totals['budget']} left for lack of budget, in {time.perf_counter() - t0:.1f} s; database {where}")
+    return 0
+
+
+def _progress(desc: str) -> Any:
+    """A callback printing each kernel's line above a tqdm bar over the step's tunable kernels."""
+    from tqdm import tqdm
+
+    state: dict[str, Any] = {}
+
+    def update(report: Any, done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = tqdm(total=total, desc=desc, unit="kernel", file=sys.stderr, leave=False)
+        bar.write(report.line())
+        bar.update(1)
+        if done == total:
+            bar.close()
+    return update

@@ -1,0 +1,165 @@
+"""The autotuner's loop and the tuning database, without a GPU.
+
+The cuda target's kernels are planned here (no GPU needed) and "measured" by a fake measurer: every
+candidate's result is the reference interpreter's on the kernel's subgraph (so all agree), its
+time a deterministic function of the choice, and chosen candidates can be corrupted. The loop
+must store the fastest correct candidate, reuse the database on a second run, refuse a corrupted
+candidate even when it is fastest, stop at its budget, and `select` must then take the stored
+winner (and name it in the dump)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ember.codegen import cuda_choices, tuning_db
+from ember.codegen.tuning_db import Record, TuningDB, choice_text
+from ember.frontends import nn, optim, plan
+from ember.ir import format_graph, interpreter
+from ember.runtime.tuner import Trial, kernels_of, tune_graph
+
+
+def _fake_us(choice) -> float:
+    return 1.0 + int(hashlib.sha256(choice_text(choice).encode()).hexdigest()[:6], 16) / 0xFFFFFF * 10.0
+
+
+class FakeMeasurer:
+    def __init__(self, corrupt=lambda sub, choice: False, fastest=None):
+        self.calls = 0
+        self.corrupt, self.fastest = corrupt, fastest
+
+    def measure(self, sub, spec, choices, *, seed=0):
+        self.calls += 1
+        rng = np.random.default_rng(seed)
+        inputs = {k: rng.standard_normal(sub.type(n).shape).astype(np.float32) for k, n in sub.inputs.items()}
+        ref = interpreter.run(sub, inputs).outputs["out"]
+        trials = []
+        for c in choices:
+            out = ref.copy()
+            if self.corrupt(sub, c):
+                out.reshape(-1)[: max(1, out.size // 4)] += 1.0  # a quarter of the outputs wrong
+            t = 0.5 if self.fastest is not None and self.fastest(sub, c) else _fake_us(c)
+            trials.append(Trial(c, t, out))
+        return trials
+
+
+def _graph(batch=8, precision="float32"):
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
+    example = (np.zeros((batch, 1, 28, 28), np.float32), np.zeros(batch, np.int64))
+    return next(iter(plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda",
+                          precision=precision).values()))
+
+
+def _tunable(graph):
+    return [(sub, spec) for sub, spec in kernels_of(graph)
+            if spec.kind != "collective" and len(cuda_choices.candidates(sub, spec)) > 1]
+
+
+def test_the_tuner_stores_the_fastest_candidate_and_select_takes_it(tmp_path):
+    db = TuningDB(tmp_path)
+    with tuning_db.using(db):
+        graph = _graph()
+        measurer = FakeMeasurer()
+        report = tune_graph(graph, table=cuda_choices.TABLE, measurer=measurer, db=db, budget_s=60)
+        tunable = _tunable(graph)
+        assert tunable and report.measured == len({cuda_choices.TABLE.key(s, k) for s, k in tunable})
+        data = json.loads((tmp_path / "cuda-nvidia-h200.json").read_text())
+        assert data["schema"] == tuning_db.SCHEMA and len(data["records"]) == report.measured
+        for sub, spec in tunable:
+            rec = db.lookup("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec), cuda_choices.TABLE.versions(sub, spec))
+            cands = cuda_choices.candidates(sub, spec)
+            assert rec.choice == min(cands, key=_fake_us)
+            assert set(rec.timings_us) == {choice_text(c) for c in cands}
+        # planned again: select stamps the stored winners and the dump says they were tuned
+        again = _graph()
+        for sub, spec in _tunable(again):
+            assert spec.choice == min(cuda_choices.candidates(sub, spec), key=_fake_us)
+            assert spec.why.startswith("tuned (user)")
+        assert "(tuned (user):" in format_graph(again)
+        assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_second_run_reuses_the_database_and_measures_nothing(tmp_path):
+    db = TuningDB(tmp_path)
+    with tuning_db.using(db):
+        graph = _graph()
+        tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
+        second = FakeMeasurer()
+        report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=second, db=db)
+        assert second.calls == 0 and report.measured == 0 and report.reused == len(report.kernels) > 0
+        third = FakeMeasurer()
+        assert tune_graph(graph, table=cuda_choices.TABLE, measurer=third, db=db, retune=True).measured > 0
+        assert third.calls > 0
+
+
+def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(tmp_path):
+    db = TuningDB(tmp_path)
+    bad = {}
+
+    def pick_bad(sub, c):  # the last candidate of each kernel: never the reference
+        cands = cuda_choices.candidates(*next((s, k) for s, k in kernels_of(graph) if s.name == sub.name))
+        bad[sub.name] = cands[-1]
+        return c == cands[-1]
+
+    with tuning_db.using(db):
+        graph = _graph()
+        report = tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(pick_bad, pick_bad), db=db)
+    measured = [k for k in report.kernels if k.status == "measured"]
+    assert measured
+    for k in measured:
+        assert k.choice != bad[k.name]
+        assert list(k.rejected) == [choice_text(bad[k.name])]
+        assert "differs from the reference" in k.rejected[choice_text(bad[k.name])]
+
+
+def test_the_budget_bounds_the_run(tmp_path):
+    db = TuningDB(tmp_path)
+    measurer = FakeMeasurer()
+    report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=measurer, db=db, budget_s=0.0)
+    assert measurer.calls == 0 and report.out_of_budget == len(report.kernels) > 0
+    assert not (tmp_path / "cuda-nvidia-h200.json").exists()
+
+
+def test_select_with_a_fixed_database_is_deterministic_and_without_one_is_the_cost_model(tmp_path):
+    with tuning_db.using(None):
+        cost = _graph()
+    sub, spec = _tunable(cost)[0]
+    assert spec.why == "cost model" and spec.choice == cuda_choices.candidates(sub, spec)[0]
+    other = cuda_choices.candidates(sub, spec)[1]
+    db = TuningDB(tmp_path)
+    key = cuda_choices.TABLE.key(sub, spec)
+    db.store("cuda", "NVIDIA H200", key, Record(other, {choice_text(other): 1.0}, cuda_choices.TABLE.versions(sub, spec)))
+    for _ in range(2):
+        with tuning_db.using(TuningDB(tmp_path)):
+            stamped = {s.name: k for s, k in _tunable(_graph())}
+        assert stamped[sub.name].choice == other
+    # a record of an older version of the families is stale: the cost model decides
+    stale = {f: v + 1 for f, v in cuda_choices.TABLE.versions(sub, spec).items()}
+    db.store("cuda", "NVIDIA H200", key, Record(other, {choice_text(other): 1.0}, stale))
+    with tuning_db.using(TuningDB(tmp_path)):
+        assert {s.name: k for s, k in _tunable(_graph())}[sub.name].choice == spec.choice
+
+
+def test_a_damaged_database_costs_speed_not_the_compile(tmp_path):
+    (tmp_path / "cuda-nvidia-h200.json").write_text("{not json")
+    with tuning_db.using(TuningDB(tmp_path)):
+        graph = _graph()
+    assert all(k.why == "cost model" for _, k in _tunable(graph))
+    with pytest.raises(ValueError, match="read-only"):
+        TuningDB(None).store("cuda", "x", "k", Record(("gemm", ()), {"gemm": 1.0}, {}))
+
+
+def test_a_stored_plan_that_does_not_fit_the_kernel_is_ignored(tmp_path):
+    with tuning_db.using(None):
+        sub, spec = next((s, k) for s, k in _tunable(_graph()) if "gemm" in {f for f, _ in cuda_choices.candidates(s, k)})
+    db = TuningDB(tmp_path)
+    nonsense = ("gemm", (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5)))
+    db.store("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec),
+             Record(nonsense, {choice_text(nonsense): 0.1}, cuda_choices.TABLE.versions(sub, spec)))
+    with tuning_db.using(TuningDB(tmp_path)):
+        stamped = {s.name: k for s, k in _tunable(_graph())}
+    assert stamped[sub.name].choice != nonsense and stamped[sub.name].why == "cost model"

@@ -1,0 +1,91 @@
+"""Device time of ember's training step per model and batch (a GPU diagnostic, not a test), with the
+kernel choices it ran: how many came from the tuning database, how many from the cost model.
+Compare tuning databases by running it under different $EMBER_CACHE_DIR (the user database is
+`$EMBER_CACHE_DIR/tuning`); `--no-db` ignores every database (the cost model alone).
+
+    python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64 [--tf32] [--torch] [--out rows.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from collections import Counter
+
+import numpy as np
+
+
+def _per_step_us(cp, fn, steps: int = 200, rounds: int = 5) -> float:
+    out = []
+    for _ in range(rounds):
+        cp.cuda.Device().synchronize()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(cp.cuda.get_current_stream())
+        for i in range(steps):
+            fn(i)
+        cp.cuda.Device().synchronize()
+        stop.record(cp.cuda.get_current_stream())
+        stop.synchronize()
+        out.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / steps)
+    return statistics.median(out)
+
+
+def main() -> None:
+    import cupy as cp
+
+    from ember.codegen import tuning_db
+    from ember.frontends import compile as ember_compile
+    from ember.frontends import nn, optim
+    from ember.frontends.training.recipes import MODELS, build_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="cnn:64,cnn:1024,mlp:64,mlp:1024", help="model:batch,...")
+    ap.add_argument("--tf32", action="store_true")
+    ap.add_argument("--no-db", action="store_true", help="no tuning database: the cost model's choices")
+    ap.add_argument("--torch", action="store_true", help="PyTorch's whole-step CUDA graph beside it")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = []
+    for case in args.cases.split(","):
+        name, batch = case.split(":")
+        batch = int(batch)
+        shape = (batch, 784) if MODELS[name][1] else (batch, 1, 28, 28)
+        rng = np.random.default_rng(0)
+        xs_h = rng.random((8, *shape), dtype=np.float32)
+        ys_h = rng.integers(0, 10, (8, batch)).astype(np.int64)
+        with tuning_db.using(None) if args.no_db else contextlib.nullcontext():
+            step = ember_compile(build_model(name, 0), nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
+                                 example_inputs=(xs_h[0], ys_h[0]), device="cuda",
+                                 precision="tf32" if args.tf32 else "float32")
+        xs, ys = cp.asarray(xs_h), cp.asarray(ys_h)
+        run = lambda i: step.run(xs[i % 8], ys[i % 8], check_labels=False)  # noqa: E731
+        for i in range(30):
+            run(i)
+        graph = step._steps[step._example][0]
+        specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
+        why = Counter(s.why.split(":")[0] for s in specs if s.choice is not None)
+        row = {"model": name, "batch": batch, "tf32": args.tf32, "kernels": len(specs), "why": dict(why),
+               "families": dict(Counter(s.choice[0] for s in specs if s.choice is not None)),
+               "step_us": round(_per_step_us(cp, run), 2)}
+        if args.torch:
+            import torch
+
+            from ember.frontends.cli.bench_cuda import _torch_systems
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+            txs, tys = torch.from_numpy(xs_h).cuda(), torch.from_numpy(ys_h).cuda()
+            replay = dict(_torch_systems(name, build_model(name, 0).state_dict(), 0.05, txs[0], tys[0]))["torch-cudagraph"]
+            for i in range(30):
+                replay(txs[i % 8], tys[i % 8])
+            torch.cuda.synchronize()
+            row["torch_cudagraph_us"] = round(_per_step_us(cp, lambda i: replay(txs[i % 8], tys[i % 8])), 2)
+            row["ratio"] = round(row["step_us"] / row["torch_cudagraph_us"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
