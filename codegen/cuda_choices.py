@@ -13,7 +13,8 @@ families by priority, then the others; `choose` takes the first, `stamp` records
 A plan is stamped as (field, value) pairs, so a graph dump shows it and a later tuner can store it.
 
 The thresholds here are measured defaults (H200, docs/benchmarks.md), pending the tuner that will
-measure candidates per device; `force(...)` overrides the ranking for experiments.
+measure candidates per device; `force(...)` overrides the ranking for experiments. Plans are made
+for the active device descriptor (`device.current()`; `with device.using(...)` chooses another).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
-from .device import H200, Device
 from .shapes import pair, round_up
 
 Plan = tuple[tuple[str, Any], ...]  # a stamped plan: (field, value) pairs
@@ -431,11 +431,6 @@ def _ranked(g: dict[str, Any]) -> list[Family]:
     return sorted(fams, key=lambda f: (not f.preferred(g), f.priority))
 
 
-def _check_device(device: Device) -> None:
-    if device != H200:  # the planners still read the H200's numbers (their modules' constants)
-        raise NotImplementedError(f"CUDA kernel plans are made for the {H200.name} only, not {device.name}")
-
-
 def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     if not any(spec.kind in f.kinds for f in FAMILIES.values()):
         raise NotImplementedError(f"no CUDA template for kernel kind {spec.kind!r}")
@@ -446,9 +441,8 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     return g
 
 
-def candidates(sub: Graph, spec: KernelSpec, device: Device = H200) -> list[Choice]:
+def candidates(sub: Graph, spec: KernelSpec) -> list[Choice]:
     """Every (family, plan) that can serve this kernel, the default first."""
-    _check_device(device)
     g = _geometry(sub, spec)
     out: list[Choice] = []
     for f in _ranked(g):
@@ -457,10 +451,9 @@ def candidates(sub: Graph, spec: KernelSpec, device: Device = H200) -> list[Choi
     return out
 
 
-def choose(sub: Graph, spec: KernelSpec, device: Device = H200) -> Choice:
+def choose(sub: Graph, spec: KernelSpec) -> Choice:
     """The (family, plan) that serves this kernel: a forced family, else the best-ranked family
     with a plan, and its best plan (the first of `candidates`)."""
-    _check_device(device)
     g = _geometry(sub, spec)
     forced = _FORCED.get().get(spec.kind)
     if forced is not None:
