@@ -19,7 +19,7 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_choices, cuda_kernels, pool_kernels
-from .device import H200
+from .device import current
 from .indexing import delinearize
 from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
                        reduction_init)
@@ -96,10 +96,10 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
     return lines
 
 
-# A split reduction is bandwidth-bound: it needs enough warps in flight on each of an H200's 132
-# multiprocessors to hide memory latency (measured: 2 blocks of 256 per SM read a bias gradient's
-# 75 MB at 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
-TARGET_BLOCKS = 8 * H200.multiprocessors
+# A split reduction is bandwidth-bound: it needs enough warps in flight on each multiprocessor to
+# hide memory latency (measured on an H200: 2 blocks of 256 per SM read a bias gradient's 75 MB at
+# 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
+REDUCTION_BLOCKS_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,12 @@ class ReductionKernel:
 def _split_count(low: Any) -> int:
     """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU
     and the outermost reduced loop (the batch, for a bias gradient) can be cut into chunks."""
-    if low.op not in ("sum", "max") or len(low.loops) < 2 or low.outputs >= TARGET_BLOCKS \
+    target_blocks = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
+    if low.op not in ("sum", "max") or len(low.loops) < 2 or low.outputs >= target_blocks \
             or low.loops[-1][1] < THREADS // 2:
         return 1
     outer = low.loops[0][1]
-    return max(1, min(outer, math.ceil(TARGET_BLOCKS / low.outputs)))
+    return max(1, min(outer, math.ceil(target_blocks / low.outputs)))
 
 
 def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:

@@ -12,6 +12,8 @@ plans), its scratch from a plan, its renderer and its version.
 the tuning database's measurement for this GPU model, else the cost model) and its stamp; the
 module-level functions are its methods. The `preferred` rules below are the cost model's priors
 for kernels nobody tuned (H200 measurements, docs/benchmarks.md); a tuned kernel ignores them.
+Plans are made for the active device descriptor (`device.current()`; `with device.using(...)`
+chooses another); the database is keyed by its name.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
+from .device import current
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
-from .device import H200
 from .shapes import pair, round_up
 
 #: epilogues each contraction kind's templates take, in every family that serves the kind
@@ -401,7 +403,7 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
 
 
 def _device_name() -> str:
-    return H200.name
+    return current().name
 
 
 TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES)

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
-                           _reduce_groups, kernel_signature, with_epilogue)
-from .device import H200
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
+                           kernel_signature, with_epilogue)
+from .device import current, static_shared_budget
 from .shapes import ceil_div, round_up
 from .templates_env import environment
-
-SMEM_LIMIT = H200.shared_per_block - 4 * 1024  # static shared memory a block, with room for the compiler's own
-DYNAMIC_SMEM_LIMIT = H200.shared_per_block  # dynamic shared memory a launch may take without opting in
 
 _env = environment("cuda")
 
@@ -54,10 +51,11 @@ def padded_channels(CO: int) -> int:
 def direct_channels_per_step(CI: int, RB: int, cols: int, KH: int, KW: int, CO: int) -> int | None:
     """Input channels a shared-memory stage: the largest even split of CI (at most 16) whose rows
     and weights fit the static shared memory of a block; None if not even one channel fits."""
+    budget = static_shared_budget(current())
     for parts in range(1, CI + 1):
         CC = ceil_div(CI, parts)
         # (+ 3: room for a staged row's bank padding)
-        if CC <= 16 and 4 * CC * ((RB + KH - 1) * (cols + KW - 1 + 3) + KH * KW * padded_channels(CO)) <= SMEM_LIMIT:
+        if CC <= 16 and 4 * CC * ((RB + KH - 1) * (cols + KW - 1 + 3) + KH * KW * padded_channels(CO)) <= budget:
             return CC
     return None
 
@@ -65,6 +63,7 @@ def direct_channels_per_step(CI: int, RB: int, cols: int, KH: int, KW: int, CO: 
 def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> DirectPlan | None:
     """Tiling of a stride-1 direct convolution producing CO x HO x WO per image, or None."""
     best = None
+    sms = current().multiprocessors
     for OT in (8, 4, 2, 1):
         if CO % OT:
             continue
@@ -83,7 +82,7 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
                 # shared-memory loads per FMA: the input window and the weight vectors
                 lds = (PT + KW - 1 + KW * ceil_div(OT, 4)) / (KW * OT * PT)
                 blocks = N * ceil_div(HO, RB)
-                fill = min(1.0, blocks / (2 * NUM_SMS))
+                fill = min(1.0, blocks / (2 * sms))
                 staging = (RB + KH - 1) / RB  # halo rows staged per output row
                 # Measured on an H200 (tests/codegen/cuda_direct_try.py, conv2 of the MNIST CNN):
                 # 96-256 threads and 32 accumulators a thread run best (more registers or more
@@ -175,6 +174,7 @@ def gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int) -> int:
 
 def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> tuple[int, int, int] | None:
     """(OT, RB, blocks) for the direct grad-weight kernel, or None where it does not suit."""
+    dev = current()
     for OT in (4, 2, 1):
         if O % OT or OT * KH * KW > 64:
             continue
@@ -182,17 +182,17 @@ def direct_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, W
         if not 64 <= threads <= 512:
             continue
         # Rows staged a unit: more rows amortise the barriers and share x's halo rows; two units'
-        # buffers (double buffering) must fit the 48 KB of dynamic shared memory a launch may take
-        # without opting in.
+        # buffers (double buffering) must fit the dynamic shared memory a launch may take without
+        # opting in (48 KiB).
         for RB in (4, 3, 2, 1):
-            if 2 * 4 * gw_buffer_floats(C, O, KH, KW, WO, RB) <= DYNAMIC_SMEM_LIMIT:
+            if 2 * 4 * gw_buffer_floats(C, O, KH, KW, WO, RB) <= dev.shared_per_block:
                 break
         else:
             return None
         units = N * ceil_div(HO, RB)
         # Enough blocks for ~4 per multiprocessor, but not so many that the partials (and the
         # reduce launch) outweigh the rows each block walks.
-        blocks = max(1, min(units, 4 * NUM_SMS, units // 2 or 1))
+        blocks = max(1, min(units, 4 * dev.multiprocessors, units // 2 or 1))
         return OT, RB, blocks
     return None
 
@@ -212,6 +212,7 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     if choice is None:
         return None
     OT, RB, nblocks = choice
+    dev = current()
     if blocks is not None:
         nblocks = blocks
     if rows is not None:
@@ -224,13 +225,15 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, OT=OT, threads=threads,
         blocks=nblocks, RB=RB, dy_pad=4, smem_floats=gw_buffer_floats(C, O, KH, KW, WO, RB),
-        plane_pad=gw_plane_pad(KH, KW, WO, RB), min_blocks=min_blocks or max(1, min(4, 2048 // threads)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        plane_pad=gw_plane_pad(KH, KW, WO, RB),
+        min_blocks=min_blocks or max(1, min(4, dev.max_threads_per_multiprocessor // threads)), roles=roles,
+        inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)
     scratch = round_up(4 * nblocks * outs, SCRATCH_ALIGN)
     smem = 2 * 4 * gw_buffer_floats(C, O, KH, KW, WO, RB)
-    if smem > DYNAMIC_SMEM_LIMIT:
+    if smem > dev.shared_per_block:  # the dynamic shared memory a launch may take without opting in
         return None  # rows forced by the caller that do not fit two buffers
     return CudaKernel(name, code, (Launch(f"{name}_direct", (nblocks, 1, 1), (threads, 1, 1), smem, args),
                                    Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),
@@ -250,7 +253,7 @@ def thin_rows(M: int, N: int) -> int:
     """Rows a block of the thin matmul (its plan): enough blocks to fill the GPU several times
     over; 4-16 rows measured alike on an H200 (1024 x 18432, K = 10: 28-29 us), 35 and 64 slower
     (42, 35 us)."""
-    return max(4, min(16, ceil_div(M * _thin_threads(N)[1], 8 * NUM_SMS)))
+    return max(4, min(16, ceil_div(M * _thin_threads(N)[1], 8 * current().multiprocessors)))
 
 
 def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,

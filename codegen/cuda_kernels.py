@@ -28,27 +28,25 @@ shared-memory pipeline over BK-deep k-tiles; each thread holds a TM x TN registe
 from shared memory as float4/float2 vectors. When the output tiles alone cannot fill the GPU
 and K is long, the k range is split over ``gridDim.z``: launch 1 writes per-split partials to
 scratch, launch 2 sums them in split order and applies the epilogue. Tile sizes and the split
-count are chosen per shape by a small cost model of an H200 (132 SMs).
+count are chosen per shape by a small cost model of the active device (`device.current()`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from .device import H200
+from .device import current
 from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
-    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "NUM_SMS", "plan_gemm", "plan_candidates",
+    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "plan_gemm", "plan_candidates",
     "gemm_scratch_bytes",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
 ]
 
 
-#: Streaming multiprocessors of the target (`device.H200`). Only affects tile / split choices.
-NUM_SMS = H200.multiprocessors
 #: Alignment in bytes of every sub-buffer carved out of the scratch block.
 SCRATCH_ALIGN = 256
 
@@ -143,8 +141,6 @@ class GemmPlan:
         return (self.BM // self.TM) * (self.BN // self.TN)
 
 
-_CLOCK_HZ = 1.755e9       # H200 SM clock under load (approx.)
-_DRAM_BPS = 4.0e12         # achievable HBM3e bandwidth (approx.)
 _LAUNCH_US = 1.5           # fixed cost of one more kernel in a stream / graph (approx.)
 
 
@@ -155,6 +151,7 @@ def _pick_bk(K: int) -> int:
 
 
 def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
+    dev = current()
     threads = (BM // TM) * (BN // TN)
     kchunk = round_up(ceil_div(K, splits), BK)
     splits = ceil_div(K, kchunk)
@@ -168,8 +165,9 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
     regs = round_up(regs, 8)
     smem = 4 * BK * (BM + BN)
-    occ = min(H200.max_threads_per_multiprocessor // threads, H200.registers_per_multiprocessor // (threads * regs),
-              H200.shared_per_multiprocessor // (smem + 1024), 32)
+    # (+ 1 KiB: the shared memory the runtime reserves a block)
+    occ = min(dev.max_threads_per_multiprocessor // threads, dev.registers_per_multiprocessor // (threads * regs),
+              dev.shared_per_multiprocessor // (smem + 1024), dev.max_blocks_per_multiprocessor)
     if occ < 1:
         return None
     # Issue slots per warp per k: TM*TN FMAs, the shared-memory vector loads, and the
@@ -190,19 +188,19 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     wps = occ * warps / 4
     latency = 1.0 if wps >= 2 else (0.5 + 0.25 * wps)
     block_cycles = warps * ktiles * (BK * max(per_k / 4, lds_k) + 20) / latency + 600
-    waves = ceil_div(blocks, NUM_SMS * occ)
+    waves = ceil_div(blocks, dev.multiprocessors * occ)
     sm_cycles = waves * occ * block_cycles
     # ... and a partial last wave only costs its share once there are many waves.
     if waves > 1:
-        sm_cycles *= (blocks / (NUM_SMS * occ)) / waves * 0.5 + 0.5
-    t = sm_cycles / _CLOCK_HZ
+        sm_cycles *= (blocks / (dev.multiprocessors * occ)) / waves * 0.5 + 0.5
+    t = sm_cycles / dev.clock_hz
     compulsory = 4 * batch * (M * K + K * N + M * N)
-    t = max(t, compulsory / _DRAM_BPS)
+    t = max(t, compulsory / dev.memory_bytes_per_s)
     # Operand re-reads (through L2) grow with the number of tiles on the other side.
     reread = 4 * batch * (M * K * ceil_div(N, BN) + K * N * ceil_div(M, BM))
-    t = max(t, reread / (3 * _DRAM_BPS))
+    t = max(t, reread / (3 * dev.memory_bytes_per_s))
     if splits > 1:
-        t += (4 * (splits + 1) * batch * M * N) / _DRAM_BPS + _LAUNCH_US * 1e-6
+        t += (4 * (splits + 1) * batch * M * N) / dev.memory_bytes_per_s + _LAUNCH_US * 1e-6
     return GemmPlan(BM, BN, BK, TM, TN, splits, kchunk, t * 1e6)
 
 
@@ -268,7 +266,8 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
                 split_opts.add(s)
                 s *= 2
             tiles = ceil_div(M, BM) * ceil_div(N, BN) * batch
-            for target in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
+            sms = current().multiprocessors
+            for target in (sms, 2 * sms, 4 * sms, 8 * sms):  # 1-8 waves of one block a multiprocessor
                 s = ceil_div(target, tiles)
                 if 1 < s <= K // (2 * BK):
                     split_opts.add(s)

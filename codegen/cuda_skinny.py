@@ -21,25 +21,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
                            kernel_signature, with_epilogue)
-from .device import H200
+from .device import Device, current, static_shared_budget
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
 NARROW_MAX_N = 16
 SHORT_MAX_M = 16
-# Blocks a launch aims for, measured on an H200 (tests/codegen/cuda_skinny_try.py, the MNIST
-# linear layer; docs/benchmarks.md, "History"): the narrow kernel (2 blocks of 256 threads resident a
-# multiprocessor) ran best at about one wave (1024 x 18432 x 10: 256 blocks 25.0 us, 480 28.6,
-# 1152 35.1), the short-M kernel at about 4 blocks a multiprocessor (10 x 18432 x 1024: 576
-# blocks 24.1 us, 1152 24.9, 2304 28.0); more blocks only add partials to sum.
-NARROW_TARGET_BLOCKS = 2 * NUM_SMS
-SHORT_TARGET_BLOCKS = 4 * NUM_SMS
-SMEM_LIMIT = H200.shared_per_block - 4 * 1024  # static shared memory a block, with room for the compiler's own
+# Blocks a launch aims for a multiprocessor, measured on an H200 (tests/codegen/cuda_skinny_try.py,
+# the MNIST linear layer; docs/benchmarks.md, "History"): the narrow kernel (2 blocks of 256
+# threads resident a multiprocessor) ran best at about one wave (1024 x 18432 x 10: 256 blocks
+# 25.0 us, 480 28.6, 1152 35.1), the short-M kernel at about 4 blocks a multiprocessor (10 x 18432
+# x 1024: 576 blocks 24.1 us, 1152 24.9, 2304 28.0); more blocks only add partials to sum.
+NARROW_BLOCKS_PER_SM = 2
+SHORT_BLOCKS_PER_SM = 4
 SMEM_A_BYTES = 16 * 1024  # short-M: a's staged k chunk, at most (the group sums take the rest)
 
 _env = environment("cuda")
+
+
+def narrow_target_blocks(device: Device) -> int:
+    return NARROW_BLOCKS_PER_SM * device.multiprocessors
+
+
+def short_target_blocks(device: Device) -> int:
+    return SHORT_BLOCKS_PER_SM * device.multiprocessors
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ def narrow_plan(M: int, N: int, K: int, *, rows_per_lane: int | None = None, war
     if splits is None:
         # at most one wave: 9 splits x 32 row blocks = 288 blocks for 264 slots ran as two rounds
         # (43 us in the step against 25 us for 256 blocks)
-        splits = max(1, min(NARROW_TARGET_BLOCKS // row_blocks, K // (2 * step)))
+        splits = max(1, min(narrow_target_blocks(current()) // row_blocks, K // (2 * step)))
     KC = round_up(ceil_div(K, splits), step)
     return NarrowPlan(RT, RG, V, U, ceil_div(K, KC), KC)
 
@@ -143,17 +150,18 @@ def short_m_plan(M: int, N: int, K: int, *, groups: int | None = None, splits: i
     """Tiling of out (M, N) = op(a) @ b (K, N) for M <= 16, N % 4 == 0: warps of 4-column
     threads, KG of them a block on one k chunk; splits over blocks until there are enough blocks
     to fill the GPU a few times, keeping at least 8 rows of b a thread (so U = 8 loads fly
-    together) and a's staged chunk within SMEM_A_BYTES (and SMEM_LIMIT with the group sums);
-    None where the shared memory cannot fit."""
+    together) and a's staged chunk within SMEM_A_BYTES (and, with the group sums, the static
+    shared memory of a block); None where the shared memory cannot fit."""
     MP = round_up(M, 4)
     KG = groups or 4
     col_blocks = ceil_div(N // 4, col_threads)
-    max_kc = min(SMEM_A_BYTES, SMEM_LIMIT - 16 * (KG - 1) * M * col_threads) // (4 * MP)
+    dev = current()
+    max_kc = min(SMEM_A_BYTES, static_shared_budget(dev) - 16 * (KG - 1) * M * col_threads) // (4 * MP)
     if max_kc < 1:
         return None
     if splits is None:
         # at least 16 rows of b a thread a split: at K = 64 one split (4.0 us) beat two (5.5 us)
-        splits = max(1, min(ceil_div(SHORT_TARGET_BLOCKS, col_blocks), K // (16 * KG)))
+        splits = max(1, min(ceil_div(short_target_blocks(dev), col_blocks), K // (16 * KG)))
     KC = min(ceil_div(K, max(1, splits)), max_kc)
     S = ceil_div(K, KC)
     U = unroll or next(u for u in (8, 4, 2, 1) if u <= max(1, ceil_div(KC, KG)))
@@ -185,4 +193,4 @@ def render_matmul_short_m(name: str, *, M: int, N: int, K: int, trans_a: bool, t
 
 
 __all__ = ["NarrowPlan", "ShortMPlan", "narrow_plan", "short_m_plan", "render_matmul_narrow", "render_matmul_short_m",
-           "NARROW_MAX_N", "SHORT_MAX_M"]
+           "NARROW_MAX_N", "SHORT_MAX_M", "narrow_target_blocks", "short_target_blocks"]

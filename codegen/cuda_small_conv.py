@@ -22,21 +22,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_kernels import (NUM_SMS, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry,
-                           _reduce_groups, kernel_signature, with_epilogue)
-from .device import H200
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
+                           kernel_signature, with_epilogue)
+from .device import Device, current, resident_threads, static_shared_budget
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
-SMEM_LIMIT = H200.shared_per_block - 8 * 1024  # static shared memory a block, with room for the block reduction
 MAX_WINDOW = 32         # C*KH*KW of the forward: the filters of OT channels live in registers
 MAX_WEIGHTS = 512       # O*C*KH*KW of the grad-weight: per-block partials, the reduce launch
 FWD_FILTER_REGS = 40    # OT*C*KH*KW registers for the forward's filters
 GW_ACC_REGS = 40        # OT*C*KH*KW accumulators of the grad-weight
 GW_LOAD_REGS = 16       # STEPS*OT*V dy values a grad-weight thread has in flight per unit
-GW_THREADS_PER_SM = 768  # grad-weight threads resident per SM (__launch_bounds__: <= 85 registers)
+FWD_REGS = 64           # registers a forward thread takes, about (filters, outputs of a vector, indices)
+GW_REGS = 85            # registers a grad-weight thread may take: its __launch_bounds__ asks for the blocks
+                        # that many allow resident (accumulators and loads in flight fit in them)
 
 _env = environment("cuda")
+
+
+def _smem_budget(device: Device) -> int:
+    """Static shared memory a block may stage rows in: 8 KiB are left for the block reduction."""
+    return static_shared_budget(device, 8 * 1024)
+
+
+def gw_threads_per_sm(device: Device) -> int:
+    """Grad-weight threads resident a multiprocessor at GW_REGS registers each (768 on an H200)."""
+    return resident_threads(device, GW_REGS)
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,11 @@ def small_forward_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: in
     V = _vector(WO)
     OT = _channel_tile(O, CKK, FWD_FILTER_REGS)
     WS = _staged_width(W, PW, WO, KW, SW, V)
+    dev = current()
+    budget, resident = _smem_budget(dev), resident_threads(dev, FWD_REGS)
     best = None
     for RB in range(1, HO + 1):
-        if 4 * C * ((RB - 1) * SH + KH) * WS > SMEM_LIMIT:
+        if 4 * C * ((RB - 1) * SH + KH) * WS > budget:
             break
         for TL in (32, 64, 96, 128, 192, 256):
             threads = O // OT * TL
@@ -100,9 +113,9 @@ def small_forward_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: in
             blocks = N * ceil_div(HO, RB)
             if blocks >= 2**31:
                 continue
-            # Blocks resident per SM (about 64 registers a thread: 1024 threads); fewer blocks
-            # than slots leave multiprocessors idle, a last partial wave leaves some idle at the end.
-            slots = NUM_SMS * max(1, 1024 // threads)
+            # Blocks resident per SM (about FWD_REGS registers a thread); fewer blocks than slots
+            # leave multiprocessors idle, a last partial wave leaves some idle at the end.
+            slots = dev.multiprocessors * max(1, resident // threads)
             waves = blocks / slots
             fill = min(1.0, waves) * (0.75 + 0.25 * waves / ceil_div(blocks, slots))
             halo = ((RB - 1) * SH + KH) / (RB * SH)  # staged rows per output row (x re-read from L2)
@@ -150,9 +163,11 @@ def small_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO
     if OT * CKK > 2 * GW_ACC_REGS:
         return None
     WS = _staged_width(W, PW, WO, KW, SW, V)
+    dev = current()
+    budget, resident = _smem_budget(dev), gw_threads_per_sm(dev)
     best = None
     for RB in range(1, HO + 1):
-        if 4 * (C * ((RB - 1) * SH + KH) * WS + 16 * OT * CKK) > SMEM_LIMIT:
+        if 4 * (C * ((RB - 1) * SH + KH) * WS + 16 * OT * CKK) > budget:
             break
         for TL in (32, 64, 128):
             threads = O // OT * TL
@@ -165,7 +180,7 @@ def small_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO
             if steps * OT * V > GW_LOAD_REGS:
                 continue
             units = N * ceil_div(HO, RB)
-            slots = NUM_SMS * max(1, GW_THREADS_PER_SM // threads)
+            slots = dev.multiprocessors * max(1, resident // threads)
             per_block = ceil_div(units, min(units, slots))
             blocks = ceil_div(units, per_block)  # one wave, equal shares of the units
             busy = units / (per_block * slots)   # of the resident slots over the kernel's time
@@ -200,7 +215,7 @@ def render_small_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: in
                                f"padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw_, HO=HO, WO=WO, OT=plan.OT, V=plan.V,
         RB=plan.RB, TL=plan.TL, WS=WS, threads=threads, blocks=plan.blocks,
-        min_blocks=min_blocks or max(1, GW_THREADS_PER_SM // threads), roles=roles, inputs=inputs,
+        min_blocks=min_blocks or max(1, gw_threads_per_sm(current()) // threads), roles=roles, inputs=inputs,
         unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg,
         rgrid=ceil_div(outs, 32), pw=epilogue)
     args = roles + ("scratch",)

@@ -1,9 +1,10 @@
 """The CUDA target: its registry record, device storage, and the executor (NVRTC module through
 CuPy, the whole step captured once into a CUDA graph and replayed per batch).
 
-CuPy is imported only when a CUDA step is built or a device storage is made, so this module (and
-the `cuda` record: its passes, kernel selection and code generation) works without a GPU, which
-is how `ember kernels --device cuda` writes sources for CI to compile with nvcc.
+CuPy is imported only when a CUDA step is built, a device storage is made or kernels are planned
+(for the GPU at hand: `compile_device`), so this module (and the `cuda` record: its passes, kernel
+selection and code generation) works without a GPU, planning for the H200, which is how
+`ember kernels --device cuda` writes sources for CI to compile with nvcc.
 
 The executor owns one device arena laid out by the memory plan: the step's input buffers, every
 intermediate and every kernel's scratch. A call copies each argument into its fixed input buffer
@@ -15,6 +16,7 @@ in place are copied into it inside the graph.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -25,8 +27,8 @@ import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
-from ember.codegen.device import Device
-from ember.ir import Graph, TensorType
+from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
+from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
 
 from .cuda_streams import place
@@ -137,16 +139,60 @@ _STEP_STREAMS: dict[int, Any] = {}
 
 
 def device_from_cupy(cp: Any, index: int | None = None) -> Device:
-    """The descriptor of CUDA device `index` (default: the current one), read from its attributes."""
+    """The descriptor of CUDA device `index` (default: the current one), read from its attributes.
+    A GPU with a known descriptor (`codegen.device.KNOWN`: same name, same structure) is described
+    by it, with the clock under load and the reachable bandwidth measured or estimated for that
+    model; another one (a new model, or a MIG slice of a known one, with fewer multiprocessors)
+    gets its clock and bandwidth estimated from the peaks its attributes give."""
     dev = cp.cuda.Device(index) if index is not None else cp.cuda.Device()
     a = dev.attributes
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
-    return Device(name=name.decode() if isinstance(name, bytes) else str(name),
+    peak_bandwidth = a["MemoryClockRate"] * 1e3 * 2 * a["GlobalMemoryBusWidth"] / 8  # kHz, double data rate, bits
+    read = Device(name=name.decode() if isinstance(name, bytes) else str(name),
                   multiprocessors=a["MultiProcessorCount"], shared_per_block=a["MaxSharedMemoryPerBlock"],
                   shared_per_block_optin=a["MaxSharedMemoryPerBlockOptin"],
                   shared_per_multiprocessor=a["MaxSharedMemoryPerMultiprocessor"],
                   registers_per_multiprocessor=a["MaxRegistersPerMultiprocessor"],
-                  max_threads_per_multiprocessor=a["MaxThreadsPerMultiProcessor"], warp_size=a["WarpSize"])
+                  max_threads_per_multiprocessor=a["MaxThreadsPerMultiProcessor"],
+                  max_blocks_per_multiprocessor=a["MaxBlocksPerMultiprocessor"],
+                  clock_hz=a["ClockRate"] * 1e3 * CLOCK_UNDER_LOAD,
+                  memory_bytes_per_s=peak_bandwidth * REACHABLE_BANDWIDTH, warp_size=a["WarpSize"])
+    known = find(read.name)
+    if known is not None and dataclasses.replace(read, clock_hz=known.clock_hz,
+                                                 memory_bytes_per_s=known.memory_bytes_per_s) == known:
+        return known
+    return read
+
+
+_AT_HAND: dict[int, Device] = {}  # GPU index -> its descriptor, read once
+
+
+def compile_device() -> Device:
+    """The descriptor the cuda target plans and renders kernels for: the one a `device.using`
+    block chose (`ember kernels --gpu NAME`), else the GPU this process runs on, else (no usable
+    GPU: sources written for CI) the default, the H200."""
+    chosen = active()
+    if chosen is not None:
+        return chosen
+    try:
+        cp = _cupy()
+    except RuntimeError:
+        return current()
+    index = cp.cuda.Device().id
+    if index not in _AT_HAND:
+        _AT_HAND[index] = device_from_cupy(cp, index)
+    return _AT_HAND[index]
+
+
+def _choose_kernel(sub: Graph, spec: KernelSpec) -> tuple[str, tuple, int, str] | None:
+    with using(compile_device()):
+        return cuda_choices.stamp(sub, spec)
+
+
+def render_step(graph: Graph) -> cuda_codegen.CudaStepSource:
+    """The step's source, rendered for the same descriptor its kernels were chosen for."""
+    with using(compile_device()):
+        return cuda_codegen.render_step(graph)
 
 
 def _step_stream(cp: Any) -> Any:
@@ -177,7 +223,7 @@ class CudaExecutor:
         self.graph, self.storage = graph, storage
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
-        self.source = cuda_codegen.render_step(graph)
+        self.source = render_step(graph)
         rendered = time.perf_counter()
         self.arch = _arch(cp)
         options = ("-std=c++17", f"-arch={self.arch}")
@@ -423,7 +469,8 @@ def _tune(graph: Graph, **options: Any) -> Any:
     """`Target.tune`: the candidates of every kernel measured on this GPU (`runtime/tuner.py`)."""
     from .tuner import tune_graph
     from .tuner_cuda import CudaMeasurer
-    return tune_graph(graph, table=cuda_choices.TABLE, measurer=CudaMeasurer, **options)
+    with using(compile_device()):  # the device the graph's kernels were chosen for, and keyed by
+        return tune_graph(graph, table=cuda_choices.TABLE, measurer=CudaMeasurer, **options)
 
 
 TARGET = targets.register(targets.Target(
@@ -442,10 +489,10 @@ TARGET = targets.register(targets.Target(
                               loss_kernels=True),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
-    choose_kernel=cuda_choices.stamp,  # the choice table: family, plan and scratch of each kernel
+    choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel
     tune=_tune,
     language="cuda",
-    source=lambda graph: cuda_codegen.render_step(graph).code,
+    source=lambda graph: render_step(graph).code,
     executor=CudaExecutor,
     storage=DeviceStorage,
     available=check_available,

@@ -163,7 +163,7 @@ def staging_variants(cp, rng) -> list[dict]:
 
 def batch64_variants(cp, rng) -> list[dict]:
     """conv2 at batch 64, where cuda_choices.DIRECT_MIN_POSITIONS keeps the implicit GEMM: the GEMM against the
-    direct kernels' planner picks and smaller units (more blocks for 132 multiprocessors)."""
+    direct kernels' planner picks and smaller units (more blocks for an H200's multiprocessors)."""
     B = 64
     spec = dict(N=B, **CONV2)
     out = []

@@ -10,6 +10,7 @@ import pytest
 from ember.codegen import tuning_db
 from ember.codegen import cuda_kernels as ck
 from ember.codegen import cuda_skinny as cs
+from ember.codegen.device import H200
 from ember.frontends.cli import main as ember_main
 from nvcc import assert_compiles, find_nvcc, nvcc_or_skip
 
@@ -38,9 +39,9 @@ def test_mnist_plans_split_and_fill_the_gpu():
         main, red = k.launches
         blocks = main.grid[0] * main.grid[1]
         if k is fwd:  # one wave: as many blocks as fit, and no more
-            assert cs.NARROW_TARGET_BLOCKS // 2 < blocks <= cs.NARROW_TARGET_BLOCKS
+            assert cs.narrow_target_blocks(H200) // 2 < blocks <= cs.narrow_target_blocks(H200)
         else:
-            assert blocks >= cs.SHORT_TARGET_BLOCKS
+            assert blocks >= cs.short_target_blocks(H200)
         assert red.function == f"{k.name}_reduce"
         assert splits > 1 and k.scratch_bytes == -(-4 * splits * 10 * (1024 if k is fwd else 18432) // 256) * 256
     # one split: no scratch, one launch, the epilogue in the first launch
