@@ -161,6 +161,19 @@ class TuningDB:
         _atomic_write(self.user_dir / f"{slug}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
         self._files[(self.user_dir, slug)] = records
 
+    def fingerprint(self, target: str, device: str) -> str:
+        """A hash of the files a lookup for (target, device) reads: what a cached plan depends on."""
+        import hashlib
+
+        h = hashlib.sha256()
+        slug = device_slug(target, device)
+        for folder in ([self.user_dir] if self.user_dir is not None else []) + list(self.shipped_dirs):
+            try:
+                h.update((folder / f"{slug}.json").read_bytes())
+            except OSError:
+                h.update(b"-")
+        return h.hexdigest()
+
     def records(self, target: str, device: str) -> dict[str, Record]:
         """Every record for (target, device), shipped ones overridden by the user's."""
         slug = device_slug(target, device)

@@ -36,6 +36,7 @@ from ember.runtime.comm import broadcast_parameters
 from ember.runtime.consistency import agree_on_step
 from ember.runtime.executor import Executor, check_class_inputs, class_inputs
 
+from . import plan_cache
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .nn import Module
 from .optim import as_config
@@ -58,10 +59,11 @@ def _array(a: Any) -> Any:
     return a if isinstance(a, np.ndarray) else np.asarray(a)
 
 
-def _note_compile_stats(executor: Any, passes_seconds: float, dump: Path | None) -> None:
+def _note_compile_stats(executor: Any, passes_seconds: float, dump: Path | None, cached: bool = False) -> None:
     """Adds the passes' seconds to what the executor measured (rendering, compiler, cache hits)
-    and writes it all to `<dump>/compile_stats.json` (atomically) when dumping."""
-    stats = {"passes_s": round(passes_seconds, 4), **getattr(executor, "compile_stats", {})}
+    and writes it all to `<dump>/compile_stats.json` (atomically) when dumping. `cached`: the
+    graph and source came from the plan cache (`passes_s` is then the lookup's time)."""
+    stats = {"passes_s": round(passes_seconds, 4), "plan_cached": cached, **getattr(executor, "compile_stats", {})}
     try:
         executor.compile_stats = stats
     except AttributeError:  # an executor that does not take attributes: stats stay unrecorded
@@ -211,6 +213,30 @@ class _Compiled:
             if name not in self.storage:
                 self.storage.add(name, value)
 
+    def _planned(self, forward: Graph, passes: list, dump: Path | None,
+                 extra: str | None = "") -> tuple[Graph, Any, str | None]:
+        """(graph after `passes`, its generated source or None, the plan cache's key or None):
+        from the plan cache where it holds this trace (`frontends/plan_cache.py`), else the passes
+        run (tuning first, with `tune`). extra None: not cacheable (a data-parallel step)."""
+        key = None
+        if extra is not None and dump is None and self.tune_budget_s is None and plan_cache.enabled():
+            device = self.target.device_model() if self.target.device_model is not None else ""
+            key = plan_cache.step_key(forward, passes, target=self.target, device=device, profile=self.profile,
+                                      extra=f"{extra};precision={self.precision}")
+            if key is not None and (found := plan_cache.load(key, forward)) is not None:
+                return found[0], found[1], None
+        return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
+
+    def _executor(self, graph: Graph, dump: Path | None, source: Any, **extra: Any) -> Executor:
+        if source is not None:
+            extra["source"] = source
+        return self.target.executor(graph, self.storage, dump, profile=self.profile, **extra)
+
+    @staticmethod
+    def _keep_plan(key: str | None, graph: Graph, executor: Any) -> None:
+        if key is not None:
+            plan_cache.store(key, graph, getattr(executor, "source", None))
+
     def _tuned(self, build: Callable[[], Graph]) -> Graph:
         """`build()`'s graph; with tuning on, its kernels measured first (the tuning database then
         holds them) and the graph built again so `select` takes the measured winners."""
@@ -234,11 +260,13 @@ class _Compiled:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
             t0 = time.perf_counter()
-            graph = self._tuned(lambda: run_passes(forward, self.target.passes(), dump_dir=dump))
+            passes = self.target.passes()
+            graph, source, cache_key = self._planned(forward, passes, dump)
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
-            hit = self._inference[key] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile))
-            _note_compile_stats(hit[1], passes_seconds, dump)
+            hit = self._inference[key] = (graph, self._executor(graph, dump, source))
+            self._keep_plan(cache_key, graph, hit[1])
+            _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
         return hit[1]
 
     def _sync(self) -> None:
@@ -383,15 +411,16 @@ class TrainStep(_Compiled):
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
                 extra = {"communicator": self.comm}
             t0 = time.perf_counter()
-            graph = self._tuned(lambda: run_passes(forward, passes, dump_dir=dump))
+            graph, source, cache_key = self._planned(forward, passes, dump,
+                                                     extra=f"optimizer={self.config!r}" if self.comm is None else None)
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             self._bind(graph)
             # Every shape traces the same loss, so one graph fixes which inputs are labels.
             self._classes = class_inputs(forward)
-            hit = self._steps[types] = (graph, self.target.executor(graph, self.storage, dump, profile=self.profile,
-                                                                    **extra))
-            _note_compile_stats(hit[1], passes_seconds, dump)
+            hit = self._steps[types] = (graph, self._executor(graph, dump, source, **extra))
+            self._keep_plan(cache_key, graph, hit[1])
+            _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
             if self.comm is not None:
                 # every rank must have compiled the same step (same code, model and settings):
                 # checked before the parameters are broadcast, which a different model would hang

@@ -70,6 +70,9 @@ class Target:
     #: this machine and stores the winners in the tuning database (`ember.runtime.tuner`); None:
     #: the target has nothing to tune
     tune: Callable[..., Any] | None = None
+    #: () -> the device model kernels are chosen for ("NVIDIA H200", the CPU's vector variant): the
+    #: tuning database's and the plan cache's key; None: one kind of device
+    device_model: Callable[[], str] | None = None
     #: name of the codegen spelling table the target's generated kernels use ("cpp", "cuda"), or None
     language: str | None = None
     #: planned graph -> the source code its step compiles (for dumps and `ember kernels`), or None

@@ -66,14 +66,15 @@ class CpuExecutor:
 
     def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
                  profile: bool | None = None, communicator: "_comm.Communicator | None" = None,
-                 overlap: bool | None = None) -> None:
+                 overlap: bool | None = None, source: cpp.StepSource | None = None) -> None:
         storage.check(graph)
         self.graph = graph
         self.storage = storage
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
-        self.source = cpp.render_step(graph, profile=self.profile)
+        # given: from the plan cache (frontends/plan_cache.py), rendered with the same profile setting
+        self.source = source if source is not None else cpp.render_step(graph, profile=self.profile)
         t_render = time.perf_counter()
         self.isa = self.source.isa
         if not cpu_vector.host_supports(self.isa):
@@ -190,6 +191,7 @@ TARGET = targets.register(targets.Target(
     # waited before the first update that reads it (runtime/cpu_segments.py)
     early_collectives=True,
     kernel_scratch=cpp.kernel_scratch,
+    device_model=lambda: cpu_vector.resolve().name,
     language="cpp",
     source=lambda graph: cpp.render_step(graph).code,
     executor=CpuExecutor,

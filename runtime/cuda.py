@@ -215,7 +215,7 @@ class CudaExecutor:
     """One compiled CUDA step of a fused, memory-planned graph, bound to a `DeviceStorage`."""
 
     def __init__(self, graph: Graph, storage: Storage, dump_dir: str | os.PathLike | None = None, name: str = "step",
-                 profile: bool | None = None, communicator: Any = None) -> None:
+                 profile: bool | None = None, communicator: Any = None, source: Any = None) -> None:
         cp = self._cp = _cupy()
         storage.check(graph)
         if not isinstance(storage, DeviceStorage):
@@ -223,7 +223,7 @@ class CudaExecutor:
         self.graph, self.storage = graph, storage
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
-        self.source = render_step(graph)
+        self.source = source if source is not None else render_step(graph)  # given: from the plan cache
         rendered = time.perf_counter()
         self.arch = _arch(cp)
         options = ("-std=c++17", f"-arch={self.arch}")
@@ -491,6 +491,7 @@ TARGET = targets.register(targets.Target(
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
     choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel
     tune=_tune,
+    device_model=lambda: compile_device().name,
     language="cuda",
     source=lambda graph: render_step(graph).code,
     executor=CudaExecutor,

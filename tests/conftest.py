@@ -20,6 +20,9 @@ os.environ.setdefault("EMBER_CACHE_DIR", tempfile.mkdtemp(prefix="ember-test-cac
 # Tests check every graph fully after every pass (type rules, fused subgraphs); compile() by
 # default checks structure only (ember.ir.Graph.verify).
 os.environ.setdefault("EMBER_VERIFY", "1")
+# Tests patch passes, targets and code generators: every compile runs them (the plan cache's own
+# tests turn it on, tests/frontends/test_plan_cache.py).
+os.environ.setdefault("EMBER_PLAN_CACHE", "0")
 
 
 def _has_cuda() -> bool:
