@@ -127,7 +127,8 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
     t0 = time.perf_counter()
     reports: list[KernelReport] = []
     seen: dict[str, KernelReport] = {}
-    instrument: Measurer | None = measurer if hasattr(measurer, "measure") else None
+    # a measurer, or a factory of one (a class, too, has a `measure` attribute: it is a factory)
+    instrument: Measurer | None = None if isinstance(measurer, type) or not hasattr(measurer, "measure") else measurer
     for sub, spec in kernels_of(graph):
         if spec.kind in table.no_kernel:
             continue
@@ -136,7 +137,7 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         versions = table.versions(sub, spec)
         if len(cands) <= 1:
             continue
-        if key in seen:  # the same kernel again: its record serves both
+        if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None:
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
