@@ -6,8 +6,9 @@ Reads only what the passes recorded on the graph: each `fused` node's subgraph a
 `meta["schedule"]`, and each node's storage notes from the memory plan. Pointwise and reduction
 kernels are the target-neutral lowering (`lowering.py`) spelled with `SPELLING`; contractions
 and pooling come from the templates in `cpp_kernels` and `pool_kernels`, each exactly as the
-family and plan `select` stamped on its spec (`cpp_choices`). Every call is preceded by a header naming the graph
-nodes it implements (and the user's source lines), and so is every kernel in the dumps. The
+family and plan `select` stamped on its spec (`cpp_choices`). Every call is preceded by a
+header naming the graph nodes it implements (and the user's source lines), and so is every
+kernel in the dumps. The
 entry point receives the external buffers (parameters, states, non-scalar constants) as
 `ext[slot]` and the arena, which holds the step's inputs, every intermediate and every kernel's
 scratch; each buffer gets a named local.

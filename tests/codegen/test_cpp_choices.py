@@ -59,9 +59,9 @@ def _conv_geometry(rng: random.Random, kind: str, isa: str) -> dict:
 
 def _matmul_geometry(rng: random.Random, isa: str) -> dict:
     eps = tuple(e for e in ("bias", "relu", "relu_mask") if rng.random() < 0.3)
-    return dict(kind="matmul", epilogues=eps, isa=isa, M=rng.choice([1, 3, 7, 30, 64]), N=rng.choice([1, 5, 10, 37, 300]),
-                K=rng.choice([1, 9, 64, 130, 2500]), batch=rng.choice([1, 1, 3]), trans_a=rng.random() < 0.5,
-                trans_b=rng.random() < 0.5)
+    return dict(kind="matmul", epilogues=eps, isa=isa, M=rng.choice([1, 3, 7, 30, 64]),
+                N=rng.choice([1, 5, 10, 37, 300]), K=rng.choice([1, 9, 64, 130, 2500]), batch=rng.choice([1, 1, 3]),
+                trans_a=rng.random() < 0.5, trans_b=rng.random() < 0.5)
 
 
 def _row_geometry(kind: str, isa: str) -> dict:

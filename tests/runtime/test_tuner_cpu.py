@@ -45,12 +45,16 @@ def _net(seed: int):
 def _sample(cands, rng: random.Random) -> list:
     firsts = list({(f, dict(p).get("mode")): (f, p) for f, p in reversed(cands)}.values())
     rest = [c for c in cands if c not in firsts]
-    return list(dict.fromkeys([cands[0], *firsts, *rng.sample(rest, max(0, min(len(rest), PER_KERNEL - len(firsts))))]))
+    extra = rng.sample(rest, max(0, min(len(rest), PER_KERNEL - len(firsts))))
+    return list(dict.fromkeys([cands[0], *firsts, *extra]))
 
 
 def _reduction_length(g: dict) -> int:
-    return {"conv2d": lambda: g["C"] * g["KH"] * g["KW"], "conv2d_grad_input": lambda: g["O"] * g["KH"] * g["KW"],
-            "conv2d_grad_weight": lambda: g["N"] * g["HO"] * g["WO"], "matmul": lambda: g["K"]}.get(g["kind"], lambda: 1)()
+    if g["kind"] in ("conv2d", "conv2d_grad_input"):
+        return (g["C"] if g["kind"] == "conv2d" else g["O"]) * g["KH"] * g["KW"]
+    if g["kind"] == "conv2d_grad_weight":
+        return g["N"] * g["HO"] * g["WO"]
+    return g["K"] if g["kind"] == "matmul" else 1
 
 
 @pytest.mark.parametrize("seed", range(3))
