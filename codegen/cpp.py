@@ -5,22 +5,23 @@ order; `cpp_units` splits them into translation units that compile in parallel).
 Reads only what the passes recorded on the graph: each `fused` node's subgraph and `KernelSpec`,
 `meta["schedule"]`, and each node's storage notes from the memory plan. Pointwise and reduction
 kernels are the target-neutral lowering (`lowering.py`) spelled with `SPELLING`; contractions
-come from the templates in `cpp_kernels`. Every call is preceded by a header naming the graph
-nodes it implements (and the user's source lines), and so is every kernel in the dumps. The
+and pooling come from the templates in `cpp_kernels` and `pool_kernels`, each exactly as the
+family and plan `select` stamped on its spec (`cpp_choices`). Every call is preceded by a
+header naming the graph nodes it implements (and the user's source lines), and so is every
+kernel in the dumps. The
 entry point receives the external buffers (parameters, states, non-scalar constants) as
 `ext[slot]` and the arena, which holds the step's inputs, every intermediate and every kernel's
 scratch; each buffer gets a named local.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.ir import Graph, KernelSpec, TensorType
 
-from . import cpp_kernels, cpp_units, cpu_vector, pool_kernels
+from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
 from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
 from .templates_env import environment
@@ -62,64 +63,6 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
         params=_signature(sub, t, restrict), prologue=low.prologue, value=low.value, epilogue=low.epilogue,
         result=low.result, acc_type=low.acc_type, init=reduction_init(low, SPELLING),
         parallel=low.outputs >= 2 and low.outputs * low.reduced >= PARALLEL_MIN)
-
-
-def render_contraction(name: str, sub: Graph, spec: KernelSpec,
-                       isa: cpu_vector.VectorISA | None = None) -> tuple[cpp_kernels.KernelSource, list[str | None]]:
-    """Renders a conv/matmul template for the vector variant `isa` (default: `cpu_vector.resolve()`);
-    returns the source and its argument order as roles (None: NULL)."""
-    isa = isa or cpu_vector.resolve()
-    core = sub.attrs(spec.core)
-    operand_types = [sub.type(o) for o in sub.operands(spec.core)]
-    x_t, w_t = operand_types[0], operand_types[-1]
-    # The contraction templates are register-tiled for float32 vectors; a float64 instance would
-    # be a different kernel, not a type change, so it is refused here rather than miscompiled.
-    dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
-    if dtypes != ["float32"]:
-        raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 only, got {', '.join(dtypes)} "
-                                  f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
-    bias = "bias" in spec.epilogues
-    known = {"conv2d": {"bias", "relu"}, "matmul": {"bias", "relu", "relu_mask"},
-             "conv2d_grad_input": {"relu_mask"}}.get(spec.kind, set())
-    if unknown := [e for e in spec.epilogues if e not in known]:
-        raise NotImplementedError(f"the C++ {spec.kind} template has no {', '.join(unknown)} epilogue (at {name})")
-    if spec.kind in pool_kernels.POOL_KINDS:
-        return pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, core))
-    if spec.kind == "conv2d":
-        (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
-        ks = cpp_kernels.render_conv2d_forward(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                               padding=core["padding"], bias=bias, relu="relu" in spec.epilogues, isa=isa)
-        return ks, ["x", "w", "bias" if bias else None, "out"]
-    if spec.kind == "conv2d_grad_input":
-        (n, c, h, w), (o, _, kh, kw) = core["input_shape"], w_t.shape
-        mask = "relu_mask" in spec.epilogues
-        ks = cpp_kernels.render_conv2d_grad_input(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw,
-                                                  stride=core["stride"], padding=core["padding"], relu_mask=mask, isa=isa)
-        return ks, ["dy", "w", *(["mask"] if mask else []), "out"]
-    if spec.kind == "conv2d_grad_weight":
-        (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
-        ks = cpp_kernels.render_conv2d_grad_weight(name, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"],
-                                                   padding=core["padding"], bias=False, isa=isa)
-        return ks, ["x", "dy", "out", None]
-    if spec.kind == "matmul":
-        if x_t.shape[:-2] != w_t.shape[:-2]:
-            raise NotImplementedError(
-                f"matmul of {x_t} and {w_t} broadcasts batch dimensions, which the CPU templates do not support "
-                f"yet; broadcast_to the operands to a common batch shape first")
-        *batch, m, k = x_t.shape
-        ks = cpp_kernels.render_matmul(name, M=m, N=sub.type(spec.core).shape[-1], K=k, trans_a=spec.param("trans_a"),
-                                       trans_b=spec.param("trans_b"), batch=math.prod(batch), bias=bias,
-                                       relu="relu" in spec.epilogues, relu_mask="relu_mask" in spec.epilogues, isa=isa)
-        return ks, ["a", "b", "bias" if bias else None, *(["mask"] if "relu_mask" in spec.epilogues else []), "out"]
-    raise NotImplementedError(f"no C++ template for kernel kind {spec.kind!r}")
-
-
-def kernel_scratch(sub: Graph, spec: KernelSpec) -> int:
-    """Scratch bytes the CPU kernel of this spec needs (the target record's `kernel_scratch`), for
-    the vector variant the environment selects (render_step resolves the same one and checks)."""
-    if spec.template is None:
-        return 0
-    return render_contraction(sub.name, sub, spec)[0].scratch_bytes
 
 
 @dataclass
@@ -242,18 +185,18 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
             collectives[-1].append((operands[0], n, dict(sub.attrs(spec.core))))
             continue
         else:
-            ks, order = render_contraction(name, sub, spec, isa)
+            # exactly the family and plan `select` stamped on the spec (cpp_choices)
+            ks, order = cpp_choices.render_kernel(name, sub, spec, isa)
             if ks.scratch_bytes != spec.scratch_bytes:
                 raise AssertionError(f"{name}: template needs {ks.scratch_bytes} scratch bytes ({isa.name}), "
                                      f"the plan reserved {spec.scratch_bytes} (was ${cpu_vector.ENV_VAR} "
                                      f"changed between planning and rendering?)")
-            named = {role: args[i] for role, i in spec.roles} | {"out": out}
-            scratch = "nullptr"
+            named = {role: args[i] for role, i in spec.roles} | {"out": out, "scratch": "nullptr"}
             if spec.scratch_bytes:
-                scratch = f"{name}_scratch"
-                scratch_decls.append(f"float* const {scratch} = reinterpret_cast<float*>(arena + {notes['scratch_offset']});"
-                                     f"  // {spec.scratch_bytes} bytes")
-            call_args = [named[a] if a is not None else "nullptr" for a in order] + [scratch]
+                named["scratch"] = f"{name}_scratch"
+                scratch_decls.append(f"float* const {name}_scratch = reinterpret_cast<float*>(arena + "
+                                     f"{notes['scratch_offset']});  // {spec.scratch_bytes} bytes")
+            call_args = [named[a] if a is not None else "nullptr" for a in order]
             code = ks.code
         fname, code, declaration = cpp_units.name_by_content(code, name)
         fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))

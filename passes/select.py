@@ -1,7 +1,7 @@
 """Kernel selection: which kernel family and plan serves each fused node, and its scratch size,
 asked of the target before memory planning.
 
-A target with a choice table (`Target.choose_kernel`: the cuda target's `codegen/cuda_choices`)
+A target with a choice table (`Target.choose_kernel`: `codegen/cuda_choices`, `codegen/cpp_choices`)
 answers (family, plan, scratch bytes, why) per kernel: from the tuning database where it holds a
 measurement of this kernel on this device, else from the target's cost model (`codegen/choices`).
 The pass stamps that on the node's `KernelSpec` (`choice`, `scratch_bytes`, `why`), so dumps show

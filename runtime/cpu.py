@@ -14,10 +14,11 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ember.codegen import cpp, cpu_vector
+from ember.codegen import cpp, cpp_choices, cpu_vector
 from ember.codegen.compiler import compile_units
 from ember.ir import Graph, TensorType
 
@@ -177,6 +178,14 @@ class CpuExecutor:
         return self._runner.reduce_seconds if self._runner is not None else 0.0
 
 
+def _tune(graph: Graph, **options: Any) -> Any:
+    """`Target.tune`: the candidates of every kernel measured on this CPU, at the step's thread
+    count (`runtime/tuner.py`, `runtime/tuner_cpu.py`)."""
+    from .tuner import tune_graph
+    from .tuner_cpu import CpuMeasurer
+    return tune_graph(graph, table=cpp_choices.TABLE, measurer=CpuMeasurer, **options)
+
+
 TARGET = targets.register(targets.Target(
     name="cpu",
     description="generated C++ compiled with g++ and OpenMP, the whole step in one call",
@@ -190,8 +199,9 @@ TARGET = targets.register(targets.Target(
     # each gradient bucket's all-reduce right after its last gradient, started non-blocking and
     # waited before the first update that reads it (runtime/cpu_segments.py)
     early_collectives=True,
-    kernel_scratch=cpp.kernel_scratch,
-    device_model=lambda: cpu_vector.resolve().name,
+    choose_kernel=cpp_choices.stamp,  # the choice table: family, plan and scratch of each kernel
+    tune=_tune,
+    device_model=cpp_choices.device_name,
     language="cpp",
     source=lambda graph: cpp.render_step(graph).code,
     executor=CpuExecutor,

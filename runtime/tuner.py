@@ -140,7 +140,7 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
     for done, (sub, spec, cands) in enumerate(work, 1):
         key = table.key(sub, spec)
         versions = table.versions(sub, spec)
-        if key in seen:  # the same kernel again: its record serves both
+        if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None:
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))

@@ -1,0 +1,294 @@
+"""The CPU choice table: which kernel family, with which plan, serves each kernel, as data.
+
+A family is one C++ template with its tiling scheme (`cpp_kernels`): the two matmul forms (`dot`:
+x @ W^T vectorised along k; `axpy`: any matmul, vectorised along n), the three convolution
+kernels (forward, grad-input, grad-weight), each with its modes (row, flat, generic; the
+grad-input's scatter) and register tiles as plans, pooling and the generated kinds (pointwise,
+reductions: one plan each). Each entry (a `choices.Family`) says which kinds it serves, when it
+applies (a reason when not), when the cost model prefers it, its plans (the cost model's best
+first; the tuner's list is a spread of the cost model's ranking), its scratch from a plan, its
+renderer and its version.
+
+The plans are chosen for a vector variant (`cpu_vector`: lanes and registers), which is part of
+the kernel's geometry (`isa`); the tuning database keys the device by that variant and the
+thread count the step runs with (`device_name`: "x86-avx512/2t"), since which plan is fastest
+depends on both.
+
+`TABLE` (a `choices.ChoiceTable`) answers for a kernel: its candidates, the decision (forced, else
+the tuning database's measurement for this CPU, else the cost model) and its stamp; the module's
+functions are its methods. `render_kernel` renders the stamped choice for a vector variant.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import platform
+from typing import Any
+
+from ember.ir import Graph, KernelSpec
+
+from . import cpp_kernels, cpu_vector, pool_kernels
+from .choices import ChoiceTable, Family, Plan
+from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
+from .cpu_vector import VectorISA
+from .shapes import pair
+
+__all__ = ["TABLE", "FAMILIES", "EPILOGUES", "geometry", "device_name", "threads", "render_kernel", "candidates",
+           "decide", "choose", "stamp", "force", "scratch_bytes"]
+
+CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+#: epilogues each contraction kind's templates take (pointwise and reduction kernels: none)
+EPILOGUES: dict[str, frozenset[str]] = {
+    "conv2d": frozenset({"bias", "relu"}), "matmul": frozenset({"bias", "relu", "relu_mask"}),
+    "conv2d_grad_input": frozenset({"relu_mask"}), "conv2d_grad_weight": frozenset()}
+#: kinds rendered from a template (float32 register tiles): the rest are generated from their subgraph
+TEMPLATED = CONVS + ("matmul",) + tuple(pool_kernels.POOL_KINDS)
+
+
+# --------------------------------------------------------------------------- the device
+
+def threads() -> int:
+    """The OpenMP team the step's kernels run with: `omp_get_max_threads()` capped at
+    `cpp_kernels.MAX_THREADS` (`team_size` in the vector prelude). That is libgomp's current
+    setting where libgomp is loaded in this process already, else what it will read when the
+    first step loads it: the first number of $OMP_NUM_THREADS, else the CPUs this process may
+    run on."""
+    n = 0
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        n = int(gomp.omp_get_max_threads())
+    except (OSError, AttributeError):
+        word = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+        if word.isdigit():
+            n = int(word)
+    if n < 1:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = os.cpu_count() or 1
+    return max(1, min(n, cpp_kernels.MAX_THREADS))
+
+
+def device_name(isa: VectorISA | None = None) -> str:
+    """The CPU as the tuning database keys it: architecture, vector variant and thread count
+    ("x86-avx512/2t"): what decides which plan runs fastest."""
+    machine = platform.machine().lower()
+    arch = "x86" if machine in ("x86_64", "amd64", "i386", "i686") else machine or "cpu"
+    return f"{arch}-{(isa or cpu_vector.resolve()).name}/{threads()}t"
+
+
+# --------------------------------------------------------------------------- geometry
+
+def geometry(sub: Graph, spec: KernelSpec, isa: VectorISA | None = None) -> dict[str, Any]:
+    """What the families decide on: the kind, epilogues, vector variant and the sizes (convolutions:
+    N C H W O KH KW stride padding HO WO; matmuls: M N K batch trans_a trans_b; pooling: its window)."""
+    g: dict[str, Any] = dict(kind=spec.kind, epilogues=tuple(spec.epilogues), isa=(isa or cpu_vector.resolve()).name)
+    if spec.kind not in TEMPLATED:
+        return g
+    core = sub.attrs(spec.core)
+    operand_types = [sub.type(o) for o in sub.operands(spec.core)]
+    x_t, w_t = operand_types[0], operand_types[-1]
+    # The templates are register-tiled for float32 vectors; a float64 instance would be a
+    # different kernel, not a type change, so it is refused here rather than miscompiled.
+    dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
+    if dtypes != ["float32"]:
+        raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 only, got {', '.join(dtypes)} "
+                                  f"(at {sub.loc(spec.core) or sub.name}); use float32 or device='reference'")
+    if spec.kind in pool_kernels.POOL_KINDS:
+        p = pool_kernels.geometry(x_t.shape, core)
+        g.update(N=p.N, C=p.C, H=p.H, W=p.W, KH=p.KH, KW=p.KW, stride=(p.SH, p.SW), padding=(p.PH, p.PW),
+                 HO=p.HO, WO=p.WO)
+    elif spec.kind == "matmul":
+        if x_t.shape[:-2] != w_t.shape[:-2]:
+            raise NotImplementedError(
+                f"matmul of {x_t} and {w_t} broadcasts batch dimensions, which the CPU templates do not support "
+                f"yet; broadcast_to the operands to a common batch shape first")
+        *batch, m, k = x_t.shape  # the core's operands are the logical (transposed) views
+        g.update(M=m, N=sub.type(spec.core).shape[-1], K=k, batch=math.prod(batch),
+                 trans_a=bool(spec.param("trans_a")), trans_b=bool(spec.param("trans_b")))
+    else:
+        if spec.kind == "conv2d":
+            (n, c, h, w), (o, _, kh, kw) = x_t.shape, w_t.shape
+        elif spec.kind == "conv2d_grad_input":
+            (n, c, h, w), (o, _, kh, kw) = core["input_shape"], w_t.shape
+        else:
+            (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
+        stride, padding = pair(core["stride"], "stride"), pair(core["padding"], "padding")
+        g.update(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=stride, padding=padding)
+        *_, g["HO"], g["WO"] = cpp_kernels._conv_geometry("k", **_conv_args(g))
+    return g
+
+
+def _conv_args(g: dict[str, Any]) -> dict[str, Any]:
+    return {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
+
+
+def _mm_args(g: dict[str, Any]) -> dict[str, Any]:
+    return dict(M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"], trans_b=g["trans_b"], batch=g["batch"],
+                relu_mask="relu_mask" in g["epilogues"])
+
+
+def _isa(g: dict[str, Any]) -> VectorISA:
+    return cpu_vector.VARIANTS[g["isa"]]
+
+
+def _pairs(plan: Any) -> Plan:
+    """A plan dataclass as stamped pairs (a convolution's unused tile fields left out)."""
+    return tuple((k, v) for k, v in plan.__dict__.items() if not (isinstance(plan, ConvPlan) and v == 0))
+
+
+def _fits(scratch):
+    """`accepts` of a family: a stored plan fits where the template takes it for this geometry."""
+    def accepts(g: dict[str, Any], plan: Plan) -> bool:
+        try:
+            scratch(g, plan)
+        except (ValueError, TypeError):
+            return False
+        return True
+    return accepts
+
+
+# --------------------------------------------------------------------------- families
+
+def _always(g: dict[str, Any]) -> str | None:
+    return None
+
+
+def _plain(g: dict[str, Any]) -> bool:
+    return True
+
+
+def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return 0
+
+
+def _one_plan(g: dict[str, Any]) -> list[Plan]:
+    return [()]
+
+
+# -- matmul: the dot and axpy forms
+
+def _matmul_plans(form: str, tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [_pairs(p) for p in cpp_kernels.matmul_plans(form, **_mm_args(g), isa=_isa(g), tune=tune)]
+    return plans
+
+
+def _dot_rejects(g: dict[str, Any]) -> str | None:
+    return cpp_kernels._dot_serves(g["trans_a"], g["trans_b"], "relu_mask" in g["epilogues"])
+
+
+def _dot_preferred(g: dict[str, Any]) -> bool:
+    # a long k and few outputs: per output a dot product, vectorised along k
+    return g["K"] >= 64 and g["N"] <= 64
+
+
+def _matmul_scratch(form: type):
+    def scratch(g: dict[str, Any], plan: Plan) -> int:
+        return cpp_kernels.matmul_scratch_bytes(**_mm_args(g), plan=form(**dict(plan)), isa=_isa(g))
+    return scratch
+
+
+def _matmul_render(form: type):
+    def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+               epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+        eps = g["epilogues"]
+        ks = cpp_kernels.render_matmul(name, **_mm_args(g), bias="bias" in eps, relu="relu" in eps,
+                                       isa=_isa(g), plan=form(**dict(plan)))
+        return ks, ["a", "b", "bias" if "bias" in eps else None, *(["mask"] if "relu_mask" in eps else []), "out",
+                    "scratch"]
+    return render
+
+
+# -- convolutions: one family a kind, its modes and register tiles as plans
+
+def _conv_plans(tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [_pairs(p) for p in cpp_kernels.conv_plans(g["kind"], **_conv_args(g), isa=_isa(g), tune=tune)]
+    return plans
+
+
+def _conv_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return cpp_kernels.conv_scratch_bytes(g["kind"], **_conv_args(g), plan=ConvPlan(**dict(plan)), isa=_isa(g))
+
+
+def _conv_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                 epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    eps, cp, isa = g["epilogues"], ConvPlan(**dict(plan)), _isa(g)
+    if g["kind"] == "conv2d":
+        ks = cpp_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
+                                               isa=isa, plan=cp)
+        return ks, ["x", "w", "bias" if "bias" in eps else None, "out", "scratch"]
+    if g["kind"] == "conv2d_grad_input":
+        mask = "relu_mask" in eps
+        ks = cpp_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask=mask, isa=isa, plan=cp)
+        return ks, ["dy", "w", *(["mask"] if mask else []), "out", "scratch"]
+    ks = cpp_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, isa=isa, plan=cp)
+    return ks, ["x", "dy", "out", None, "scratch"]
+
+
+# -- pooling and the generated kinds: one family each, one plan
+
+def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                 epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    x_t = sub.type(sub.operands(spec.core)[0])
+    ks, order = pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)))
+    return ks, [*order, "scratch"]
+
+
+def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                      epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    """A pointwise or reduction kernel (its inputs in0.., then out; no scratch). Imported when
+    called: `cpp` (the step renderer) imports this table."""
+    from . import cpp
+    code = cpp.render_pointwise(name, sub) if spec.kind == "pointwise" else cpp.render_reduction(name, sub, spec.core)
+    return KernelSource(name, code, 0), [*sub.inputs, "out"]
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _dot_rejects, _dot_preferred,
+           _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
+           accepts=_fits(_matmul_scratch(DotPlan))),
+    Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _always, _plain,
+           _matmul_scratch(AxpyPlan), _matmul_render(AxpyPlan), tuning_plans=_matmul_plans("axpy", True),
+           accepts=_fits(_matmul_scratch(AxpyPlan))),
+    *(Family(name, (kind,), 0, _conv_plans(False), _always, _plain, _conv_scratch, _conv_render,
+             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch))
+      for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
+                         ("conv_grad_weight", "conv2d_grad_weight"))),
+    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
+    Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
+    Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
+)}
+
+
+# --------------------------------------------------------------------------- the table
+
+def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
+    return geometry(sub, spec)
+
+
+TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES)
+
+force = TABLE.force
+candidates = TABLE.candidates
+decide = TABLE.decide
+choose = TABLE.choose
+scratch_bytes = TABLE.scratch_bytes
+stamp = TABLE.stamp
+
+
+def render_kernel(name: str, sub: Graph, spec: KernelSpec,
+                  isa: VectorISA | None = None) -> tuple[KernelSource, list[str | None]]:
+    """The kernel of the (family, plan) stamped on `spec` (by `select`; the cost model's for a spec
+    that was not through it), for the vector variant `isa` (default: `cpu_vector.resolve()`), and its
+    arguments in order as roles ("out", "scratch", input roles; None: NULL)."""
+    isa = isa or cpu_vector.resolve()
+    family, plan = spec.choice or TABLE.decide(sub, spec, db=None).choice
+    g = geometry(sub, spec, isa)
+    f = FAMILIES[family]
+    if TABLE.applies(f, g) is not None or not f.fits(g, plan):
+        raise ValueError(f"{name}: the choice {family}{plan} does not fit this kernel for {isa.name} (was "
+                         f"${cpu_vector.ENV_VAR} changed between planning and rendering?)")
+    return f.render(name, sub, spec, g, plan, None)

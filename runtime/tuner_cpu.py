@@ -1,0 +1,182 @@
+"""The tuner's CPU measurer: every candidate of one kernel built, run and timed on this CPU, at the
+thread count the step runs with.
+
+The candidates of a kernel are rendered (`cpp_choices.render_kernel`, each under its own name, so
+candidates whose code is the same are one function) and compiled as one library through the
+compile cache (`compiler.compile_units`: one object a kernel, in parallel), with a small entry,
+`ember_tune_run(which, buffers, reps)`, that calls candidate `which` `reps` times on the given
+buffers and returns the seconds it took (`omp_get_wtime`), so short kernels are timed without
+Python between the calls. A library that fails to build is built again one candidate at a time,
+so a candidate that does not compile is refused alone.
+
+Every candidate runs once on the same random inputs (its result goes back for the check against
+the reference), then `ROUNDS` rounds time each candidate in turn (`reps` calls, about
+`TARGET_S` of work), interleaved so that a noisy neighbour slows them all alike; the median per
+call is its time. The OpenMP team is set to the step's (`cpp_choices.threads()`) while measuring.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ember.codegen import cpp, cpp_choices, cpp_units, cpu_vector
+from ember.codegen.choices import Choice
+from ember.codegen.compiler import CompileError, compile_units
+from ember.codegen.tuning_db import choice_text
+from ember.ir import Graph, KernelSpec
+
+from .tuner import Trial
+
+__all__ = ["CpuMeasurer", "ROUNDS", "TARGET_S"]
+
+ROUNDS = 5
+#: work per candidate per round: enough calls to take this long (at most MAX_REPS)
+TARGET_S = 0.01
+MAX_REPS = 10_000
+
+
+def _random(rng: np.random.Generator, t: Any) -> np.ndarray:
+    shape = tuple(t.shape)
+    if t.dtype.name.startswith("float"):
+        return rng.standard_normal(shape).astype(t.dtype.name)
+    return np.zeros(shape, dtype=t.dtype.name)
+
+
+def _aligned(nbytes: int, fill: float = np.nan) -> np.ndarray:
+    """A 64-byte aligned float32 block (NaN: a kernel must not read scratch it did not write)."""
+    raw = np.full(nbytes // 4 + 32, fill, dtype=np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start:start + max(nbytes // 4, 16)]
+
+
+@dataclasses.dataclass
+class _Candidate:
+    choice: Choice
+    function: cpp_units.KernelFunction
+    args: list[str]       # C expressions of its call's arguments (buffer locals, nullptr)
+    lib: Any = None
+    which: int = -1
+
+
+class CpuMeasurer:
+    """Measures candidates on this CPU with `threads` OpenMP threads (default: the step's), for the
+    vector variant `isa` (default: the step's); `rounds` of timing, each about `target_s` a candidate."""
+
+    def __init__(self, threads: int | None = None, isa: cpu_vector.VectorISA | None = None, *,
+                 rounds: int = ROUNDS, target_s: float = TARGET_S) -> None:
+        if rounds < 1:
+            raise ValueError(f"rounds={rounds}: expected at least one round of timing")
+        self.isa = isa or cpu_vector.resolve()
+        self.threads = threads or cpp_choices.threads()
+        self.rounds, self.target_s = rounds, target_s
+        self.flags = cpu_vector.cxx_flags(self.isa)
+        self.header, self.header_text = cpp_units.prelude()
+        self._gomp = ctypes.CDLL("libgomp.so.1")
+
+    @staticmethod
+    def inputs(sub: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+        """The random inputs `measure` runs a kernel's candidates on (standard normal floats)."""
+        rng = np.random.default_rng(seed)
+        return {name: _random(rng, sub.type(n)) for name, n in sub.inputs.items()}
+
+    def measure(self, sub: Graph, spec: KernelSpec, choices: Sequence[Choice], *, seed: int = 0) -> list[Trial]:
+        inputs = self.inputs(sub, seed)
+        out_t = sub.type(sub.outputs["out"])
+        roles = {role: f"in{i}" for role, i in spec.roles}
+        trials: dict[int, Trial] = {}
+        cands: dict[int, _Candidate] = {}
+        scratch_bytes = 64
+        for i, choice in enumerate(choices):
+            try:
+                c_spec = dataclasses.replace(spec, choice=choice,
+                                             scratch_bytes=cpp_choices.scratch_bytes(sub, spec, choice))
+                ks, order = cpp_choices.render_kernel(f"t{i}_{sub.name}", sub, c_spec, self.isa)
+            except Exception as exc:  # a plan its template refuses: that candidate is out, the rest go on
+                trials[i] = Trial(choice, error=f"render: {str(exc).splitlines()[0][:200]}")
+                continue
+            scratch_bytes = max(scratch_bytes, ks.scratch_bytes)
+            fname, code, declaration = cpp_units.name_by_content(ks.code, ks.name)
+            args = ["nullptr" if r is None else roles.get(r, r) for r in order]
+            fn = cpp_units.KernelFunction(fname, spec.kind, code, declaration)
+            fn.calls.append(cpp.KernelCode(i, f"{ks.name} {choice_text(choice)}", c_spec.describe(), str(out_t), [],
+                                           code, "", -1, fname))
+            cands[i] = _Candidate(choice, fn, args)
+        self._build(sub, list(cands.values()), inputs, out_t, trials, cands)
+        buffers = {**inputs, "out": np.full(tuple(out_t.shape), np.nan, dtype=out_t.dtype.name),
+                   "scratch": _aligned(scratch_bytes)}
+        names = [*inputs, "out", "scratch"]
+        ptrs = (ctypes.c_void_p * len(names))(*[buffers[n].ctypes.data for n in names])
+        before = int(self._gomp.omp_get_max_threads())
+        self._gomp.omp_set_num_threads(self.threads)
+        try:
+            trials.update(self._time(cands, buffers, ptrs))
+        finally:
+            self._gomp.omp_set_num_threads(before)
+        return [trials[i] for i in range(len(choices))]
+
+    # -- building
+
+    def _library(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], out_t: Any) -> Any:
+        """Compiles the candidates with the timing entry; returns the loaded library."""
+        locals_ = [f"{sub.type(n).dtype.ctype}* const {name} = static_cast<{sub.type(n).dtype.ctype}*>(buf[{i}]);"
+                   for i, (name, n) in enumerate(sub.inputs.items())]
+        locals_ += [f"{out_t.dtype.ctype}* const out = static_cast<{out_t.dtype.ctype}*>(buf[{len(inputs)}]);",
+                    f"float* const scratch = static_cast<float*>(buf[{len(inputs) + 1}]);"]
+        functions = list({c.function.name: c.function for c in cands}.values())
+        cases = [f"  case {k}: for (int64_t r = 0; r < reps; ++r) {c.function.name}({', '.join(c.args)}); break;"
+                 for k, c in enumerate(cands)]
+        entry = "\n".join([
+            cpp_units.entry_preamble(self.header, functions), "", 'extern "C" {',
+            "double ember_tune_run(int64_t which, void* const* buf, int64_t reps) {",
+            *(f"  {line}" for line in locals_),
+            "  (void)scratch; (void)out;",
+            "  const double t0 = omp_get_wtime();", "  switch (which) {", *cases, "  default: return -1.0;", "  }",
+            "  return omp_get_wtime() - t0;", "}", "}", ""])
+        units = cpp_units.step_units(entry, functions, self.header, self.flags)
+        art = compile_units(units, link_flags=cpp_units.LINK_FLAGS, name=f"tune_{sub.name}",
+                            headers={self.header: self.header_text})
+        lib = ctypes.CDLL(str(art.path))
+        lib.ember_tune_run.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        lib.ember_tune_run.restype = ctypes.c_double
+        for k, c in enumerate(cands):
+            c.lib, c.which = lib, k
+        return lib
+
+    def _build(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], out_t: Any,
+               trials: dict[int, Trial], by_index: dict[int, _Candidate]) -> None:
+        if not cands:
+            return
+        try:
+            self._library(sub, cands, inputs, out_t)
+            return
+        except CompileError:
+            pass  # one at a time: the failing candidates are refused alone
+        for i, c in list(by_index.items()):
+            try:
+                self._library(sub, [c], inputs, out_t)
+            except CompileError as exc:
+                trials[i] = Trial(c.choice, error=f"compile: {str(exc).splitlines()[0][:200]}")
+                del by_index[i]
+
+    # -- running
+
+    def _time(self, cands: dict[int, _Candidate], buffers: dict[str, np.ndarray], ptrs: Any) -> dict[int, Trial]:
+        out = buffers["out"]
+        results: dict[int, np.ndarray] = {}
+        reps: dict[int, int] = {}
+        for i, c in cands.items():
+            out.fill(np.nan)
+            c.lib.ember_tune_run(c.which, ptrs, 1)
+            results[i] = out.copy()
+            once = max(c.lib.ember_tune_run(c.which, ptrs, 1), 1e-7)
+            reps[i] = int(min(MAX_REPS, max(1, self.target_s / once)))
+        times: dict[int, list[float]] = {i: [] for i in cands}
+        for _ in range(self.rounds):
+            for i, c in cands.items():
+                times[i].append(c.lib.ember_tune_run(c.which, ptrs, reps[i]) / reps[i])
+        return {i: Trial(c.choice, statistics.median(times[i]) * 1e6, results[i]) for i, c in cands.items()}
