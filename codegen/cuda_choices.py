@@ -39,11 +39,11 @@ CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 # Measured defaults (not switches): where a family is preferred over the implicit GEMM.
 DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
 # Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
-# for the MNIST CNN's conv2 (tests/codegen/cuda_direct_try.py), at batch 64 (37k positions) the
+# for the MNIST CNN's conv2 (tools/cuda_sweep.py direct), at batch 64 (37k positions) the
 # GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
 # (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
 DIRECT_MIN_POSITIONS = 1 << 17
-# Measured on an H200 (tests/codegen/cuda_skinny_try.py): for the MNIST linear layer the skinny
+# Measured on an H200 (tools/cuda_sweep.py skinny): for the MNIST linear layer the skinny
 # kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
 # 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
 # are untested against them, so smaller operands keep the GEMM.

@@ -84,7 +84,7 @@ def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO:
                 blocks = N * ceil_div(HO, RB)
                 fill = min(1.0, blocks / (2 * sms))
                 staging = (RB + KH - 1) / RB  # halo rows staged per output row
-                # Measured on an H200 (tests/codegen/cuda_direct_try.py, conv2 of the MNIST CNN):
+                # Measured on an H200 (tools/cuda_sweep.py direct, conv2 of the MNIST CNN):
                 # 96-256 threads and 32 accumulators a thread run best (more registers or more
                 # threads cut the blocks resident per multiprocessor; fewer starve it), and blocks
                 # of many rows (24-26) ran 1.5x slower than 8-row ones.
@@ -123,7 +123,7 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
     [mask_src], out) of a conv2d with these arguments; None where no direct plan fits.
     `coalesced_weights` / `vector_stores` switch the weight staging order and the float4/float2
-    output stores off, for measuring each (tests/codegen/cuda_direct_try.py --staging); `row_pad`
+    output stores off, for measuring each (tools/cuda_sweep.py direct-staging); `row_pad`
     floats are added to each staged input row, by default up to a multiple of 4 (a thread's
     window then starts 16-byte aligned and loads as vectors: conv2 at batch 1024 on an H200,
     forward 149.7 -> 148.2 us, grad-input 237.6 -> 234.8; pads of 1 and 3 were 10-15 us slower)."""

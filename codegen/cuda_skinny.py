@@ -29,7 +29,7 @@ from .templates_env import environment
 
 NARROW_MAX_N = 16
 SHORT_MAX_M = 16
-# Blocks a launch aims for a multiprocessor, measured on an H200 (tests/codegen/cuda_skinny_try.py,
+# Blocks a launch aims for a multiprocessor, measured on an H200 (tools/cuda_sweep.py skinny,
 # the MNIST linear layer; docs/benchmarks.md, "History"): the narrow kernel (2 blocks of 256
 # threads resident a multiprocessor) ran best at about one wave (1024 x 18432 x 10: 256 blocks
 # 25.0 us, 480 28.6, 1152 35.1), the short-M kernel at about 4 blocks a multiprocessor (10 x 18432

@@ -1,4 +1,4 @@
-"""Shared geometry lists for the CUDA kernel tests and benchmark (no GPU needed to import)."""
+"""Shared geometry lists for the CUDA kernel tests (no GPU needed to import)."""
 from __future__ import annotations
 
 from ember.codegen import cuda_direct as cd
@@ -126,7 +126,7 @@ def skinny_kernels(batches=(64, 1024)):
             k = render(tag, **m)
             assert k is not None, tag
             out.append((k, ("matmul", m, {})))
-    # plan variants the timing script compares, at the CNN's batch-1024 shapes
+    # plan variants `tools/cuda_sweep.py skinny` compares, at the CNN's batch-1024 shapes
     fwd = dict(M=1024, N=10, K=18432, trans_a=False, trans_b=True, bias=True)
     for tag, plan in (("narrow_rt2", cs.narrow_plan(1024, 10, 18432, rows_per_lane=2, warps=4)),
                       ("narrow_s8", cs.narrow_plan(1024, 10, 18432, splits=8, unroll=1))):

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# The worker runs this file as a script (check_all), so Python puts this folder first on its
+# sys.path and `import cuda_cases` / `cuda_refs` resolve as under pytest, without editing sys.path
+# (PYTHONSAFEPATH would turn that off: check_all leaves it out of the worker's environment).
 
 
 def _geometry(kind, spec, extra):
@@ -103,8 +104,9 @@ def check_all(log=print) -> list[dict]:
     start = 0
     while start < len(cases):
         errf = tempfile.TemporaryFile("w+")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(start)],
-                                stdout=subprocess.PIPE, stderr=errf, text=True)
+                                stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
         current = None
         for line in proc.stdout:
             try:

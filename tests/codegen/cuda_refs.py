@@ -1,4 +1,5 @@
-"""NumPy float64 references and CuPy launch helpers shared by the CUDA kernel test and bench."""
+"""NumPy float64 references and CuPy launch helpers of the CUDA kernel tests (cuda_gpu_check.py,
+test_cuda_nonfinite_sources.py, test_cuda_launch_coverage.py)."""
 from __future__ import annotations
 
 import numpy as np
