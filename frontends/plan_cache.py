@@ -48,25 +48,20 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def code_fingerprint() -> str:
-    """A hash of ember's own code: every module, template and shipped file of the package."""
-    import ember
-    roots = sorted({Path(m.__file__).parent for m in _packages(ember)})
-    h = hashlib.sha256()
-    for root in roots:
-        for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".j2", ".json") and "__pycache__" not in path.parts:
-                h.update(str(path.relative_to(root.parent)).encode())
-                h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _packages(ember: Any) -> list[Any]:
+    """A hash of ember's own code: every module, template and shipped file of its packages."""
     import ember.codegen
     import ember.frontends
     import ember.ir
     import ember.passes
     import ember.runtime
-    return [ember, ember.ir, ember.passes, ember.codegen, ember.runtime, ember.frontends]
+    h = hashlib.sha256()
+    for package in (ember.ir, ember.passes, ember.codegen, ember.runtime, ember.frontends):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".j2", ".json") and "__pycache__" not in path.parts:
+                h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}".encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _canon(v: Any) -> str:
