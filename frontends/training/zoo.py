@@ -17,7 +17,7 @@ from typing import Any
 from .torch_twins import TWINS
 from .torch_twins import torch_model as _twin
 
-__all__ = ["ZooModel", "ZOO", "torch_zoo_model", "ember_zoo_model", "require_torch"]
+__all__ = ["ZooModel", "ZOO", "torch_zoo_model", "ember_zoo_model", "zoo_model", "require_torch"]
 
 
 @dataclass(frozen=True)
@@ -207,3 +207,13 @@ def ember_zoo_model(name: str, width: float = 1.0, seed: int | None = None, torc
     tm = torch_module if torch_module is not None else torch_zoo_model(name, width, seed)
     example = np.zeros((2, *entry.input_shape), np.float32)
     return from_torch(tm, example)
+
+
+def zoo_model(name: str, seed: int = 0) -> Any:
+    """The ember model of zoo model `name` with PyTorch's initialisation for `seed`, as the
+    commands build it: a recipe's own ember model where it has one (cnn, mlp, lenet5, resnet8:
+    the twin's layers and names, no PyTorch needed), else the PyTorch definition imported."""
+    from .recipes import MODELS, build_model
+    if name in MODELS:
+        return build_model(name, seed, init="torch")
+    return ember_zoo_model(name, seed=seed)
