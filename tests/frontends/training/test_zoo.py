@@ -36,7 +36,7 @@ def _batches(name: str, steps: int, batch: int, seed: int = 0) -> list[tuple[np.
     return [(rng.random((batch, *shape), dtype=np.float32), rng.integers(0, 10, batch)) for _ in range(steps)]
 
 
-def check_zoo_model(name: str, device: str, steps: int = 4, batch: int = 16) -> str:
+def check_zoo_model(name: str, device: str, steps: int = 3, batch: int = 8) -> str:
     width = WIDTHS.get(name, 1.0)
     tm = torch_zoo_model(name, width, seed=0)
     model = ember_zoo_model(name, torch_module=tm)
