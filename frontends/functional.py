@@ -265,7 +265,7 @@ def clamp(x: Operand, min: float | Operand | None = None, max: float | Operand |
         if max is not None:
             t = minimum(t, max)
         return t
-    value = t  # the forward value; `inside` says where x itself (and so the gradient) passes
+    value = t  # the forward value, held (no gradient) where x is outside [min, max] or NaN
     if min is not None:
         value = where(lt(value, min), min, value)
     if max is not None:
@@ -352,6 +352,8 @@ def scaled_dot_product_attention(query: Operand, key: Operand, value: Operand, a
         attn_mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), dtype=bool))
     if attn_mask is not None:
         mask = _tensor(attn_mask) if _typed(attn_mask) is not None else np.asarray(attn_mask)
+        if isinstance(mask, np.ndarray) and mask.dtype.kind == "f":
+            mask = mask.astype(scores.dtype.numpy)  # an additive mask in the scores' dtype
         if mask.dtype.name == "bool":
             scores = where(mask, scores, np.asarray(-np.inf, scores.dtype.numpy))
         else:
