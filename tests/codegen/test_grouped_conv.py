@@ -115,6 +115,6 @@ def test_cuda_choice_table_sends_groups_to_the_grouped_family():
             assert families == {"grouped"}, (sub.name, families)
         else:
             assert "grouped" not in families and "gemm" in families, (sub.name, families)
-    reason = cuda_choices.FAMILIES["gemm"].applies(
-        {"kind": "conv2d", "epilogues": (), "groups": 2, "tf32": False})
+    reason = cuda_choices.TABLE.applies(cuda_choices.FAMILIES["gemm"],
+                                        {"kind": "conv2d", "epilogues": (), "groups": 2, "tf32": False})
     assert reason == "it serves ungrouped convolutions only"
