@@ -17,6 +17,7 @@ kernel a generated pointwise epilogue.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,6 @@ class ConvGeometry:
     HO: int
     WO: int
     G: int
-
-    def context(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
     @property
     def macs(self) -> int:
@@ -95,7 +93,7 @@ def render_cpp(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, rel
     tasks = {"conv2d": g.N * g.O, "conv2d_grad_input": g.N * g.C, "conv2d_grad_weight": g.O * (g.C // g.G)}[kind]
     code = environment("cpp").get_template("grouped_conv.j2").render(
         name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
-        parallel=tasks >= 2 and g.macs >= CPU_PARALLEL_MIN, **g.context())
+        parallel=tasks >= 2 and g.macs >= CPU_PARALLEL_MIN, **dataclasses.asdict(g))
     order: list[str | None] = {"conv2d": ["x", "w", "bias" if bias else None, "out"],
                                "conv2d_grad_input": ["dy", "w", *(["mask"] if relu_mask else []), "out"],
                                "conv2d_grad_weight": ["x", "dy", "out", None]}[kind]
@@ -119,7 +117,7 @@ def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, re
     code = environment("cuda").get_template("grouped_conv.j2").render(
         name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
         threads=CUDA_THREADS, roles=roles, inputs=inputs, unrestricted=unrestricted, pw=epilogue,
-        signature=kernel_signature(roles, inputs, unrestricted, False), **g.context())
+        signature=kernel_signature(roles, inputs, unrestricted, False), **dataclasses.asdict(g))
     return CudaKernel(name, code, (Launch(f"{name}_grouped", (grid, 1, 1), (CUDA_THREADS, 1, 1), 0, roles),), 0)
 
 

@@ -193,11 +193,13 @@ class CeilMax(tnn.Module):
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("make", [OverlappingMax, CeilMax], ids=["overlapping", "ceil_mode"])
 def test_max_pool_trains_like_torch(make, device):
-    tm = make()
-    ref = copy.deepcopy(tm)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 1, 7, 7)).astype(np.float32)
-    y = rng.integers(0, 3, 4)
+    _trains_like_torch(make(), rng.standard_normal((4, 1, 7, 7)).astype(np.float32), rng.integers(0, 3, 4), device)
+
+
+def _trains_like_torch(tm, x: np.ndarray, y: np.ndarray, device: str) -> None:
+    """Three SGD steps of `tm` imported and of a copy of it in PyTorch: the same losses and weights."""
+    ref = copy.deepcopy(tm)
     model = from_torch(tm, torch.from_numpy(x))
     step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device=device)
     topt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -447,19 +449,5 @@ def test_batched_attention_layer_compiles_on_cpu_like_torch():
             o = (att @ v).transpose(1, 2).reshape(b, t, d) * self.scale.expand(t, -1)
             return self.head(o.mean(dim=1))
 
-    tm = Layer()
-    ref = copy.deepcopy(tm)
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((3, 4, 8)).astype(np.float32), rng.integers(0, 3, 3)
-    model = from_torch(tm, torch.from_numpy(x))
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device="cpu")
-    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(3):
-        ours = step(x, y)
-        topt.zero_grad()
-        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        topt.step()
-        assert abs(ours - loss.item()) < 1e-5
-    for k_, v_ in ref.state_dict().items():
-        np.testing.assert_allclose(step.state_dict()[k_], v_.numpy(), rtol=1e-5, atol=1e-6, err_msg=k_)
+    _trains_like_torch(Layer(), rng.standard_normal((3, 4, 8)).astype(np.float32), rng.integers(0, 3, 3), "cpu")

@@ -25,9 +25,10 @@ LR = 0.05
 # A width factor per model (1.0: as registered): small, so that compiling and stepping stay cheap.
 WIDTHS = {"airbench": 1 / 16, "mobilenet": 1 / 8, "vit": 0.25, "vit_sdpa": 0.25}
 # PyTorch float32's own error against float64 is the yardstick; a median ratio near 1 means
-# ember rounds as PyTorch does (the bound test_reference_training.py explains, with room for
-# another summation order: an ember gradient off by PyTorch's own error would put it near 1.4).
-MEDIAN_RATIO = 1.1
+# ember rounds as PyTorch does. The bounds are the suite's: 1.05 on the CPU (measured 0.96-1.0
+# here; test_reference_training.py explains it), 1.5 on a GPU (test_cuda_training.py), where
+# PyTorch's cuDNN/cuBLAS kernels sum in other orders again.
+MEDIAN_RATIO = {"cpu": 1.05, "cuda": 1.5}
 
 
 def _batches(name: str, steps: int, batch: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -45,7 +46,7 @@ def check_zoo_model(name: str, device: str, steps: int = 3, batch: int = 8) -> s
     with torch_threads(2):
         r = per_step(step, step.state_dict, lambda: torch_zoo_model(name, width), batches, LR)
     assert r.loss_diff.max() <= 1e-5, r.describe()
-    assert np.median(r.ratio) <= MEDIAN_RATIO, r.describe()
+    assert np.median(r.ratio) <= MEDIAN_RATIO[device], r.describe()
     model.eval()
     tm.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in step.state_dict().items()})
     tm.eval()
