@@ -1,6 +1,6 @@
 """The zoo in the commands: `ember bench --zoo` times every zoo model, `--model NAME` takes a zoo
-model as it takes a recipe, `ember kernels --model NAME` writes a zoo model's sources, and a zoo
-model without PyTorch is refused in one line."""
+model as it takes a recipe, `ember kernels --model NAME` writes a zoo model's sources, `ember tune`
+takes zoo names too, and a zoo model without PyTorch is refused in one line."""
 from __future__ import annotations
 
 import sys
@@ -43,10 +43,17 @@ def test_kernels_writes_a_zoo_models_sources(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["bench", "--model", "cnn,airbench", "--steps", "1"],
-                                  ["kernels", "--model", "airbench", "--out", "OUT"]])
+                                  ["kernels", "--model", "airbench", "--out", "OUT"],
+                                  ["tune", "--model", "cnn,airbench"]])
 def test_zoo_models_without_pytorch_are_refused_in_one_line(argv, monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     assert cli.main([str(tmp_path) if a == "OUT" else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "airbench: the model zoo is defined in PyTorch, which is not installed: pip install 'ember[torch]'" in err
+
+
+def test_tune_takes_zoo_names(capsys):
+    assert cli.main(["tune", "--model", "vit,nope"]) == 2
+    assert "--model nope: expected names from cnn, mlp, lenet5, resnet8, airbench, mobilenet, vit, vit_sdpa (or all)" \
+        in capsys.readouterr().err
