@@ -207,6 +207,22 @@ class Tanh(_Elementwise):
     fn = staticmethod(F.tanh)
 
 
+class ReLU6(_Elementwise):
+    fn = staticmethod(F.relu6)
+
+
+class Hardtanh(Module):
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
+        super().__init__()
+        self.min_val, self.max_val = float(min_val), float(max_val)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.hardtanh(x, self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val}, max_val={self.max_val}"
+
+
 class Dropout(Module):
     """PyTorch's Dropout(p): in training mode zeroes each element with probability p and scales
     the rest by 1/(1-p); in eval mode (`model.eval()`) the identity. The masks come from ember's

@@ -290,3 +290,11 @@ def test_batch_norm_state_dict_loads_pytorch_and_back():
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
     for k, v in tbn.state_dict().items():
         assert torch.equal(twin.state_dict()[k], v), k
+
+
+def test_relu6_and_hardtanh_modules_are_the_functions():
+    x = np.array([[-2.0, 0.5, 3.0, 7.0]], np.float32)
+    for module, want in ((nn.ReLU6(), [[0.0, 0.5, 3.0, 6.0]]), (nn.Hardtanh(-1.0, 2.0), [[-1.0, 0.5, 2.0, 2.0]])):
+        g = trace(module, spec((1, 4)))
+        np.testing.assert_array_equal(run(g, {"x": x}).outputs["out"], want)
+    assert repr(nn.Hardtanh(0, 1)) == "Hardtanh(min_val=0.0, max_val=1.0)"
