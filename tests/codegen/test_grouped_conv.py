@@ -1,8 +1,8 @@
 """Grouped convolutions (groups 1, 2 and C: depthwise) compiled by every code-generating backend
 against the interpreter, on odd sizes, strides 1-3, padding and non-square kernels, with the
 epilogues fusion gives them (bias and ReLU on the forward, ReLU's mask on the grad-input); the
-CUDA sources, pointwise epilogues included, compile with nvcc without a GPU; and the CUDA choice
-table sends groups > 1 to the grouped family alone.
+CUDA sources, pointwise epilogues included, compile with nvcc without a GPU; and both choice
+tables send groups > 1 to the grouped family alone (and groups 1 never there).
 
 Tolerances as tests/codegen/test_cpp_ops.py: rtol 1e-5, atol 1e-5 * sqrt(terms summed)."""
 from __future__ import annotations
@@ -100,21 +100,23 @@ def test_grouped_cuda_sources_compile_with_nvcc(tmp_path):
     assert_compiles(nvcc, src)
 
 
-def test_cuda_choice_table_sends_groups_to_the_grouped_family():
-    from ember.codegen import cuda_choices
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_choice_tables_send_groups_to_the_grouped_family(target):
+    from ember.codegen import cpp_choices, cuda_choices
+    table = {"cpu": cpp_choices, "cuda": cuda_choices}[target]
     g, *_ = _graph()
-    planned = plan_for(g, "cuda")
+    planned = plan_for(g, target)
     for n in planned.g:
         if planned.op(n) != "fused":
             continue
         spec, sub = planned.attrs(n)["kernel"], planned.attrs(n)["graph"]
-        if spec.kind not in cuda_choices.CONVS:
+        if spec.kind not in table.CONVS:
             continue
-        families = {f for f, _ in cuda_choices.candidates(sub, spec)}
+        families = {f for f, _ in table.candidates(sub, spec)}
         if sub.attrs(spec.core)["groups"] > 1:
-            assert families == {"grouped"}, (sub.name, families)
+            assert families == {"grouped"} and spec.choice[0] == "grouped", (sub.name, families)
         else:
-            assert "grouped" not in families and "gemm" in families, (sub.name, families)
-    reason = cuda_choices.TABLE.applies(cuda_choices.FAMILIES["gemm"],
-                                        {"kind": "conv2d", "epilogues": (), "groups": 2, "tf32": False})
+            assert "grouped" not in families and families, (sub.name, families)
+    ungrouped = next(f for f in table.FAMILIES.values() if "conv2d" in f.kinds and not f.grouped)
+    reason = table.TABLE.applies(ungrouped, {"kind": "conv2d", "epilogues": (), "groups": 2, "tf32": False})
     assert reason == "it serves ungrouped convolutions only"
