@@ -61,6 +61,8 @@ class Family:
     #: bumped whenever the family's code or plan fields change: database records of another
     #: version are stale
     version: int = 1
+    #: whether it serves grouped convolutions (a geometry with groups > 1); the others do not
+    grouped: bool = False
 
     def all_plans(self, g: Geometry) -> list[Plan]:
         return (self.tuning_plans or self.plans)(g)
@@ -126,6 +128,8 @@ class ChoiceTable:
     def applies(self, f: Family, g: Geometry) -> str | None:
         if g["kind"] not in f.kinds:
             return f"it serves {', '.join(f.kinds)}"
+        if g.get("groups", 1) != 1 and not f.grouped:
+            return "it serves ungrouped convolutions only"
         if unknown := [e for e in g["epilogues"] if e not in self.epilogues.get(g["kind"], {"pointwise"})]:
             return f"no {', '.join(unknown)} epilogue"
         return f.rejects(g)

@@ -3,8 +3,9 @@
 A family is one C++ template with its tiling scheme (`cpp_kernels`): the two matmul forms (`dot`:
 x @ W^T vectorised along k; `axpy`: any matmul, vectorised along n), the three convolution
 kernels (forward, grad-input, grad-weight), each with its modes (row, flat, generic; the
-grad-input's scatter) and register tiles as plans, pooling and the generated kinds (pointwise,
-reductions: one plan each). Each entry (a `choices.Family`) says which kinds it serves, when it
+grad-input's scatter) and register tiles as plans, the grouped convolutions (`grouped_conv`: the
+only family serving groups > 1), pooling and the generated kinds (pointwise, reductions: one plan
+each). Each entry (a `choices.Family`) says which kinds it serves, when it
 applies (a reason when not), when the cost model prefers it, its plans (the cost model's best
 first; the tuner's list is a spread of the cost model's ranking), its scratch from a plan, its
 renderer and its version.
@@ -28,7 +29,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cpp_kernels, cpu_vector, pool_kernels
+from . import cpp_kernels, cpu_vector, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
@@ -116,6 +117,8 @@ def geometry(sub: Graph, spec: KernelSpec, isa: VectorISA | None = None) -> dict
             (n, c, h, w), (o, _, kh, kw) = x_t.shape, core["weight_shape"]
         stride, padding = pair(core["stride"], "stride"), pair(core["padding"], "padding")
         g.update(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=stride, padding=padding)
+        if core["groups"] != 1:  # only then: the tuning database's keys of ungrouped kernels stay as they were
+            g["groups"] = core["groups"]
         *_, g["HO"], g["WO"] = cpp_kernels._conv_geometry("k", **_conv_args(g))
     return g
 
@@ -228,6 +231,22 @@ def _conv_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
     return ks, ["x", "dy", "out", None, "scratch"]
 
 
+# -- grouped: convolutions with groups > 1, depthwise included (generic loops, grouped_conv)
+
+def _grouped_rejects(g: dict[str, Any]) -> str | None:
+    return None if g.get("groups", 1) != 1 else "it serves grouped convolutions only (groups > 1)"
+
+
+def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                    epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    eps = g["epilogues"]
+    geo = grouped_conv.geometry((g["N"], g["C"], g["H"], g["W"]), (g["O"], g["C"] // g["groups"], g["KH"], g["KW"]),
+                                g)
+    ks, order = grouped_conv.render_cpp(name, g["kind"], geo, bias="bias" in eps, relu="relu" in eps,
+                                        relu_mask="relu_mask" in eps)
+    return ks, [*order, "scratch"]
+
+
 # -- pooling and the generated kinds: one family each, one plan
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
@@ -257,6 +276,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
              tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch))
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
+    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),

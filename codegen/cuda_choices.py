@@ -2,8 +2,9 @@
 
 A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
 the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the
-small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), pooling and
-the generated kinds. Each entry (a `choices.Family`) says which kernel kinds it serves, when it
+small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped
+convolutions (`grouped_conv`: the only family serving groups > 1), pooling and the generated
+kinds. Each entry (a `choices.Family`) says which kernel kinds it serves, when it
 applies to a kernel's geometry (a reason when it does not), when the cost model prefers it, its
 plans (the cost model's best first; the GEMM's tuner list is a wider spread of its cost model's
 plans), its scratch from a plan, its renderer and its version.
@@ -24,7 +25,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, pool_kernels
+from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, grouped_conv, pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
 from .device import current
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
@@ -66,6 +67,8 @@ def geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
         else:
             (n, c, h, w), (o, _, kh, kw) = a_t.shape, core["weight_shape"]
         g.update(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=core["stride"], padding=core["padding"])
+        if core["groups"] != 1:  # only then: the tuning database's keys of ungrouped kernels stay as they were
+            g["groups"] = core["groups"]
         *_, g["HO"], g["WO"] = cuda_kernels._conv_geometry("k", **_conv_args(g))
     elif spec.kind == "matmul":
         a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
@@ -335,6 +338,20 @@ def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
                                              **_matmul_args(g, spec, epilogue))
 
 
+# -- grouped: convolutions with groups > 1, depthwise included (generic kernels, grouped_conv)
+
+def _grouped_rejects(g: dict[str, Any]) -> str | None:
+    return None if g.get("groups", 1) != 1 else "it serves grouped convolutions only (groups > 1)"
+
+
+def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    geo = grouped_conv.geometry((g["N"], g["C"], g["H"], g["W"]), (g["O"], g["C"] // g["groups"], g["KH"], g["KW"]),
+                                g)  # a grouped family's geometry always holds groups
+    eps = spec.epilogues
+    return grouped_conv.render_cuda(name, g["kind"], geo, bias="bias" in eps, relu="relu" in eps,
+                                    relu_mask="relu_mask" in eps, epilogue=epilogue)
+
+
 # -- pool and the generated kinds: one family each, one plan
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
@@ -384,6 +401,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # others compute in float32 whatever the precision, which TF32 permits)
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts),
+    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),

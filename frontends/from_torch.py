@@ -65,10 +65,10 @@ def _conv2d(m: Any) -> nn.Module:
         _refuse(f"padding={m.padding!r} (only integer padding)")
     if m.padding_mode != "zeros":
         _refuse(f"padding_mode={m.padding_mode!r} (only 'zeros')")
-    if tuple(m.dilation) != (1, 1) or m.groups != 1:
-        _refuse(f"dilation={m.dilation}, groups={m.groups} (only dilation=1, groups=1)")
+    if tuple(m.dilation) != (1, 1):
+        _refuse(f"dilation={m.dilation} (only dilation=1)")
     e = nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, tuple(m.stride), tuple(m.padding),
-                  bias=m.bias is not None)
+                  groups=m.groups, bias=m.bias is not None)
     e.weight = _param(m.weight)
     e.bias = _param(m.bias) if m.bias is not None else None
     return e
@@ -166,6 +166,8 @@ MODULES: dict[str, Callable[[Any], nn.Module]] = {
     "LogSoftmax": _fn(lambda m: lambda x, d=_dim(m): F.log_softmax(x, d)),
     "Dropout": _dropout,
     "GELU": _fn(lambda m: lambda x: F.gelu(x, m.approximate)),
+    "ReLU6": _fn(lambda m: F.relu6),
+    "Hardtanh": _fn(lambda m: lambda x: F.hardtanh(x, m.min_val, m.max_val)),
     "AvgPool2d": _fn(_avg_pool),
     "MaxPool2d": _fn(_max_pool),
     "AdaptiveAvgPool2d": _fn(_adaptive_avg),
@@ -278,6 +280,34 @@ def _mse_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: A
     return F.mse_loss(input, target, reduction)
 
 
+def _clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002 (torch's names)
+    return F.clamp(x, min, max)
+
+
+def _hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+    return F.hardtanh(x, min_val, max_val)
+
+
+def _relu6(x: Tensor, inplace: bool = False) -> Tensor:
+    return F.relu6(x)
+
+
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    _no("enable_gqa", enable_gqa, False)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+def _expand(x: Tensor, *sizes: Any) -> Tensor:
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    lead = len(sizes) - len(x.shape)
+    if lead < 0:
+        _refuse(f"expand to {tuple(sizes)}: fewer sizes than the {len(x.shape)} axes of the tensor")
+    shape = tuple(x.shape[i - lead] if d == -1 and i >= lead else int(d) for i, d in enumerate(sizes))
+    return F.broadcast_to(x, shape)
+
+
 def _cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     return F.concat(list(tensors), dim)
 
@@ -308,6 +338,8 @@ def _torch_functions() -> tuple[dict[Any, Callable[..., Any]], dict[str, Callabl
         TF.log_softmax: _softmax(F.log_softmax), torch.log_softmax: _softmax(F.log_softmax),
         TF.dropout: _dropout_fn,
         torch.erf: F.erf, TF.gelu: lambda x, approximate="none": F.gelu(x, approximate),
+        torch.clamp: _clamp, torch.clip: _clamp, TF.hardtanh: _hardtanh, TF.relu6: _relu6,
+        TF.scaled_dot_product_attention: _sdpa,
         TF.avg_pool2d: _avg_pool2d, TF.max_pool2d: _max_pool2d,
         TF.adaptive_avg_pool2d: F.adaptive_avg_pool2d,
         TF.layer_norm: lambda x, normalized_shape, weight=None, bias=None, eps=1e-5:
@@ -334,6 +366,7 @@ def _torch_functions() -> tuple[dict[Any, Callable[..., Any]], dict[str, Callabl
         "permute": lambda x, *p: F.transpose(x, p[0] if len(p) == 1 and isinstance(p[0], (tuple, list)) else p),
         "transpose": lambda x, a, b: F.swapaxes(x, a, b),
         "t": lambda x: F.transpose(x, (1, 0)),
+        "clamp": _clamp, "clip": _clamp, "expand": _expand,
     }
     return functions, methods
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ember.ir import as_dtype, normalize_axes
-from ember.ir import ShapeError
+from ember.ir import ShapeError, broadcast_shapes
 
 from .tensor import Parameter, Tensor, as_node, current, user_location
 
@@ -175,7 +175,11 @@ def argmax(x: Operand, axis: int = -1) -> Tensor:
 # ---- contractions ----------------------------------------------------------------------------
 
 def matmul(a: Operand, b: Operand) -> Tensor:
-    """NumPy matmul semantics, 1-D operands included (promoted, then the added axis removed)."""
+    """NumPy matmul semantics, 1-D operands included (promoted, then the added axis removed).
+
+    Batch axes that broadcast reach the `matmul` op already equal, as the kernels take them: a
+    2-D right operand (x @ W of a (B, T, D) x) folds the left one's batch axes into its rows,
+    otherwise the operands are broadcast_to their common batch shape (the VJP sums them back)."""
     ta, tb = _tensor(a), _tensor(b)
     squeeze = []
     if len(ta.shape) == 1:
@@ -184,7 +188,17 @@ def matmul(a: Operand, b: Operand) -> Tensor:
     if len(tb.shape) == 1:
         tb = reshape(tb, tb.shape + (1,))
         squeeze.append(-1)
-    out = _emit("matmul", [ta.node, tb.node])
+    if ta.shape[:-2] != tb.shape[:-2] and len(tb.shape) == 2 and ta.shape[-1] == tb.shape[0]:
+        rows = _emit("matmul", [reshape(ta, (-1, ta.shape[-1])).node, tb.node])
+        out = reshape(rows, ta.shape[:-1] + tb.shape[-1:])
+    else:
+        if ta.shape[:-2] != tb.shape[:-2]:
+            try:
+                batch = broadcast_shapes(ta.shape[:-2], tb.shape[:-2])
+            except ShapeError as e:
+                raise ShapeError(f"matmul: batch axes of {ta.type} and {tb.type} do not broadcast ({e}){_at()}") from None
+            ta, tb = (broadcast_to(t, batch + t.shape[-2:]) if t.shape[:-2] != batch else t for t in (ta, tb))
+        out = _emit("matmul", [ta.node, tb.node])
     if squeeze:
         shape = list(out.shape)
         for ax in sorted(squeeze):
@@ -201,11 +215,12 @@ def linear(x: Operand, weight: Operand, bias: Operand | None = None) -> Tensor:
 
 def conv2d(x: Operand, weight: Operand, bias: Operand | None = None, stride: int | Sequence[int] = 1,
            padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1) -> Tensor:
-    """2-D convolution, NCHW input and OIHW weight (PyTorch's layout and semantics)."""
-    if np.any(np.asarray(dilation) != 1) or groups != 1:
-        raise NotImplementedError(f"conv2d: dilation={dilation} and groups={groups} are not supported yet "
-                                  f"(only dilation=1, groups=1){_at()}")
-    y = _emit("conv2d", _nodes(x, weight), stride=stride, padding=padding)
+    """2-D convolution, NCHW input and OIHW weight (PyTorch's layout and semantics): with `groups`
+    G the weight is (O, C/G, KH, KW) and channel block g of the input meets only output block g
+    (G == C: a depthwise convolution)."""
+    if np.any(np.asarray(dilation) != 1):
+        raise NotImplementedError(f"conv2d: dilation={dilation} is not supported yet (only dilation=1){_at()}")
+    y = _emit("conv2d", _nodes(x, weight), stride=stride, padding=padding, groups=int(groups))
     if bias is not None:
         o = y.shape[1]
         y = add(y, reshape(bias, (o, 1, 1)))
@@ -233,27 +248,47 @@ def var(x: Operand, axis: int | Sequence[int] | None = None, unbiased: bool = Tr
     return div(total, float(count - 1 if unbiased else count))
 
 
+def _is_scalar(v: Any) -> bool:
+    return _typed(v) is None and np.ndim(v) == 0
+
+
 def clamp(x: Operand, min: float | Operand | None = None, max: float | Operand | None = None) -> Tensor:  # noqa: A002
-    """torch.clamp: max(x, min) then min(., max) (so min > max gives max, and NaN stays NaN)."""
+    """torch.clamp: min(max(x, min), max), so min > max gives max and NaN stays NaN. With number
+    bounds the gradient is torch's too: it passes where min <= x <= max (both ends included)
+    and nowhere else (not at NaN); tensor bounds are max/min ops, whose gradient is split at ties."""
     if min is None and max is None:
         raise ValueError(f"clamp: at least one of min and max must be given{_at()}")
     t = _tensor(x)
+    if not all(_is_scalar(b) for b in (min, max) if b is not None):
+        if min is not None:
+            t = maximum(t, min)
+        if max is not None:
+            t = minimum(t, max)
+        return t
+    value = t  # the forward value, held (no gradient) where x is outside [min, max] or NaN
     if min is not None:
-        t = maximum(t, min)
+        value = where(lt(value, min), min, value)
     if max is not None:
-        t = minimum(t, max)
-    return t
+        value = where(gt(value, max), max, value)
+    held = stop_gradient(value)
+    if min is not None and max is not None:
+        return where(ge(t, min), where(le(t, max), t, held), held)
+    return where(ge(t, min), t, held) if min is not None else where(le(t, max), t, held)
 
 
 clip = clamp
 
 
 def hardtanh(x: Operand, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    return clamp(x, min_val, max_val)
+    """torch's hardtanh: the value of clamp, but the gradient passes only strictly inside
+    (min_val, max_val) (and at NaN), as torch's hardtanh_backward."""
+    t = _tensor(x)
+    return where(le(t, min_val), min_val, where(ge(t, max_val), max_val, t))
 
 
 def relu6(x: Operand) -> Tensor:
-    return clamp(x, 0.0, 6.0)
+    """torch's relu6: hardtanh(x, 0, 6)."""
+    return hardtanh(x, 0.0, 6.0)
 
 
 def pow(x: Operand, exponent: float) -> Tensor:  # noqa: A001
@@ -295,6 +330,38 @@ def softmax(x: Operand, axis: int = -1) -> Tensor:
     t = _tensor(x)
     e = exp(sub(t, stop_gradient(max(t, axis, keepdims=True))))
     return div(e, sum(e, axis, keepdims=True))
+
+
+def scaled_dot_product_attention(query: Operand, key: Operand, value: Operand, attn_mask: Operand | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None) -> Tensor:
+    """torch's F.scaled_dot_product_attention, written out: softmax(q @ k^T * scale + mask) @ v
+    over (..., L, E) queries, (..., S, E) keys and (..., S, Ev) values, scale 1/sqrt(E) unless
+    given. `attn_mask` is a bool mask (True: attend) or an additive float one, broadcast to
+    (..., L, S); `is_causal` masks the keys after each query; `dropout_p` drops attention
+    weights with `dropout` (ember's masks, not torch's)."""
+    q, k, v = _tensor(query), _tensor(key), _tensor(value)
+    if len(q.shape) < 2 or len(k.shape) < 2 or len(v.shape) < 2 or q.shape[-1] != k.shape[-1] \
+            or k.shape[-2] != v.shape[-2]:
+        raise ShapeError(f"scaled_dot_product_attention expects query (..., L, E), key (..., S, E) and value "
+                         f"(..., S, Ev), got {q.type}, {k.type} and {v.type}{_at()}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"scaled_dot_product_attention: give attn_mask or is_causal, not both (as torch){_at()}")
+    factor = float(1.0 / np.sqrt(q.shape[-1])) if scale is None else float(scale)
+    scores = mul(matmul(q, swapaxes(k, -2, -1)), factor)
+    if is_causal:
+        attn_mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), dtype=bool))
+    if attn_mask is not None:
+        mask = _tensor(attn_mask) if _typed(attn_mask) is not None else np.asarray(attn_mask)
+        if isinstance(mask, np.ndarray) and mask.dtype.kind == "f":
+            mask = mask.astype(scores.dtype.numpy)  # an additive mask in the scores' dtype
+        if mask.dtype.name == "bool":
+            scores = where(mask, scores, np.asarray(-np.inf, scores.dtype.numpy))
+        else:
+            scores = add(scores, mask)
+    weights = softmax(scores, -1)
+    if dropout_p:
+        weights = dropout(weights, dropout_p)
+    return matmul(weights, v)
 
 
 def one_hot(labels: Operand, num_classes: int, dtype: Any = "float32") -> Tensor:
@@ -473,5 +540,5 @@ def _reduce_loss(x: Tensor, reduction: str) -> Tensor:
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Sequence", "Any", "np",
-           "as_dtype", "normalize_axes", "ShapeError", "Parameter",
+           "as_dtype", "normalize_axes", "ShapeError", "broadcast_shapes", "Parameter",
            "Tensor", "as_node", "current", "user_location", "Operand")]

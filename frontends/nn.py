@@ -167,23 +167,25 @@ class Conv2d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] = 1,
                  padding: int | tuple[int, int] = 0, dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True) -> None:
         super().__init__()
-        if np.any(np.asarray(dilation) != 1) or groups != 1:
-            raise NotImplementedError(f"Conv2d: dilation={dilation} and groups={groups} are not supported yet "
-                                      "(only dilation=1, groups=1)")
+        if np.any(np.asarray(dilation) != 1):
+            raise NotImplementedError(f"Conv2d: dilation={dilation} is not supported yet (only dilation=1)")
+        if groups < 1 or in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: groups={groups} must divide in_channels={in_channels} and "
+                             f"out_channels={out_channels}")
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
-        self.stride, self.padding = stride, padding
-        fan_in = in_channels * kh * kw
+        self.stride, self.padding, self.groups = stride, padding, groups
+        fan_in = in_channels // groups * kh * kw
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) reduces to this bound
-        self.weight = Parameter(_uniform((out_channels, in_channels, kh, kw), bound))
+        self.weight = Parameter(_uniform((out_channels, in_channels // groups, kh, kw), bound))
         self.bias = Parameter(_uniform((out_channels,), bound)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, groups=self.groups)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-                f"stride={self.stride}, padding={self.padding}")
+                f"stride={self.stride}, padding={self.padding}" + (f", groups={self.groups}" if self.groups != 1 else ""))
 
 
 class _Elementwise(Module):
@@ -203,6 +205,22 @@ class Sigmoid(_Elementwise):
 
 class Tanh(_Elementwise):
     fn = staticmethod(F.tanh)
+
+
+class ReLU6(_Elementwise):
+    fn = staticmethod(F.relu6)
+
+
+class Hardtanh(Module):
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
+        super().__init__()
+        self.min_val, self.max_val = float(min_val), float(max_val)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.hardtanh(x, self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val}, max_val={self.max_val}"
 
 
 class Dropout(Module):

@@ -70,6 +70,22 @@ def _conv2d_grad_input(args, attrs, t):
     return np.ascontiguousarray(dxp[:, :, ph: ph + h, pw: pw + wd])
 
 
+def _grouped(impl, splits: tuple[int, int], axis_out: int):
+    """A convolution op with `groups` > 1: the ungrouped impl on each group's channel blocks, the
+    results side by side. `splits` names the channel axis of each operand that is split (1 for an
+    activation, 0 for a weight), `axis_out` the result's."""
+    def run(args, attrs, t):
+        groups = attrs["groups"]
+        if groups == 1:
+            return impl(args, attrs, t)
+        shape = list(t.shape)
+        shape[axis_out] //= groups
+        blocks = [np.split(a, groups, axis=ax) for a, ax in zip(args, splits)]
+        return np.concatenate([impl([b[g] for b in blocks], attrs, t.with_shape(tuple(shape))) for g in range(groups)],
+                              axis=axis_out)
+    return run
+
+
 def _pool_padded(x: np.ndarray, attrs, out_hw: tuple[int, int]) -> np.ndarray:
     """x padded with -inf: `padding` on each side, plus what ceil_mode's last windows overhang."""
     (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
@@ -161,9 +177,9 @@ IMPLS: dict[str, Impl] = {
     "transpose": lambda a, at, t: np.asarray(a[0].transpose(at["perm"]), order="C"),
     "broadcast_to": lambda a, at, t: np.asarray(np.broadcast_to(a[0], at["shape"]), order="C"),
     "matmul": lambda a, at, t: np.matmul(a[0], a[1]),
-    "conv2d": _conv2d,
-    "conv2d_grad_input": _conv2d_grad_input,
-    "conv2d_grad_weight": _conv2d_grad_weight,
+    "conv2d": _grouped(_conv2d, (1, 0), 1),
+    "conv2d_grad_input": _grouped(_conv2d_grad_input, (1, 0), 1),
+    "conv2d_grad_weight": _grouped(_conv2d_grad_weight, (1, 1), 0),
     "max_pool2d": _max_pool2d,
     "max_pool2d_grad": _max_pool2d_grad,
     "one_hot": lambda a, at, t: (a[0][..., None] == np.arange(at["num_classes"])),

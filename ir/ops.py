@@ -9,8 +9,11 @@ Convolution: `conv2d` (NCHW input, OIHW weight) has two companions, `conv2d_grad
 Each is the shape of kernel a backend wants to emit directly (DESIGN.md measures the three conv2
 kernels separately and fuses bias-grad into grad-weight); a composition would force every backend
 to pattern-match it back. The three are closed under differentiation (each one's VJP is made of
-the other two), so higher-order gradients need nothing more. Dilation and groups are refused by
-the frontend with a clear error; the IR has no attribute for them.
+the other two), so higher-order gradients need nothing more. `groups` splits the channels as
+PyTorch does: input channel block g (C/groups channels) meets output channel block g (O/groups)
+only, so the weight is (O, C/groups, KH, KW) and groups == C is a depthwise convolution; the
+three ops carry it alike, and each one's VJP keeps it. Dilation is refused by the frontend with a
+clear error; the IR has no attribute for it.
 """
 from __future__ import annotations
 
@@ -320,7 +323,7 @@ def _matmul(types, attrs):
     return TensorType(batch + (a.shape[-2], b.shape[-1]), dtype)
 
 
-_CONV_ATTRS = {"stride": Attr(_pair, (1, 1)), "padding": Attr(_pair, (0, 0))}
+_CONV_ATTRS = {"stride": Attr(_pair, (1, 1)), "padding": Attr(_pair, (0, 0)), "groups": Attr(int, 1)}
 
 
 def _check_conv(name: str, x: TensorType, w: TensorType, attrs) -> tuple[int, int, int, int]:
@@ -328,8 +331,13 @@ def _check_conv(name: str, x: TensorType, w: TensorType, attrs) -> tuple[int, in
     _float_only(name, x)
     if x.rank != 4 or w.rank != 4:
         raise ShapeError(f"{name} needs a 4-D NCHW input and a 4-D OIHW weight, got {x} and {w}")
-    if x.shape[1] != w.shape[1]:
-        raise ShapeError(f"{name}: input has {x.shape[1]} channels but the weight expects {w.shape[1]} ({x} vs {w})")
+    groups = attrs["groups"]
+    if groups < 1 or w.shape[0] % groups:
+        raise ShapeError(f"{name}: groups must be >= 1 and divide the {w.shape[0]} output channels, got groups={groups}")
+    if x.shape[1] != w.shape[1] * groups:
+        per_group = f" ({w.shape[1]} per group x {groups} groups)" if groups != 1 else ""
+        raise ShapeError(f"{name}: input has {x.shape[1]} channels but the weight expects {w.shape[1] * groups}"
+                         f"{per_group} ({x} vs {w})")
     (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
     if sh < 1 or sw < 1 or ph < 0 or pw < 0:
         raise ShapeError(f"{name}: stride must be >= 1 and padding >= 0, got stride {attrs['stride']} padding {attrs['padding']}")

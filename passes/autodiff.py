@@ -244,7 +244,7 @@ def _matmul(b: Builder, n: int, ct: int, needs: tuple[bool, ...]):
 
 def _conv_attrs(b: Builder, n: int) -> dict:
     at = b.g.attrs(n)
-    return {"stride": at["stride"], "padding": at["padding"]}
+    return {"stride": at["stride"], "padding": at["padding"], "groups": at["groups"]}
 
 
 # The three convolution primitives are closed under differentiation. With y = conv(x, w):

@@ -67,10 +67,13 @@ def _update_error(new: dict[str, np.ndarray], exact: dict[str, np.ndarray], old:
 
 
 def per_step(ember_step: Callable[[np.ndarray, np.ndarray], float], weights: Callable[[], dict[str, np.ndarray]],
-             model_name: str, batches: Sequence[tuple[np.ndarray, np.ndarray]], lr: float = LR) -> PerStep:
+             model_name: str | Callable[[], torch.nn.Module], batches: Sequence[tuple[np.ndarray, np.ndarray]],
+             lr: float = LR) -> PerStep:
     """Runs ember's step on every batch; before each, PyTorch float32 and float64 take the same step
-    from ember's current weights (`weights()` returns copies under PyTorch's names)."""
-    t32, t64 = torch_model(model_name), torch_model(model_name)
+    from ember's current weights (`weights()` returns copies under PyTorch's names). The PyTorch
+    model is `model_name`'s here, or what `model_name()` builds (a zoo model, say)."""
+    make = model_name if callable(model_name) else (lambda: torch_model(model_name))
+    t32, t64 = make(), make()
     loss_diff, ember_err, torch_err = [], [], []
     for x, y in batches:
         before = weights()

@@ -25,8 +25,8 @@ from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim
 from ember.runtime import target_names
 
-from ..training.recipes import MODELS, build_model
-from ..training.torch_twins import torch_model
+from ..training.recipes import MODELS
+from ..training.zoo import ZOO, require_torch, torch_zoo_model, zoo_model
 
 
 
@@ -137,7 +137,7 @@ def kernel_flops(graph: Any) -> dict[str, float]:
 
 
 def _input_shape(model: str) -> tuple[int, ...]:
-    return (784,) if MODELS[model][1] else (1, 28, 28)
+    return ZOO[model].input_shape
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _batches(model: str, batch: int, count: int, data: str | None, seed: int) ->
     shape = _input_shape(model)
     if data:
         from ember.runtime.data import load_mnist
-        x, y = load_mnist(data, "train", flat=model == "mlp")
+        x, y = load_mnist(data, "train", flat=ZOO[model].flat)
         x, y = x[: batch * count], y[: batch * count]
     else:
         rng = np.random.default_rng(seed)
@@ -180,7 +180,7 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
         os.environ["EMBER_CACHE_DIR"] = cache  # an empty cache: the first compile is cold
         try:
             for attempt in ("cold", "warm"):
-                model = build_model(model_name, init="ember")
+                model = zoo_model(model_name)
                 model.load_state_dict(init)
                 t0 = time.perf_counter()
                 step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device,
@@ -200,7 +200,7 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
     import torch
     import torch.nn.functional as tF
     torch.set_num_threads(threads)
-    model = torch_model(model_name)
+    model = torch_zoo_model(model_name)
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -223,7 +223,7 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
     return step, res
 
 
-def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int = 64,
+def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int | None = 64,
               lr: float = 0.05, threads: int | None = None, data: str | None = None, torch_compile: bool = True,
               rounds: int = 4, seed: int = 0, profile: bool = False, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     cores = os.cpu_count() or 1
@@ -241,7 +241,8 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
     # when set before libgomp loads (i.e. before `import torch`); the report records the values.
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     os.environ.setdefault("OMP_WAIT_POLICY", "active" if os.environ["GOMP_SPINCOUNT"] != "0" else "passive")
-    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch, "steps": steps, "models": {},
+    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch or "per model", "steps": steps,
+                              "models": {},
                               "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")}}
     if device == "cpu":
         from ember.codegen.cpu_vector import resolve
@@ -256,8 +257,9 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         have_torch = False
         log("PyTorch is not importable: timing ember alone (pip install 'ember[torch]' to compare)")
     for name in models:
-        batches = _batches(name, batch, 16, data, seed)
-        init = build_model(name, seed, init="torch").state_dict()  # the reference recipe's weights
+        model_batch = batch or ZOO[name].batch_size  # None: the zoo's batch size for the model
+        batches = _batches(name, model_batch, 16, data, seed)
+        init = zoo_model(name, seed).state_dict()  # PyTorch's initialisation (the reference recipe's weights)
         log(f"[{name}] compiling ember ...")
         systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr, profile)]
         if have_torch:
@@ -304,7 +306,8 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         rows = []
         for _, res in systems:
             row = {k: v for k, v in asdict(res).items() if k != "step_ms"}
-            row.update(median_ms=res.median_ms, p10_ms=res.quantile(0.1), p90_ms=res.quantile(0.9), timed_steps=len(res.step_ms),
+            row.update(batch=model_batch, median_ms=res.median_ms, p10_ms=res.quantile(0.1), p90_ms=res.quantile(0.9),
+                       timed_steps=len(res.step_ms),
                        ember_over_this=ember_ms / res.median_ms if res.median_ms else None)
             rows.append(row)
         report["models"][name] = rows
@@ -316,13 +319,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
              + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "")
              + (f" cpu_vector={report['cpu_vector']}" if report.get("cpu_vector") else "") + f" omp={report.get('omp')}",
-             f"{'model':7} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
+             f"{'model':9} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
     for model, rows in report["models"].items():
         for r in rows:
             cold = f"{r['compile_cold_s']:.2f}s" if r["compile_cold_s"] is not None else "-"
             warm = f"{r['compile_warm_s']:.2f}s" if r["compile_warm_s"] is not None else "-"
             peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "-"
-            lines.append(f"{model:7} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
+            lines.append(f"{model:9} {r['system']:14} {r['median_ms']:10.3f} {r['p10_ms']:8.3f} {r['p90_ms']:8.3f} "
                          f"{r['ember_over_this']:10.3f} {cold:>12} {warm:>7} {peak:>9}")
     for model, kernels in report.get("kernels", {}).items():
         total = sum(k["ms_per_step"] for k in kernels)
@@ -335,11 +338,14 @@ def format_table(report: dict[str, Any]) -> str:
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="cnn,mlp", metavar="M[,M...]|all",
-                   help=f"models to time, comma-separated ({', '.join(MODELS)}), or all of them")
+                   help=f"models to time, comma-separated: the recipes ({', '.join(MODELS)}; all: each of them) "
+                        f"or zoo models ({', '.join(m for m in ZOO if m not in MODELS)}; defined in PyTorch)")
+    p.add_argument("--zoo", action="store_true", help="time every model of the zoo (instead of --model)")
     p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--steps", type=int, default=200, help="timed steps per system (default 200)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per system first")
-    p.add_argument("--batch-size", type=int, default=None, help="default 64 (cuda: 64 and 1024)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="default: each model's batch size in the zoo, 64 (cuda: 64 and 1024)")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor cores for ember (precision='tf32') and PyTorch (allow_tf32) alike")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
@@ -353,19 +359,27 @@ def main(args: Any) -> int:
     from .cli_checks import check_device, check_tf32
     check_device(args.device)
     check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
-    models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
+    from .cli_checks import UsageError
+    if args.zoo:
+        models = list(ZOO)
+    else:
+        models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in ZOO]
     if unknown or not models:
-        from .cli_checks import UsageError
-        raise UsageError(f"--model {args.model}: expected model names from {', '.join(MODELS)} "
+        raise UsageError(f"--model {args.model}: expected model names from {', '.join(ZOO)} "
                          f"(comma-separated) or all")
+    if any(m not in MODELS for m in models):
+        try:  # the zoo's own models exist only as PyTorch definitions
+            require_torch()
+        except ModuleNotFoundError as e:
+            raise UsageError(f"{', '.join(m for m in models if m not in MODELS)}: {e}") from None
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
         report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, log=lambda s: print(s, file=sys.stderr))
         print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
         return 0
-    report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size or 64,
+    report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
                        threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile, profile=args.profile)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

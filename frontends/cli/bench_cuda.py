@@ -17,15 +17,14 @@ import numpy as np
 from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim
 
-from ..training.recipes import MODELS, build_model
-from ..training.torch_twins import torch_model
+from ..training.zoo import ZOO, torch_zoo_model, zoo_model
 
 FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet fp32 (non-tensor) rate: the scale for "% of peak"
 HBM_GB_PER_S = 4800.0    # H200 SXM datasheet HBM3e bandwidth: the scale for "% of HBM"
 
 
 def _torch_model(name: str):
-    return torch_model(name)  # the recipes' PyTorch twins (frontends/training/torch_twins.py)
+    return torch_zoo_model(name)  # the zoo's PyTorch definitions (the recipes' twins among them)
 
 
 def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) -> list[tuple[str, Callable]]:
@@ -91,13 +90,13 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
                               "tf32": tf32, "rows": []}
     for name in models:
         for batch in batches:
-            shape = (batch, 784) if MODELS[name][1] else (batch, 1, 28, 28)
+            shape = (batch, *ZOO[name].input_shape)
             rng = np.random.default_rng(seed)
             nb = 8
             xs_host = rng.random((nb, *shape), dtype=np.float32)
             ys_host = rng.integers(0, 10, (nb, batch)).astype(np.int64)
-            init = build_model(name, seed).state_dict()
-            model = build_model(name, seed)
+            model = zoo_model(name, seed)
+            init = model.state_dict()
             step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=(xs_host[0], ys_host[0]),
                                  device="cuda", precision="tf32" if tf32 else "float32")
             # A dataset on the device, already cut into batches (views made once, for every system
@@ -137,7 +136,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
                 row = {"model": name, "batch": batch, "system": sys_name, "ms_per_step": ms,
                        "samples_per_s": batch / ms * 1e3, "ember_over_this": ember_ms / ms}
                 report["rows"].append(row)
-                log(f"{name:4} batch {batch:5} {sys_name:16} {ms * 1e3:9.1f} us/step {batch / ms * 1e3:12.0f} samples/s "
+                log(f"{name:9} batch {batch:5} {sys_name:16} {ms * 1e3:9.1f} us/step {batch / ms * 1e3:12.0f} samples/s "
                     f"ember/this {ember_ms / ms:6.3f}")
             report.setdefault("kernels", {})[f"{name}-{batch}"] = kernel_profile(step)
     return report
@@ -165,7 +164,7 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
                 elif spec.kind == "conv2d":
                     k = int(np.prod(b.shape[1:]))
                 elif spec.kind == "conv2d_grad_input":
-                    k = b.shape[0] * b.shape[2] * b.shape[3]
+                    k = b.shape[0] // sub.attrs(spec.core)["groups"] * b.shape[2] * b.shape[3]
                 else:
                     k = a.shape[0] * b.shape[2] * b.shape[3]
                 flops[sub.name] = 2 * out.numel * k
@@ -240,9 +239,9 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
 
 def format_cuda_report(report: dict[str, Any]) -> str:
     lines = [f"device=cuda ({report['gpu']}), float32, TF32 {'on' if report['tf32'] else 'off'}",
-             f"{'model':5} {'batch':>5} {'system':16} {'us/step':>9} {'samples/s':>12} {'ember/this':>10}"]
+             f"{'model':9} {'batch':>5} {'system':16} {'us/step':>9} {'samples/s':>12} {'ember/this':>10}"]
     for r in report["rows"]:
-        lines.append(f"{r['model']:5} {r['batch']:5} {r['system']:16} {r['ms_per_step'] * 1e3:9.1f} "
+        lines.append(f"{r['model']:9} {r['batch']:5} {r['system']:16} {r['ms_per_step'] * 1e3:9.1f} "
                      f"{r['samples_per_s']:12.0f} {r['ember_over_this']:10.3f}")
     for key, kernels in report.get("kernels", {}).items():
         total = sum(k["us"] for k in kernels)

@@ -23,7 +23,8 @@ from ember.runtime import target_names
 from ember.frontends import nn, plan
 
 from ember.frontends.checkpoint import atomic_write_bytes
-from ..training.recipes import MODELS, build_model, make_optimizer
+from ..training.recipes import MODELS, make_optimizer
+from ..training.zoo import ZOO, require_torch, zoo_model
 from .cli_checks import check_output_dir, describe_os_error
 
 EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
@@ -42,8 +43,8 @@ def _write_kernels(model_name: str, device: str, out: Path, batch_size: int, pre
     target = get_target(device)
     if target.source is None:
         raise ValueError(f"device {device!r} generates no source code (it interprets the graph)")
-    model = build_model(model_name)
-    shape = (batch_size, 784) if MODELS[model_name][1] else (batch_size, 1, 28, 28)
+    model = zoo_model(model_name)
+    shape = (batch_size, *ZOO[model_name].input_shape)
     example = (np.zeros(shape, np.float32), np.zeros(batch_size, np.int64))
     graphs = plan(model, nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example, device=device,
                   precision=precision)
@@ -60,7 +61,8 @@ def _write_kernels(model_name: str, device: str, out: Path, batch_size: int, pre
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--model", choices=list(ZOO), default="cnn",
+                   help="a recipe or zoo model (the zoo's own models need PyTorch: they are defined in it)")
     p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the sources (created)")
@@ -82,6 +84,12 @@ def main(args: Any) -> int:
             named(args.gpu)
         except ValueError as exc:
             print(f"ember kernels: error: --gpu: {exc}", file=sys.stderr)
+            return 2
+    if args.model not in MODELS:  # the zoo's own models exist only as PyTorch definitions
+        try:
+            require_torch()
+        except ModuleNotFoundError as exc:
+            print(f"ember kernels: error: {args.model}: {exc}", file=sys.stderr)
             return 2
     out = check_output_dir("--out", args.out)
     try:

@@ -24,7 +24,8 @@ from ember.frontends import nn, plan
 from ember.runtime import target as get_target
 from ember.runtime import target_names
 
-from ..training.recipes import MODELS, build_model, make_optimizer
+from ..training.recipes import MODELS, make_optimizer
+from ..training.zoo import ZOO, require_torch, zoo_model
 from .cli_checks import UsageError
 
 
@@ -40,7 +41,9 @@ def _ints(text: str, what: str) -> list[int]:
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--model", default="cnn,mlp", metavar="M[,M...]|all",
-                   help=f"models to tune: {', '.join(MODELS)} (default cnn,mlp)")
+                   help=f"models to tune: the recipes ({', '.join(MODELS)}; all: each of them) or zoo models "
+                        f"({', '.join(m for m in ZOO if m not in MODELS)}; defined in PyTorch) (default cnn,mlp)")
+    p.add_argument("--zoo", action="store_true", help="tune every model of the zoo (instead of --model)")
     p.add_argument("--device", default="cuda", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--batch-size", default="64,1024", metavar="B[,B...]", help="batch sizes (default 64,1024)")
     p.add_argument("--tf32", action="store_true", help="cuda: tune the kernels of precision='tf32'")
@@ -52,9 +55,17 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
-    if unknown := [m for m in models if m not in MODELS]:
-        raise UsageError(f"--model {', '.join(unknown)}: expected names from {', '.join(MODELS)} (or all)")
+    if args.zoo:
+        models = list(ZOO)
+    else:
+        models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    if unknown := [m for m in models if m not in ZOO]:
+        raise UsageError(f"--model {', '.join(unknown)}: expected names from {', '.join(ZOO)} (or all)")
+    if any(m not in MODELS for m in models):
+        try:  # the zoo's own models exist only as PyTorch definitions
+            require_torch()
+        except ModuleNotFoundError as e:
+            raise UsageError(f"{', '.join(m for m in models if m not in MODELS)}: {e}") from None
     batches = _ints(args.batch_size, "--batch-size")
     if not args.budget_s > 0:
         raise UsageError(f"--budget-s {args.budget_s}: expected a number of seconds > 0")
@@ -73,9 +84,8 @@ def main(args: Any) -> int:
     with tuning_db.using(db):
         for model_name in models:
             for batch in batches:
-                shape = (batch, 784) if MODELS[model_name][1] else (batch, 1, 28, 28)
-                example = (np.zeros(shape, np.float32), np.zeros(batch, np.int64))
-                graphs = plan(build_model(model_name), nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example,
+                example = (np.zeros((batch, *ZOO[model_name].input_shape), np.float32), np.zeros(batch, np.int64))
+                graphs = plan(zoo_model(model_name), nn.CrossEntropyLoss(), make_optimizer("sgd", 0.05), example,
                               device=name, precision=precision)
                 for step, graph in graphs.items():
                     left = args.budget_s - (time.perf_counter() - t0)

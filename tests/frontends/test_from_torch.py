@@ -177,7 +177,7 @@ class BadArgument(tnn.Module):
 class BadModuleArgument(tnn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = tnn.Conv2d(2, 2, 3, groups=2)
+        self.conv = tnn.Conv2d(2, 2, 3, dilation=2)
 
     def forward(self, x):
         return self.conv(x)
@@ -191,7 +191,7 @@ class Slicing(tnn.Module):
 def test_unsupported_arguments():
     with pytest.raises(TorchImportError, match=r"unsupported argument alpha=2 \(only alpha=1\) at fx node 'add'"):
         from_torch(BadArgument(), torch.zeros(2, 3))
-    with pytest.raises(TorchImportError, match=r"unsupported argument dilation=\(1, 1\), groups=2 .* of Conv2d at "
+    with pytest.raises(TorchImportError, match=r"unsupported argument dilation=\(2, 2\) .* of Conv2d at "
                        r"fx node 'conv'.*return self.conv\(x\)"):
         from_torch(BadModuleArgument(), torch.zeros(1, 2, 5, 5))
     with pytest.raises(TorchImportError, match=r"tensor indexing/slicing .* at fx node 'getitem'"):

@@ -42,8 +42,19 @@ class Residual(tnn.Module):
         return TF.gelu(x, approximate="tanh") + x
 
 
+class Clamps(tnn.Module):
+    def forward(self, x):
+        return torch.clamp(x, -0.3, 0.4) + x.clamp(min=0.1) + torch.clip(x, max=-0.2) + TF.hardtanh(x, -0.5, 0.6) \
+            + TF.relu6(4 * x)
+
+
 LAYERS = {
     "gelu": (tnn.GELU(), 3 * 6 * 6),
+    "relu6": (tnn.ReLU6(), 3 * 6 * 6),
+    "hardtanh": (tnn.Hardtanh(-0.25, 0.5), 3 * 6 * 6),
+    "clamps": (Clamps(), 3 * 6 * 6),
+    "grouped_conv": (tnn.Conv2d(3, 6, 3, stride=2, padding=1, groups=3), 6 * 3 * 3),
+    "depthwise_conv": (tnn.Conv2d(3, 3, (3, 2), padding=(1, 0), groups=3, bias=False), 3 * 6 * 5),
     "gelu_tanh": (tnn.GELU(approximate="tanh"), 3 * 6 * 6),
     "avg_pool": (tnn.AvgPool2d(3, stride=2, padding=1), 3 * 3 * 3),
     "max_pool": (tnn.MaxPool2d(2), 3 * 3 * 3),
@@ -89,7 +100,7 @@ def test_gradients_match_float64_central_differences(name):
     res = run(g, {"x": x, "ct": ct}, p64, precision="float64").outputs
     rng = np.random.default_rng(1)
     h = 1e-6
-    for k in ("conv.weight", "conv.bias"):
+    for k in [k for k in p64 if k.startswith(("conv.", "layer.weight"))]:
         for idx in [tuple(rng.integers(0, d) for d in p64[k].shape) for _ in range(3)]:
             plus, minus = {**p64, k: p64[k].copy()}, {**p64, k: p64[k].copy()}
             plus[k][idx] += h
@@ -182,11 +193,13 @@ class CeilMax(tnn.Module):
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("make", [OverlappingMax, CeilMax], ids=["overlapping", "ceil_mode"])
 def test_max_pool_trains_like_torch(make, device):
-    tm = make()
-    ref = copy.deepcopy(tm)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 1, 7, 7)).astype(np.float32)
-    y = rng.integers(0, 3, 4)
+    _trains_like_torch(make(), rng.standard_normal((4, 1, 7, 7)).astype(np.float32), rng.integers(0, 3, 4), device)
+
+
+def _trains_like_torch(tm, x: np.ndarray, y: np.ndarray, device: str) -> None:
+    """Three SGD steps of `tm` imported and of a copy of it in PyTorch: the same losses and weights."""
+    ref = copy.deepcopy(tm)
     model = from_torch(tm, torch.from_numpy(x))
     step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device=device)
     topt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -332,3 +345,109 @@ def test_batch_norm_running_var_on_non_square_images_matches_torch():
     sd = step.state_dict()
     np.testing.assert_allclose(sd["0.running_mean"], tbn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sd["0.running_var"], tbn.running_var.numpy(), rtol=1e-5)
+
+
+class _Params(nn.Module):
+    """Parameters holding given values, and a forward `fn(*parameters)` weighted by the input (so
+    that every element has its own cotangent)."""
+
+    def __init__(self, fn, *values: np.ndarray) -> None:
+        super().__init__()
+        self.fn = fn
+        for i, v in enumerate(values):
+            setattr(self, f"p{i}", nn.Parameter(np.asarray(v, np.float32)))
+
+    def forward(self, ct):
+        return F.sum(F.mul(self.fn(*[getattr(self, f"p{i}") for i in range(len(self._parameters))]), ct))
+
+
+def _value_and_grads(fn, values, ct):
+    model = _Params(fn, *values)
+    res = run(grad(trace(lambda ct: model(ct), ct, modules={"": model})), {"ct": ct},
+              {k: p.data for k, p in model.named_parameters()}).outputs
+    return res["loss"], [res[f"grad:p{i}"] for i in range(len(values))]
+
+
+def _torch_value_and_grads(fn, values, ct):
+    ts = [torch.tensor(np.asarray(v, np.float32), requires_grad=True) for v in values]
+    loss = (fn(*ts) * torch.from_numpy(ct)).sum()
+    loss.backward()
+    return loss.item(), [t.grad.numpy() for t in ts]
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (lambda x: F.clamp(x, 0.0, 6.0), lambda x: torch.clamp(x, 0.0, 6.0)),
+    (lambda x: F.clamp(x, min=0.0), lambda x: x.clamp(min=0.0)),
+    (lambda x: F.clamp(x, max=6.0), lambda x: x.clamp(max=6.0)),
+    (lambda x: F.clamp(x, 6.0, 0.0), lambda x: torch.clamp(x, 6.0, 0.0)),  # min > max: max everywhere
+    (F.relu6, TF.relu6),
+    (lambda x: F.hardtanh(x, 0.0, 6.0), lambda x: TF.hardtanh(x, 0.0, 6.0)),
+], ids=["clamp", "clamp_min", "clamp_max", "clamp_crossed", "relu6", "hardtanh"])
+def test_clamps_value_and_gradient_at_the_bounds_and_nan_are_torchs(ours, theirs):
+    """clamp passes the gradient where min <= x <= max and not at NaN; hardtanh (and relu6) only
+    strictly inside, and at NaN: torch's two backward rules, exactly, at the ties."""
+    x = np.array([-1.0, 0.0, 3.0, 6.0, 7.0, np.nan], np.float32)
+    ct = np.arange(1, 7, dtype=np.float32)
+    loss, (ours_grad,) = _value_and_grads(ours, [x], ct)  # the NaN input makes the loss NaN, not the gradient
+    ref = torch.tensor(x, requires_grad=True)
+    out = theirs(ref)
+    (out * torch.from_numpy(ct)).sum().backward()
+    assert np.isnan(loss) and bool(torch.isnan(out[-1]))
+    np.testing.assert_array_equal(ours_grad, ref.grad.numpy())
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "bool_mask", "float_mask", "scale", "three_d"])
+def test_scaled_dot_product_attention_matches_torch(case):
+    rng = np.random.default_rng(0)
+    lead = (2, 3) if case != "three_d" else (4,)
+    q, k, v = (rng.standard_normal(lead + s).astype(np.float32) for s in ((5, 4), (6, 4), (6, 3)))
+    if case == "causal":
+        k, v = k[..., :5, :], v[..., :5, :]
+    mask = {"bool_mask": rng.random((5, 6)) > 0.3, "float_mask": rng.standard_normal((3, 5, 6)).astype(np.float32)}.get(case)
+    if case == "bool_mask":
+        mask[:, 0] = True  # every query attends to something
+    kwargs = {"is_causal": case == "causal", "scale": 0.7 if case == "scale" else None}
+    ct = rng.standard_normal(lead + (5, 3)).astype(np.float32)
+    ours = _value_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, mask, **kwargs), [q, k, v], ct)
+    tmask = None if mask is None else torch.from_numpy(mask)
+    theirs = _torch_value_and_grads(lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, tmask, **kwargs),
+                                    [q, k, v], ct)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours[1], theirs[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sa,sb", [((2, 5, 3), (3, 4)), ((5, 3), (2, 3, 4)), ((2, 1, 5, 3), (3, 3, 4)), ((3,), (2, 3, 4)),
+                                   ((2, 5, 3), (3,))])
+def test_matmul_broadcasting_batch_axes_matches_torch(sa, sb):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    ct = rng.standard_normal(np.broadcast_shapes(np.matmul(a, b).shape)).astype(np.float32)
+    ours = _value_and_grads(F.matmul, [a, b], ct)
+    theirs = _torch_value_and_grads(torch.matmul, [a, b], ct)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for x, y in zip(ours[1], theirs[1]):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_attention_layer_compiles_on_cpu_like_torch():
+    """A Linear on (B, T, D) inputs, the heads' batched matmuls with a broadcast bias, softmax over
+    the last axis and expand, compiled for the CPU, against PyTorch."""
+    class Layer(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q, self.k, self.v = tnn.Linear(8, 8), tnn.Linear(8, 8), tnn.Linear(8, 8)
+            self.bias = tnn.Parameter(0.1 * torch.randn(1, 1, 4, 4))
+            self.scale = tnn.Parameter(torch.ones(1, 8))
+            self.head = tnn.Linear(8, 3)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = (f(x).reshape(b, t, 2, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+            att = (q @ k.transpose(-2, -1) * 0.5 + self.bias).softmax(dim=-1)
+            o = (att @ v).transpose(1, 2).reshape(b, t, d) * self.scale.expand(t, -1)
+            return self.head(o.mean(dim=1))
+
+    rng = np.random.default_rng(0)
+    _trains_like_torch(Layer(), rng.standard_normal((3, 4, 8)).astype(np.float32), rng.integers(0, 3, 3), "cpu")

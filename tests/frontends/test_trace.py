@@ -223,8 +223,10 @@ def test_other_trace_errors():
         F.exp(Parameter(np.zeros(3)))
     with pytest.raises(NotImplementedError, match="dilation"):
         trace(lambda x, w: F.conv2d(x, w, dilation=2), spec((1, 1, 8, 8)), spec((1, 1, 3, 3)))
-    with pytest.raises(NotImplementedError, match="groups"):
-        trace(lambda x, w: F.conv2d(x, w, groups=2), spec((1, 2, 8, 8)), spec((2, 1, 3, 3)))
+    with pytest.raises(ShapeError, match="groups must be >= 1 and divide the 3 output channels"):
+        trace(lambda x, w: F.conv2d(x, w, groups=2), spec((1, 2, 8, 8)), spec((3, 1, 3, 3)))
+    with pytest.raises(ShapeError, match=r"expects 4 \(2 per group x 2 groups\)"):
+        trace(lambda x, w: F.conv2d(x, w, groups=2), spec((1, 3, 8, 8)), spec((2, 2, 3, 3)))
     escaped = []
     trace(lambda x: escaped.append(x) or x, spec((2,)))
     with pytest.raises(ValueError, match="another traced graph"):

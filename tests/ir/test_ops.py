@@ -455,25 +455,29 @@ def test_matmul_bad():
 
 @st.composite
 def conv_cases(draw):
-    n, c, o = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    """(x shape, weight shape, stride, padding, groups): groups 1, 2 or 3 with 1-3 input and 1-2
+    output channels a group (groups == C, depthwise, among them)."""
+    groups = draw(st.sampled_from([1, 1, 2, 3]))
+    n, cg = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    o = groups * draw(st.integers(1, 2)) if groups > 1 else draw(st.integers(1, 4))
     kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     ph, pw = draw(st.integers(0, 2)), draw(st.integers(0, 2))
     # odd and even sizes, large enough for at least one output pixel
     h = draw(st.integers(max(1, kh - 2 * ph), 11))
     w = draw(st.integers(max(1, kw - 2 * pw), 11))
-    return (n, c, h, w), (o, c, kh, kw), (sh, sw), (ph, pw)
+    return (n, cg * groups, h, w), (o, cg, kh, kw), (sh, sw), (ph, pw), groups
 
 
 @covers("conv2d")
 @SETTINGS
 @given(case=conv_cases(), seed=seeds, precision=PRECISIONS)
 def test_conv2d_vs_torch(case, seed, precision):
-    xs, ws, stride, padding = case
+    xs, ws, stride, padding, groups = case
     rng = np.random.default_rng(seed)
     x, w = rand(rng, xs), rand(rng, ws)
-    out = interp("conv2d", [x, w], precision, stride=stride, padding=padding)
-    ref = TF.conv2d(T(x, precision), T(w, precision), stride=stride, padding=padding)
+    out = interp("conv2d", [x, w], precision, stride=stride, padding=padding, groups=groups)
+    ref = TF.conv2d(T(x, precision), T(w, precision), stride=stride, padding=padding, groups=groups)
     close(out, ref, precision, atol=2e-6, k=ws[1] * ws[2] * ws[3])
 
 
@@ -490,13 +494,14 @@ def test_conv2d_grid(stride, padding):
 @SETTINGS
 @given(case=conv_cases(), seed=seeds, precision=PRECISIONS)
 def test_conv2d_grad_input_vs_torch(case, seed, precision):
-    xs, ws, stride, padding = case
+    xs, ws, stride, padding, groups = case
     rng = np.random.default_rng(seed)
     w = rand(rng, ws)
-    ys = TF.conv2d(torch.zeros(xs), torch.zeros(ws), stride=stride, padding=padding).shape
+    ys = TF.conv2d(torch.zeros(xs), torch.zeros(ws), stride=stride, padding=padding, groups=groups).shape
     dy = rand(rng, tuple(ys))
-    out = interp("conv2d_grad_input", [dy, w], precision, stride=stride, padding=padding, input_shape=xs)
-    ref = torch.nn.grad.conv2d_input(xs, T(w, precision), T(dy, precision), stride=stride, padding=padding)
+    out = interp("conv2d_grad_input", [dy, w], precision, stride=stride, padding=padding, groups=groups, input_shape=xs)
+    ref = torch.nn.grad.conv2d_input(xs, T(w, precision), T(dy, precision), stride=stride, padding=padding,
+                                     groups=groups)
     close(out, ref, precision, atol=2e-6, k=ws[0] * ws[2] * ws[3])
 
 
@@ -504,13 +509,15 @@ def test_conv2d_grad_input_vs_torch(case, seed, precision):
 @SETTINGS
 @given(case=conv_cases(), seed=seeds, precision=PRECISIONS)
 def test_conv2d_grad_weight_vs_torch(case, seed, precision):
-    xs, ws, stride, padding = case
+    xs, ws, stride, padding, groups = case
     rng = np.random.default_rng(seed)
     x = rand(rng, xs)
-    ys = TF.conv2d(torch.zeros(xs), torch.zeros(ws), stride=stride, padding=padding).shape
+    ys = TF.conv2d(torch.zeros(xs), torch.zeros(ws), stride=stride, padding=padding, groups=groups).shape
     dy = rand(rng, tuple(ys))
-    out = interp("conv2d_grad_weight", [x, dy], precision, stride=stride, padding=padding, weight_shape=ws)
-    ref = torch.nn.grad.conv2d_weight(T(x, precision), ws, T(dy, precision), stride=stride, padding=padding)
+    out = interp("conv2d_grad_weight", [x, dy], precision, stride=stride, padding=padding, groups=groups,
+                 weight_shape=ws)
+    ref = torch.nn.grad.conv2d_weight(T(x, precision), ws, T(dy, precision), stride=stride, padding=padding,
+                                      groups=groups)
     close(out, ref, precision, atol=2e-6, k=ys[0] * ys[2] * ys[3])
 
 
@@ -538,6 +545,22 @@ def test_conv2d_bad():
     expect_shape_error("conv2d", [TensorType((2, 3, 8, 8), int32)] * 2, "floating-point")
     expect_shape_error("conv2d", [f32(2, 3, 8, 8), f32(4, 3, 3, 3)], "bad attribute", stride=(1, 2, 3))
     expect_shape_error("conv2d", [f32(2, 3, 8, 8), f32(4, 3, 3, 3)], "unknown attribute", dilation=2)
+    expect_shape_error("conv2d", [f32(2, 4, 8, 8), f32(3, 2, 3, 3)], "divide the 3 output channels", groups=2)
+    expect_shape_error("conv2d", [f32(2, 4, 8, 8), f32(4, 2, 3, 3)], "groups must be >= 1", groups=0)
+    expect_shape_error("conv2d", [f32(2, 4, 8, 8), f32(4, 1, 3, 3)], "expects 2 (1 per group x 2 groups)", groups=2)
+
+
+def test_grouped_conv2d_shape_rule():
+    g = Graph()
+    x = g.add_input("x", f32(8, 6, 9, 9))
+    assert g.type(g.add("conv2d", [x, g.add_input("w", f32(4, 3, 3, 3))], groups=2)) == f32(8, 4, 7, 7)
+    dw = g.add_input("dw", f32(6, 1, 3, 3))  # depthwise: groups == C
+    y = g.add("conv2d", [x, dw], stride=2, padding=1, groups=6)
+    assert g.type(y) == f32(8, 6, 5, 5)
+    assert g.type(g.add("conv2d_grad_input", [y, dw], stride=2, padding=1, groups=6, input_shape=(8, 6, 9, 9))) \
+        == f32(8, 6, 9, 9)
+    assert g.type(g.add("conv2d_grad_weight", [x, y], stride=2, padding=1, groups=6, weight_shape=(6, 1, 3, 3))) \
+        == f32(6, 1, 3, 3)
 
 
 def test_conv2d_grads_bad():

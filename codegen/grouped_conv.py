@@ -1,0 +1,124 @@
+"""Grouped convolutions (`groups` > 1, depthwise included) for the code-generating targets: the
+forward, grad-input and grad-weight kernels in C++ and CUDA (templates
+`templates/<target>/grouped_conv.j2`).
+
+These are the generic, correct kernels every grouped convolution can run on; tiled and
+vectorised families for depthwise and grouped convolutions are later work. Channel block g of
+the input (C/G channels) meets output block g (O/G channels) only; the weight is
+(O, C/G, KH, KW), as PyTorch's. Any stride and padding.
+
+Determinism: every output element is computed by one thread in a fixed order, no atomics.
+The C++ kernels own (image, output channel) planes (forward), (image, input channel) planes
+(grad-input) or weights (grad-weight: per-image partial sums of HO*WO products, then their sum
+over the images in order); the CUDA forward and grad-input run one thread an element, the
+grad-weight one block a weight, its threads' strided partial sums added by a fixed tree.
+Epilogues: the forward takes bias and ReLU, the grad-input the ReLU mask, and on CUDA any
+kernel a generated pointwise epilogue.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ember.ir.ops import conv_out_dim
+
+from .cpp_kernels import KernelSource
+from .cuda_kernels import CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
+from .shapes import ceil_div, check_positive
+from .templates_env import environment
+
+CONV_KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+CUDA_THREADS = 256
+CPU_PARALLEL_MIN = 32768  # multiply-adds below which an OpenMP team costs more than it saves
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    N: int
+    C: int   # input channels, all groups
+    H: int
+    W: int
+    O: int   # output channels, all groups
+    KH: int
+    KW: int
+    SH: int
+    SW: int
+    PH: int
+    PW: int
+    HO: int
+    WO: int
+    G: int
+
+    @property
+    def macs(self) -> int:
+        return self.N * self.O * self.HO * self.WO * (self.C // self.G) * self.KH * self.KW
+
+
+def geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any]) -> ConvGeometry:
+    """The convolution of an NCHW input of `x_shape` with an (O, C/G, KH, KW) weight under a
+    convolution node's attributes (stride, padding, groups)."""
+    (n, c, h, w), (o, cg, kh, kw) = x_shape, w_shape
+    check_positive(N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw)
+    (sh, sw), (ph, pw), g = attrs["stride"], attrs["padding"], int(attrs["groups"])
+    if g < 1 or c != cg * g or o % g:
+        raise ValueError(f"groups={g} does not split {c} input and {o} output channels with a weight of {cg} per group")
+    ho, wo = conv_out_dim(h, kh, sh, ph), conv_out_dim(w, kw, sw, pw)
+    if ho < 1 or wo < 1:
+        raise ValueError(f"empty convolution output ({ho}x{wo}) for input {h}x{w}, kernel {kh}x{kw}")
+    if max(n * c * h * w, n * o * ho * wo, o * cg * kh * kw) >= 2**31:
+        raise ValueError("tensor too large for 32-bit indexing")  # the kernels index in int
+    return ConvGeometry(n, c, h, w, o, kh, kw, sh, sw, ph, pw, ho, wo, g)
+
+
+def _check(name: str, kind: str) -> None:
+    if not name.isidentifier() or not name.isascii():
+        raise ValueError(f"kernel name {name!r} is not a C identifier")
+    if kind not in CONV_KINDS:
+        raise ValueError(f"unknown convolution kernel {kind!r}; expected one of {CONV_KINDS}")
+
+
+def _description(kind: str, g: ConvGeometry) -> str:
+    return (f"grouped {kind} x({g.N},{g.C},{g.H},{g.W}) w({g.O},{g.C // g.G},{g.KH},{g.KW}) groups {g.G} "
+            f"stride ({g.SH},{g.SW}) padding ({g.PH},{g.PW}) -> {g.HO}x{g.WO}")
+
+
+def render_cpp(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,
+               relu_mask: bool = False) -> tuple[KernelSource, list[str | None]]:
+    """The C++ kernel of `kind` and its argument order as roles (None: NULL; then the step passes
+    scratch, unused): the signatures of the ungrouped templates in `cpp_kernels`."""
+    _check(name, kind)
+    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
+        raise ValueError(f"the grouped {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    tasks = {"conv2d": g.N * g.O, "conv2d_grad_input": g.N * g.C, "conv2d_grad_weight": g.O * (g.C // g.G)}[kind]
+    code = environment("cpp").get_template("grouped_conv.j2").render(
+        name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
+        parallel=tasks >= 2 and g.macs >= CPU_PARALLEL_MIN, **dataclasses.asdict(g))
+    order: list[str | None] = {"conv2d": ["x", "w", "bias" if bias else None, "out"],
+                               "conv2d_grad_input": ["dy", "w", *(["mask"] if relu_mask else []), "out"],
+                               "conv2d_grad_weight": ["x", "dy", "out", None]}[kind]
+    return KernelSource(name, code, 0), order
+
+
+def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,
+                relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
+    """The CUDA kernel of `kind`: one thread an output element (forward, grad-input), one block a
+    weight (grad-weight). Roles as the GEMM templates': x, w, [bias], out / dy, w, [mask_src],
+    out / x, dy, out."""
+    _check(name, kind)
+    roles = {"conv2d": ("x", "w") + (("bias",) if bias else ()) + ("out",),
+             "conv2d_grad_input": ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",),
+             "conv2d_grad_weight": ("x", "dy", "out")}[kind]
+    roles, inputs, unrestricted = with_epilogue(roles, ("x", "w", "bias", "dy", "mask_src"), epilogue)
+    if kind == "conv2d_grad_weight":
+        grid = g.O * (g.C // g.G) * g.KH * g.KW
+    else:
+        grid = ceil_div(g.N * (g.O * g.HO * g.WO if kind == "conv2d" else g.C * g.H * g.W), CUDA_THREADS)
+    code = environment("cuda").get_template("grouped_conv.j2").render(
+        name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
+        threads=CUDA_THREADS, roles=roles, inputs=inputs, unrestricted=unrestricted, pw=epilogue,
+        signature=kernel_signature(roles, inputs, unrestricted, False), **dataclasses.asdict(g))
+    return CudaKernel(name, code, (Launch(f"{name}_grouped", (grid, 1, 1), (CUDA_THREADS, 1, 1), 0, roles),), 0)
+
+
+__all__ = ["CONV_KINDS", "ConvGeometry", "geometry", "render_cpp", "render_cuda"]

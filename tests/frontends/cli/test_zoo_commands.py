@@ -1,0 +1,59 @@
+"""The zoo in the commands: `ember bench --zoo` times every zoo model, `--model NAME` takes a zoo
+model as it takes a recipe, `ember kernels --model NAME` writes a zoo model's sources, `ember tune`
+takes zoo names too, and a zoo model without PyTorch is refused in one line."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from ember.frontends import cli
+from ember.frontends.cli import bench
+from ember.frontends.training.zoo import ZOO
+
+
+def test_bench_zoo_times_every_zoo_model_at_its_batch_size(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run_bench(models, **kwargs):
+        seen.update(models=models, **kwargs)
+        return {"device": "cpu", "threads": 1, "batch": kwargs["batch"] or "per model", "steps": 1, "models": {}}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    assert cli.main(["bench", "--zoo"]) == 0
+    assert seen["models"] == list(ZOO) and seen["batch"] is None
+    assert cli.main(["bench", "--model", "mobilenet,resnet8", "--batch-size", "8"]) == 0
+    assert seen["models"] == ["mobilenet", "resnet8"] and seen["batch"] == 8
+
+
+def test_bench_runs_a_zoo_model_against_pytorch(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["bench", "--model", "vit_sdpa", "--steps", "2", "--warmup", "1", "--batch-size", "4",
+                     "--threads", "1", "--no-torch-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "vit_sdpa  ember-cpu" in out and "vit_sdpa  torch-eager" in out
+
+
+def test_kernels_writes_a_zoo_models_sources(tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["kernels", "--model", "mobilenet", "--device", "cpu", "--batch-size", "2",
+                     "--out", str(tmp_path)]) == 0
+    train = (tmp_path / "mobilenet-train-2x1x28x28.cpp").read_text()
+    assert "grouped conv2d_grad_weight x(2,32,28,28) w(32,1,3,3) groups 32" in train
+
+
+@pytest.mark.parametrize("argv", [["bench", "--model", "cnn,airbench", "--steps", "1"],
+                                  ["kernels", "--model", "airbench", "--out", "OUT"],
+                                  ["tune", "--model", "cnn,airbench"]])
+def test_zoo_models_without_pytorch_are_refused_in_one_line(argv, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    assert cli.main([str(tmp_path) if a == "OUT" else a for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "airbench: the model zoo is defined in PyTorch, which is not installed: pip install 'ember[torch]'" in err
+
+
+def test_tune_takes_zoo_names(capsys):
+    assert cli.main(["tune", "--model", "vit,nope"]) == 2
+    assert "--model nope: expected names from cnn, mlp, lenet5, resnet8, airbench, mobilenet, vit, vit_sdpa (or all)" \
+        in capsys.readouterr().err
