@@ -235,7 +235,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         args = [local_name(graph, o) for o in operands]
         out = local_name(graph, n)
         outs = [local_name(graph, m) for m in results]
-        in_place = notes["storage"] in ("parameter", "state")
+        in_place = any(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
         if spec.kind == "pointwise":
             code = render_pointwise(name, sub, restrict=not in_place)
             call_args = args + outs

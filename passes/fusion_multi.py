@@ -14,6 +14,8 @@ the same reduced domain, or from its results at the output index, can ride along
    normalised input together); one that reads another's result (at the output index, broadcast
    over the reduced axes: the variance reading the mean) runs as a later pass of the same
    kernel, so a BatchNorm forward's statistics are one kernel and its values are unchanged.
+3. **Independent sources.** Pointwise kernels of one shape that read only the step's inputs,
+   parameters and state (each BatchNorm's step counter) become one kernel.
 
 A merge is made only when no other kernel lies on a path between the two (the kernel graph stays
 acyclic) and the merged kernel can evaluate every member at the index it is read: a value that
@@ -60,21 +62,15 @@ def _domain(graph: Graph, members: set[int]) -> tuple[tuple[int, ...], tuple[int
     return next(iter(sigs)) if len(sigs) == 1 else None
 
 
-def valid_multi(graph: Graph, members: set[int]) -> bool:
-    """True when one reduction kernel can compute `members`: every reduction over one domain, and
-    each value depending on a reduction's result read at that reduction's output index (see the
-    module doc)."""
-    sig = _domain(graph, members)
-    if sig is None:
-        return False
-    domain, axes = sig
+def _at_index(graph: Graph, members: set[int], starts: list[int], domain: tuple[int, ...],
+              axes: tuple[int, ...]) -> bool:
+    """True when every member depending on `starts` (values with one element per output of the
+    reductions over `domain`/`axes`) reads them at that output's index: through elementwise ops
+    and reshapes of output-sized values, and into the domain through its keepdims shape only."""
     keep = tuple(1 if i in axes else d for i, d in enumerate(domain))
     n_out = math.prod(keep)
-    if n_out == math.prod(domain):
-        return False
-    cores = [m for m in members if graph.op(m) in MERGEABLE_REDUCTIONS]
     dependent: set[int] = set()
-    stack = list(cores)
+    stack = list(starts)
     while stack:
         n = stack.pop()
         for u, _ in graph.users(n):
@@ -83,10 +79,11 @@ def valid_multi(graph: Graph, members: set[int]) -> bool:
                 stack.append(u)
     for m in dependent:
         op, shape = graph.op(m), graph.type(m).shape
-        dep_shapes = [graph.type(o).shape for o in graph.operands(m) if o in dependent or o in cores]
+        dep_shapes = [graph.type(o).shape for o in graph.operands(m) if o in dependent or o in starts]
         if op in MERGEABLE_REDUCTIONS:
-            continue  # its operand is domain-shaped by the signature
-        if graph.type(m).numel == n_out and shape != domain:  # at the output index
+            if graph.type(graph.operands(m)[0]).shape != domain or tuple(graph.attrs(m)["axes"]) != tuple(axes):
+                return False
+        elif graph.type(m).numel == n_out and shape != domain:  # at the output index
             if op == "reshape":
                 continue
             if op not in ELEMENTWISE or any(s != shape and math.prod(s) != 1 for s in dep_shapes):
@@ -99,6 +96,31 @@ def valid_multi(graph: Graph, members: set[int]) -> bool:
         else:
             return False
     return True
+
+
+def valid_multi(graph: Graph, members: set[int]) -> bool:
+    """True when one reduction kernel can compute `members`: every reduction over one domain, and
+    each value depending on a reduction's result read at that reduction's output index (see the
+    module doc)."""
+    sig = _domain(graph, members)
+    if sig is None:
+        return False
+    domain, axes = sig
+    if math.prod(d for i, d in enumerate(domain) if i in axes) == 1:
+        return False
+    return _at_index(graph, members, [m for m in members if graph.op(m) in MERGEABLE_REDUCTIONS], domain, axes)
+
+
+def reads_at_output_index(sub: Graph, core: int, value: int) -> bool:
+    """Whether reduction kernel `sub` (around reduction `core`) reads its input `value` only at
+    the index of the output being computed (so that output may be written over `value` in place)."""
+    op = sub.op(core)
+    if op not in MERGEABLE_REDUCTIONS:
+        return False
+    domain, axes = sub.type(sub.operands(core)[0]).shape, tuple(sub.attrs(core)["axes"])
+    if sub.type(value).numel != math.prod(d for i, d in enumerate(domain) if i not in axes):
+        return False
+    return _at_index(sub, set(sub.g), [value], domain, axes)
 
 
 class _KernelGraph:
@@ -204,6 +226,22 @@ def merge_multi_output(graph: Graph, groups: Groups) -> None:
     changed = True
     while changed:
         changed = _absorb_epilogues(graph, groups, kg, position) | _merge_domains(graph, groups, kg, position)
+    _merge_source_only(graph, groups, kg, position)
+
+
+def _merge_source_only(graph: Graph, groups: Groups, kg: _KernelGraph, position: dict[int, int]) -> None:
+    """Pointwise kernels of one shape that read nothing the step computes (each BatchNorm's step
+    counter increment) become one kernel: they may all run first, so no order is lost."""
+    first: dict[tuple[int, ...], int] = {}
+    for r in sorted((r for r, g in groups.items() if g[0] == "pointwise"), key=position.__getitem__):
+        if any(kg.source(o) is not None or OPS[graph.op(o)].kind != "source"
+               for o in external_reads(graph, groups[r][1])):
+            continue
+        shape = graph.type(r).shape
+        if shape in first:
+            kg.merge(first[shape], r)
+        else:
+            first[shape] = r
 
 
 def _absorb_epilogues(graph: Graph, groups: Groups, kg: _KernelGraph, position: dict[int, int]) -> bool:
