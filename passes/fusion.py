@@ -30,6 +30,14 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   arena buffer of its own (never the operand's, never in place) and a backend dispatches on the
   kernel kind: on CUDA one communicator call over that buffer.
 
+After grouping, two cost rules rewrite the groups: a cheap pointwise group whose readers are all
+generated kernels is recomputed in each of them instead of stored (`fusion_recompute.py`, when
+`FusionCaps.recompute`), and, on targets whose kernels may write several outputs
+(`FusionCaps.multi_output`), reductions over one domain share a kernel and pointwise work at a
+reduction's output index becomes that kernel's further outputs (`fusion_multi.py`). A group then
+records its values in `notes["outputs"]` (its root first); the fused node holds the first ("out")
+and each further one is a `fused_output` node that keeps the id of the value it holds.
+
 A value leaves a group (and is materialised) only when something outside the group uses it, so
 no group ever needs another group's internals and no cycle can form: groups are grown from a
 root towards operands in reverse topological order, absorbing a node only when all its users are
