@@ -14,8 +14,8 @@ the same reduced domain, or from its results at the output index, can ride along
    normalised input together); one that reads another's result (at the output index, broadcast
    over the reduced axes: the variance reading the mean) runs as a later pass of the same
    kernel, so a BatchNorm forward's statistics are one kernel and its values are unchanged.
-3. **Independent sources.** Pointwise kernels of one shape that read only the step's inputs,
-   parameters and state (each BatchNorm's step counter) become one kernel.
+3. **Independent state updates.** Pointwise kernels of one shape that read only parameters and
+   state (each BatchNorm's step counter) become one kernel.
 
 A merge is made only when no other kernel lies on a path between the two (the kernel graph stays
 acyclic) and the merged kernel can evaluate every member at the index it is read: a value that
@@ -230,12 +230,11 @@ def merge_multi_output(graph: Graph, groups: Groups) -> None:
 
 
 def _merge_source_only(graph: Graph, groups: Groups, kg: _KernelGraph, position: dict[int, int]) -> None:
-    """Pointwise kernels of one shape that read nothing the step computes (each BatchNorm's step
+    """Pointwise kernels of one shape that read only parameters and state (each BatchNorm's step
     counter increment) become one kernel: they may all run first, so no order is lost."""
     first: dict[tuple[int, ...], int] = {}
     for r in sorted((r for r, g in groups.items() if g[0] == "pointwise"), key=position.__getitem__):
-        if any(kg.source(o) is not None or OPS[graph.op(o)].kind != "source"
-               for o in external_reads(graph, groups[r][1])):
+        if any(graph.op(o) not in ("parameter", "state", "constant") for o in external_reads(graph, groups[r][1])):
             continue
         shape = graph.type(r).shape
         if shape in first:
