@@ -19,11 +19,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.ir import Graph, KernelSpec, TensorType
+from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
-from .lowering import C_OPERATORS, Spelling, c_literal, lower_pointwise, lower_reduction, reduction_init
+from .lowering import C_OPERATORS, Spelling, c_literal, hoisting_rows, lower_pointwise, lower_reduction
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -40,29 +40,38 @@ SPELLING = Spelling("C++", {
 }, c_literal)
 
 
-def _signature(sub: Graph, out_type: TensorType, restrict: bool) -> str:
+def _signature(sub: Graph, restrict: bool) -> str:
     r = " __restrict__" if restrict else ""
     params = [f"const {sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.inputs.items()]
-    params.append(f"{out_type.dtype.ctype}*{r} out")
+    params += [f"{sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.outputs.items()]
     return ", ".join(params)
 
 
+def _out_types(sub: Graph) -> str:
+    return ", ".join(str(sub.type(n)) for n in sub.outputs.values())
+
+
+# The shortest row a pointwise kernel loops over with per-row values hoisted: below this an
+# inner loop is too short to vectorise well and one flat loop does better.
+MIN_ROW = 16
+
+
 def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
-    t = sub.type(sub.outputs["out"])
-    low = lower_pointwise(sub, SPELLING)
+    """One flat loop, or rows (leading axes) of contiguous elements when that hoists per-row
+    operands (a normalisation's per-channel values) out of the vectorised inner loop."""
+    low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW))
     return ENV.get_template("pointwise.j2").render(
-        name=name, numel=low.numel, out_type=str(t), params=_signature(sub, t, restrict), body=low.body,
-        result=low.result, parallel=low.numel >= PARALLEL_MIN)
+        name=name, numel=low.numel, out_type=_out_types(sub), params=_signature(sub, restrict), rows=low.rows,
+        hoisted=low.hoisted, inner=low.inner, stores=low.stores, parallel=low.numel >= PARALLEL_MIN)
 
 
 def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) -> str:
-    t = sub.type(sub.outputs["out"])
     low = lower_reduction(sub, core, SPELLING)
     return ENV.get_template("reduction.j2").render(
-        name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
-        params=_signature(sub, t, restrict), prologue=low.prologue, value=low.value, epilogue=low.epilogue,
-        result=low.result, acc_type=low.acc_type, init=reduction_init(low, SPELLING),
-        parallel=low.outputs >= 2 and low.outputs * low.reduced >= PARALLEL_MIN)
+        name=name, ops="+".join(dict.fromkeys(a.op for a in low.accs)), reduced=low.reduced, loops=low.loops,
+        outputs=low.outputs, out_type=_out_types(sub), params=_signature(sub, restrict), passes=low.passes,
+        epilogue=low.epilogue, results=low.results,
+        parallel=low.outputs >= 2 and low.outputs * low.reduced * len(low.passes) >= PARALLEL_MIN)
 
 
 @dataclass
@@ -164,16 +173,18 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         spec, sub = attrs["kernel"], attrs["graph"]
         name = sub.name
         operands = graph.operands(n)
-        used += operands + [n]
+        results = graph.results(n)
+        used += operands + results
         args = [local_name(graph, o) for o in operands]
         out = local_name(graph, n)
-        in_place = notes["storage"] in ("parameter", "state")
+        outs = [local_name(graph, m) for m in results]
+        in_place = any(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
         if spec.kind == "pointwise":
             code = render_pointwise(name, sub, restrict=not in_place)
-            call_args = args + [out]
+            call_args = args + outs
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
-            call_args = args + [out]
+            call_args = args + outs
         elif spec.kind == "collective":
             # not compiled: the step ends a segment here and the runtime's communicator runs it;
             # collectives with no kernel between them meet at one boundary (one flat bucket)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +22,14 @@ from ember.ir import Graph, KernelSpec
 from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
 from .indexing import delinearize
-from .lowering import (C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements,
-                       reduction_init)
+from .lowering import C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
 THREADS = 256
 COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator carries out
 PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 SPELLING = Spelling("CUDA", {
     **C_OPERATORS,
@@ -67,8 +68,12 @@ class CudaStepSource:
 
 def _signature(sub: Graph) -> str:
     params = [f"const {sub.type(n).dtype.ctype}* __restrict__ {name}" for name, n in sub.inputs.items()]
-    params.append(f"{sub.type(sub.outputs['out']).dtype.ctype}* out")
+    params += [f"{sub.type(n).dtype.ctype}* {name}" for name, n in sub.outputs.items()]
     return ", ".join(params)
+
+
+def _out_types(sub: Graph) -> str:
+    return ", ".join(str(sub.type(n)) for n in sub.outputs.values())
 
 
 def _index_type(sub: Graph) -> str:
@@ -78,11 +83,11 @@ def _index_type(sub: Graph) -> str:
 
 
 def render_pointwise(name: str, sub: Graph) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
-    t = sub.type(sub.outputs["out"])
     index = _index_type(sub)
     low = lower_pointwise(sub, SPELLING, index_type=index)
-    code = ENV.get_template("pointwise.j2").render(name=name, numel=low.numel, out_type=str(t), params=_signature(sub),
-                                                   body=low.body, result=low.result, threads=THREADS, index=index)
+    code = ENV.get_template("pointwise.j2").render(name=name, numel=low.numel, out_type=_out_types(sub),
+                                                   params=_signature(sub), body=low.body, stores=low.stores,
+                                                   threads=THREADS, index=index)
     return code, (math.ceil(low.numel / THREADS), 1, 1), (THREADS, 1, 1)
 
 
@@ -113,23 +118,27 @@ def _split_count(low: Any) -> int:
     """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU
     and the outermost reduced loop (the batch, for a bias gradient) can be cut into chunks."""
     target_blocks = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
-    if low.op not in ("sum", "max") or len(low.loops) < 2 or low.outputs >= target_blocks \
-            or low.loops[-1][1] < THREADS // 2:
+    if low.op not in ("sum", "max", "mixed") or any(a.op == "argmax" for a in low.accs) or not low.acc_type \
+            or len(low.loops) < 2 or low.outputs >= target_blocks or low.loops[-1][1] < THREADS // 2:
         return 1
     outer = low.loops[0][1]
     return max(1, min(outer, math.ceil(target_blocks / low.outputs)))
 
 
+def _acc_bytes(low: Any) -> int:
+    return {"float": 4, "double": 8}.get(low.acc_type, 8)
+
+
 def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
-    t = sub.type(sub.outputs["out"])
+    """A reduction kernel, with every pass and output of a kernel that has several (see lowering)."""
     index = _index_type(sub)
     low = lower_reduction(sub, core, SPELLING, index_type=index)
     per_thread = low.reduced <= PER_THREAD_MAX
     flat_index = low.loops[0][0] if low.loops else "0"  # argmax runs one flat loop
-    common = dict(name=name, op=low.op, reduced=low.reduced, loops=low.loops, outputs=low.outputs, out_type=str(t),
-                  params=_signature(sub), prologue=low.prologue, value=low.value, epilogue=low.epilogue,
-                  result=low.result, acc_type=low.acc_type, init=reduction_init(low, SPELLING), threads=THREADS,
-                  index=index)
+    accs = low.accs
+    common = dict(name=name, ops="+".join(dict.fromkeys(a.op for a in accs)), reduced=low.reduced, loops=low.loops,
+                  outputs=low.outputs, out_type=_out_types(sub), params=_signature(sub), passes=low.passes,
+                  accs=accs, epilogue=low.epilogue, results=low.results, threads=THREADS, index=index)
     splits = 1 if per_thread else _split_count(low)
     if splits > 1:
         outer = low.loops[0][1]
@@ -138,19 +147,26 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
         first = low.loops[0][0]
         flat_vars = _flat_loop_vars([(f"{first}_off", chunk)] + list(low.loops[1:]), index)
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
+        # the earlier results each launch reads (a pass's, then the epilogue's): only those are combined
+        names = [set(_IDENTIFIER.findall(" ".join(p.pre + [x for level in p.levels for x in level]
+                                                  + [a.value for a in p.accs]))) for p in low.passes]
+        names.append(set(_IDENTIFIER.findall(" ".join(low.epilogue + [v for _, v in low.results]))))
         code = ENV.get_template("reduction_split.j2").render(**common, splits=splits, chunk=chunk, outer=outer,
+                                                             used=names,
                                                              inner=math.prod(size for _, size in low.loops[1:]),
-                                                             flat_vars=flat_vars)
-        acc_bytes = {"float": 4, "double": 8}.get(low.acc_type, 8)
-        return ReductionKernel(code, ((f"{name}_part", (low.outputs, splits, 1), (THREADS, 1, 1), True),
-                                      (name, (math.ceil(low.outputs / THREADS), 1, 1), (THREADS, 1, 1), True)),
-                               splits * low.outputs * acc_bytes)
+                                                             flat_vars=flat_vars, acc_type=low.acc_type,
+                                                             slot={a.acc: k for k, a in enumerate(accs)})
+        launches = tuple((f"{name}_part{k}", (low.outputs, splits, 1), (THREADS, 1, 1), True)
+                         for k in range(len(low.passes)))
+        return ReductionKernel(code, launches + ((name, (math.ceil(low.outputs / THREADS), 1, 1), (THREADS, 1, 1), True),),
+                               len(accs) * splits * low.outputs * _acc_bytes(low))
     # A block an output walks the reduced elements either as nested loops with the innermost
     # (contiguous, where the layout allows) split across the threads, which needs no division
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
     # counter divided back into loop variables.
-    nested = low.op != "argmax" and len(low.loops) > 0 and low.loops[-1][1] >= THREADS // 2
-    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, nested=nested,
+    argmax = any(a.op == "argmax" for a in accs)
+    nested = not argmax and len(low.loops) > 0 and low.loops[-1][1] >= THREADS // 2
+    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, nested=nested, argmax=argmax,
                                                    loop_vars=_flat_loop_vars(low.loops, index), flat_index=flat_index)
     grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else (low.outputs, 1, 1)
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
@@ -210,7 +226,7 @@ def reduction_scratch(sub: Graph, core: int) -> int:
         return 0
     outer = low.loops[0][1]
     splits = math.ceil(outer / math.ceil(outer / splits))
-    return splits * low.outputs * {"float": 4, "double": 8}.get(low.acc_type, 8)
+    return len(low.accs) * splits * low.outputs * _acc_bytes(low)
 
 
 def prelude() -> str:
@@ -235,7 +251,8 @@ def render_step(graph: Graph) -> CudaStepSource:
         spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
         name = sub.name
         operands = graph.operands(n)
-        node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {"out": ("node", n)}
+        node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {
+            name: ("node", m) for name, m in zip(sub.outputs, graph.results(n))}
         implements = graph.notes(n).get("implements", [])
         header = f"// ---- {name}: {spec.describe()} -> {graph.type(n)}\n" + "".join(f"//   implements {line}\n" for line in implements)
         if spec.kind == "collective":
@@ -249,7 +266,7 @@ def render_step(graph: Graph) -> CudaStepSource:
             kernels.append((name, spec.describe(), implements))
             continue
         if spec.kind in ("pointwise", "reduction"):
-            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + (node_of["out"],)
+            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + tuple(node_of[k] for k in sub.outputs)
             if spec.kind == "pointwise":
                 code, grid, block = render_pointwise(name, sub)
                 launches.append(LaunchArgs(name, grid, block, 0, args, name))

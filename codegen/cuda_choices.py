@@ -364,7 +364,7 @@ def _generated(module_function: str) -> Callable[..., CudaKernel]:
     Imported when called: `cuda` (the step renderer) imports this table."""
     def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
         from . import cuda
-        args = tuple(sub.inputs) + ("out",)
+        args = tuple(sub.inputs) + tuple(sub.outputs)
         if module_function == "pointwise":
             code, grid, block = cuda.render_pointwise(name, sub)
             return CudaKernel(name, code, (Launch(name, grid, block, 0, args),), 0)

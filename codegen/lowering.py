@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
 from ember.ir import OPS, Graph
@@ -69,18 +70,37 @@ def c_literal(value: Any, ctype: str) -> str:
 
 
 class Body:
-    """Emits statements computing subgraph values at symbolic coordinates, memoised."""
+    """Emits statements computing subgraph values at symbolic coordinates, memoised.
 
-    def __init__(self, sub: Graph, spelling: Spelling, prefix: str = "v", index_type: str = "int64_t") -> None:
+    With `levels` (loop variable -> nesting depth, 0 outermost), each statement goes to the
+    shallowest loop it can run in: the deepest level of the loop variables and temporaries it
+    names. So a per-channel operand of a kernel looping over rows and then over a row's
+    contiguous elements is loaded, and anything computed from it, once per row (`by_level`).
+    `cores` maps reduction nodes to the variables holding their results, each with the flat
+    index it may be read at (None: any), which is checked."""
+
+    def __init__(self, sub: Graph, spelling: Spelling, prefix: str = "v", index_type: str = "int64_t",
+                 levels: dict[str, int] | None = None) -> None:
         self.sub = sub
         self.index_type = index_type  # the C type of index temporaries (32-bit where the target's sizes allow)
         self.spelling = spelling
-        self.lines: list[str] = []
+        self.levels = dict(levels or {})
+        self.by_level: list[list[str]] = [[] for _ in range(max(self.levels.values(), default=0) + 1)]
+        self.level_of: dict[str, int] = {}
         self.memo: dict[tuple, str] = {}
         self.count = 0
         self.input_index = {n: int(name[2:]) for name, n in sub.inputs.items()}
-        self.core: int | None = None  # reduction core: its value is `red` at the output index
+        self.core: int | None = None  # a contraction's value in its epilogue: `red` at the output index
+        self.cores: dict[int, tuple[str, str | None]] = {}
         self.prefix = prefix
+
+    @property
+    def lines(self) -> list[str]:
+        """Every statement, outermost level first (an order that respects their dependencies)."""
+        return [line for level in self.by_level for line in level]
+
+    def level(self, expr: str) -> int:
+        return max((self.levels.get(w, self.level_of.get(w, 0)) for w in _IDENTIFIER.findall(expr)), default=0)
 
     def temp(self, expr: str, ctype: str | None = None) -> str:
         if _IDENTIFIER.fullmatch(expr):  # a name already: no `const T v2 = v1;` copies
@@ -88,7 +108,9 @@ class Body:
         ctype = ctype or self.index_type
         self.count += 1
         name = f"{self.prefix}{self.count}"
-        self.lines.append(f"const {ctype} {name} = {expr};")
+        level = self.level(expr)
+        self.by_level[level].append(f"const {ctype} {name} = {expr};")
+        self.level_of[name] = level
         return name
 
     def spell(self, key: str, args: list[str], ctype: str) -> str:
@@ -101,7 +123,12 @@ class Body:
             return self.memo[key]
         sub, op, t = self.sub, self.sub.op(n), self.sub.type(n)
         ctype = t.dtype.ctype
-        if n == self.core:
+        if n in self.cores:
+            expr, at = self.cores[n]
+            if at is not None and linear_c(coords, t.shape) != at:
+                raise NotImplementedError(f"%{n} {op}: a fused kernel reads this reduction at index "
+                                          f"{linear_c(coords, t.shape)}, not at its output's ({at})")
+        elif n == self.core:
             expr = "red"
         elif n in self.input_index:
             expr = f"in{self.input_index[n]}[{linear_c(coords, t.shape)}]"
@@ -149,42 +176,149 @@ class Body:
 @dataclass
 class PointwiseLowering:
     numel: int
-    body: list[str]
-    result: str
+    body: list[str]                  # every statement of one element (a flat loop over the index)
+    result: str                      # the value of "out"
+    results: list[tuple[str, str]]   # (output, value) of every output, "out" first
+    # the loop structure, when `rows` was given: `rows` rows of `numel // rows` contiguous
+    # elements, `hoisted` computed once per row (row variable "p"), `inner` per element ("j")
+    rows: int = 1
+    hoisted: list[str] = field(default_factory=list)
+    inner: list[str] = field(default_factory=list)
+    stores: list[tuple[str, str, str]] = field(default_factory=list)  # (output, flat index, value)
 
 
-def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type: str = "int64_t") -> PointwiseLowering:
-    """The body computing element `index` (a flat output index) of the subgraph's output."""
+def _split_coords(shape: tuple[int, ...], rows: int) -> list[Coord]:
+    """Coordinates of `shape` under a loop over `rows` rows ("p") of contiguous elements ("j")."""
+    total = math.prod(shape)
+    acc, k = 1, len(shape)
+    while k > 0 and acc * shape[k - 1] <= total // rows:
+        acc *= shape[k - 1]
+        k -= 1
+    if acc * rows != total:
+        raise ValueError(f"{rows} rows do not split shape {shape} between its axes")
+    return delinearize("p", rows, shape[:k]) + delinearize("j", acc, shape[k:])
+
+
+def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type: str = "int64_t",
+                    rows: int = 1) -> PointwiseLowering:
+    """The body computing element `index` (a flat output index) of every output of the subgraph;
+    with `rows` > 1, as a loop over rows ("p", a product of leading axes) and over each row's
+    contiguous elements ("j"), statements that depend on the row alone hoisted out of the inner loop."""
     t = sub.type(sub.outputs["out"])
+    if rows > 1:
+        if any(sub.type(n).shape != t.shape for n in sub.outputs.values()):
+            raise ValueError("a pointwise kernel loops over rows only when its outputs have one shape")
+        body = Body(sub, spelling, index_type=index_type, levels={"p": 0, "j": 1})
+        coords = _split_coords(t.shape, rows)
+        results = [(k, body.value(n, coords)) for k, n in sub.outputs.items()]
+        flat = f"p * {t.numel // rows} + j"
+        return PointwiseLowering(t.numel, body.lines, results[0][1], results, rows, body.by_level[0],
+                                 body.by_level[1], [(k, flat, v) for k, v in results])
     body = Body(sub, spelling, index_type=index_type)
-    result = body.value(sub.outputs["out"], delinearize(index, t.numel, t.shape))
-    return PointwiseLowering(t.numel, body.lines, result)
+    results = []
+    for k, n in sub.outputs.items():
+        u = sub.type(n)
+        if u.numel != t.numel:
+            raise ValueError(f"pointwise output {k!r} has {u.numel} elements, 'out' {t.numel}")
+        results.append((k, body.value(n, delinearize(index, u.numel, u.shape))))
+    return PointwiseLowering(t.numel, body.lines, results[0][1], results, 1, [], body.lines,
+                             [(k, index, v) for k, v in results])
+
+
+def hoisting_rows(sub: Graph, spelling: Spelling, min_inner: int) -> int:
+    """The row count that hoists the most input reads out of a pointwise kernel's inner loop
+    (the per-channel operands of a normalisation: rows of H*W under N*C), with rows of at least
+    `min_inner` elements; 1 (one flat loop) when no split hoists anything."""
+    t = sub.type(sub.outputs["out"])
+    if any(sub.type(n).shape != t.shape for n in sub.outputs.values()):
+        return 1
+    best, best_rows = 0, 1
+    for k in range(1, len(t.shape)):
+        rows = math.prod(t.shape[:k])
+        inner = t.numel // max(rows, 1)
+        if rows < 2 or inner < min_inner:
+            continue
+        low = lower_pointwise(sub, spelling, rows=rows)
+        hoisted = sum(line.count("[") for line in low.hoisted)
+        if hoisted > best or (hoisted == best and hoisted and rows < best_rows):
+            best, best_rows = hoisted, rows
+    return best_rows
+
+
+@dataclass
+class Accumulator:
+    op: str      # sum | max | argmax
+    value: str   # the expression accumulated in the innermost loop
+    acc: str     # the accumulator variable
+    red: str     # the variable holding the result after the loops (what later statements read)
+    ctype: str
+    init: str
+
+
+@dataclass
+class ReductionPass:
+    """One walk over the reduced elements: its accumulators, the statements before its loops
+    (per output: values computed from earlier passes' results) and inside each loop."""
+    pre: list[str]
+    levels: list[list[str]]  # statements inside loop d, d = 0 .. len(loops) - 1
+    accs: list[Accumulator]
 
 
 @dataclass
 class ReductionLowering:
-    op: str                       # sum | max | argmax
-    outputs: int                  # number of outputs (the outer loop over `o`)
-    reduced: int                  # elements reduced into each output
-    loops: list[tuple[str, int]]  # nested reduction loops (variable, trip count), outermost first
-    prologue: list[str]           # statements in the innermost loop computing `value`
-    value: str
-    epilogue: list[str]           # statements after the loops computing `result` from `red`
-    result: str
-    acc_type: str
+    outputs: int                      # number of outputs (the outer loop over `o`)
+    reduced: int                      # elements reduced into each output
+    loops: list[tuple[str, int]]      # nested reduction loops (variable, trip count), outermost first
+    passes: list[ReductionPass]       # in order: a pass may read the results of earlier ones
+    epilogue: list[str]               # statements after the passes computing the results
+    results: list[tuple[str, str]]    # (output, value at `o`), "out" first
+
+    @property
+    def accs(self) -> list[Accumulator]:
+        return [a for p in self.passes for a in p.accs]
+
+    @property
+    def op(self) -> str:
+        """The reduction every accumulator does ("sum", "max", "argmax"), or "mixed"."""
+        ops = {a.op for a in self.accs}
+        return ops.pop() if len(ops) == 1 else "mixed"
+
+    @property
+    def acc_type(self) -> str:
+        """The one accumulator type of the kernel, or "" when they differ."""
+        types = {a.ctype for a in self.accs}
+        return types.pop() if len(types) == 1 else ""
+
+
+def _passes(sub: Graph, cores: list[int]) -> list[list[int]]:
+    """Reductions grouped into passes: a reduction that reads another's result runs after it."""
+    stage: dict[int, int] = {}
+    for c in cores:  # cores in topological order
+        before = nx.ancestors(sub.g, c)
+        stage[c] = 1 + max((stage[d] for d in cores if d in before), default=-1)
+    return [[c for c in cores if stage[c] == s] for s in range(max(stage.values()) + 1)]
 
 
 def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str = "int64_t") -> ReductionLowering:
-    """Loops and bodies of a reduction kernel: prologue at the input index, epilogue at the output's."""
-    out = sub.outputs["out"]
-    t = sub.type(out)
+    """Loops and bodies of a reduction kernel: each reduction of the subgraph (several, in a kernel
+    with several outputs, over one domain) accumulated at the input index, in as few passes as their
+    dependencies allow; the outputs computed from the results at the output index (`o`)."""
+    cores = [n for n in sub.topo_order() if sub.op(n) in REDUCTIONS]
+    if core not in cores:
+        raise ValueError(f"%{core} is not a reduction of kernel {sub.name}")
     op, attrs = sub.op(core), sub.attrs(core)
-    (src,) = sub.operands(core)
-    in_shape = sub.type(src).shape
+    in_shape = sub.type(sub.operands(core)[0]).shape
     axes = attrs["axes"] if op != "argmax" else (attrs["axis"],)
+    for c in cores:
+        c_axes = sub.attrs(c)["axes"] if sub.op(c) != "argmax" else (sub.attrs(c)["axis"],)
+        if sub.type(sub.operands(c)[0]).shape != in_shape or tuple(c_axes) != tuple(axes) \
+                or (len(cores) > 1 and sub.op(c) == "argmax"):
+            raise NotImplementedError(f"kernel {sub.name}: reductions over different domains (or an argmax "
+                                      f"among others) cannot share one kernel")
     kept = tuple(d for i, d in enumerate(in_shape) if i not in axes)
     reduced = tuple(in_shape[i] for i in axes)
-    kept_c = iter(delinearize("o", max(1, math.prod(kept)), kept))
+    outputs = math.prod(kept) if kept else 1
+    kept_c = iter(delinearize("o", max(1, outputs), kept))
     # Adjacent reduced axes share one loop (runs), so the innermost loop walks contiguous memory
     # where the layout allows and the compiler vectorises it; argmax needs one flat counter.
     runs: list[list[int]] = []
@@ -200,13 +334,33 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
         loops.append((var, math.prod(shape)))
         red_coord.update(zip(run_axes, delinearize(var, max(1, math.prod(shape)), shape)))
     coords = [red_coord[i] if i in axes else next(kept_c) for i in range(len(in_shape))]
-    pro = Body(sub, spelling, "p", index_type)
-    value = pro.value(src, coords)
+    levels = {"o": 0} | {var: d + 1 for d, (var, _) in enumerate(loops)}
+    single = len(cores) == 1
+    red_of = {c: "red" if single else f"red{k}" for k, c in enumerate(cores)}
+    done: dict[int, tuple[str, str | None]] = {}
+    passes = []
+    for s, group in enumerate(_passes(sub, cores)):
+        body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels)
+        body.cores = dict(done)
+        accs = []
+        for c in group:
+            (src,) = sub.operands(c)
+            ctype = sub.type(src).dtype.ctype
+            acc = "acc" if single else f"acc{cores.index(c)}"
+            accs.append(Accumulator(sub.op(c), body.value(src, coords), acc, red_of[c], ctype,
+                                    init_value(sub.op(c), ctype, spelling)))
+        passes.append(ReductionPass(body.by_level[0], body.by_level[1:], accs))
+        done.update({c: (red_of[c], "o" if outputs > 1 else None) for c in group})
     epi = Body(sub, spelling, "e", index_type)
-    epi.core = core
-    result = epi.value(out, delinearize("o", t.numel, t.shape))
-    return ReductionLowering(op, math.prod(kept) if kept else 1, math.prod(reduced) if reduced else 1, loops,
-                             pro.lines, value, epi.lines, result, sub.type(src).dtype.ctype)
+    epi.cores = done
+    results = []
+    for k, n in sub.outputs.items():
+        t = sub.type(n)
+        if t.numel != outputs:
+            raise NotImplementedError(f"kernel {sub.name}: output {k!r} has {t.numel} elements, not one per "
+                                      f"reduction output ({outputs})")
+        results.append((k, epi.value(n, delinearize("o", t.numel, t.shape))))
+    return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results)
 
 
 def max_elements(sub: Graph) -> int:
@@ -214,11 +368,10 @@ def max_elements(sub: Graph) -> int:
     return max(sub.type(n).numel for n in sub.g)
 
 
-def reduction_init(lowering: ReductionLowering, spelling: Spelling) -> str:
-    """The accumulator's start value: 0 for a sum, the lowest value for max and argmax."""
-    acc = lowering.acc_type
-    if lowering.op == "sum":
-        return spelling.literal(0, acc)
-    if acc in ("float", "double"):
-        return spelling.literal(-math.inf, acc)
-    return spelling.ops["lowest"].format(ctype=acc)
+def init_value(op: str, ctype: str, spelling: Spelling) -> str:
+    """An accumulator's start value: 0 for a sum, the lowest value for max and argmax."""
+    if op == "sum":
+        return spelling.literal(0, ctype)
+    if ctype in ("float", "double"):
+        return spelling.literal(-math.inf, ctype)
+    return spelling.ops["lowest"].format(ctype=ctype)

@@ -196,6 +196,15 @@ class Graph:
     def nodes(self) -> list[int]:
         return self.topo_order()
 
+    def results(self, n: int) -> list[int]:
+        """The nodes holding the values node n computes: n itself, then, for a fused node with
+        several outputs, its `fused_output` readers in the order of the kernel's outputs."""
+        if self.op(n) != "fused" or len(self.attrs(n)["kernel"].outputs) == 1:
+            return [n]
+        order = {name: i for i, name in enumerate(self.attrs(n)["kernel"].outputs)}
+        extra = [u for u, _ in self.users(n) if self.op(u) == "fused_output"]
+        return [n] + sorted(extra, key=lambda u: order[self.attrs(u)["output"]])
+
     def __len__(self) -> int:
         return self.g.number_of_nodes()
 
@@ -286,6 +295,8 @@ class Graph:
             keys = sorted(k for _, _, k in self.g.in_edges(n, keys=True))
             if keys != list(range(len(keys))):
                 raise VerifyError(f"%{n} = {op}: operand indices {keys} are not 0..{len(keys) - 1}")
+            if op == "fused_output" and self.op(self.operands(n)[0]) != "fused":
+                raise VerifyError(f"%{n} = fused_output reads %{self.operands(n)[0]}, which is not a fused node")
             if not full:
                 if op == "fused":
                     self._check_kernel_plan(n)
@@ -319,9 +330,28 @@ class Graph:
 
     def _check_kernel_plan(self, n: int) -> None:
         sub = self.attrs(n)["graph"]
-        problem = self.attrs(n)["kernel"].check(len(self.operands(n)), sub.g, sub.outputs)
+        spec = self.attrs(n)["kernel"]
+        problem = spec.check(len(self.operands(n)), sub.g, sub.outputs)
         if problem is not None:
-            raise VerifyError(f"%{n} = fused: kernel plan {self.attrs(n)['kernel'].describe()}: {problem}")
+            raise VerifyError(f"%{n} = fused: kernel plan {spec.describe()}: {problem}")
+        # every output but "out" is read through exactly one fused_output node of its type
+        projected: dict[str, int] = {}
+        for u, _ in self.users(n):
+            if self.op(u) != "fused_output":
+                continue
+            name = self.attrs(u)["output"]
+            if name not in sub.outputs or name == "out":
+                raise VerifyError(f"%{u} = fused_output: %{n} has no extra output {name!r} "
+                                  f"(its outputs: {', '.join(sub.outputs)})")
+            if name in projected:
+                raise VerifyError(f"%{u} = fused_output: output {name!r} of %{n} is already read by %{projected[name]}")
+            if self.type(u) != sub.type(sub.outputs[name]):
+                raise VerifyError(f"%{u} = fused_output: type {self.type(u)}, but output {name!r} of %{n} "
+                                  f"is {sub.type(sub.outputs[name])}")
+            projected[name] = u
+        if missing := [k for k in sub.outputs if k != "out" and k not in projected]:
+            raise VerifyError(f"%{n} = fused: outputs {missing} have no fused_output node (each extra output "
+                              f"is a buffer the kernel writes)")
 
     def __str__(self) -> str:
         from .printer import format_graph
@@ -332,11 +362,12 @@ class Graph:
         return to_dot(self)
 
 
-def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "group", *,
+def subgraph_of(graph: Graph, nodes: Iterable[int], output: int | Sequence[int], name: str = "group", *,
                 copy_in: Callable[[int], bool] | None = None,
                 mapping: dict[int, int] | None = None, keep_ids: bool = False,
                 position: Mapping[int, int] | None = None) -> tuple[Graph, list[int]]:
-    """Copies `nodes` of `graph` into a standalone graph computing `output`.
+    """Copies `nodes` of `graph` into a standalone graph computing `output` (one node, its output
+    "out"; or several, "out", "out1", "out2", ... in the order given).
 
     Values used by the group but defined outside it become the subgraph's inputs (named in0,
     in1, ... in order of first use), except operand-free nodes for which `copy_in` says yes
@@ -372,5 +403,6 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int, name: str = "gr
             new_ops.append(mapping[o])
         mapping[n] = sub.add(graph.op(n), new_ops, node_id=n if keep_ids else None, **graph.provenance(n),
                              **graph.attrs(n))
-    sub.set_output("out", mapping[output])
+    for i, o in enumerate([output] if isinstance(output, int) else output):
+        sub.set_output("out" if i == 0 else f"out{i}", mapping[o])
     return sub, outer

@@ -134,6 +134,11 @@ def _fused(args, attrs, t):
     return res.outputs["out"]
 
 
+def _fused_output(args, attrs, t):
+    # `_compute` answers it from the values its fused node left (it needs the node, not its value)
+    raise NotImplementedError("fused_output is evaluated by `run` from its fused node's outputs")
+
+
 # NumPy has no erf: math.erf per element (double precision, then cast), the reference's accuracy
 # matters more than its speed.
 _erf = np.frompyfunc(math.erf, 1, 1)
@@ -184,6 +189,7 @@ IMPLS: dict[str, Impl] = {
     "max_pool2d_grad": _max_pool2d_grad,
     "one_hot": lambda a, at, t: (a[0][..., None] == np.arange(at["num_classes"])),
     "fused": _fused,
+    "fused_output": _fused_output,
     # A single process is a world of one rank: the reduction over the group is the value itself.
     # `ember.ir.world.run_world` evaluates collectives over a simulated world of N ranks.
     "all_reduce": lambda a, at, t: a[0],
@@ -235,6 +241,18 @@ def _compute(graph: Graph, n: int, values: Mapping[int, np.ndarray], inputs: Map
     if op in ("input", "parameter", "state"):
         table = {"input": inputs, "parameter": parameters, "state": states}[op]
         return _fetch(op, table, attrs["name"], t)
+    if op == "fused" and len(attrs["graph"].outputs) > 1:
+        # a kernel with several outputs: the extra ones wait under (node, name) for their
+        # fused_output readers (`values` is the caller's dict of results)
+        sub: Graph = attrs["graph"]
+        res = run(sub, dict(zip(sub.inputs, (values[o] for o in graph.operands(n)))), keep_dtypes=True)
+        for name, v in res.outputs.items():
+            if name != "out":
+                values[(n, name)] = v  # type: ignore[index]
+        return res.outputs["out"]
+    if op == "fused_output":
+        (f,) = graph.operands(n)
+        return values[(f, attrs["output"])]  # type: ignore[index]
     impl = IMPLS.get(op)
     if impl is None:
         raise NotImplementedError(f"the reference interpreter has no rule for op {op!r}")

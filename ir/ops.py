@@ -479,8 +479,19 @@ def _fused(types, attrs):
     ins = [sub.type(n) for n in sub.inputs.values()]
     if [t for t in ins] != list(types):
         raise ShapeError(f"fused group expects operands {[str(t) for t in ins]}, got {[str(t) for t in types]}")
-    (out,) = sub.outputs.values()
-    return sub.type(out)
+    # a kernel with several outputs (`KernelSpec.outputs`) is typed by its first, "out"; each
+    # further one is read through a `fused_output` node
+    return sub.type(sub.outputs["out"])
+
+
+@_defop("fused_output", 1, "fused", {"output": Attr(_name), "type": Attr(_ttype)}, differentiable=False, int_ok=True)
+def _fused_output(types, attrs):
+    """Output `output` (not "out") of the multi-output fused node it reads: the buffer that kernel
+    writes besides its own. Its type is an attribute, checked against the kernel's subgraph by the
+    verifier (a type rule sees operand types only)."""
+    if attrs["output"] == "out":
+        raise ShapeError("fused_output: output 'out' is the fused node's own value; read the fused node")
+    return attrs["type"]
 
 
 # ---- checking --------------------------------------------------------------------------------

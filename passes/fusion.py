@@ -30,6 +30,14 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   arena buffer of its own (never the operand's, never in place) and a backend dispatches on the
   kernel kind: on CUDA one communicator call over that buffer.
 
+After grouping, two cost rules rewrite the groups: a cheap pointwise group whose readers are all
+generated kernels is recomputed in each of them instead of stored (`fusion_recompute.py`, when
+`FusionCaps.recompute`), and, on targets whose kernels may write several outputs
+(`FusionCaps.multi_output`), reductions over one domain share a kernel and pointwise work at a
+reduction's output index becomes that kernel's further outputs (`fusion_multi.py`). A group then
+records its values in `notes["outputs"]` (its root first); the fused node holds the first ("out")
+and each further one is a `fused_output` node that keeps the id of the value it holds.
+
 A value leaves a group (and is materialised) only when something outside the group uses it, so
 no group ever needs another group's internals and no cycle can form: groups are grown from a
 root towards operands in reverse topological order, absorbing a node only when all its users are
@@ -38,6 +46,7 @@ Scalar constants are copied into every group that uses them. Deterministic: ids 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import networkx as nx
@@ -47,6 +56,8 @@ from ember.ir import OPS, Graph, KernelSpec, subgraph_of
 from ember.ir.kernel import CONTRACTIONS
 
 from .fusion_loss import find_loss_region
+from .fusion_multi import merge_multi_output
+from .fusion_recompute import recompute_cheap
 from .targets import FusionCaps
 
 ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
@@ -253,6 +264,10 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
         gr.claim(root, members)
         groups[root] = (kind, members, notes)
     _absorb_pointwise_epilogues(graph, gr, groups, caps)
+    if caps.recompute:
+        recompute_cheap(graph, groups)
+    if caps.multi_output:
+        merge_multi_output(graph, groups)
     return groups
 
 
@@ -367,33 +382,59 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     """
     groups = _groups(graph, caps if caps is not None else FusionCaps())
     # Every kept node keeps its id, and a fused node takes its root's: `%51` and `k51_conv2d` name
-    # the same thing in every dump, kernel header and error.
+    # the same thing in every dump, kernel header and error. A kernel's further outputs are
+    # `fused_output` nodes that keep the ids of the values they hold.
     out = Graph.empty_like(graph)
     mapping: dict[int, int] = {}
-    owner = {m: r for r, (_, ms, _) in groups.items() for m in ms}
+    results = {r: group_outputs(r, notes) for r, (_, _, notes) in groups.items()}
+    producer = {v: r for r, vs in results.items() for v in vs}
+    inside = set().union(*(ms for _, ms, _ in groups.values())) if groups else set()
     topo = graph.topo_order()
     position = {n: i for i, n in enumerate(topo)}
     role_nodes = {r: _role_nodes(graph, kind, notes) for r, (kind, _, notes) in groups.items()}
     operands_of_templates = set().union(*role_nodes.values()) if role_nodes else set()
-    for n in topo:
-        op = graph.op(n)
+    # a reshape alias inside a kernel (between two of its values) stays an alias too where
+    # something outside that kernel reads it
+    needed = set(graph.outputs.values()) | set(graph.updates.values()) | {
+        o for _, ms, _ in groups.values() for m in ms for o in graph.operands(m) if o not in ms}
+    needed |= {o for n in graph.g if n not in inside for o in graph.operands(n)}
+    aliases = {n for n in needed if n in inside and graph.op(n) == "reshape"}
+    while more := {o for n in aliases for o in graph.operands(n) if o in inside and graph.op(o) == "reshape"} - aliases:
+        aliases |= more
+    kept = [n for n in topo if (n not in inside or n in aliases) and not (
+        _inline_constant(graph, n) and all(u in inside for u, _ in graph.users(n))
+        and n not in graph.outputs.values() and n not in operands_of_templates)]
+    # Build in an order of the kernels' own dependencies: a kernel with several outputs may feed
+    # one whose root comes earlier in the original order.
+    order = nx.DiGraph()
+    order.add_nodes_from(kept + list(groups))
+    for item in order.nodes:
+        reads = graph.operands(item) if item not in groups else \
+            {o for m in groups[item][1] for o in graph.operands(m) if o not in groups[item][1]}
+        for o in reads:
+            if o in producer or o in order:
+                order.add_edge(producer.get(o, o), item)
+            elif not _inline_constant(graph, o):
+                raise AssertionError(f"fusion: %{o} is read by %{item} but no kernel computes it")
+    for n in nx.lexicographical_topological_sort(order):
         if n in groups:
             kind, members, notes = groups[n]
             submap: dict[int, int] = {}
             # a template's roles (a 1x1 matmul operand that is a constant, say) stay operands:
             # only the scalars a generated body reads are copied in
             roles = role_nodes[n]
-            sub, outer = subgraph_of(graph, members, n, f"k{n}_{kind}",
+            sub, outer = subgraph_of(graph, members, results[n], f"k{n}_{kind}",
                                      copy_in=lambda o: _inline_constant(graph, o) and o not in roles, mapping=submap,
                                      keep_ids=True, position=position)
             index_of = {o: i for i, o in enumerate(outer)}
+            spec = dataclasses.replace(_spec(graph, n, kind, notes, index_of, submap), outputs=tuple(sub.outputs))
             node = out.add("fused", [mapping[o] for o in outer], node_id=n, **graph.provenance(n), graph=sub,
-                           kernel=_spec(graph, n, kind, notes, index_of, submap))
+                           kernel=spec)
             out.annotate(node, "implements", [f"%{m} {graph.op(m)} {graph.where(m)}".rstrip() for m in sorted(members)])
             mapping[n] = node
-        elif n in owner or (_inline_constant(graph, n) and all(u in owner for u, _ in graph.users(n))
-                            and n not in graph.outputs.values() and n not in operands_of_templates):
-            continue
+            for name, v in zip(list(sub.outputs)[1:], results[n][1:]):
+                mapping[v] = out.add("fused_output", [node], node_id=v, **graph.provenance(v), output=name,
+                                     type=graph.type(v))
         else:  # sources, constants and reshape aliases, as they are
             mapping[n] = out.clone_node(graph, n, [mapping[o] for o in graph.operands(n)])
     for name in graph.inputs:  # keep the signature order of the original graph
@@ -403,6 +444,11 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     for k, n in graph.updates.items():
         out.set_update(k, mapping[n])
     return out.verify()
+
+
+def group_outputs(root: int, notes: dict[str, Any]) -> list[int]:
+    """The values a group materialises: its root ("out") first, then any further outputs."""
+    return list(notes.get("outputs", [root]))
 
 
 def kernel_counts(graph: Graph) -> dict[str, int]:

@@ -7,7 +7,8 @@ it records `notes["storage"]`:
   replay needs, and why a strided or temporary argument can never be read after it is freed);
 - "parameter" / "state" (with `notes["name"]`): memory owned by the target's storage, either a
   source node or an update the schedule chose to write in place;
-- "arena" (with `notes["offset"]`): a kernel result;
+- "arena" (with `notes["offset"]`): a kernel result (a `fused_output` node is one: a further
+  output of a multi-output kernel, live from that kernel on);
 - "alias" (with `notes["alias_of"]`): a reshape, sharing its operand's buffer;
 - "constant": a non-scalar constant, held by the runtime.
 A fused node whose `KernelSpec` asks for scratch gets `notes["scratch_offset"]`: a block live only
@@ -65,7 +66,10 @@ def plan_memory(graph: Graph, alignment: int = ALIGN, reuse: bool = True) -> Gra
     for n in steps:
         storage = out.notes(n)["storage"]
         if storage in ("arena", "input"):
-            start = -1 if storage == "input" else position[n]
+            # a kernel's further output (fused_output) is written while its kernel runs: it must
+            # not share memory with anything that kernel reads
+            writer = out.operands(n)[0] if out.op(n) == "fused_output" else n
+            start = -1 if storage == "input" else position[writer]
             live[n] = [start, position[n]]
     for n in steps:
         for o in out.operands(n):

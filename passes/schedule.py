@@ -2,7 +2,8 @@
 
 Runs on a fused graph, before memory planning. Decisions are recorded on the graph:
 `meta["schedule"]` (every node, in run order) and, for an update of a parameter or state whose
-kernel reads the old value only element by element at the same index, `notes["storage"]` =
+kernel reads the old value only at the index it writes (element by element; or, in a reduction
+kernel, at the output's index: a per-channel parameter), `notes["storage"]` =
 "parameter"/"state" with `notes["name"]`: the kernel writes straight into that parameter's memory.
 Such an update must run after every other reader of the old value, so each accepted in-place
 update adds ordering edges (reader -> update) and is accepted only if the order stays acyclic.
@@ -25,28 +26,45 @@ import networkx as nx
 
 from ember.ir import OPS, Graph
 
+from .fusion_multi import reads_at_output_index
 
-def reads_elementwise(graph: Graph, fused: int, source: int) -> bool:
-    """True when `fused` reads `source` only at the index it writes (so writing in place is safe)."""
+
+def reads_elementwise(graph: Graph, fused: int, source: int, output: str = "out") -> bool:
+    """True when `fused` reads `source` only at the index it writes `output` at (so writing that
+    output over `source` in place is safe)."""
     if graph.op(fused) != "fused":
         return False
     spec = graph.attrs(fused)["kernel"]
+    sub = graph.attrs(fused)["graph"]
+    inner = [sub.inputs[f"in{i}"] for i, o in enumerate(graph.operands(fused)) if o == source]
+    if spec.kind == "reduction":  # read at the output index only (a per-channel parameter, say)
+        return all(reads_at_output_index(sub, spec.core, n) for n in inner)
     # A contraction reads its operands everywhere; with a pointwise epilogue, the epilogue's own
     # operands are read per output element like a pointwise kernel's (the users check below).
     if spec.kind != "pointwise" and "pointwise" not in spec.epilogues:
         return False
-    sub = graph.attrs(fused)["graph"]
-    out_type = sub.type(sub.outputs["out"])
-    for i, o in enumerate(graph.operands(fused)):
-        if o != source:
-            continue
-        inner = sub.inputs[f"in{i}"]
-        if sub.type(inner).shape != out_type.shape:
+    out_type = sub.type(sub.outputs[output])
+    if any(sub.type(n).shape != out_type.shape for n in sub.outputs.values()):
+        return False  # outputs of several shapes: their flat indices need not meet
+    for n in inner:
+        if sub.type(n).shape != out_type.shape:
             return False
-        for user, _ in sub.users(inner):
+        for user, _ in sub.users(n):
             if OPS[sub.op(user)].kind != "elementwise" or sub.type(user).shape != out_type.shape:
                 return False
     return True
+
+
+def _readers(graph: Graph, value: int) -> list[int]:
+    """The nodes that read `value`'s memory: its users, and through reshape aliases theirs."""
+    found, stack = [], [value]
+    while stack:
+        for u, _ in graph.users(stack.pop()):
+            if graph.op(u) == "reshape":
+                stack.append(u)
+            elif u not in found:
+                found.append(u)
+    return found
 
 
 def after_collectives(graph: Graph) -> set[int]:
@@ -144,13 +162,16 @@ def schedule(graph: Graph, early_collectives: bool = False) -> Graph:
     for name, node in out.updates.items():
         kind = "parameter" if name in out.parameters else "state"
         source = out.parameters.get(name, out.states.get(name))
-        if node in accepted or out.op(node) != "fused" or not reads_elementwise(out, node, source):
+        # the kernel writing the update: the fused node, or the one a further output belongs to
+        kernel, output = (out.operands(node)[0], out.attrs(node)["output"]) if out.op(node) == "fused_output" \
+            else (node, "out")
+        if node in accepted or out.op(kernel) != "fused" or not reads_elementwise(out, kernel, source, output):
             continue
         if node in out.outputs.values() or any(n == node for k, n in out.updates.items() if k != name):
             continue
-        edges = [(u, node) for u, _ in out.users(source) if u != node]
+        edges = [(u, kernel) for u in _readers(out, source) if u != kernel]
         readers = {u for u, _ in edges}
-        if readers and not readers.isdisjoint(nx.descendants(reach, node)):
+        if readers and not readers.isdisjoint(nx.descendants(reach, kernel)):
             continue
         reach.add_edges_from(edges)
         extra += edges

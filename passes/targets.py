@@ -37,8 +37,12 @@ class FusionCaps:
         "conv2d_grad_input": frozenset({"relu_mask"})})
     #: contraction kind -> prologues its template accepts (none yet)
     prologues: dict[str, frozenset[str]] = field(default_factory=dict)
-    #: whether one fused node may write several outputs
+    #: whether one fused node may write several outputs (`passes/fusion_multi.py`: reductions
+    #: over one domain in one kernel, pointwise work at a reduction's output index as its outputs)
     multi_output: bool = False
+    #: whether cheap elementwise values are recomputed in each generated kernel that reads them
+    #: instead of stored (`passes/fusion_recompute.py`: a cost rule in bytes moved)
+    recompute: bool = True
     #: whether a softmax cross-entropy and its gradient become the `softmax_xent` kernels
     #: (`passes/fusion_loss.py`) instead of a dozen generic ones
     loss_kernels: bool = False

@@ -194,7 +194,8 @@ TARGET = targets.register(targets.Target(
     # bias/relu on the forward contractions, relu_mask (ReLU's backward) on matmul and grad-input.
     fusion=targets.FusionCaps(epilogues={"conv2d": frozenset({"bias", "relu"}),
                                          "matmul": frozenset({"bias", "relu", "relu_mask"}),
-                                         "conv2d_grad_input": frozenset({"relu_mask"})}),
+                                         "conv2d_grad_input": frozenset({"relu_mask"})},
+                              multi_output=True),
     alignment=64,
     # each gradient bucket's all-reduce right after its last gradient, started non-blocking and
     # waited before the first update that reads it (runtime/cpu_segments.py)

@@ -46,7 +46,7 @@ def kernel_regions(graph: Graph, kernels: list[int]) -> list[tuple[list[Region],
     out = []
     for n in kernels:
         reads = [r for o in graph.operands(n) if (r := _region(graph, o)) is not None]
-        writes = [r for r in [_region(graph, n)] if r is not None]
+        writes = [r for m in graph.results(n) if (r := _region(graph, m)) is not None]
         scratch = graph.attrs(n)["kernel"].scratch_bytes
         if scratch:
             off = graph.notes(n)["scratch_offset"]

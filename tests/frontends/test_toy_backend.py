@@ -42,7 +42,9 @@ def test_a_registered_toy_target_compiles_and_trains_a_step(toy_target):
     assert all(not graph.attrs(n)["kernel"].epilogues for n in graph.g if graph.op(n) == "fused")
     assert all(graph.notes(n)["offset"] % 256 == 0 for n in graph.meta["liveness"])
     cpu_graph = compile(mlp(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y), device="cpu").train_graph
-    assert kernel_counts(graph)["pointwise"] > kernel_counts(cpu_graph)["pointwise"]
+    # ... where the cpu target's own record folds them (a bias add the toy runs in a generated kernel)
+    assert any(cpu_graph.attrs(n)["kernel"].epilogues for n in cpu_graph.g if cpu_graph.op(n) == "fused")
+    assert kernel_counts(graph)["matmul"] == kernel_counts(cpu_graph)["matmul"]
 
 
 def test_cli_device_choices_come_from_the_registry(toy_target):

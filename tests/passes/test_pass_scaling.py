@@ -59,7 +59,7 @@ def test_pass_time_per_kernel_does_not_grow_with_depth(device, monkeypatch):
     for blocks in (3, 6, 12, 24):
         # the shallow model, the ratio's denominator, is cheap: its best of three steadies the ratio
         per_kernel[blocks], kernels = min(_seconds_per_kernel(blocks, device) for _ in range(3 if blocks == 3 else 1))
-        assert kernels > 30 * blocks  # the model really grows (about 50 kernels a block)
+        assert kernels > 15 * blocks  # the model really grows (about 20 kernels a block)
     ratio = per_kernel[24] / per_kernel[3]
     shown = ", ".join(f"{b} blocks: {1e3 * t:.2f} ms" for b, t in per_kernel.items())
     assert ratio < 3, f"pass time per kernel grew {ratio:.1f}x from 3 to 24 blocks ({shown})"

@@ -1,0 +1,110 @@
+"""Recomputing cheap elementwise values in every kernel that reads them, instead of storing them.
+
+A pointwise kernel whose value several generated kernels read (BatchNorm's `x - mean`, read by
+the variance and by the normalisation; `dy * weight` and the centred gradient in its backward
+pass) costs a launch, a full-tensor write and one read per reader. When its members are cheap
+and its readers are pointwise or reduction kernels (which evaluate any elementwise subgraph at
+the coordinates they need), each reader can compute the value itself from the kernel's own
+operands: the kernel and its buffer disappear, and the readers read those operands instead.
+
+The rule is a cost comparison in bytes moved, per candidate, in producer-first order (so a value
+recomputed into its readers can make those readers cheap enough to be recomputed in turn):
+
+- stored: the kernel reads its operands and writes its value once; every reader reads it;
+- recomputed: every reader reads the operands it did not read already.
+
+A candidate is recomputed when that moves no more bytes than storing it, its arithmetic per
+element is at most `MAX_COST` (`OP_COST` units, so an `exp` counts as several additions and
+Philox random numbers are never recomputed), and every reader is a pointwise or reduction
+kernel (reading it directly or through reshape aliases). A value the step returns (an output or
+an update) is always stored. Recomputing never changes a value: the readers evaluate the same
+ops in the same order, so the interpreter's results before and after are identical.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ember.ir import OPS, Graph
+
+Groups = dict[int, tuple[str, set[int], dict[str, Any]]]
+
+#: per-element cost of an op when recomputed, in units of one addition; ops not listed cost 1,
+#: None never recompute (Philox's rounds cost more than the memory they would save)
+OP_COST: dict[str, int | None] = {"exp": 8, "log": 8, "tanh": 8, "erf": 8, "sigmoid": 8, "sin": 8, "cos": 8,
+                                  "sqrt": 2, "div": 2, "reciprocal": 2, "floor": 2, "random_uniform": None}
+#: the most arithmetic per element a recomputed value may cost (each reader repeats it)
+MAX_COST = 16
+#: the kernel kinds that evaluate an elementwise subgraph at any coordinates (so can recompute)
+READER_KINDS = ("pointwise", "reduction")
+
+
+def external_reads(graph: Graph, members: set[int]) -> set[int]:
+    """The values `members` read from outside (scalar constants, which are copied in, left out)."""
+    return {o for m in members for o in graph.operands(m) if o not in members
+            and not (graph.op(o) == "constant" and graph.type(o).numel <= 1)}
+
+
+def _cost(graph: Graph, members: set[int], numel: int) -> int | None:
+    """Arithmetic per element of the group's full-size members (smaller ones, per channel say,
+    are evaluated once per row or hoisted by the loop structure), or None if one may not repeat."""
+    total = 0
+    for m in members:
+        if OPS[graph.op(m)].kind != "elementwise":
+            continue
+        c = OP_COST.get(graph.op(m), 1)
+        if c is None:
+            return None
+        if graph.type(m).numel == numel:
+            total += c
+    return total
+
+
+def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
+             returned: set[int]) -> dict[int, set[int]] | None:
+    """Reader kernel -> the reshape aliases between `value` and it; None when something else
+    reads `value` (a template, an output, the step's result)."""
+    found: dict[int, set[int]] = {}
+    stack: list[tuple[int, frozenset[int]]] = [(value, frozenset())]
+    while stack:
+        n, chain = stack.pop()
+        for u, _ in graph.users(n):
+            if u in home:
+                if groups[home[u]][0] not in READER_KINDS:
+                    return None
+                found.setdefault(home[u], set()).update(chain)
+            elif graph.op(u) == "reshape" and u not in returned:
+                stack.append((u, chain | {u}))
+            else:
+                return None
+    return found or None
+
+
+def recompute_cheap(graph: Graph, groups: Groups) -> None:
+    """Merges each cheap pointwise group into all its readers (see the module doc), in place."""
+    returned = set(graph.outputs.values()) | set(graph.updates.values())
+    # the group computing each node that a later kernel reads (a value's readers come after it
+    # in topological order, so each is in exactly one group when its producer is considered)
+    home = {m: r for r, (_, ms, _) in groups.items() for m in ms}
+    for root in [r for r in graph.topo_order() if r in groups]:
+        kind, members, notes = groups[root]
+        if kind != "pointwise" or root in returned or len(notes.get("outputs", [root])) > 1:
+            continue
+        numel = graph.type(root).numel
+        cost = _cost(graph, members, numel)
+        if cost is None or cost > MAX_COST:
+            continue
+        readers = _readers(graph, groups, home, root, returned)
+        if readers is None or root in readers:
+            continue
+        operands = external_reads(graph, members)
+        nbytes = {o: graph.type(o).nbytes for o in operands}
+        stored = sum(nbytes.values()) + graph.type(root).nbytes * (1 + len(readers))
+        recomputed = 0
+        for r in readers:
+            already = external_reads(graph, groups[r][1])
+            recomputed += sum(b for o, b in nbytes.items() if o not in already)
+        if recomputed > stored:
+            continue
+        for r, chain in readers.items():
+            groups[r][1].update(members | chain)
+        del groups[root]
