@@ -116,24 +116,37 @@ class TuningDB:
     def __init__(self, user_dir: str | os.PathLike | None, shipped_dirs: tuple[str | os.PathLike, ...] = ()) -> None:
         self.user_dir = None if user_dir is None else Path(user_dir)
         self.shipped_dirs = tuple(Path(d) for d in shipped_dirs)
-        self._files: dict[tuple[Path, str], dict[str, Record]] = {}
+        # (folder, slug) -> (the file's (mtime, size) when read, its records): a file is read again
+        # only when it changed (another process tuned), so a lookup per kernel costs a stat
+        self._files: dict[tuple[Path, str], tuple[tuple[int, int] | None, dict[str, Record]]] = {}
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
 
     def _load(self, folder: Path, slug: str, source: str) -> dict[str, Record]:
         key = (folder, slug)
-        if key not in self._files:
-            records: dict[str, Record] = {}
-            path = folder / f"{slug}.json"
-            try:
-                data = json.loads(path.read_text())
-                if data.get("schema") == SCHEMA:
-                    records = {k: Record.from_json(v, source) for k, v in data["records"].items()}
-            except FileNotFoundError:
-                pass
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                # an unreadable or damaged database costs speed, never a compile: the cost model decides
-                records = {}
-            self._files[key] = records
-        return self._files[key]
+        path = folder / f"{slug}.json"
+        stamp = self._stamp(path)
+        held = self._files.get(key)
+        if held is not None and held[0] == stamp:
+            return held[1]
+        records: dict[str, Record] = {}
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") == SCHEMA:
+                records = {k: Record.from_json(v, source) for k, v in data["records"].items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            # an unreadable or damaged database costs speed, never a compile: the cost model decides
+            records = {}
+        self._files[key] = (stamp, records)
+        return records
 
     def lookup(self, target: str, device: str, key: str, versions: Mapping[str, int]) -> Record | None:
         """The record of this kernel, the user's before the shipped one; None when there is none
@@ -158,8 +171,9 @@ class TuningDB:
         records[key] = Record(**{**record.__dict__, "when": record.when or time.time(), "source": "user"})
         data = {"schema": SCHEMA, "target": target, "device": device,
                 "records": {k: r.to_json() for k, r in sorted(records.items())}}
-        _atomic_write(self.user_dir / f"{slug}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
-        self._files[(self.user_dir, slug)] = records
+        path = self.user_dir / f"{slug}.json"
+        _atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        self._files[(self.user_dir, slug)] = (self._stamp(path), records)
 
     def fingerprint(self, target: str, device: str) -> str:
         """A hash of the files a lookup for (target, device) reads: what a cached plan depends on."""
@@ -185,11 +199,18 @@ class TuningDB:
         return out
 
 
+_DEFAULTS: dict[Path, TuningDB] = {}
+
+
 def default_db() -> TuningDB:
-    """The user's database under the compile cache (`$EMBER_CACHE_DIR/tuning`), then the shipped one."""
+    """The user's database under the compile cache (`$EMBER_CACHE_DIR/tuning`), then the shipped one:
+    one object per cache folder, so its files are parsed once, not once per kernel chosen."""
     from .compiler import cache_dir
 
-    return TuningDB(cache_dir() / "tuning", (SHIPPED_DIR,))
+    folder = cache_dir() / "tuning"
+    if folder not in _DEFAULTS:
+        _DEFAULTS[folder] = TuningDB(folder, (SHIPPED_DIR,))
+    return _DEFAULTS[folder]
 
 
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("ember_tuning_db", default=...)

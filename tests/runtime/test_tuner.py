@@ -163,3 +163,14 @@ def test_a_stored_plan_that_does_not_fit_the_kernel_is_ignored(tmp_path):
     with tuning_db.using(TuningDB(tmp_path)):
         stamped = {s.name: k for s, k in _tunable(_graph())}
     assert stamped[sub.name].choice != nonsense and stamped[sub.name].why == "cost model"
+
+
+def test_a_database_reads_a_file_again_only_when_another_writer_changed_it(tmp_path):
+    reader, writer = TuningDB(tmp_path), TuningDB(tmp_path)
+    versions = {"gemm": 1}
+    assert reader.lookup("cuda", "NVIDIA H200", "k", versions) is None
+    writer.store("cuda", "NVIDIA H200", "k", Record(("gemm", ()), {"gemm": 2.0}, versions))
+    assert reader.lookup("cuda", "NVIDIA H200", "k", versions).time_us == 2.0
+    held = reader._files[(tmp_path, "cuda-nvidia-h200")]
+    assert reader.lookup("cuda", "NVIDIA H200", "k", versions) is held[1]["k"]  # unchanged: not parsed again
+    assert tuning_db.default_db() is tuning_db.default_db()
