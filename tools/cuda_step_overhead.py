@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 
-def _events_per_step(cp, fn, steps: int = 200, rounds: int = 5) -> float:
+def events_per_step(cp, fn, steps: int = 200, rounds: int = 5) -> float:
     out = []
     for _ in range(rounds):
         cp.cuda.Device().synchronize()
@@ -73,10 +73,10 @@ def main() -> None:
             run(i)
         executor = step._steps[step._example][1]
         row = {"model": name, "batch": batch, "launches": len(executor._launches)}
-        row["step_us"] = _events_per_step(cp, run)
+        row["step_us"] = events_per_step(cp, run)
         row["host_step_us"] = _host_per_call(cp, run)
         graph, stream = executor._graph, executor.stream
-        row["graph_only_us"] = _events_per_step(cp, lambda i: graph.launch(stream))
+        row["graph_only_us"] = events_per_step(cp, lambda i: graph.launch(stream))
         row["host_graph_launch_us"] = _host_per_call(cp, lambda i: graph.launch(stream))
         inputs = {"x": xl[0], "y": yl[0]}
         row["host_load_us"] = _host_per_call(cp, lambda i: executor._load(inputs))
@@ -121,10 +121,10 @@ def main() -> None:
             for i in range(30):
                 trun(i)
             torch.cuda.synchronize()
-            row["torch_step_us"] = _events_per_step(cp, lambda i: (trun(i), torch.cuda.synchronize() if i < 0 else None))
+            row["torch_step_us"] = events_per_step(cp, lambda i: (trun(i), torch.cuda.synchronize() if i < 0 else None))
             row["torch_host_step_us"] = _host_per_call(cp, trun)
             g = replay.__defaults__[0]
-            row["torch_graph_only_us"] = _events_per_step(cp, lambda i: g.replay())
+            row["torch_graph_only_us"] = events_per_step(cp, lambda i: g.replay())
         except Exception as exc:  # no torch with CUDA here: ember's figures alone
             row["torch_error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(row), flush=True)

@@ -10,30 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 from collections import Counter
 
 import numpy as np
-
-
-def _per_step_us(cp, fn, steps: int = 200, rounds: int = 5) -> float:
-    out = []
-    for _ in range(rounds):
-        cp.cuda.Device().synchronize()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(cp.cuda.get_current_stream())
-        for i in range(steps):
-            fn(i)
-        cp.cuda.Device().synchronize()
-        stop.record(cp.cuda.get_current_stream())
-        stop.synchronize()
-        out.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / steps)
-    return statistics.median(out)
+from cuda_step_overhead import events_per_step  # a sibling script: its folder is on the path
 
 
 def main() -> None:
-    import cupy as cp
-
     from ember.codegen import tuning_db
     from ember.frontends import compile as ember_compile
     from ember.frontends import nn, optim
@@ -46,6 +29,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="PyTorch's whole-step CUDA graph beside it")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    import cupy as cp  # after the arguments: --help works without a GPU
     rows = []
     for case in args.cases.split(","):
         name, batch = case.split(":")
@@ -67,7 +51,7 @@ def main() -> None:
         why = Counter(s.why.split(":")[0] for s in specs if s.choice is not None)
         row = {"model": name, "batch": batch, "tf32": args.tf32, "kernels": len(specs), "why": dict(why),
                "families": dict(Counter(s.choice[0] for s in specs if s.choice is not None)),
-               "step_us": round(_per_step_us(cp, run), 2)}
+               "step_us": round(events_per_step(cp, run), 2)}
         if args.torch:
             import torch
 
@@ -78,7 +62,7 @@ def main() -> None:
             for i in range(30):
                 replay(txs[i % 8], tys[i % 8])
             torch.cuda.synchronize()
-            row["torch_cudagraph_us"] = round(_per_step_us(cp, lambda i: replay(txs[i % 8], tys[i % 8])), 2)
+            row["torch_cudagraph_us"] = round(events_per_step(cp, lambda i: replay(txs[i % 8], tys[i % 8])), 2)
             row["ratio"] = round(row["step_us"] / row["torch_cudagraph_us"], 3)
         print(json.dumps(row), flush=True)
         rows.append(row)

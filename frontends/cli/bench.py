@@ -26,7 +26,7 @@ from ember.frontends import nn, optim
 from ember.runtime import target_names
 
 from ..training.recipes import MODELS
-from ..training.zoo import ZOO, require_torch, torch_zoo_model, zoo_model
+from ..training.zoo import ZOO, torch_zoo_model, zoo_model
 
 
 
@@ -359,20 +359,13 @@ def main(args: Any) -> int:
     from .cli_checks import check_device, check_tf32
     check_device(args.device)
     check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
-    from .cli_checks import UsageError
-    if args.zoo:
-        models = list(ZOO)
-    else:
-        models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    from .cli_checks import UsageError, check_torch_for, selected_models
+    models = selected_models(args.model, args.zoo)
     unknown = [m for m in models if m not in ZOO]
     if unknown or not models:
         raise UsageError(f"--model {args.model}: expected model names from {', '.join(ZOO)} "
                          f"(comma-separated) or all")
-    if any(m not in MODELS for m in models):
-        try:  # the zoo's own models exist only as PyTorch definitions
-            require_torch()
-        except ModuleNotFoundError as e:
-            raise UsageError(f"{', '.join(m for m in models if m not in MODELS)}: {e}") from None
+    check_torch_for(models)
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]

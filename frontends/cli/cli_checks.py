@@ -18,9 +18,12 @@ import tempfile
 from pathlib import Path
 
 from ..training.metrics import format_loss  # re-exported: the commands print losses with it
+from ..training.recipes import MODELS
+from ..training.zoo import ZOO, require_torch
 
 __all__ = ["UsageError", "check_output_file", "check_output_dir", "check_plot_file", "check_input_file",
-           "check_hyperparameters", "check_device", "check_tf32", "describe_os_error", "format_loss"]
+           "check_hyperparameters", "check_device", "check_tf32", "describe_os_error", "format_loss",
+           "selected_models", "check_torch_for"]
 
 
 class UsageError(Exception):
@@ -157,3 +160,20 @@ def check_device(device: str) -> None:
 def check_tf32(tf32: bool, device: str) -> None:
     if tf32 and device.partition(":")[0] != "cuda":
         raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {device} computes in float32")
+
+
+def selected_models(model: str, zoo: bool) -> list[str]:
+    """The models a `--model` list names (comma-separated; "all": the recipes), or with `--zoo`
+    every zoo model; unknown names are the caller's to refuse."""
+    if zoo:
+        return list(ZOO)
+    return list(MODELS) if model == "all" else [m.strip() for m in model.split(",") if m.strip()]
+
+
+def check_torch_for(models: list[str]) -> None:
+    """The zoo's own models exist only as PyTorch definitions: one line when PyTorch is missing."""
+    if any(m not in MODELS for m in models):
+        try:
+            require_torch()
+        except ModuleNotFoundError as e:
+            raise UsageError(f"{', '.join(m for m in models if m not in MODELS)}: {e}") from None

@@ -25,8 +25,8 @@ from ember.runtime import target as get_target
 from ember.runtime import target_names
 
 from ..training.recipes import MODELS, make_optimizer
-from ..training.zoo import ZOO, require_torch, zoo_model
-from .cli_checks import UsageError
+from ..training.zoo import ZOO, zoo_model
+from .cli_checks import UsageError, check_torch_for, selected_models
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -55,17 +55,10 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    if args.zoo:
-        models = list(ZOO)
-    else:
-        models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",") if m.strip()]
+    models = selected_models(args.model, args.zoo)
     if unknown := [m for m in models if m not in ZOO]:
         raise UsageError(f"--model {', '.join(unknown)}: expected names from {', '.join(ZOO)} (or all)")
-    if any(m not in MODELS for m in models):
-        try:  # the zoo's own models exist only as PyTorch definitions
-            require_torch()
-        except ModuleNotFoundError as e:
-            raise UsageError(f"{', '.join(m for m in models if m not in MODELS)}: {e}") from None
+    check_torch_for(models)
     batches = _ints(args.batch_size, "--batch-size")
     if not args.budget_s > 0:
         raise UsageError(f"--budget-s {args.budget_s}: expected a number of seconds > 0")
