@@ -29,7 +29,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cpp_kernels, cpu_vector, grouped_conv, pool_kernels
+from . import cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
@@ -182,9 +182,19 @@ def _dot_rejects(g: dict[str, Any]) -> str | None:
     return cpp_kernels._dot_serves(g["trans_a"], g["trans_b"], "relu_mask" in g["epilogues"])
 
 
-def _dot_preferred(g: dict[str, Any]) -> bool:
-    # a long k and few outputs: per output a dot product, vectorised along k
-    return g["K"] >= 64 and g["N"] <= 64
+def _never(g: dict[str, Any]) -> bool:
+    """The dot form is picked over the general axpy form only where measurements say so."""
+    return False
+
+
+def features(g: dict[str, Any]) -> tuple[float, ...]:
+    """Where a kernel sits among measured ones (`family_prior`): the log2 of its sizes, and its
+    operands' layouts (matmuls) or its window and stride (convolutions)."""
+    if g["kind"] == "matmul":
+        return family_prior.log2_sizes(g["M"], g["N"], g["K"], g["batch"]) + \
+            (float(bool(g["trans_a"])), float(bool(g["trans_b"])))
+    return family_prior.log2_sizes(g["N"] * g["HO"] * g["WO"], g["O"], g["C"], g["KH"] * g["KW"],
+                                   math.prod(pair(g["stride"], "stride")))
 
 
 def _matmul_scratch(form: type):
@@ -266,7 +276,7 @@ def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _dot_rejects, _dot_preferred,
+    Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _dot_rejects, _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
            accepts=_fits(_matmul_scratch(DotPlan))),
     Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _always, _plain,
@@ -289,7 +299,7 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     return geometry(sub, spec)
 
 
-TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES)
+TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES, features=features)
 
 force = TABLE.force
 candidates = TABLE.candidates

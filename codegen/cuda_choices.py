@@ -11,8 +11,9 @@ plans), its scratch from a plan, its renderer and its version.
 
 `TABLE` (a `choices.ChoiceTable`) answers for a kernel: its candidates, the decision (forced, else
 the tuning database's measurement for this GPU model, else the cost model) and its stamp; the
-module-level functions are its methods. The `preferred` rules below are the cost model's priors
-for kernels nobody tuned (H200 measurements, docs/benchmarks.md); a tuned kernel ignores them.
+module-level functions are its methods. Which family the cost model picks for a kernel nobody
+tuned is learned from the tuning records of similar kernels (`family_prior`, placed by
+`features`); the `preferred` rules are only the structural order where no record compares them.
 Plans are made for the active device descriptor (`device.current()`; `with device.using(...)`
 chooses another); the database is keyed by its name.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
+from . import family_prior
 from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, grouped_conv, pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
 from .device import current
@@ -36,20 +38,6 @@ EPILOGUES: dict[str, frozenset[str]] = {
     "conv2d": frozenset({"bias", "relu", "pointwise"}), "matmul": frozenset({"bias", "relu", "pointwise"}),
     "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}), "conv2d_grad_weight": frozenset({"pointwise"})}
 CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
-
-# Measured defaults (not switches): where a family is preferred over the implicit GEMM.
-DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
-# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
-# for the MNIST CNN's conv2 (tools/cuda_sweep.py direct), at batch 64 (37k positions) the
-# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
-# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
-DIRECT_MIN_POSITIONS = 1 << 17
-# Measured on an H200 (tools/cuda_sweep.py skinny): for the MNIST linear layer the skinny
-# kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
-# 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
-# are untested against them, so smaller operands keep the GEMM.
-SKINNY_MIN_BYTES = 4 << 20
-
 
 # --------------------------------------------------------------------------- geometry
 
@@ -203,13 +191,6 @@ def _direct_plans(g: dict[str, Any]) -> list[Plan]:
     return [] if plan is None else [_pairs(plan)]
 
 
-def _direct_preferred(g: dict[str, Any]) -> bool:
-    window = (g["O"] if g["kind"] == "conv2d_grad_input" else g["C"]) * g["KH"] * g["KW"]
-    ph, pw_ = pair(g["padding"], "padding")
-    positions = g["N"] * (g["H"] - g["KH"] + 1 + 2 * ph) * (g["W"] - g["KW"] + 1 + 2 * pw_)
-    return window >= DIRECT_MIN_WINDOW and positions >= DIRECT_MIN_POSITIONS
-
-
 def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
     if g["kind"] != "conv2d_grad_weight":
         return 0
@@ -285,10 +266,6 @@ def _matmul_args(g: dict[str, Any], spec: KernelSpec, epilogue: Any) -> dict[str
 def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_direct.render_matmul_thin(name, trans_a=g["trans_a"], trans_b=g["trans_b"], rows=dict(plan)["RM"],
                                           **_matmul_args(g, spec, epilogue))
-
-
-def _skinny_preferred(g: dict[str, Any]) -> bool:
-    return 4 * max(g["M"] * g["K"], g["K"] * g["N"]) >= SKINNY_MIN_BYTES
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:
@@ -388,14 +365,31 @@ def _plain(g: dict[str, Any]) -> bool:
     return True
 
 
+def _never(g: dict[str, Any]) -> bool:
+    """A specialised family is picked over the general one only where measurements say so."""
+    return False
+
+
+def features(g: dict[str, Any]) -> tuple[float, ...]:
+    """Where a kernel sits among measured ones (`family_prior`): the log2 of its GEMM view's sizes,
+    of its window and stride (convolutions) or its operands' layouts (matmuls), and its precision."""
+    p = _gemm_problem(g)
+    sizes = family_prior.log2_sizes(p["M"], p["N"], p["K"], p["batch"])
+    if g["kind"] in CONVS:
+        shape = family_prior.log2_sizes(g["KH"] * g["KW"], math.prod(pair(g["stride"], "stride")))
+    else:
+        shape = (float(bool(g["trans_a"])), float(bool(g["trans_b"])))
+    return sizes + shape + (float(g["tf32"]),)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects, _small_preferred,
            _small_scratch, _small_render),
-    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _direct_preferred, _direct_scratch, _direct_render),
+    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _never, _direct_scratch, _direct_render),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
            _plain, _no_scratch, _thin_render),
-    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _skinny_preferred, _split_scratch, _narrow_render),
-    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _skinny_preferred, _split_scratch,
+    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch, _narrow_render),
+    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
            _short_render),
     # the only family with a tensor-core path: under precision "tf32" its plans use mma.sync (the
     # others compute in float32 whatever the precision, which TF32 permits)
@@ -424,7 +418,7 @@ def _device_name() -> str:
     return current().name
 
 
-TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES)
+TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES, features=features)
 
 force = TABLE.force
 candidates = TABLE.candidates
