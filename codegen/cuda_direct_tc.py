@@ -135,39 +135,58 @@ def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: in
                 useful = (RB * WO / (16 * FM * WM) * HO / (ceil_div(HO, RB) * RB) * CO / (8 * NT)
                           * CI / (CC * ceil_div(CI, CC)))
                 lds = (4 * FM + 2 * FN) / (FM * FN)  # fragment loads a mma
+                # warp instructions staging a stage's rows and weights (~12 an element) a mma
+                staging = 12 / 32 * (CC * (RB + KH - 1) * (WO + KW - 1) + KH * KW * CC * CO) \
+                    / (CC // 8 * KH * KW * WM * FM * WN * FN)
                 fill = min(1.0, N * ceil_div(HO, RB) / (2 * sms))
-                halo = (RB + KH - 1) / RB
                 # registers: ptxas -v on conv2's plans (accumulators, fragments, offsets) ~ this
                 occupancy = _occupancy(32 * WM * WN, 4 * FM * FN + 8 * FM + 4 * FN + 16,
                                        4 * tc_shared_floats(CC, RB, KH, KW, WO, CO))
-                score = useful * fill * occupancy / (1 + 0.5 * lds) / (1 + 0.05 * halo)
+                if occupancy == 0:
+                    continue  # not one block fits a multiprocessor's registers: it would spill
+                score = useful * fill * occupancy / (1 + 0.5 * (lds + staging))
                 plans.append(TcPlan(RB, CC, FM, FN, WM, WN, score))
     return sorted(plans, key=lambda p: -p.score)
 
 
-def _spread(ranked: list, shape) -> list:
-    """The best TUNE_TOP plans, then the best of each warp tile `shape(plan)` among the rest."""
-    out, shapes = list(ranked[:TUNE_TOP]), {shape(p) for p in ranked[:TUNE_TOP]}
-    for p in ranked[TUNE_TOP:]:
-        if shape(p) not in shapes:
-            shapes.add(shape(p))
-            out.append(p)
-    return out
+def _spread(ranked: list, *shapes) -> list:
+    """The best TUNE_TOP plans, then the best of each value of every `shape(plan)` among the rest
+    (the ranking is a guess: the spread covers what it may misjudge)."""
+    out = list(ranked[:TUNE_TOP])
+    for shape in shapes:
+        seen = {shape(p) for p in out}
+        for p in ranked:
+            if shape(p) not in seen:
+                seen.add(shape(p))
+                out.append(p)
+    return list(dict.fromkeys(out))
+
+
+def _rows_class(RB: int) -> int:
+    return min(RB.bit_length(), 5)  # 1, 2-3, 4-7, 8-15, 16 and more rows a block
 
 
 def tc_forward_candidates(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> list[TcPlan]:
-    """The plans worth measuring, the planner's best first."""
-    return _spread(tc_forward_plans(N, CI, CO, HO, WO, KH, KW), lambda p: (p.FM, p.FN))
+    """The plans worth measuring, the planner's best first: a spread over warp tiles and rows a block."""
+    return _spread(tc_forward_plans(N, CI, CO, HO, WO, KH, KW), lambda p: (p.FM, p.FN), lambda p: _rows_class(p.RB))
+
+
+def _problem(name: str, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride,
+             padding) -> tuple[dict[str, int], int, int, int, int] | None:
+    """(the forward convolution the kernel computes, ph, pw, HO, WO), or None where no direct
+    kernel applies (stride > 1, padding not smaller than the kernel, too many images for the grid)."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW or N > 65535:
+        return None
+    return _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_), ph, pw_, HO, WO
 
 
 def tc_direct_problem(*, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
                       padding=(0, 0)) -> dict[str, int] | None:
-    """The forward convolution (CI, CO, HO_, WO_, ...) the kernel computes, or None where no
-    direct kernel applies (stride > 1, padding not smaller than the kernel, too many images)."""
-    sh, sw, ph, pw_, HO, WO = _conv_geometry("direct_tc", N, C, H, W, O, KH, KW, stride, padding)
-    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW or N > 65535:
-        return None
-    return _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_)
+    """The forward convolution (CI, CO, HO_, WO_, ...) the forward / grad-input kernel computes,
+    or None where none applies."""
+    found = _problem("direct_tc", grad_input, N, C, H, W, O, KH, KW, stride, padding)
+    return None if found is None else found[0]
 
 
 def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
@@ -175,11 +194,10 @@ def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: 
                      epilogue: PointwiseEpilogue | None = None, plan: TcPlan | None = None) -> CudaKernel | None:
     """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
     [mask_src], out) on TF32 tensor cores; None where no plan fits. `plan`: the planner's best."""
-    geo = tc_direct_problem(grad_input=grad_input, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, stride=stride,
-                            padding=padding)
-    if geo is None:
+    found = _problem(name, grad_input, N, C, H, W, O, KH, KW, stride, padding)
+    if found is None:
         return None
-    *_, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    geo, ph, pw_, HO, WO = found
     if plan is None:
         plans = tc_forward_plans(N, geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
         if not plans:
@@ -235,6 +253,8 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
                     # registers: ptxas -v on conv2's plans ~ this
                     occupancy = _occupancy(32 * warps, 4 * FM * FN * KHW * KW * 7 // 5 + 45,
                                            2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB))
+                    if occupancy == 0:
+                        continue  # not one block fits a multiprocessor's registers: it would spill
                     score = useful * fill * occupancy / (1 + lds) / (1 + 0.1 * (RB + KH - 1) / RB)
                     plans.append(TcGwPlan(RB, FM, FN, KHW, blocks, score))
     return sorted(plans, key=lambda p: -p.score)
@@ -242,7 +262,7 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
 
 def tc_grad_weight_candidates(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> list[TcGwPlan]:
     """The grad-weight plans worth measuring, the planner's best first."""
-    return _spread(tc_grad_weight_plans(N, C, O, KH, KW, HO, WO), lambda p: (p.FM, p.FN, p.KHW))
+    return _spread(tc_grad_weight_plans(N, C, O, KH, KW, HO, WO), lambda p: (p.FM, p.FN, p.KHW), lambda p: p.RB)
 
 
 def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
