@@ -36,7 +36,8 @@ _env = environment("cuda")
 
 #: most fp32 accumulators a thread holds (4 a 16 x 8 tile): the float32 direct kernels' register budget
 MAX_ACCUMULATORS = 64
-#: plans the tuner measures per kernel: the best by the planner's ranking, then the best of each warp tile
+#: plans the tuner measures per kernel: the planner's best TUNE_TOP, then the best of each warp tile
+#: and of each size of block
 TUNE_TOP = 6
 
 
@@ -87,8 +88,9 @@ def _divisors(n: int, most: int) -> list[int]:
 
 
 def _occupancy(threads: int, registers: int, shared_bytes: int) -> float:
-    """Warps a multiprocessor holds at once over the 16 that hide the mma and shared-memory
-    latencies (at most 1), for blocks of `threads` taking an estimated `registers` a thread."""
+    """Warps a multiprocessor holds at once over 16 (a guess at what hides the mma and shared-memory
+    latencies; at most 1), for blocks of `threads` taking an estimated `registers` a thread; 0
+    when not one block fits."""
     dev = current()
     blocks = min(dev.max_threads_per_multiprocessor // threads, dev.max_blocks_per_multiprocessor,
                  dev.registers_per_multiprocessor // (round_up(registers, 8) * threads),
@@ -248,7 +250,8 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
                         continue
                     taps = FN * KHW * KW  # mmas a dy fragment serves
                     lds = (4 * FM + 2 * taps) / (FM * taps)
-                    useful = O / (16 * MT) * C / (8 * NT) * RB * WO / round_up(RB * WO, 8) * HO / (ceil_div(HO, RB) * RB)
+                    useful = (O / (16 * MT) * C / (8 * NT) * RB * WO / round_up(RB * WO, 8)
+                              * HO / (ceil_div(HO, RB) * RB))
                     fill = min(1.0, blocks * warps / (8 * dev.multiprocessors))
                     # registers: ptxas -v on conv2's plans ~ this
                     occupancy = _occupancy(32 * warps, 4 * FM * FN * KHW * KW * 7 // 5 + 45,
