@@ -1,13 +1,15 @@
 """The CUDA choice table: which kernel family, with which plan, serves each kernel, as data.
 
 A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
-the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the
-small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped
-convolutions (`grouped_conv`: the only family serving groups > 1), pooling and the generated
-kinds. Each entry (a `choices.Family`) says which kernel kinds it serves, when it
-applies to a kernel's geometry (a reason when it does not), when the cost model prefers it, its
-plans (the cost model's best first; the GEMM's tuner list is a wider spread of its cost model's
-plans), its scratch from a plan, its renderer and its version.
+the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the same
+direct convolutions on TF32 tensor cores (`cuda_direct_tc`), the small-window convolutions
+(`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped convolutions
+(`grouped_conv`: the only family serving groups > 1), pooling and the generated kinds. Each entry
+(a `choices.Family`) says which kernel kinds it serves, when it applies to a kernel's geometry (a
+reason when it does not: precision included, so a family with a tensor-core path says so), when
+the cost model prefers it, its plans (the cost model's best first; the tuner list of the GEMM
+and of direct_tc is a wider spread of their planners' plans), its scratch from a plan, its
+renderer and its version.
 
 `TABLE` (a `choices.ChoiceTable`) answers for a kernel: its candidates, the decision (forced, else
 the tuning database's measurement for this GPU model, else the cost model) and its stamp; the
@@ -26,8 +28,8 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import family_prior
-from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, grouped_conv, pool_kernels
+from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, family_prior, grouped_conv
+from . import pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
 from .device import current
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
@@ -205,6 +207,51 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
     return cuda_direct.render_direct(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
                                      bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
                                      epilogue=epilogue, plan=cuda_direct.DirectPlan(**p))
+
+
+# -- direct_tc: the direct convolutions on TF32 tensor cores (cuda_direct_tc)
+
+def _direct_tc_rejects(g: dict[str, Any]) -> str | None:
+    if not g["tf32"]:
+        return "it runs on TF32 tensor cores: precision 'tf32' only"
+    return _direct_rejects(g)
+
+
+def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
+    """Every plan the tuner measures, the planner's best first."""
+    if g["kind"] == "conv2d_grad_weight":
+        sizes = (g[k] for k in ("N", "C", "O", "KH", "KW", "HO", "WO"))
+        return list(map(_pairs, cuda_direct_tc.tc_grad_weight_candidates(*sizes)))
+    geo = cuda_direct_tc.tc_direct_problem(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
+    if geo is None:
+        return []
+    return list(map(_pairs, cuda_direct_tc.tc_forward_candidates(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"],
+                                                                 g["KH"], g["KW"])))
+
+
+def _direct_tc_plans(g: dict[str, Any]) -> list[Plan]:
+    return _direct_tc_candidates(g)[:1]
+
+
+def _unmeasured(g: dict[str, Any]) -> bool:
+    return False  # no measurement says when it wins: the tuner decides, the cost model never picks it
+
+
+def _direct_tc_scratch(g: dict[str, Any], plan: Plan) -> int:
+    if g["kind"] != "conv2d_grad_weight":
+        return 0
+    return cuda_direct_tc.tc_grad_weight_scratch(dict(plan)["blocks"], g["O"], g["C"], g["KH"], g["KW"])
+
+
+def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                      epilogue: Any) -> CudaKernel:
+    p, eps = dict(plan), spec.epilogues
+    if g["kind"] == "conv2d_grad_weight":
+        return cuda_direct_tc.render_direct_tc_grad_weight(name, **_conv_args(g), epilogue=epilogue,
+                                                           plan=cuda_direct_tc.TcGwPlan(**p))
+    return cuda_direct_tc.render_direct_tc(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
+                                           bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                                           epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p))
 
 
 # -- small_window: memory-bound convolutions with a small window / few weights (cuda_small_conv)
@@ -386,13 +433,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects, _small_preferred,
            _small_scratch, _small_render),
     Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _never, _direct_scratch, _direct_render),
+    # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
+    # they take (direct_tc: precision "tf32" only; gemm: its plans follow the geometry's tf32);
+    # the others compute in float32 whatever the precision, which TF32 permits
+    Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
+           _direct_tc_render, tuning_plans=_direct_tc_candidates),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
            _plain, _no_scratch, _thin_render),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch, _narrow_render),
     Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
            _short_render),
-    # the only family with a tensor-core path: under precision "tf32" its plans use mma.sync (the
-    # others compute in float32 whatever the precision, which TF32 permits)
+    # under precision "tf32" its plans use mma.sync
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts),
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
