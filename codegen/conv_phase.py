@@ -161,9 +161,8 @@ def _forward_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA) ->
     NPH = len(pl.used)
     NOBG = ceil_div(OG, OB)
     NU = g.G * NOBG
-    TB = min(NU, max(1, ceil_div(2 * MAX_THREADS, g.N)))
     ctx = dict(_common(g, isa), kind="conv2d", VB=VB, OB=OB, P=P, R=R, Q=Q, T=T, NT=NT, QP=QP, PS=PS, NPH=NPH,
-               CS=NPH * PS, NOBG=NOBG, NU=NU, TB=TB, NDIRECT=(g.HO * g.WO) // T if P == g.WO else 0,
+               CS=NPH * PS, NOBG=NOBG, NU=NU, NDIRECT=(g.HO * g.WO) // T if P == g.WO else 0,
                TAP_OFF=pl.tap_offsets(PS), **pl.copy_ctx())
     sc = _Scratch()
     sc.add("wk", NU * OB * CG * g.KH * g.KW)
@@ -218,10 +217,9 @@ def _grad_input_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA)
     ZLEN = round_up(max(hi for _, hi in vall.values()) + 1, _ALIGN)   # the zero row of tapless phases
     NCB = ceil_div(CG, OB)
     NU = g.G * NCB
-    TB = min(NU, max(1, ceil_div(2 * MAX_THREADS, g.N)))
     ctx = dict(_common(g, isa), kind="conv2d_grad_input", VB=VB, OB=OB, P=P, U0=U0, V0=V0, RU=RU, CV=CV, DR=DR,
                RT=RT, RL=RL, Q=Q, T=T, NT=NT, QP=QP, DS=DS, NPH=len(phases), PHASES=phases, PTAPS=taps, POFF=offs,
-               PKK=[[kh * g.KW + kw for kh, kw in t] for t in taps], PWOFF=woff, VA=VA, VZ=VZ, JH=JH, JT=JT, ZLEN=ZLEN, NCB=NCB, NU=NU, TB=TB,
+               PKK=[[kh * g.KW + kw for kh, kw in t] for t in taps], PWOFF=woff, VA=VA, VZ=VZ, JH=JH, JT=JT, ZLEN=ZLEN, NCB=NCB, NU=NU,
                PT_OF=[[pidx.get((a, b), -1) for b in range(g.SW)] for a in range(g.SH)])
     sc = _Scratch()
     sc.add("wk", NU * OB * OG * g.KH * g.KW)
@@ -262,13 +260,12 @@ def _grad_weight_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA
     NPH = len(pl.used)
     NOBG = ceil_div(OG, OB)
     NU = g.G * NOBG
-    TB = min(NU, max(1, ceil_div(2 * MAX_THREADS, S)))
     if TC == TPC:    # chunks of CB channels, every tap
         chunks = [(c0, min(CB, CG - c0), 0, TPC) for c0 in range(0, CG, CB)]
     else:            # one channel, chunks of TC taps
         chunks = [(-1, 1, k0, min(TC, TPC - k0)) for k0 in range(0, TPC, TC)]
     ctx = dict(_common(g, isa), kind="conv2d_grad_weight", OB=OB, CB=CB, TC=TC, IB=IB, S=S, P=P, R=R, LQ=LQ, NV=NV,
-               PS=PS, DS=DS, NPH=NPH, CS=NPH * PS, NOBG=NOBG, NU=NU, TB=TB, TPC=TPC, CHUNKS=chunks,
+               PS=PS, DS=DS, NPH=NPH, CS=NPH * PS, NOBG=NOBG, NU=NU, TPC=TPC, CHUNKS=chunks,
                TAP_OFF=pl.tap_offsets(PS), **pl.copy_ctx())
     sc = _Scratch()
     sc.add("dw", S * g.O * CG * TPC)
