@@ -126,7 +126,7 @@ class _Planes:
         jb = max(ja, min(cols[b][1] for b in bs))
         head = {b: (lo, min(hi, ja)) for b, (lo, hi) in cols.items()}
         tail = {b: (max(lo, jb), hi) for b, (lo, hi) in cols.items()}
-        return dict(ROWS=rows, CB_LIST=bs, JA=ja, JB=jb, HEAD=head, TAIL=tail,
+        return dict(ROWS=rows, COL_PHASES=bs, JA=ja, JB=jb, HEAD=head, TAIL=tail,
                     PIDX={p: i for i, p in enumerate(self.used)})
 
 
