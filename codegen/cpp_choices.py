@@ -3,9 +3,10 @@
 A family is one C++ template with its tiling scheme (`cpp_kernels`): the two matmul forms (`dot`:
 x @ W^T vectorised along k; `axpy`: any matmul, vectorised along n), the three convolution
 kernels (forward, grad-input, grad-weight), each with its modes (row, flat, generic; the
-grad-input's scatter) and register tiles as plans, the grouped convolutions (`grouped_conv`: the
-only family serving groups > 1), pooling and the generated kinds (pointwise, reductions: one plan
-each). Each entry (a `choices.Family`) says which kinds it serves, when it
+grad-input's scatter) and register tiles as plans, the phase-plane convolutions (`conv_phase`: any
+stride and groups, register-tiled; the cost model's for strided and grouped convolutions), the
+generic grouped convolutions (`grouped_conv`), pooling and the generated kinds (pointwise,
+reductions: one plan each). Each entry (a `choices.Family`) says which kinds it serves, when it
 applies (a reason when not), when the cost model prefers it, its plans (the cost model's best
 first; the tuner's list is a spread of the cost model's ranking), its scratch from a plan, its
 renderer and its version.
@@ -29,8 +30,9 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
+from . import conv_phase, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan
+from .conv_phase import PhasePlan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
 from .shapes import pair
@@ -257,6 +259,41 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
     return ks, [*order, "scratch"]
 
 
+# -- phase: convolutions of any stride and groups over phase planes, register-tiled (conv_phase)
+
+def _phase_geometry(g: dict[str, Any]) -> grouped_conv.ConvGeometry:
+    return grouped_conv.ConvGeometry(g["N"], g["C"], g["H"], g["W"], g["O"], g["KH"], g["KW"], *g["stride"],
+                                     *g["padding"], g["HO"], g["WO"], g.get("groups", 1))
+
+
+def _phase_plans(tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [p.pairs() for p in conv_phase.plans(g["kind"], _phase_geometry(g), _isa(g), tune)]
+    return plans
+
+
+def _phase_preferred(g: dict[str, Any]) -> bool:
+    # strided or grouped: these, where the conv families run generic loops; stride 1, ungrouped:
+    # the conv families' row and flat modes (their measured tiles, rows sharing their padding),
+    # but for a 1x1 grad-weight, whose tile there (OB dy channels x 1 tap) loads a vector for
+    # every FMA, where these tile OB x CB channels (ember tune, MobileNet's four 1x1 layers on 2
+    # threads: 5-60% faster)
+    if tuple(g["stride"]) != (1, 1) or g.get("groups", 1) != 1:
+        return True
+    return g["kind"] == "conv2d_grad_weight" and g["KW"] == 1
+
+
+def _phase_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return conv_phase.scratch_bytes(g["kind"], _phase_geometry(g), PhasePlan(**dict(plan)), _isa(g))
+
+
+def _phase_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                  epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    eps = g["epilogues"]
+    return conv_phase.render(name, g["kind"], _phase_geometry(g), PhasePlan(**dict(plan)), _isa(g),
+                             bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps)
+
+
 # -- pooling and the generated kinds: one family each, one plan
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
@@ -286,6 +323,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
              tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch))
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
+    Family("phase", CONVS, -1, _phase_plans(False), _always, _phase_preferred, _phase_scratch, _phase_render,
+           tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True),
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),

@@ -97,7 +97,11 @@ def test_every_geometry_has_a_family_and_every_tuning_plan_renders_with_its_scra
     if g["kind"] == "matmul" and not g["trans_a"] and g["trans_b"] and "relu_mask" not in g["epilogues"]:
         assert {f.name for f in ranked} == {"matmul_dot", "matmul_axpy"}
     if g["kind"] == "conv2d_grad_input" and g["stride"] != (1, 1):
-        assert [dict(p)["mode"] for p in ranked[0].all_plans(g)] == ["scatter"]
+        gi = cpp_choices.FAMILIES["conv_grad_input"]
+        assert [dict(p)["mode"] for p in gi.all_plans(g)] == ["scatter"]
+    if g["kind"] in cpp_choices.CONVS:  # strided (and 1x1 grad-weights): phase planes first; else the conv families
+        phase = g["stride"] != (1, 1) or g["kind"] == "conv2d_grad_weight" and g["KW"] == 1
+        assert (ranked[0].name == "phase") == phase, [f.name for f in ranked]
 
 
 def test_a_plan_that_does_not_fit_the_geometry_is_not_accepted():
