@@ -152,7 +152,7 @@ class ChoiceTable:
             return fams, None
         db = tuning_db.active() if db is ... else db
         prior = family_prior.predict(family_prior.sample(db, self.target, self.device()), g,
-                                     [f.name for f in fams], self.features)
+                                     {f.name: f.version for f in fams}, self.features)
         if prior is None:
             return fams, None
         known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])

@@ -19,15 +19,15 @@ measured kernels of the same kind say:
 
 The records are the active database's for this device (the user's, then the shipped ones); for
 a device with none, every shipped record of the target (another GPU's relative speeds beat none).
-A record's timings count even where a family's version changed since: for a prior, a family's
-earlier speed is evidence; the exact lookup (`tuning_db.lookup`) still refuses stale records.
+A family's timings in a record whose version of it is not the family's version now are stale and
+left out, as the exact lookup (`tuning_db.lookup`) leaves the whole record out.
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,28 +61,27 @@ def _geometry_of(key: str) -> dict[str, Any]:
     return json.loads(key)
 
 
-def _family_times(record: tuning_db.Record) -> dict[str, float]:
-    """The best time each family reached in a record."""
+def _family_times(record: tuning_db.Record, versions: Mapping[str, int]) -> dict[str, float]:
+    """The best time each family of `versions` reached in a record measured with that version."""
     best: dict[str, float] = {}
     for text, t in record.timings_us.items():
         family = text.split("(", 1)[0]
-        if math.isfinite(t) and t > 0:
+        if family in versions and record.versions.get(family) == versions[family] and math.isfinite(t) and t > 0:
             best[family] = min(t, best.get(family, math.inf))
     return best
 
 
-def predict(records: Mapping[str, tuning_db.Record], g: Mapping[str, Any], families: Sequence[str],
+def predict(records: Mapping[str, tuning_db.Record], g: Mapping[str, Any], families: Mapping[str, int],
             features: Features) -> Prior | None:
-    """The prior for a kernel of geometry `g` among `families` (the ones that serve it); None when
-    no record of its kind measured two of them."""
-    wanted = set(families)
+    """The prior for a kernel of geometry `g` among `families` (the ones that serve it, with their
+    versions now); None when no record of its kind measured two of them."""
     here = features(g)
     near: list[tuple[float, dict[str, float]]] = []
     for key, rec in records.items():
         other = _geometry_of(key)
         if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
             continue
-        times = {f: t for f, t in _family_times(rec).items() if f in wanted}
+        times = _family_times(rec, families)
         if len(times) < 2:
             continue
         there = features(other)

@@ -24,7 +24,7 @@ def _record(times: dict[str, float]) -> Record:
     return Record((winner, ()), {f"{f}(X=1)": t for f, t in times.items()}, {f: 1 for f in times})
 
 
-FAMS = ["skinny_narrow", "gemm"]
+FAMS = {"skinny_narrow": 1, "gemm": 1}
 
 
 def test_an_exact_record_decides_and_a_shape_between_two_takes_the_nearer():
@@ -50,6 +50,13 @@ def test_records_that_compare_fewer_than_two_of_the_families_or_another_kind_say
     records = {kernel_key(g): _record({"gemm": 5.0}),  # gemm alone: no comparison
                kernel_key(dict(g, kind="conv2d")): _record({"gemm": 5.0, "skinny_narrow": 1.0})}
     assert family_prior.predict(records, g, FAMS, lambda geo: (0.0,)) is None
+
+
+def test_a_familys_timings_of_another_version_are_stale():
+    g = _g(64, 10, 9216)
+    records = {kernel_key(g): _record({"gemm": 5.0, "skinny_narrow": 1.0})}
+    assert family_prior.predict(records, g, FAMS, cuda_choices.features) is not None
+    assert family_prior.predict(records, g, {"skinny_narrow": 2, "gemm": 1}, cuda_choices.features) is None
 
 
 def _cnn_graph(batch):
