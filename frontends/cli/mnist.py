@@ -196,6 +196,22 @@ def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int 
             f"{speed}")
 
 
+def _target_line(trainer: Trainer, target: float, n_test: int) -> str:
+    """Where and when the run reached --target-acc (or that it did not), and the time to it."""
+    since = setup.seconds_since_start()
+    wall = f", {since:.2f} s since the command started" if since is not None else ""
+    r = trainer.reached
+    if r is None:
+        evals = [rec for rec in trainer.records if "test_acc" in rec and rec.get("type") in ("epoch", "eval")]
+        best = max((rec["test_acc"] for rec in evals), default=None)
+        return (f"target test accuracy {100 * target:.2f}% not reached" +
+                (f" (best {100 * best:.2f}% of {len(evals)} evaluations)" if best is not None else "") +
+                f"; {trainer.train_seconds:.3f} s of training, {trainer.eval_seconds:.3f} s of evaluation{wall}")
+    return (f"reached test accuracy {100 * r['test_acc']:.2f}% ({round(r['test_acc'] * n_test)}/{n_test}) >= "
+            f"{100 * target:.2f}% at epoch {r['epoch']}, step {r['step']}: {r['train_seconds']:.3f} s of training "
+            f"(compile {trainer.compile_seconds:.2f} s and evaluation {r['eval_seconds']:.3f} s excluded){wall}")
+
+
 def _divergence_message(d: dict[str, Any], args: Any) -> str:
     if d.get("loss") is not None:
         what = f"the training loss became {d['loss']} at epoch {d['epoch']}, step {d['step']}"
@@ -239,7 +255,7 @@ def main(args: Any) -> int:
 
     config = {"model": args.model, "dataset": args.dataset, "optimizer": args.optimizer, "lr": args.lr,
               "momentum": args.momentum, "weight_decay": args.weight_decay, "nesterov": args.nesterov,
-              "label_smoothing": args.label_smoothing, "val_split": args.val_split,
+              "label_smoothing": args.label_smoothing, "val_split": args.val_split, "tta": args.tta,
               "init": args.init_weights or f"{args.init} seed {args.seed}",
               "precision": "tf32" if args.tf32 else "float32"}
     try:
@@ -291,7 +307,8 @@ def main(args: Any) -> int:
                           progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm,
                           bucket_bytes=args.bucket_bytes, precision=config["precision"], val=val,
                           loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
-                          lr_schedule=schedule, epochs=args.epochs)
+                          lr_schedule=schedule, epochs=args.epochs,
+                          tta=setup.parse_shifts("--tta", args.tta) if args.tta else ())
     except ConsistencyError as e:  # raised on every rank at once: rank 0 alone says it
         return _ranks_disagree(comm, e)
     except ValueError as e:  # a warm-up longer than the run, known only with the steps per epoch
@@ -345,7 +362,8 @@ def main(args: Any) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
     try:
-        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch, save_every=args.save_every)
+        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch, save_every=args.save_every,
+                    target_acc=args.target_acc, eval_every=args.eval_every)
     except OSError as e:  # the checkpoint (or a dump of the inference step) could not be written
         if e.errno is None:
             raise
@@ -365,6 +383,8 @@ def main(args: Any) -> int:
     if trainer.stop_requested and trainer.epoch < args.epochs:
         print(f"stopped at step {trainer.global_step}" + (f"; resume with --resume {args.save}" if args.save else ""))
         return 130
+    if args.target_acc is not None:
+        print(_target_line(trainer, args.target_acc, len(x_test)), flush=True)
     if args.save:
         print(f"saved {args.save}")
     if args.plot:
