@@ -1,4 +1,5 @@
-"""`ember mnist --target-acc / --eval-every / --tta` on short runs (device cpu): the stop at the
+"""`ember mnist --recipe speedrun`, `--target-acc / --eval-every / --tta` on short runs (device
+cpu): the recipe's settings as defaults that options given still override, the stop at the
 target with its time line and records, the line of a target not reached, and the refusals."""
 from __future__ import annotations
 
@@ -48,5 +49,26 @@ def test_tta_on_images_and_refusals(tmp_path, mnist_dir, capsys):
                        (["--tta", "1"], "--tta 1: '1' is not DY:DX"),
                        (["--target-acc", "1.5"], "--target-acc 1.5: expected a test accuracy in (0, 1]"),
                        (["--eval-every", "0"], "--eval-every 0: expected an integer >= 1")):
+        assert _run(tmp_path, mnist_dir, *flags) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_the_recipe_sets_the_defaults_and_options_given_win(tmp_path, mnist_dir, capsys):
+    assert cli.main(["mnist", "--recipe", "speedrun", "--data", mnist_dir, "--limit-steps", "2", "--no-progress",
+                     "--batch-size", "128", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert ("ember mnist: recipe speedrun: speednet on cpu, Adam(lr=0.02, betas=(0.7, 0.9), eps=1e-08, "
+            "weight_decay=0.0), batch 128, shuffled, label smoothing 0.1, random translation up to 1 px") in out
+    assert "lr schedule: onecycle up to 0.02" in out
+    run = read_metrics(tmp_path / "m.jsonl")[0]
+    assert (run["recipe"], run["model"], run["batch_size"], run["shuffle"], run["translate"]) == \
+        ("speedrun", "speednet", 128, True, 1)
+
+
+def test_recipe_options_refused(tmp_path, mnist_dir, capsys):
+    for flags, msg in ((["--translate", "1"], "--translate 1: the mlp model has no random translation layer"),
+                       (["--betas", "0.9"], "--betas 0.9: expected two decays B1,B2"),
+                       (["--optimizer", "adam", "--betas", "0.9,1.5"], "--betas 0.9,1.5: expected decays in [0, 1)"),
+                       (["--betas", "0.9,0.99"], "--betas 0.9,0.99: applies to --optimizer adam or adamw")):
         assert _run(tmp_path, mnist_dir, *flags) == 2
         assert msg in capsys.readouterr().err
