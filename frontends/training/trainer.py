@@ -235,7 +235,7 @@ class Trainer:
         def settle() -> dict[str, Any] | None:
             """Reads back the pending losses, in order, into the sums; the diverged record if one is not finite."""
             nonlocal loss, loss_sum, batch_loss_sum, samples, steps, interval_loss, interval_samples, interval_steps
-            values = [float(v) for v, _ in pending]  # on a device the first waits; the rest are ready
+            values = _read_back([v for v, _ in pending])
             for k, (value, (_, n)) in enumerate(zip(values, pending)):
                 if not math.isfinite(value):
                     # every later step trains on NaN too: stop here, and never save this state
@@ -508,6 +508,15 @@ def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...]
                     "steps per epoch and schedule settings" if key == "lr_schedule" else "")
             raise CheckpointError(f"{where}: checkpoint was written with {key}={have!r}, this run has {key}={want!r}"
                                   + hint)
+
+
+def _read_back(losses: list[Any]) -> list[float]:
+    """The losses as floats. On a device, stacked there first: one copy back (the first loss's
+    wait included) instead of one per loss, which an epoch of hundreds of fast steps notices."""
+    if len(losses) > 1 and hasattr(losses[0], "__cuda_array_interface__"):
+        stacked = np.stack(losses)  # CuPy's stack, through NumPy's dispatch
+        return [float(v) for v in (stacked.get() if hasattr(stacked, "get") else stacked)]
+    return [float(v) for v in losses]
 
 
 def moved(x: np.ndarray, dy: int, dx: int) -> np.ndarray:

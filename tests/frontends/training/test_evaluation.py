@@ -120,6 +120,16 @@ class _OnDevice(np.ndarray):
     def __cuda_array_interface__(self):
         return {}
 
+    def get(self):
+        return np.asarray(self)
+
+
+def test_losses_on_a_device_are_read_back_stacked_in_order():
+    from ember.frontends.training.trainer import _read_back
+    losses = [np.asarray(v, np.float32).view(_OnDevice) for v in (0.5, 2.0, float("nan"))]
+    got = _read_back(losses)
+    assert got[:2] == [0.5, 2.0] and np.isnan(got[2]) and _read_back(losses[:1]) == [0.5]
+
 
 def test_loader_on_a_device_shuffles_once_an_epoch_into_the_host_batches():
     x, y = np.arange(50, dtype=np.float32).reshape(25, 2), np.arange(25)
