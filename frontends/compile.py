@@ -40,7 +40,7 @@ from . import plan_cache
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .nn import Module
 from .optim import as_config
-from .tensor import Buffer, Held, model_changed, model_epoch
+from .tensor import RNG_STEP, Buffer, Held, model_changed, model_epoch
 from .tracing import example_type, trace
 
 
@@ -308,14 +308,16 @@ class _Compiled:
                 self._link.attach(name, held, new=False)
         self._epoch = model_epoch()
 
-    def inference(self, x: Any) -> np.ndarray:
-        """The model's output for `x` with the current parameters (no update), as a host array."""
+    def inference(self, x: Any, *, host: bool = True) -> Any:
+        """The model's output for `x` with the current parameters (no update), as a host array;
+        with host=False as the device holds it (a CuPy array on a GPU), without waiting for it,
+        so an evaluation that reduces it there reads back one number, not every batch's logits."""
         x = _array(x)
         types = self._types((x,), ("x",))
         self._sync()
         out = self._inference_executor(types)({"x": x})["out"]
         self._link.version += 1  # training mode updates BatchNorm's running statistics
-        return out.get() if hasattr(out, "__cuda_array_interface__") else out
+        return out.get() if host and hasattr(out, "__cuda_array_interface__") else out
 
     def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
         """Input types of a call. A new shape compiles a new step; a new dtype is a user error
@@ -506,6 +508,24 @@ class TrainStep(_Compiled):
 
     def _state_names(self) -> set[str]:
         return {name for name in self.storage if name not in self._params}
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state, as compile() made it: zero moments and step counters (the
+        learning-rate schedule starts again, and the random counter is back at step 0). With new
+        weights loaded into the model, the next step starts another run without compiling again."""
+        for name in self._state_names():
+            self.storage.write(name, np.zeros(self.storage.type_of(name).shape, self.storage.type_of(name).dtype.numpy))
+        self.steps_run = 0
+
+    def seed_random(self, seed: int) -> None:
+        """Points the random draws of the steps that follow (dropout masks, random translations)
+        at stream `seed`: the step counter they are keyed by starts at seed x 2**32, so runs of
+        different seeds draw apart from their first step (2**32 steps each) while every draw stays
+        a pure function of (seed, step) on every device. No-op for a step that draws nothing."""
+        if not 0 <= int(seed) < 2**32:
+            raise ValueError(f"seed_random: seed must be in [0, 2**32), got {seed}")
+        if RNG_STEP in self._state_names():
+            self.storage.write(RNG_STEP, np.array(int(seed) << 32, np.uint64).view(np.int64))
 
     def save(self, path: str | os.PathLike, **progress: Any) -> None:
         """Writes model, optimizer state and `steps_run` to one safetensors checkpoint,
