@@ -37,6 +37,14 @@ is a cast inside the step. Three more rules keep activations in bfloat16 where a
   from the bfloat16 operand instead, so a BatchNorm (float32) followed by a ReLU stores the
   ReLU's output in bfloat16, as autocast's BatchNorm would.
 
+A normalisation module is one op in PyTorch and a dozen primitives here, so `MODULE_RULES` holds
+its rule, keyed by the module's class (the tracer records each scope's class in
+`meta["modules"]`), checked against autocast like the op rules: BatchNorm follows its input
+(PyTorch's `batch_norm` is on neither list: a bfloat16 input gives a bfloat16 output), so where
+its input is bfloat16, its output leaves the module rounded to bfloat16, its statistics and
+normalisation computed in float32 inside (by the op rules); LayerNorm is on the CUDA float32 list
+and returns float32, as the op rules give already.
+
 The graph's interface does not change: inputs, parameters, states, outputs and updates keep
 their dtypes (an output that became bfloat16 is cast back), so the runtime sees no bfloat16.
 """
@@ -46,7 +54,7 @@ from dataclasses import dataclass
 
 from ember.ir import OPS, DType, Graph, bfloat16, float32
 
-__all__ = ["Rule", "RULES", "CLASSES", "EXACT", "autocast", "missing_rules", "derived"]
+__all__ = ["Rule", "RULES", "MODULE_RULES", "CLASSES", "EXACT", "autocast", "missing_rules", "derived"]
 
 CLASSES = ("lower", "float32", "follow", "keep")
 
@@ -107,6 +115,12 @@ RULES: dict[str, Rule] = {
     "fused": Rule("keep"), "fused_output": Rule("keep"),
 }
 
+#: rules of modules that are one op in PyTorch, by class name (see the module docstring)
+MODULE_RULES: dict[str, Rule] = {
+    "BatchNorm2d": Rule("follow", "aten::batch_norm", "follow", "follow"),
+    "LayerNorm": Rule("float32", "aten::layer_norm", "float32", "follow"),
+}
+
 #: ops that commute with rounding to bfloat16 (round(op(x)) == op(round(x)), one operand): a
 #: float32 one whose only use is a cast to bfloat16 runs on the bfloat16 operand instead
 EXACT = frozenset({"relu", "neg", "abs", "max_pool2d", "reshape", "transpose", "broadcast_to", "stop_gradient"})
@@ -125,6 +139,7 @@ class _Rewriter:
         self.low = low
         self.new: dict[int, int] = {}
         self.casts: dict[tuple[int, DType], int] = {}
+        self.made: set[int] = set()  # the casts this pass added
 
     def cast(self, n: int, dtype: DType) -> int:
         """n's value in `dtype` (a float dtype): n itself, a cast (one per value and dtype), or,
@@ -143,6 +158,7 @@ class _Rewriter:
             out = g.add(op, [self.cast(x, dtype)], **g.provenance(n), **g.attrs(n))
         else:
             out = g.add("cast", [n], **g.provenance(n), dtype=dtype)
+            self.made.add(out)
         self.casts[key] = out
         return out
 
@@ -158,7 +174,7 @@ class _Rewriter:
 
     def operands(self, n: int) -> list[int]:
         src, g = self.src, self.g
-        ops = [self.new[o] for o in src.operands(n)]
+        ops = [self.leaving(self.new[o], src.scope(n)) for o in src.operands(n)]
         floats = [o for o in ops if g.type(o).dtype.is_float]
         rule = RULES[src.op(n)].ember
         if rule == "lower":
@@ -189,6 +205,23 @@ class _Rewriter:
         self.drop_unused()
         self.narrow_exact()
         return g
+
+    def leaving(self, o: int, user_scope: str) -> int:
+        """Value `o` as a reader in `user_scope` sees it: cast to bfloat16 when it leaves a module
+        whose rule is "follow" (`MODULE_RULES`) and every activation entering that module is
+        bfloat16 (the module returns its input's dtype)."""
+        g = self.g
+        scope = g.scope(o)
+        rule = MODULE_RULES.get(self.src.meta.get("modules", {}).get(scope, ""))
+        if not scope or scope == user_scope or rule is None or rule.ember != "follow" \
+                or not g.type(o).dtype.is_float or g.type(o).dtype == self.low:
+            return o
+        members = {n for n in g.g if g.scope(n) == scope}
+        entering = {e for m in members for e in g.operands(m) if e not in members
+                    and g.op(e) not in ("parameter", "state", "constant") and g.type(e).dtype.is_float}
+        # a widening cast this pass made is the bfloat16 value it widens
+        dtypes = {g.type(g.operands(e)[0] if e in self.made else e).dtype for e in entering}
+        return self.cast(o, self.low) if dtypes == {self.low} else o
 
     def drop_unused(self) -> None:
         """Removes the values no output or update reads any more (a float32 view whose readers

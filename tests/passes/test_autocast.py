@@ -36,6 +36,21 @@ class ConvBnPool(nn.Module):
         return self.fc(F.flatten(F.max_pool2d(F.relu(self.bn(self.conv(x))), 2), 1))
 
 
+class Residual(nn.Module):
+    """conv -> BatchNorm -> + x -> relu, twice: the residual stream of a ResNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(F.add(self.bn2(self.conv2(h)), h))
+        return self.fc(F.flatten(h, 1))
+
+
 def _forward(model: nn.Module, x_shape) -> ir.Graph:
     return trace(lambda x, y: F.cross_entropy(model(x), y), spec(x_shape), spec((x_shape[0],), "int64"),
                  modules={"": model})
@@ -130,6 +145,28 @@ def test_batchnorm_statistics_float32_and_its_relu_bfloat16():
     (pool,) = _by_op(low, "max_pool2d")
     assert _dtype(low, relu) == _dtype(low, pool) == "bfloat16"
     assert low.op(low.operands(relu)[0]) == "cast"
+
+
+def test_batchnorm_returns_its_inputs_dtype_so_the_residual_stream_is_bfloat16():
+    nn.manual_seed(0)
+    model = Residual()
+    fwd = _forward(model, (4, 1, 6, 6))
+    low = autocast(fwd)
+    _check_rules(low)
+    # the residual add and both ReLUs in bfloat16, as PyTorch's batch_norm returns bfloat16
+    assert [_dtype(low, n) for n in _by_op(low, "relu")] == ["bfloat16", "bfloat16"]
+    (add,) = [n for n in _by_op(low, "add") if low.scope(n) == ""]
+    assert _dtype(low, add) == "bfloat16"
+    # each BatchNorm's output leaves its module through one cast; its statistics stay float32
+    for bn in ("bn1", "bn2"):
+        leaving = [n for n in low.g if low.scope(n) == bn and any(low.scope(u) != bn for u, _ in low.users(n))
+                   and low.type(n).dtype.is_float]
+        assert [low.op(n) for n in leaving] == ["cast"] and _dtype(low, leaving[0]) == "bfloat16"
+        assert all(_dtype(low, n) == "float32" for n in low.g if low.scope(n) == bn and low.op(n) == "sum")
+    batch, states = _batch((4, 1, 6, 6)), _states(fwd)
+    want = ir.run(fwd, batch, params_of(model), states).outputs["out"]
+    got = ir.run(low, batch, params_of(model), states).outputs["out"]
+    assert abs(got - want) <= 1e-2 * abs(want)
 
 
 def _train(model, x_shape, precision):

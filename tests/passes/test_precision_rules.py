@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ember.ir import OPS
-from ember.passes.precision import CLASSES, RULES, derived, missing_rules
+from ember.frontends import nn
+from ember.passes.precision import CLASSES, MODULE_RULES, RULES, derived, missing_rules
 
 torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -110,8 +111,41 @@ def test_cuda_column_is_what_torch_registers(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(rule.torch, "AutocastCPU") == (rule.cpu != "follow")
 
 
+MODULE_CALLS = {
+    "BatchNorm2d": ([(2, 3, 4, 4), (3,), (3,), (3,), (3,)],
+                    lambda x, m, v, w, b: F.batch_norm(x, m.float(), v.float(), w.float(), b.float(), training=True),
+                    "native_batch_norm"),
+    "LayerNorm": ([(2, 3, 4), (4,), (4,)], lambda x, w, b: F.layer_norm(x, (4,), w, b), "native_layer_norm"),
+}
+
+
+def test_module_rules_name_ember_modules_and_follow_the_lists():
+    assert set(MODULE_RULES) == set(MODULE_CALLS)
+    for cls, r in MODULE_RULES.items():
+        assert isinstance(getattr(nn, cls), type) and r.ember == derived(r.cuda, r.cpu), cls
+
+
+@pytest.mark.parametrize("cls", sorted(MODULE_CALLS))
+def test_module_rules_are_what_torch_autocast_does(cls):
+    rule = MODULE_RULES[cls]
+    shapes, call, name = MODULE_CALLS[cls]
+    # the input in bfloat16, the affine parameters and statistics float32, as a model's are
+    seen = {}
+    for given in (torch.float32, torch.bfloat16):
+        args = [(torch.rand(shapes[0]) + 0.5).to(given)] + [torch.rand(s) + 0.5 for s in shapes[1:]]
+        with torch.autocast("cpu", dtype=torch.bfloat16), _Seen(name) as rec:
+            out = call(*args)
+        seen[given] = (rec.dtypes, out.dtype)
+    policy = "lower" if seen[torch.float32][0] == {torch.bfloat16} else \
+        "float32" if seen[torch.bfloat16][1] == torch.float32 else "follow"
+    assert policy == rule.cpu
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(rule.torch, "AutocastCUDA") == (rule.cuda != "follow")
+
+
 def test_docs_list_the_table():
     text = DOCS.read_text()
     for op, r in RULES.items():
         if r.ember != "keep":
             assert f"| `{op}` | {r.ember} |" in text, op
+    for cls, r in MODULE_RULES.items():
+        assert f"| `nn.{cls}` | {r.ember} |" in text, cls
