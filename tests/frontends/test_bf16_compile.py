@@ -3,6 +3,8 @@ every step's graph (training and inference), the step keeps its float32 interfac
 float32; the flags are checked against the device in one line."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -42,6 +44,19 @@ def test_plan_dumps_show_bf16_buffers(tmp_path):
     dumps = sorted(p.name for p in (tmp_path / "train-4x784").glob("*.txt"))
     assert dumps[:3] == ["00-input.txt", "01-autocast.txt", "02-autodiff.txt"]
     assert "bf16[" in (tmp_path / "train-4x784" / "01-autocast.txt").read_text()
+
+
+def test_kernels_command_shows_each_buffers_dtype_and_the_product_path(tmp_path):
+    assert ember_main(["kernels", "--model", "cnn", "--device", "cpu", "--bf16", "--batch-size", "8",
+                       "--out", str(tmp_path)]) == 0
+    source = (tmp_path / "cnn-train-8x1x28x28.cpp").read_text()
+    graph = (tmp_path / "cnn-train-8x1x28x28.txt").read_text()
+    # every buffer's C declaration says its type: bfloat16 activations are uint16_t
+    assert re.search(r"uint16_t\* const v\d+_conv2d = .*// bf16\[8,16,26,26\]", source)
+    assert re.search(r"float\* const p_0_weight = .*// f32\[16,1,3,3\]", source)  # the master weight
+    dots = set(re.findall(r"choice=bf16\(mr=\d+,nv=\d+,nb=\d+,dot=(\w+)\)", graph))
+    assert dots == {"avx512bf16" if "_mm512_dpbf16_ps" in source else "emulated"}
+    assert len(re.findall(r"choice=bf16\(", graph)) == 8  # the 8 contractions of a CNN step
 
 
 @pytest.mark.parametrize("command", [["mnist", "--epochs", "1"], ["kernels", "--out", "k"], ["tune"],
