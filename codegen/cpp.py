@@ -23,7 +23,7 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
-from .lowering import C_OPERATORS, Spelling, c_literal, hoisting_rows, lower_pointwise, lower_reduction, narrow
+from .lowering import C_OPERATORS, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise, lower_reduction
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -151,12 +151,6 @@ def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[
             where = f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
         decls.append(f"{ctype}* const {name} = {where};  // {graph.type(n)}")
     return decls
-
-
-def has_narrow(graph: Graph) -> bool:
-    """Whether any value of the graph or of its kernels is of a narrow dtype (bfloat16)."""
-    return any(narrow(graph.type(n).dtype) or (graph.op(n) == "fused" and has_narrow(graph.attrs(n)["graph"]))
-               for n in graph.g)
 
 
 def _attr_text(attrs: dict[str, Any]) -> str:

@@ -67,6 +67,12 @@ def narrow(dtype: DType) -> bool:
     return dtype.compute_name is not None
 
 
+def has_narrow(graph: Graph) -> bool:
+    """Whether any value of the graph or of its kernels is of a narrow dtype (bfloat16)."""
+    return any(narrow(graph.type(n).dtype) or (graph.op(n) == "fused" and has_narrow(graph.attrs(n)["graph"]))
+               for n in graph.g)
+
+
 def stored(spelling: Spelling, dtype: DType, value: str) -> str:
     """`value` (an expression of `value_ctype(dtype)`) as stored in a buffer of `dtype`."""
     return spelling.ops[f"store:{dtype.name}"].format(value) if narrow(dtype) else value

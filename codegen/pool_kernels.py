@@ -93,14 +93,15 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 
-def render_cuda(name: str, kind: str, g: PoolGeometry) -> CudaKernel:
-    """The CUDA kernel of `kind`: one thread an output (forward) or an input element (gradient)."""
+def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> CudaKernel:
+    """The CUDA kernel of `kind` (on bfloat16 values with `bf16`): one thread an output (forward)
+    or an input element (gradient, summing in float, rounded once)."""
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
     grad = kind == "max_pool2d_grad"
     code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,
-                                                                    **g.context())
+                                                                    bf16=bf16, **g.context())
     items = g.N * g.C * (g.H * g.W if grad else g.HO * g.WO)
     function = f"{name}_{'grad' if grad else 'fwd'}"
     roles = ("x", "dy", "out") if grad else ("x", "out")

@@ -20,6 +20,7 @@ from ember import ir
 from ember.codegen import cpu_vector
 from ember.ir import Graph, TensorType, bfloat16, float32
 from ember.ir.dtypes import bf16_bits, bf16_values
+from ember.ir.kernel import CONTRACTIONS
 
 from models import run_compiled
 
@@ -45,12 +46,14 @@ def _bits(rng, *shape, scale=1.0) -> np.ndarray:
     return bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def _check(graph: Graph, inputs: dict, dot: str, reduction: int) -> None:
+def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu") -> None:
+    """`graph` compiled for `device` gives the interpreter's "out" (see the module docstring); on
+    the CPU its bfloat16 contractions multiply by `dot`, on CUDA on the GEMM's tensor cores."""
     want = ir.run(graph, inputs).outputs["out"]
-    planned, out = run_compiled(graph, "cpu", inputs)
-    dots = {dict(planned.attrs(n)["kernel"].choice[1]).get("dot") for n in planned.g if planned.op(n) == "fused"
-            and planned.attrs(n)["kernel"].choice and planned.attrs(n)["kernel"].choice[0] == "bf16"}
-    assert dots == {dot}  # the path is the one chosen, and the dump shows it
+    planned, out = run_compiled(graph, device, inputs)
+    families = {planned.attrs(n)["kernel"].choice[0]: dict(planned.attrs(n)["kernel"].choice[1]).get("dot")
+                for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind in CONTRACTIONS}
+    assert families == ({"bf16": dot} if device == "cpu" else {"gemm": None})  # the dump shows the path
     got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
     assert got.shape == want.shape
     scale = max(float(np.max(np.abs(want))), 1e-30)
@@ -122,8 +125,7 @@ MATMULS = [  # name, M, N, K, trans_a, trans_b, batch, bias, relu
 ]
 
 
-@pytest.mark.parametrize("case", MATMULS, ids=[c[0] for c in MATMULS])
-def test_matmuls(case, path):
+def matmul_graph(case) -> tuple[Graph, dict, int]:
     _, m, n, k, ta, tb, batch, bias, relu = case
     rng = np.random.default_rng(7)
     lead = (batch,) if batch > 1 else ()
@@ -141,12 +143,18 @@ def test_matmuls(case, path):
     if relu:
         y = g.add("relu", [y])
     g.set_output("out", y)
-    _check(g, inputs, path, k)
+    return g, inputs, k
 
 
-def test_generated_kernels_and_pooling_round_as_the_interpreter():
+@pytest.mark.parametrize("case", MATMULS, ids=[c[0] for c in MATMULS])
+def test_matmuls(case, path):
+    graph, inputs, k = matmul_graph(case)
+    _check(graph, inputs, path, k)
+
+
+def pointwise_and_pooling_graph() -> tuple[Graph, dict]:
     """Casts, bfloat16 arithmetic with broadcasting, a bfloat16 sum (float32 accumulator,
-    rounded once), max pooling and its gradient (overlapping windows: sums in float): exact."""
+    rounded once), max pooling and its gradient (overlapping windows: sums in float)."""
     g = Graph("pw")
     x = g.add_input("x", TensorType((2, 3, 9, 9), float32))
     b = g.add_input("b", TensorType((3,), float32))
@@ -162,6 +170,12 @@ def test_generated_kernels_and_pooling_round_as_the_interpreter():
     rng = np.random.default_rng(3)
     inputs = {"x": (rng.standard_normal((2, 3, 9, 9)) * 3).astype(np.float32),
               "b": rng.standard_normal(3).astype(np.float32)}
+    return g, inputs
+
+
+def test_generated_kernels_and_pooling_round_as_the_interpreter():
+    """The generated kernels and pooling round as the interpreter does: exact."""
+    g, inputs = pointwise_and_pooling_graph()
     want = ir.run(g, inputs).outputs["out"]
     _, got = run_compiled(g, "cpu", inputs)
     assert np.array_equal(got["out"], want)

@@ -1,4 +1,5 @@
-"""precision="bf16" on the CPU against PyTorch's torch.autocast("cpu", dtype=torch.bfloat16), per
+"""precision="bf16" on the CPU (and on a GPU: the same checks, marked cuda) against PyTorch's
+torch.autocast("cpu", dtype=torch.bfloat16) (the same op lists as CUDA's for these models), per
 step from the same weights (PyTorch reloaded from ember's weights before every step, so errors do
 not accumulate): the loss within 1e-2 relative, the update (every parameter's, as one vector) with
 cosine similarity >= 0.99, and the same ops in bfloat16 — read from ember's dump (the graph after
@@ -81,12 +82,13 @@ def _ember_dtypes(dump_text: str) -> dict[str, set[str]]:
     return seen
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", ["cnn", "mlp", "lenet5", "resnet8"])
-def test_each_step_matches_torch_autocast(name, tmp_path):
+def test_each_step_matches_torch_autocast(name, device, tmp_path):
     rng = np.random.default_rng(0)
     batches = [(rng.random((32, *SHAPES[name]), dtype=np.float32), rng.integers(0, 10, 32)) for _ in range(STEPS)]
     model = build_model(name, 0)
-    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=LR), batches[0], device="cpu", precision="bf16",
+    step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=LR), batches[0], device=device, precision="bf16",
                    dump_dir=tmp_path)
     twin = torch_model(name)
     params = dict(model.named_parameters())
