@@ -67,6 +67,66 @@ class Bf16Plan:
     nv: int   # column vectors of the register tile
     nb: int   # columns per block (a task packs one block of B)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
+    mode: str = "gemm"  # "gemm" (any contraction) or "direct" (stride-1 convolutions: `Direct`)
+
+
+@dataclass(frozen=True)
+class Direct:
+    """A stride-1 convolution read directly: OC output channels over the flat positions
+    q = oh * WP + ow of a zero-padded input (HP x WP, the input placed at (PT, PL)), so that the
+    input element of window offset (kh, kw) is at q + kh * WP + kw and a vector of VL consecutive
+    positions is one load (no im2col; positions with ow >= WOUT are computed and dropped).
+    The input is packed once per image as pairs of channels (the reduction's pairs). The
+    forward reads x; grad-input is the forward of dy, padded by the kernel's overhang
+    (KH - 1 - PH), with the weight flipped and its channel axes swapped."""
+    kind: str
+    G: int
+    CI: int        # input channels (the reduction's, with KH * KW)
+    OC: int        # output channels
+    HIN: int
+    WIN: int
+    KH: int
+    KW: int
+    PT: int        # the input's first row (column) in the padded grid
+    PL: int
+    HOUT: int
+    WOUT: int
+    a_role: str    # the weight
+    b_role: str    # the input (x, or dy)
+    w_index: str   # flat index in the weight of (output channel oc, input channel c, kh, kw)
+    what: str
+
+    @property
+    def HP(self) -> int:
+        return self.HOUT + self.KH - 1
+
+    @property
+    def WP(self) -> int:
+        return self.WOUT + self.KW - 1
+
+
+def direct_of(g: dict[str, Any]) -> Direct | None:
+    """The direct reading of a stride-1 convolution (forward or grad-input), else None."""
+    if g["kind"] not in ("conv2d", "conv2d_grad_input") or tuple(g["stride"]) != (1, 1):
+        return None
+    NI, C, H, W, O, KH, KW, _, _, PH, PW, HO, WO = _conv_sizes(g)
+    if g["kind"] == "conv2d":
+        return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
+                      "((long)(oc * CI + c) * KH + kh) * KW + kw", "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] shifted")
+    if PH > KH - 1 or PW > KW - 1:
+        return None  # more padding than the kernel overhangs: the padded dy would start inside dy
+    return Direct("conv2d_grad_input", NI, O, C, HO, WO, KH, KW, KH - 1 - PH, KW - 1 - PW, H, W, "w", "dy",
+                  "((long)(c * OC + oc) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
+                  "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted")
+
+
+def _direct_block(d: Direct, nw: int) -> int:
+    """Columns (flat positions) per task: a whole image where the images alone give enough tasks."""
+    cols = d.HOUT * d.WP
+    nb = _round_up(cols, nw)
+    while nb > nw and d.G * math.ceil(cols / nb) < 4 * MAX_THREADS:
+        nb = _round_up(nb // 2, nw)
+    return nb
 
 
 def _conv_sizes(g: dict[str, Any]) -> tuple[int, ...]:
@@ -166,27 +226,44 @@ def _block(gm: Gemm, nw: int) -> int:
 
 
 def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Plan]:
-    """The cost model's plans, best first (tune: the tuner's wider list)."""
-    gm = gemm_of(g)
-    nvs = [2, 1] if gm.N > isa.lanes else [1]
+    """The cost model's plans, best first (tune: the tuner's wider list): the direct mode first
+    where it applies (it gathers no windows: each input element is packed once, not KH * KW
+    times), then the GEMM mode."""
+    gm, d = gemm_of(g), direct_of(g)
     out = []
-    for nv in nvs:
-        most = _max_rows(isa, nv, g["bf16_dot"])
-        for mr in _rows(gm.M, most)[: 3 if tune else 1]:
-            out.append(Bf16Plan(mr, nv, _block(gm, nv * isa.lanes), g["bf16_dot"]))
-    if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
-        out.sort(key=lambda p: p.nv)
+    for mode in (["direct"] if d is not None else []) + ["gemm"]:
+        rows, cols = (d.OC, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
+        nvs = [2, 1] if cols > isa.lanes else [1]
+        ranked = []
+        for nv in nvs:
+            most = _max_rows(isa, nv, g["bf16_dot"])
+            for mr in _rows(rows, most)[: 3 if tune else 1]:
+                nb = _direct_block(d, nv * isa.lanes) if mode == "direct" else _block(gm, nv * isa.lanes)
+                ranked.append(Bf16Plan(mr, nv, nb, g["bf16_dot"], mode))
+        if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
+            ranked.sort(key=lambda p: p.nv)
+        out += ranked
     return out if tune else out[:1]
 
 
-def _layout(gm: Gemm, plan: Bf16Plan) -> dict[str, int]:
+def _plane(d: Direct, nw: int) -> int:
+    """Words of one packed channel pair: the padded grid, and past it what the last tile's
+    vector loads reach (they start up to NW - 1 past the grid's last row, plus the window)."""
+    return _round_up(d.HP * d.WP + nw + d.KW, 16)
+
+
+def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
     """Offsets (in 4-byte words, 64-byte aligned) of the scratch regions and its size."""
-    k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
-    chunks = min(gm.G, CHUNKS) if gm.reduce_groups else 0
-    sizes = {"a": mp * k2 * (1 if gm.a_shared else gm.G) if not gm.reduce_groups else 0,
-             "a_thread": mp * k2 * MAX_THREADS if gm.reduce_groups else 0,
-             "b": k2 * plan.nb * MAX_THREADS,
-             "part": chunks * mp * plan.nb}
+    if d is not None:  # the direct mode: the weight packed once, each thread's image
+        ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
+        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS}
+    else:
+        k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
+        chunks = min(gm.G, CHUNKS) if gm.reduce_groups else 0
+        sizes = {"a": mp * k2 * (1 if gm.a_shared else gm.G) if not gm.reduce_groups else 0,
+                 "a_thread": mp * k2 * MAX_THREADS if gm.reduce_groups else 0,
+                 "b": k2 * plan.nb * MAX_THREADS,
+                 "part": chunks * mp * plan.nb}
     out, at = {}, 0
     for key, words in sizes.items():
         out[key] = at
@@ -197,13 +274,19 @@ def _layout(gm: Gemm, plan: Bf16Plan) -> dict[str, int]:
 
 def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
     gm = gemm_of(g)
-    _check_plan(gm, plan, isa, g["bf16_dot"])
-    return 4 * _layout(gm, plan)["total"]
+    _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g))
+    return 4 * _layout(gm, plan, isa, direct_of(g) if plan.mode == "direct" else None)["total"]
 
 
-def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str) -> None:
+def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None) -> None:
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
+    if plan.mode not in ("gemm", "direct") or (plan.mode == "direct" and d is None):
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: stride-1 convolutions)")
+    if plan.mode == "direct":
+        if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot) or plan.nb % (plan.nv * isa.lanes):
+            raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors, blocks of {plan.nb}: does not fit")
+        return
     if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
     if plan.nb % (plan.nv * isa.lanes) or plan.nb < 1 or (gm.reduce_groups and plan.nb < gm.N):
@@ -213,11 +296,20 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str) -> None:
 def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tuple[KernelSource, list[str | None]]:
     """The kernel and its arguments in order as roles (None: a null pointer)."""
     _check_name(name)
-    gm = gemm_of(g)
+    gm, d = gemm_of(g), direct_of(g)
     dot = g["bf16_dot"]
-    _check_plan(gm, plan, isa, dot)
+    _check_plan(gm, plan, isa, dot, d)
     eps = g["epilogues"]
-    lay = _layout(gm, plan)
+    if plan.mode == "direct":
+        lay = _layout(gm, plan, isa, d)
+        code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot, lay=lay, CI2=(d.CI + 1) // 2,
+                       MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes),
+                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                       parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
+        roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
+                 "out", "scratch"]
+        return KernelSource(name, code, 4 * lay["total"]), roles
+    lay = _layout(gm, plan, isa)
     conv = {k: v for k, v in zip(("NI", "C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
                                  _conv_sizes(g))} if gm.kind != "matmul" else {}
     macs = gm.G * gm.M * gm.N * gm.K

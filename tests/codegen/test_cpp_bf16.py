@@ -69,6 +69,9 @@ CONVS = [  # name, N, C, H, W, O, KH, KW, stride, padding
     ("stride2_pad1", 2, 5, 11, 9, 7, 3, 3, (2, 2), (1, 1)),
     ("k1_odd", 1, 3, 5, 7, 33, 1, 1, (1, 1), (0, 0)),
     ("k5_pad2_rect", 2, 4, 9, 12, 9, 5, 3, (1, 2), (2, 1)),
+    ("pad1_odd_c", 2, 3, 7, 9, 5, 3, 3, (1, 1), (1, 1)),     # stride 1, padded: the direct mode
+    ("k5_pad2", 1, 5, 8, 6, 4, 5, 5, (1, 1), (2, 2)),
+    ("k1_pad1", 1, 2, 4, 5, 3, 1, 1, (1, 1), (1, 1)),        # grad-input: padding past the kernel
 ]
 
 
