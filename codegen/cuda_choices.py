@@ -47,6 +47,14 @@ def geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     """What the families decide on: the kind, epilogues, precision and the contraction's sizes
     (convolutions: N C H W O KH KW stride padding HO WO; matmuls: M N K batch trans_a trans_b rank2)."""
     g: dict[str, Any] = dict(kind=spec.kind, epilogues=spec.epilogues, tf32=bool(spec.param("tf32")))
+    if spec.core is not None and spec.kind in CONVS + ("matmul",) + tuple(pool_kernels.POOL_KINDS):
+        dtypes = {sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]}
+        if dtypes == {"bfloat16"}:  # only then: float32 kernels keep their tuning database keys
+            g["dtype"] = "bfloat16"
+        elif dtypes != {"float32"}:
+            raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 and bfloat16 only, got "
+                                      f"{', '.join(sorted(dtypes))} (at {sub.loc(spec.core) or sub.name}); use float32 "
+                                      f"or device='reference'")
     if spec.kind in CONVS:
         core = sub.attrs(spec.core)
         a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
@@ -84,6 +92,13 @@ def _always(g: dict[str, Any]) -> str | None:
     return None
 
 
+def _float32(rejects):
+    """A float32 family's `rejects`: bfloat16 operands are the GEMM's (its bfloat16 tensor-core path)."""
+    def check(g: dict[str, Any]) -> str | None:
+        return "it computes in float32 (bfloat16 operands: the gemm family)" if g.get("dtype") else rejects(g)
+    return check
+
+
 def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
 
@@ -112,7 +127,7 @@ def _gemm_rejects(g: dict[str, Any]) -> str | None:
 def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
     p = _gemm_problem(g)
     best = cuda_kernels.plan_gemm(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"],
-                                  tf32=g["tf32"])
+                                  tf32=g["tf32"], bf16="dtype" in g)
     return [_pairs(best)]
 
 
@@ -126,7 +141,7 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
     """The GEMM plans worth measuring for this kernel, the cost model's pick first."""
     p = _gemm_problem(g)
     ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                          b_kfast=p["b_kfast"], tf32=g["tf32"])
+                                          b_kfast=p["b_kfast"], tf32=g["tf32"], bf16="dtype" in g)
     chosen = list(map(_pairs, ranked[:TUNE_TOP]))  # the first is `_gemm_plans`' pick: the same ranking
     splits, tiles = set(), set()
     for q in ranked[:TUNE_SPREAD]:
@@ -146,7 +161,8 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
         gp = GemmPlan(**fields)
     except TypeError:
         return False
-    if g["tf32"] and (gp.BK % 8 or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
+    mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
+    if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
                                 p["a_kfast"], p["b_kfast"])
@@ -158,20 +174,28 @@ def _gemm_scratch(g: dict[str, Any], plan: Plan) -> int:
     return cuda_kernels.gemm_scratch_bytes(GemmPlan(**dict(plan)), p["M"], p["N"], p["batch"])
 
 
+def bf16_roles(sub: Graph, spec: KernelSpec) -> frozenset[str]:
+    """The roles of a contraction kernel whose buffers hold bfloat16 (as its templates name them)."""
+    names = {"mask": "mask_src"} if spec.kind == "conv2d_grad_input" else {}
+    roles = {names.get(role, role): sub.inputs[f"in{i}"] for role, i in spec.roles} | {"out": sub.outputs["out"]}
+    return frozenset(r for r, n in roles.items() if sub.type(n).dtype.name == "bfloat16")
+
+
 def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     gp, tf32, eps = GemmPlan(**dict(plan)), g["tf32"], spec.epilogues
+    low = bf16_roles(sub, spec)
     if g["kind"] == "matmul":
         return cuda_kernels.render_matmul(name, M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"],
                                           trans_b=g["trans_b"], batch=g["batch"], bias="bias" in eps,
-                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp)
+                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     if g["kind"] == "conv2d":
         return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
-                                                  epilogue=epilogue, tf32=tf32, plan=gp)
+                                                  epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     if g["kind"] == "conv2d_grad_input":
         return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps,
-                                                     epilogue=epilogue, tf32=tf32, plan=gp)
+                                                     epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, epilogue=epilogue, tf32=tf32,
-                                                  plan=gp)
+                                                  plan=gp, bf16_roles=low)
 
 
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
@@ -380,7 +404,8 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     x_t = sub.type(sub.operands(spec.core)[0])
-    return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)))
+    return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)),
+                                    bf16=g.get("dtype") == "bfloat16")
 
 
 def _generated(module_function: str) -> Callable[..., CudaKernel]:
@@ -430,23 +455,26 @@ def features(g: dict[str, Any]) -> tuple[float, ...]:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects, _small_preferred,
-           _small_scratch, _small_render),
-    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _never, _direct_scratch, _direct_render),
+    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _float32(_small_rejects),
+           _small_preferred, _small_scratch, _small_render),
+    Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
     # they take (direct_tc: precision "tf32" only; gemm: its plans follow the geometry's tf32);
     # the others compute in float32 whatever the precision, which TF32 permits
-    Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
+    Family("direct_tc", CONVS, 6, _direct_tc_plans, _float32(_direct_tc_rejects), _unmeasured, _direct_tc_scratch,
            _direct_tc_render, tuning_plans=_direct_tc_candidates),
-    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
-           _plain, _no_scratch, _thin_render),
-    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch, _narrow_render),
-    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
+    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
+           _float32(_thin_rejects), _plain, _no_scratch, _thin_render),
+    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _float32(_narrow_rejects), _never, _split_scratch,
+           _narrow_render),
+    Family("skinny_short", ("matmul",), 4, _short_plans, _float32(_short_rejects), _never, _split_scratch,
            _short_render),
-    # under precision "tf32" its plans use mma.sync
+    # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
+    # its mma.sync bfloat16 path, the only one serving them
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts),
-    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
+    Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
+           grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
