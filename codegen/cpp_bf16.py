@@ -106,10 +106,15 @@ class Direct:
 
 
 def direct_of(g: dict[str, Any]) -> Direct | None:
-    """The direct reading of a stride-1 convolution (forward or grad-input), else None."""
-    if g["kind"] not in ("conv2d", "conv2d_grad_input") or tuple(g["stride"]) != (1, 1):
+    """The direct reading of a stride-1 convolution, else None. Grad-weight reads the same grid
+    (x padded, dy over its flat positions) with the roles turned: rows (c, kh, kw), columns o,
+    summed over the positions (`templates/cpp/bf16_direct_gw.j2`)."""
+    if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight") or tuple(g["stride"]) != (1, 1):
         return None
     NI, C, H, W, O, KH, KW, _, _, PH, PW, HO, WO = _conv_sizes(g)
+    if g["kind"] == "conv2d_grad_weight":
+        return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
+                      "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] shifted")
     if g["kind"] == "conv2d":
         return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
                       "((long)(oc * CI + c) * KH + kh) * KW + kw", "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] shifted")
@@ -233,12 +238,16 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
     out = []
     for mode in (["direct"] if d is not None else []) + ["gemm"]:
         rows, cols = (d.OC, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
+        if mode == "direct" and d.kind == "conv2d_grad_weight":
+            rows, cols = d.CI * d.KH * d.KW, d.OC
         nvs = [2, 1] if cols > isa.lanes else [1]
         ranked = []
         for nv in nvs:
             most = _max_rows(isa, nv, g["bf16_dot"])
             for mr in _rows(rows, most)[: 3 if tune else 1]:
-                nb = _direct_block(d, nv * isa.lanes) if mode == "direct" else _block(gm, nv * isa.lanes)
+                nw = nv * isa.lanes
+                nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else _direct_block(d, nw)) \
+                    if mode == "direct" else _block(gm, nw)
                 ranked.append(Bf16Plan(mr, nv, nb, g["bf16_dot"], mode))
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
@@ -252,9 +261,23 @@ def _plane(d: Direct, nw: int) -> int:
     return _round_up(d.HP * d.WP + nw + d.KW, 16)
 
 
+def _gw_x_plane(d: Direct) -> int:
+    """bfloat16 elements of one padded channel of x in the direct grad-weight: the grid and what
+    the last position pair's window reaches past it."""
+    return _round_up(d.HP * d.WP + d.KW + 2, 32)
+
+
+def _gw_x_words(d: Direct) -> int:
+    return _round_up(d.CI * _gw_x_plane(d) // 2, 16)
+
+
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
     """Offsets (in 4-byte words, 64-byte aligned) of the scratch regions and its size."""
-    if d is not None:  # the direct mode: the weight packed once, each thread's image
+    if d is not None and d.kind == "conv2d_grad_weight":  # each thread's image and dy, the chunks' sums
+        mp, op = _round_up(d.CI * d.KH * d.KW, plan.mr), _round_up(d.OC, plan.nv * isa.lanes)
+        sizes = {"x": _gw_x_words(d) * MAX_THREADS, "dy": (d.HOUT * d.WP + 1) // 2 * op * MAX_THREADS,
+                 "part": min(d.G, CHUNKS) * mp * op}
+    elif d is not None:  # the direct mode: the weight packed once, each thread's image
         ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
         sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS}
     else:
@@ -300,6 +323,13 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     dot = g["bf16_dot"]
     _check_plan(gm, plan, isa, dot, d)
     eps = g["epilogues"]
+    if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
+        lay = _layout(gm, plan, isa, d)
+        code = _render("bf16_direct_gw.j2", isa, name=name, d=d, plan=plan, dot=dot, lay={**lay, "x_words": _gw_x_words(d)},
+                       XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
+                       OP=_round_up(d.OC, plan.nv * isa.lanes), chunks=min(d.G, CHUNKS), bias=False, relu=False,
+                       relu_mask=False, parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
+        return KernelSource(name, code, 4 * lay["total"]), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot, lay=lay, CI2=(d.CI + 1) // 2,

@@ -54,8 +54,9 @@ def test_kernels_command_shows_each_buffers_dtype_and_the_product_path(tmp_path)
     # every buffer's C declaration says its type: bfloat16 activations are uint16_t
     assert re.search(r"uint16_t\* const v\d+_conv2d = .*// bf16\[8,16,26,26\]", source)
     assert re.search(r"float\* const p_0_weight = .*// f32\[16,1,3,3\]", source)  # the master weight
-    dots = set(re.findall(r"choice=bf16\(mr=\d+,nv=\d+,nb=\d+,dot=(\w+)\)", graph))
-    assert dots == {"avx512bf16" if "_mm512_dpbf16_ps" in source else "emulated"}
+    dots = set(re.findall(r"choice=bf16\(mr=\d+,nv=\d+,nb=\d+,dot=(\w+),mode=(\w+)\)", graph))
+    assert {d for d, _ in dots} == {"avx512bf16" if "_mm512_dpbf16_ps" in source else "emulated"}
+    assert {m for _, m in dots} == {"direct", "gemm"}  # the stride-1 convolutions direct, the matmuls GEMMs
     assert len(re.findall(r"choice=bf16\(", graph)) == 8  # the 8 contractions of a CNN step
 
 
