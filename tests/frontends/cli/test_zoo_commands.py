@@ -39,7 +39,7 @@ def test_kernels_writes_a_zoo_models_sources(tmp_path, capsys):
     assert cli.main(["kernels", "--model", "mobilenet", "--device", "cpu", "--batch-size", "2",
                      "--out", str(tmp_path)]) == 0
     train = (tmp_path / "mobilenet-train-2x1x28x28.cpp").read_text()
-    assert "grouped conv2d_grad_weight x(2,32,28,28) w(32,1,3,3) groups 32" in train
+    assert "grouped conv2d_grad_weight x(N,32,28,28) w(32,1,3,3) groups 32" in train  # N: a run-time size
 
 
 @pytest.mark.parametrize("argv", [["bench", "--model", "cnn,airbench", "--steps", "1"],
