@@ -66,6 +66,10 @@ class Family:
     version: int = 1
     #: whether it serves grouped convolutions (a geometry with groups > 1); the others do not
     grouped: bool = False
+    #: geometry keys whose values its kernels take at run time, not in their code (the images N
+    #: of a convolution, the rows M of a matmul): a plan of it serves any value of them, so a step
+    #: of another batch size may take it (`reusable`, `decide(reuse=)`) and share the kernel
+    runtime_extents: tuple[str, ...] = ()
 
     def all_plans(self, g: Geometry) -> list[Plan]:
         return (self.tuning_plans or self.plans)(g)
@@ -176,9 +180,35 @@ class ChoiceTable:
         """The version of every family that serves this kind (what a record must match)."""
         return {f.name: f.version for f in self.families.values() if spec.kind in f.kinds}
 
-    def decide(self, sub: Graph, spec: KernelSpec, db: Any = ...) -> Decision:
+    def reuse_key(self, f: Family, g: Geometry) -> str:
+        """A kernel's key among the plans a step shares with steps of other batch sizes: its
+        geometry without the sizes its family takes at run time."""
+        return f"{f.name}:" + tuning_db.kernel_key({k: v for k, v in g.items() if k not in f.runtime_extents})
+
+    def reusable(self, graph: Graph) -> tuple[tuple[str, Plan], ...]:
+        """(reuse key, plan) of every kernel of a selected graph whose family takes its
+        batch-dependent sizes at run time: what `decide(reuse=)` of a step of another batch size
+        takes, so that its kernels are the same code. Each kernel is there under its name and key
+        (the same graph at another batch size names its kernels alike) and, the first of a key,
+        under the key alone (another graph: inference beside training)."""
+        out: dict[str, Plan] = {}
+        for n in graph.topo_order():
+            if graph.op(n) != "fused" or (spec := graph.attrs(n)["kernel"]).choice is None:
+                continue
+            f = self.families.get(spec.choice[0])
+            if f is None or not f.runtime_extents:
+                continue
+            sub = graph.attrs(n)["graph"]
+            key = self.reuse_key(f, self._geometry(sub, spec))
+            out.setdefault(f"{sub.name}@{key}", spec.choice[1])
+            out.setdefault(key, spec.choice[1])
+        return tuple(out.items())
+
+    def decide(self, sub: Graph, spec: KernelSpec, db: Any = ..., reuse: Any = ()) -> Decision:
         """The (family, plan) that serves this kernel, and why. `db`: the tuning database to read
-        (default: the active one; None: none)."""
+        (default: the active one; None: none). `reuse`: `reusable` of a step of this model at
+        another batch size, whose plan for this kernel (where it has one that fits) comes before
+        the database and the cost model."""
         g = self._geometry(sub, spec)
         forced = self._forced.get().get(spec.kind)
         if forced is not None:
@@ -190,6 +220,13 @@ class ChoiceTable:
             return Decision((forced, plans[0]), "forced")
         db = tuning_db.active() if db is ... else db
         ranked, prior = self._ranked(g, db)
+        if reuse:
+            shared = dict(reuse)
+            for f in ranked:
+                key = self.reuse_key(f, g) if f.runtime_extents else None
+                plan = shared.get(f"{sub.name}@{key}", shared.get(key)) if key is not None else None
+                if plan is not None and f.fits(g, plan):
+                    return Decision((f.name, plan), "reused: the plan of this kernel at another batch size")
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
             rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))
             if rec is not None:
@@ -208,11 +245,11 @@ class ChoiceTable:
     def scratch_bytes(self, sub: Graph, spec: KernelSpec, choice: Choice) -> int:
         return self.families[choice[0]].scratch(self._geometry(sub, spec), choice[1])
 
-    def stamp(self, sub: Graph, spec: KernelSpec) -> tuple[str, Plan, int, str] | None:
+    def stamp(self, sub: Graph, spec: KernelSpec, reuse: Any = ()) -> tuple[str, Plan, int, str] | None:
         """`Target.choose_kernel`: (family, plan, scratch bytes, why); None for a kind that is no kernel."""
         if spec.kind in self.no_kernel:
             return None
-        d = self.decide(sub, spec)
+        d = self.decide(sub, spec, reuse=reuse)
         return d.choice[0], d.choice[1], self.scratch_bytes(sub, spec, d.choice), d.why
 
     def render(self, name: str, sub: Graph, spec: KernelSpec, choice: Choice, epilogue: Any = None) -> Any:

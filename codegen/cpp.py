@@ -15,6 +15,8 @@ scratch; each buffer gets a named local.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +25,13 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
-from .lowering import C_OPERATORS, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise, lower_reduction
+from .lowering import (C_OPERATORS, Extent, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise,
+                       lower_reduction)
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
 PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: the entry takes the run-time table (dims), kernels their extents
 
 SPELLING = Spelling("C++", {
     **C_OPERATORS,
@@ -43,15 +46,32 @@ SPELLING = Spelling("C++", {
 }, c_literal, storage={"bfloat16": "uint16_t"})
 
 
-def _signature(sub: Graph, restrict: bool) -> str:
+def _signature(sub: Graph, restrict: bool, extent: Extent | None) -> str:
     r = " __restrict__" if restrict else ""
     params = [f"const {SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.inputs.items()]
     params += [f"{SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.outputs.items()]
+    params += [f"const int64_t {extent.var}"] if extent is not None else []
     return ", ".join(params)
 
 
-def _out_types(sub: Graph) -> str:
-    return ", ".join(str(sub.type(n)) for n in sub.outputs.values())
+def generated_extent(sub: Graph, kind: str, core: int | None = None) -> Extent | None:
+    """The size a generated kernel takes at run time: the leading axis of its loop domain (a
+    pointwise kernel's output, a reduction's operand), which for the step's activations is the
+    batch; None for a scalar domain. Its value is the kernel's last argument (`extents`)."""
+    if kind == "pointwise":
+        return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
+    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
+
+
+def generated_extents(sub: Graph, kind: str, core: int | None = None) -> tuple[int, ...]:
+    extent = generated_extent(sub, kind, core)
+    return (extent.value,) if extent is not None else ()
+
+
+def _bound(count: int, extent: Extent | None) -> str:
+    """A loop bound: a multiple of the runtime extent where there is one."""
+    return extent.times(count) if extent is not None and count % extent.value == 0 else str(count)
 
 
 # The shortest row a pointwise kernel loops over with per-row values hoisted: below this an
@@ -61,20 +81,38 @@ MIN_ROW = 16
 
 def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
     """One flat loop, or rows (leading axes) of contiguous elements when that hoists per-row
-    operands (a normalisation's per-channel values) out of the vectorised inner loop."""
-    low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW))
+    operands (a normalisation's per-channel values) out of the vectorised inner loop. The
+    leading extent is an argument (`generated_extent`), so is whether a team of threads pays."""
+    extent = generated_extent(sub, "pointwise")
+    low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW), extent=extent)
+    numel = _bound(low.numel, extent)
     return ENV.get_template("pointwise.j2").render(
-        name=name, numel=low.numel, out_type=_out_types(sub), params=_signature(sub, restrict), rows=low.rows,
-        hoisted=low.hoisted, inner=low.inner, stores=low.stores, parallel=low.numel >= PARALLEL_MIN)
+        name=name, numel=numel, params=_signature(sub, restrict, extent), rows=_bound(low.rows, extent),
+        row_form=low.rows > 1, row=low.numel // low.rows, hoisted=low.hoisted, inner=low.inner, stores=low.stores,
+        parallel=f"{numel} >= {PARALLEL_MIN}" if extent is not None else low.numel >= PARALLEL_MIN)
 
 
 def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) -> str:
-    low = lower_reduction(sub, core, SPELLING)
+    """A loop over the outputs, loops over the reduced elements inside; the operand's leading
+    extent (kept or reduced) is an argument (`generated_extent`), so is whether threads pay."""
+    extent = generated_extent(sub, "reduction", core)
+    low = lower_reduction(sub, core, SPELLING, extent=extent)
+    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    kept_lead = extent is not None and 0 not in tuple(axes)
+    outputs = _bound(low.outputs, extent) if kept_lead else str(low.outputs)
+    # the extent is the first reduced loop's when the leading axis is reduced (runs start at it)
+    loops = [(var, _bound(size, extent) if extent is not None and not kept_lead and i == 0 else str(size))
+             for i, (var, size) in enumerate(low.loops)]
+    reduced = " * ".join(b for _, b in loops) or "1"
+    work = f"{outputs} * {reduced} * {len(low.passes)}"
+    if extent is None:
+        parallel: str | bool = low.outputs >= 2 and low.outputs * low.reduced * len(low.passes) >= PARALLEL_MIN
+    else:
+        parallel = f"{outputs} >= 2 && {work} >= {PARALLEL_MIN}"
     return ENV.get_template("reduction.j2").render(
-        name=name, ops="+".join(dict.fromkeys(a.op for a in low.accs)), reduced=low.reduced, loops=low.loops,
-        outputs=low.outputs, out_type=_out_types(sub), params=_signature(sub, restrict), passes=low.passes,
-        epilogue=low.epilogue, results=low.results,
-        parallel=low.outputs >= 2 and low.outputs * low.reduced * len(low.passes) >= PARALLEL_MIN)
+        name=name, ops="+".join(dict.fromkeys(a.op for a in low.accs)), reduced=reduced, loops=loops,
+        outputs=outputs, params=_signature(sub, restrict, extent), passes=low.passes,
+        epilogue=low.epilogue, results=low.results, parallel=parallel)
 
 
 @dataclass
@@ -82,13 +120,32 @@ class KernelCode:
     """One call of the step (`function`'s code may serve several calls)."""
     index: int
     name: str            # the graph's name for this kernel (k12_conv2d): per call, stable across dumps
-    kind: str
+    kind: str            # its spec, described (`KernelSpec.describe`)
     out_type: str
     implements: list[str]
     code: str
     call: str
     node: int = -1  # the fused node it implements (its operands are what it reads)
     function: str = ""  # the C function it calls: ek_<hash of its code>
+    #: what the compiled entry says of the call: the spec without the sizes of this step (its
+    #: scratch bytes), so that the entry of another batch size is the same text
+    what: str = ""
+
+
+class _Table:
+    """The step's run-time table (`StepSource.dims`, the entry's `dims` argument): the arena
+    offsets of its buffers and the sizes its kernels take at run time. The entry reads them
+    there rather than holding them, so a step of another batch size (the same graph but for
+    its sizes) compiles to the same entry."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.notes: list[str] = []
+
+    def add(self, value: int, what: str) -> str:
+        self.values.append(int(value))
+        self.notes.append(what)
+        return f"dims[{len(self.values) - 1}]"
 
 
 @dataclass
@@ -110,6 +167,8 @@ class StepSource:
     headers: dict[str, str] = field(default_factory=dict)
     link_flags: tuple[str, ...] = cpp_units.LINK_FLAGS
     functions: list[cpp_units.KernelFunction] = field(default_factory=list)
+    #: the run-time table the entry reads (`dims`): buffer offsets and kernel sizes of this step
+    dims: list[int] = field(default_factory=list)
 
 
 def _slots(graph: Graph) -> list[tuple[str, str]]:
@@ -132,8 +191,9 @@ def local_name(graph: Graph, n: int) -> str:
     return f"v{n}_{what}"
 
 
-def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[int]) -> list[str]:
-    """`T* const name = ...;` for every buffer a kernel touches, once, in schedule order."""
+def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[int], table: _Table) -> list[str]:
+    """`T* const name = ...;` for every buffer a kernel touches, once, in schedule order (arena
+    offsets from the run-time table)."""
     decls, seen = [], set()
     for n in used:
         while graph.notes(n)["storage"] == "alias":
@@ -145,11 +205,11 @@ def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[
         notes, ctype = graph.notes(n), SPELLING.ctype(graph.type(n).dtype)
         storage = notes["storage"]
         if storage in ("arena", "input"):
-            where = f"reinterpret_cast<{ctype}*>(arena + {notes['offset']})"
+            where = f"reinterpret_cast<{ctype}*>(arena + {table.add(notes['offset'], f'{name}: {graph.type(n)}')})"
         else:
             key = ("constant", str(n)) if storage == "constant" else (storage, notes["name"])
             where = f"static_cast<{ctype}*>(ext[{slot_of[key]}])"
-        decls.append(f"{ctype}* const {name} = {where};  // {graph.type(n)}")
+        decls.append(f"{ctype}* const {name} = {where};")
     return decls
 
 
@@ -166,7 +226,8 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     kernels: list[KernelCode] = []
     functions: dict[str, cpp_units.KernelFunction] = {}
     used: list[int] = []
-    scratch_decls: list[str] = []
+    scratch: list[tuple[str, int, int]] = []  # (kernel, arena offset, bytes)
+    table = _Table()
     segments: list[list[int]] = [[]]
     collectives: list[list[tuple[int, int, dict]]] = []
     dots: set[str] = set()  # how the bfloat16 contractions multiply (cpu_vector.bf16_dot)
@@ -185,10 +246,10 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         in_place = any(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
         if spec.kind == "pointwise":
             code = render_pointwise(name, sub, restrict=not in_place)
-            call_args = args + outs
+            call_args, extents = args + outs, generated_extents(sub, "pointwise")
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
-            call_args = args + outs
+            call_args, extents = args + outs, generated_extents(sub, "reduction", spec.core)
         elif spec.kind == "collective":
             # not compiled: the step ends a segment here and the runtime's communicator runs it;
             # collectives with no kernel between them meet at one boundary (one flat bucket)
@@ -209,31 +270,47 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
             named = {role: args[i] for role, i in spec.roles} | {"out": out, "scratch": "nullptr"}
             if spec.scratch_bytes:
                 named["scratch"] = f"{name}_scratch"
-                scratch_decls.append(f"float* const {name}_scratch = reinterpret_cast<float*>(arena + "
-                                     f"{notes['scratch_offset']});  // {spec.scratch_bytes} bytes")
+                scratch.append((name, notes["scratch_offset"], spec.scratch_bytes))
             call_args = [named[a] if a is not None else "nullptr" for a in order]
-            code = ks.code
+            code, extents = ks.code, ks.extents
             if spec.choice is not None and spec.choice[0] == "bf16":
                 dots.add(dict(spec.choice[1])["dot"])
+        call_args += [table.add(e, f"{name}: extent") for e in extents]
         fname, code, declaration = cpp_units.name_by_content(code, name)
         fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))
         segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
-                                  code, f"{fname}({', '.join(call_args)})", n, fname))
+                                  code, f"{fname}({', '.join(call_args)})", n, fname,
+                                  dataclasses.replace(spec, scratch_bytes=0).describe()))
         fn.calls.append(kernels[-1])
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
     header, header_text = cpp_units.prelude(bf16=has_narrow(graph))
     fns = list(functions.values())
+    buffers = _buffer_decls(graph, slot_of, used, table)
+    buffers += [f"float* const {k}_scratch = reinterpret_cast<float*>(arena + {table.add(offset, f'{k}: {size} scratch bytes')});"
+                for k, offset, size in scratch]
 
     def entry(preamble: str) -> str:
         return ENV.get_template("step.j2").render(
             graph_name=graph.name, kernels=kernels, functions=len(fns), segments=seg_kernels, preamble=preamble,
-            arena_bytes=graph.meta["arena_bytes"], profile=profile,
-            slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
-            buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
+            profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)], buffers=buffers,
+            abi=ABI_VERSION, table_tag=hashlib.sha256(repr(table.values).encode()).hexdigest()[:12])
 
     flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, dots)
-    units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags)
-    return StepSource(entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"], kernels,
-                      segments if collectives else [list(range(len(kernels)))], collectives,
-                      isa, flags, units, {header: header_text}, cpp_units.LINK_FLAGS, fns)
+    layout = _layout_note(graph, kernels, table)
+    units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags, layout)
+    return StepSource(layout + entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"],
+                      kernels, segments if collectives else [list(range(len(kernels)))], collectives,
+                      isa, flags, units, {header: header_text}, cpp_units.LINK_FLAGS, fns, table.values)
+
+
+def _layout_note(graph: Graph, kernels: list[KernelCode], table: _Table) -> str:
+    """Comment lines on what the entry reads at run time for this step (its sizes): each call's
+    kernel and result type, and the `dims` table. For the dumped and one-file copies only: the
+    compiled entry holds no size of the step."""
+    lines = [f"// this step ({graph.name}): arena {graph.meta['arena_bytes']} bytes; the calls:"]
+    lines += [f"//   call {k.index} {k.name}: {k.kind} -> {k.out_type}" for k in kernels]
+    lines += ["// the run-time table (dims):"]
+    lines += [f"//   dims[{i}] = {v}  ({what})" for i, (v, what) in enumerate(zip(table.values, table.notes))]
+    return "\n".join(lines) + "\n"
+

@@ -38,7 +38,7 @@ from .cpu_vector import VectorISA
 from .shapes import pair
 
 __all__ = ["TABLE", "FAMILIES", "EPILOGUES", "geometry", "device_name", "threads", "render_kernel", "candidates",
-           "decide", "choose", "stamp", "force", "scratch_bytes"]
+           "decide", "choose", "stamp", "force", "scratch_bytes", "reusable"]
 
 CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: epilogues each contraction kind's templates take (pointwise and reduction kernels: none)
@@ -348,18 +348,18 @@ def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
     called: `cpp` (the step renderer) imports this table."""
     from . import cpp
     code = cpp.render_pointwise(name, sub) if spec.kind == "pointwise" else cpp.render_reduction(name, sub, spec.core)
-    return KernelSource(name, code, 0), [*sub.inputs, "out"]
+    return KernelSource(name, code, 0, cpp.generated_extents(sub, spec.kind, spec.core)), [*sub.inputs, "out"]
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _float32(_dot_rejects), _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
-           accepts=_fits(_matmul_scratch(DotPlan))),
+           accepts=_fits(_matmul_scratch(DotPlan)), runtime_extents=("batch", "M")),
     Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _float32(_always), _plain,
            _matmul_scratch(AxpyPlan), _matmul_render(AxpyPlan), tuning_plans=_matmul_plans("axpy", True),
-           accepts=_fits(_matmul_scratch(AxpyPlan))),
+           accepts=_fits(_matmul_scratch(AxpyPlan)), runtime_extents=("batch", "M", "K")),
     *(Family(name, (kind,), 0, _conv_plans(False), _float32(_always), _plain, _conv_scratch, _conv_render,
-             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch))
+             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), runtime_extents=("N",))
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
     Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,
@@ -381,6 +381,7 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
 
 
 TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES, features=features)
+reusable = TABLE.reusable
 
 force = TABLE.force
 candidates = TABLE.candidates

@@ -54,6 +54,10 @@ class KernelSource:
     name: str            # the C function name
     code: str            # C++17 source defining ``static void name(...)`` (plus helpers)
     scratch_bytes: int   # size of the 64-byte aligned scratch block the kernel needs (may be 0)
+    #: the sizes the code takes at run time rather than holding them (the images of a
+    #: convolution, the rows of a matmul...), passed in this order after the scratch pointer as
+    #: int64_t: so one compiled kernel serves every batch size (each call passes its own)
+    extents: tuple[int, ...] = ()
 
 
 @functools.cache
@@ -167,6 +171,8 @@ class AxpyPlan:
 
 
 MatmulPlan = DotPlan | AxpyPlan
+#: the most rows a matmul's register tile may have (the templates split a shorter last row tile)
+_MAX_MR = 16
 #: the tuner measures the cost model's plan and, per mode or form, this many more register tiles
 #: (the best-modelled ones): the model orders tiles well but misjudges close calls
 TUNE_TILES = 6
@@ -303,9 +309,10 @@ def _direct_ctx(name: str, d: _Direct, plan: ConvPlan, *, bias: bool, relu: bool
     if plan.mode not in d.modes(isa):
         raise _plan_error(name, plan, f"mode {plan.mode!r} is not one of {d.modes(isa)} here")
     mode, VL = plan.mode, isa.lanes
-    N, CI, CO, HI, WI, HO, WO, KH, KW = d.N, d.CI, d.CO, d.HI, d.WI, d.HO, d.WO, d.KH, d.KW
+    CI, CO, HI, WI, HO, WO, KH, KW = d.CI, d.CO, d.HI, d.WI, d.HO, d.WO, d.KH, d.KW
     PT = d.PT
-    ctx = dict(name=name, N=N, CI=CI, CO=CO, HI=HI, WI=WI, HO=HO, WO=WO, KH=KH, KW=KW,
+    # N is no part of the code: the kernel takes it at run time (`KernelSource.extents`)
+    ctx = dict(name=name, CI=CI, CO=CO, HI=HI, WI=WI, HO=HO, WO=WO, KH=KH, KW=KW,
                SH=d.SH, SW=d.SW, PT=PT, PL=d.PL, bias=bool(bias), relu=bool(relu), flip=d.flip,
                mode=mode, relu_mask=False)
     sc = _Scratch()
@@ -325,7 +332,7 @@ def _direct_ctx(name: str, d: _Direct, plan: ConvPlan, *, bias: bool, relu: bool
     sc.add("bk", NOB * OB)                    # bias padded to NOB*OB
     if mode == "row":
         NVB, VBR = divmod(WO // VL, VB)       # full vector blocks per row, remainder vectors
-        ctx.update(NVB=NVB, VBR=VBR, NTASK=N * HO)
+        ctx.update(NVB=NVB, VBR=VBR)
     else:
         HP = HO + KH - 1                      # padded rows
         Q = (HO - 1) * P + WO                 # flat output positions that hold real pixels
@@ -334,8 +341,7 @@ def _direct_ctx(name: str, d: _Direct, plan: ConvPlan, *, bias: bool, relu: bool
         QP = NT * T
         # every load in[c*CSP + q + kh*P + kw] with q < QP must be inside the channel's slot
         CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
-        G = min(NOB, max(1, ceil_div(2 * MAX_THREADS, N)))  # channel-block groups per image
-        ctx.update(P=P, HP=HP, Q=Q, T=T, NT=NT, QP=QP, CSP=CSP, G=G, NTASK=N * G)
+        ctx.update(P=P, HP=HP, Q=Q, T=T, NT=NT, QP=QP, CSP=CSP)
         # Tiles near the top and bottom read zero padding rows for some kh: each tile gets the
         # kh range that can reach data (zero-padding taps skipped; 7% of the FMAs for the
         # MNIST grad-input). One tile variant per distinct range, so only for small KH.
@@ -429,7 +435,7 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
         return "conv2d_forward.j2", dict(ctx, entry="forward", off=sc.offsets), sc
     if kind == "conv2d_grad_input":
         if plan.mode == "scatter":
-            ctx = dict(name=name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
+            ctx = dict(name=name, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
                        HO=HO, WO=WO, transposed=False, relu_mask=bool(relu_mask))
             return "conv2d_grad_input.j2", ctx, _Scratch()
         if (sh, sw) != (1, 1):
@@ -442,7 +448,7 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
     if plan.mode not in modes:
         raise _plan_error(name, plan, f"mode {plan.mode!r} is not one of {modes} here")
     mode = plan.mode
-    ctx = dict(name=name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
+    ctx = dict(name=name, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw,
                HO=HO, WO=WO, bias=bool(bias), mode=mode)
     sc = _Scratch()
     if mode != "generic":
@@ -450,12 +456,14 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
         if not 1 <= OB <= O:
             raise _plan_error(name, plan, f"its tile needs 1 <= OB <= {O}")
         NOB = ceil_div(O, OB)
-        S = min(N, _GW_SLOTS)                                  # partial-sum slots
-        G = min(NOB, max(1, ceil_div(2 * MAX_THREADS, S)))    # channel-block groups per slot
+        # The kernel splits the images into min(N, SLOTS) slots and each slot's channel blocks
+        # into G >= G_MIN groups (at N >= SLOTS, G_MIN), all at run time: the scratch holds SLOTS
+        # partials and a group's channels at G_MIN, whatever N is, so the code does not depend on N.
+        G_MIN = min(NOB, ceil_div(2 * MAX_THREADS, _GW_SLOTS))
         CKK = C * KH * KW
-        ctx.update(OB=OB, NOB=NOB, S=S, G=G, CKK=CKK)
-        sc.add("dw", S * NOB * OB * CKK)
-        sc.add("db", S * O)
+        ctx.update(OB=OB, NOB=NOB, SLOTS=_GW_SLOTS, CKK=CKK)
+        sc.add("dw", _GW_SLOTS * NOB * OB * CKK)
+        sc.add("db", _GW_SLOTS * O)
         if mode == "flat":
             VL = isa.lanes
             P = _flat_pitch(WO, W, KW, pw)
@@ -463,7 +471,7 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
             Q = (HO - 1) * P + WO
             QP = round_up(Q, VL)
             CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
-            OBG = ceil_div(NOB, G) * OB                       # channels per group (max)
+            OBG = ceil_div(NOB, G_MIN) * OB                   # channels per group (max)
             QPA = round_up(QP, _ALIGN)
             per_thread = round_up(C * CSP, _ALIGN) + OBG * QPA
             ctx.update(P=P, HP=HP, Q=Q, QP=QP, QPA=QPA, CSP=CSP, OBG=OBG, PER_THREAD=per_thread)
@@ -485,14 +493,15 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
     """y = relu?(conv2d(x, w) + b?) for x (N,C,H,W), w (O,C,KH,KW), b (O,), y (N,O,HO,WO).
 
     C signature: ``static void NAME(const float* x, const float* w, const float* b, float* y,
-    float* scratch)`` (all ``__restrict__``; ``b`` is ignored, may be NULL, when bias=False).
+    float* scratch, int64_t n)`` (all ``__restrict__``; ``b`` is ignored, may be NULL, when
+    bias=False; ``n``: the images, N, which the code does not hold: `KernelSource.extents`).
     ``isa``: the vector variant (default ``cpu_vector.resolve()``), as for every renderer here;
     ``plan``: mode and register tile (default: the cost model's, ``conv_plans(...)[0]``).
     """
     isa = isa or resolve()
     template, ctx, sc = _conv_ctx("conv2d", name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, stride=stride,
                                   padding=padding, isa=isa, plan=plan, bias=bias, relu=relu)
-    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes)
+    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes, (N,))
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
@@ -500,18 +509,19 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
                              isa: VectorISA | None = None, plan: ConvPlan | None = None) -> KernelSource:
     """dx (N,C,H,W) of y = conv2d(x, w) given dy (N,O,HO,WO) and w (O,C,KH,KW).
 
-    C signature: ``static void NAME(const float* dy, const float* w, float* dx, float* scratch)``.
+    C signature: ``static void NAME(const float* dy, const float* w, float* dx, float* scratch,
+    int64_t n)`` (n: the images, N).
     Stride 1 is a forward convolution of dy (padded by KH-1-ph, KW-1-pw) with the transposed,
     flipped weights (see conv2d_forward.j2; modes flat and generic); any stride scatters per
     (n, c) plane (mode scatter: the cost model's for strides other than 1).
     With ``relu_mask`` (the ReLU backward as an epilogue: dx is zero where mask <= 0, mask being
     the forward activation of dx's shape) the signature is
-    ``NAME(const float* dy, const float* w, const float* mask, float* dx, float* scratch)``.
+    ``NAME(const float* dy, const float* w, const float* mask, float* dx, float* scratch, int64_t n)``.
     """
     isa = isa or resolve()
     template, ctx, sc = _conv_ctx("conv2d_grad_input", name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, stride=stride,
                                   padding=padding, isa=isa, plan=plan, relu_mask=relu_mask)
-    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes)
+    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes, (N,))
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
@@ -520,12 +530,12 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
     """dw (O,C,KH,KW) and, with bias, db (O,) = sum of dy over N,HO,WO; both fully overwritten.
 
     C signature: ``static void NAME(const float* x, const float* dy, float* dw, float* db,
-    float* scratch)`` (``db`` ignored, may be NULL, when bias=False).
+    float* scratch, int64_t n)`` (``db`` ignored, may be NULL, when bias=False; n: the images, N).
     """
     isa = isa or resolve()
     template, ctx, sc = _conv_ctx("conv2d_grad_weight", name, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, stride=stride,
                                   padding=padding, isa=isa, plan=plan, bias=bias)
-    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes)
+    return KernelSource(name, _render(template, isa, **ctx), sc.nbytes, (N,))
 
 
 # --------------------------------------------------------------------------- matmul
@@ -699,28 +709,28 @@ def _matmul_ctx(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bo
         dot = _dot_serves(ta, tb, relu_mask) is None and K >= 64 and N <= 64
         plan = matmul_plans("dot" if dot else "axpy", M=M, N=N, K=K, trans_a=ta, trans_b=tb, batch=batch,
                             relu_mask=relu_mask, isa=isa)[0]
-    ctx = dict(name=name, M=M, N=N, K=K, TA=ta, TB=tb, BATCH=batch,
+    # batch and M (and, in the axpy form, K) are no part of the code: the kernel takes them at run time
+    ctx = dict(name=name, N=N, TA=ta, TB=tb,
                bias=bool(bias), relu=bool(relu), relu_mask=bool(relu_mask), parallel=bool(plan.parallel))
     sc = _Scratch()
     if isinstance(plan, DotPlan):
         if (why := _dot_serves(ta, tb, relu_mask)) is not None:
             raise _plan_error(name, plan, f"the dot form does not apply: {why}")
-        if not (1 <= plan.MR <= M and 1 <= plan.NR <= N and plan.KC >= VL and plan.KC % VL == 0) \
+        # MR may exceed M (a plan of a larger batch): the last row tile is shorter (row_tail)
+        if not (1 <= plan.MR <= _MAX_MR and 1 <= plan.NR <= N and plan.KC >= VL and plan.KC % VL == 0) \
                 or (plan.split_cols and not plan.parallel):
-            raise _plan_error(name, plan, f"it needs 1 <= MR <= {M}, 1 <= NR <= {N}, KC a multiple of {VL} "
+            raise _plan_error(name, plan, f"it needs 1 <= MR <= {_MAX_MR}, 1 <= NR <= {N}, KC a multiple of {VL} "
                                           f"and split_cols only when parallel")
-        ctx.update(mode="dot", MR=plan.MR, NR=plan.NR, KC=plan.KC, SPLIT_COLS=plan.split_cols)
+        ctx.update(mode="dot", K=K, MR=plan.MR, NR=plan.NR, KC=plan.KC, SPLIT_COLS=plan.split_cols)
     else:
         NTL = ceil_div(N, VL * plan.NV) if plan.NV >= 1 else 0
-        if not (1 <= plan.MR <= M and 1 <= plan.NV <= ceil_div(N, VL) and 1 <= plan.BT <= NTL) \
+        if not (1 <= plan.MR <= _MAX_MR and 1 <= plan.NV <= ceil_div(N, VL) and 1 <= plan.BT <= NTL) \
                 or (tb and not plan.pack):
-            raise _plan_error(name, plan, f"it needs 1 <= MR <= {M}, 1 <= NV <= {ceil_div(N, VL)}, "
+            raise _plan_error(name, plan, f"it needs 1 <= MR <= {_MAX_MR}, 1 <= NV <= {ceil_div(N, VL)}, "
                                           f"1 <= BT <= the column tiles, and pack when B is transposed")
         ctx.update(mode="axpy", MR=plan.MR, NV=plan.NV, BT=plan.BT, PACK=plan.pack)
-        if plan.pack:
-            panel = round_up(K * plan.BT * VL * plan.NV, _ALIGN)
-            ctx["PANEL"] = panel
-            sc.add("panel", (MAX_THREADS if plan.parallel else 1) * panel)
+        if plan.pack:  # per thread: a K x BT*VL*NV panel (the kernel computes the same size)
+            sc.add("panel", (MAX_THREADS if plan.parallel else 1) * round_up(K * plan.BT * VL * plan.NV, _ALIGN))
     ctx["off"] = sc.offsets
     return ctx, sc
 
@@ -740,7 +750,10 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
 
     A is stored (batch,M,K), or (batch,K,M) with trans_a; B (batch,K,N), or (batch,N,K) with
     trans_b; C (batch,M,N). C signature: ``static void NAME(const float* A, const float* B,
-    const float* bias, float* C, float* scratch)`` (``bias`` may be NULL when bias=False).
+    const float* bias, float* C, float* scratch, int64_t batch, int64_t m)`` (``bias`` may be
+    NULL when bias=False), ``..., int64_t batch, int64_t m, int64_t k)`` in the axpy form: the
+    matrices, the rows M and (axpy) the reduced length K are not in the code
+    (`KernelSource.extents`: one kernel for any of them).
 
     Two forms, both register-tiled with every C element owned by one task and summed in k order
     (``plan``: a `DotPlan` or an `AxpyPlan`; default: the cost model's, the dot form when
@@ -767,4 +780,5 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
     isa = isa or resolve()
     ctx, sc = _matmul_ctx(name, M=M, N=N, K=K, trans_a=trans_a, trans_b=trans_b, batch=batch, bias=bias, relu=relu,
                           relu_mask=relu_mask, isa=isa, plan=plan)
-    return KernelSource(name, _render("matmul.j2", isa, **ctx), sc.nbytes)
+    return KernelSource(name, _render("matmul.j2", isa, **ctx), sc.nbytes,
+                        (batch, M) if ctx["mode"] == "dot" else (batch, M, K))

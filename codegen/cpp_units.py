@@ -145,7 +145,8 @@ def single_source(header_text: str, functions: list[KernelFunction]) -> str:
 
 
 def step_units(entry_code: str, functions: list[KernelFunction], header: str,
-               flags: tuple[str, ...]) -> list[Unit]:
-    """All the units of a step, the entry first (compile_units dumps it as `<step>.cpp`)."""
-    return [Unit("entry", entry_code, _opt(flags, "entry"), "", "the step's entry: ember_step"),
+               flags: tuple[str, ...], entry_note: str = "") -> list[Unit]:
+    """All the units of a step, the entry first (compile_units dumps it as `<step>.cpp`, headed by
+    `entry_note`)."""
+    return [Unit("entry", entry_code, _opt(flags, "entry"), entry_note, "the step's entry: ember_step"),
             *kernel_units(functions, header, flags)]

@@ -79,8 +79,8 @@ def _check(name: str, kind: str) -> None:
         raise ValueError(f"unknown convolution kernel {kind!r}; expected one of {CONV_KINDS}")
 
 
-def _description(kind: str, g: ConvGeometry) -> str:
-    return (f"grouped {kind} x({g.N},{g.C},{g.H},{g.W}) w({g.O},{g.C // g.G},{g.KH},{g.KW}) groups {g.G} "
+def _description(kind: str, g: ConvGeometry, images: str | None = None) -> str:
+    return (f"grouped {kind} x({images or g.N},{g.C},{g.H},{g.W}) w({g.O},{g.C // g.G},{g.KH},{g.KW}) groups {g.G} "
             f"stride ({g.SH},{g.SW}) padding ({g.PH},{g.PW}) -> {g.HO}x{g.WO}")
 
 
@@ -91,14 +91,18 @@ def render_cpp(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, rel
     _check(name, kind)
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the grouped {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
-    tasks = {"conv2d": g.N * g.O, "conv2d_grad_input": g.N * g.C, "conv2d_grad_weight": g.O * (g.C // g.G)}[kind]
+    # N is no part of the code: the kernel takes it at run time, and decides then whether a team
+    # of threads pays (as many tasks as 2 and CPU_PARALLEL_MIN multiply-adds)
+    tasks = {"conv2d": "N * O", "conv2d_grad_input": "N * C", "conv2d_grad_weight": "O * CG"}[kind]
+    per_image = g.macs // g.N
+    ctx = {k: v for k, v in dataclasses.asdict(g).items() if k != "N"}
     code = environment("cpp").get_template("grouped_conv.j2").render(
-        name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
-        parallel=tasks >= 2 and g.macs >= CPU_PARALLEL_MIN, **dataclasses.asdict(g))
+        name=name, kind=kind, description=_description(kind, g, "N"), bias=bias, relu=relu, relu_mask=relu_mask,
+        parallel_if=f"{tasks} >= 2 && static_cast<int64_t>(N) * {per_image} >= {CPU_PARALLEL_MIN}", **ctx)
     order: list[str | None] = {"conv2d": ["x", "w", "bias" if bias else None, "out"],
                                "conv2d_grad_input": ["dy", "w", *(["mask"] if relu_mask else []), "out"],
                                "conv2d_grad_weight": ["x", "dy", "out", None]}[kind]
-    return KernelSource(name, code, 0), order
+    return KernelSource(name, code, 0, (g.N,)), order
 
 
 def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,

@@ -122,8 +122,9 @@ class Body:
     index it may be read at (None: any), which is checked."""
 
     def __init__(self, sub: Graph, spelling: Spelling, prefix: str = "v", index_type: str = "int64_t",
-                 levels: dict[str, int] | None = None) -> None:
+                 levels: dict[str, int] | None = None, extent: "Extent | None" = None) -> None:
         self.sub = sub
+        self.extent = extent  # the kernel's runtime extent: constants that are multiples of it spelled from it
         self.index_type = index_type  # the C type of index temporaries (32-bit where the target's sizes allow)
         self.spelling = spelling
         self.levels = dict(levels or {})
@@ -180,7 +181,11 @@ class Body:
                 expr = self.spelling.ops[f"load:{t.dtype.name}"].format(expr)
         elif op == "constant":
             value = sub.attrs(n)["value"]
-            expr = self.spelling.literal(as_values(value, t.dtype) if narrow(t.dtype) else value, ctype)
+            if narrow(t.dtype):
+                expr = self.spelling.literal(as_values(value, t.dtype), ctype)
+            else:
+                expr = (self.extent.spell(value, ctype, self.spelling) if self.extent is not None else None) \
+                    or self.spelling.literal(value, ctype)
         elif op == "broadcast_to":
             (o,) = sub.operands(n)
             expr = self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape))
@@ -223,6 +228,88 @@ class Body:
         return name
 
 
+@dataclass(frozen=True)
+class Extent:
+    """A size a kernel takes at run time (a parameter named `var`) instead of holding it: the
+    leading axis of its loop domain (for the step's activations, the batch), `value` in this
+    step. Loop bounds are written as multiples of it, and so are the kernel's float constants
+    that are, at this step, a count c = L*m (m one of `factors`) or 1/c or c/(c-1): a mean over
+    the batch and some other axes, its reciprocal, an unbiased variance's correction (BatchNorm).
+    The code computes those from the parameter, so the kernel of another batch size is the same
+    text. Each spelling is checked to give the literal's exact value at this step, so the kernel
+    is right for the step it is rendered for whichever way a value is read; reading a constant
+    the way the kernel of another batch size reads it only decides whether the two share an
+    object (the code's hash says whether they do)."""
+    value: int
+    var: str = "n"
+    #: the multipliers m of the counts c = L*m read as counts over the batch
+    factors: frozenset[int] = frozenset({1})
+    #: counts that do not involve the batch: a constant equal to one of them (or its reciprocal or
+    #: correction) stays a literal even where it is also L*m (a mean over H*W = 49 at L = 7)
+    free: frozenset[int] = frozenset()
+
+    @classmethod
+    def pointwise(cls, shape: tuple[int, ...], var: str = "n") -> "Extent | None":
+        """The extent of a pointwise loop over `shape` (None for a scalar). Without the axes a
+        constant came from, counts are read by the layouts' conventions: the axes after the
+        second (NCHW's spatial ones, suffix products) count with the batch (BatchNorm: N*H*W)
+        or alone (an average pool: H*W); a count that takes in the second axis (C*H*W at L = C)
+        is read as one over the batch."""
+        if not shape:
+            return None
+        spatial = frozenset(math.prod(shape[j:]) for j in range(2, len(shape)))
+        return cls(shape[0], var, spatial | {1}, spatial)
+
+    @classmethod
+    def reduction(cls, shape: tuple[int, ...], axes: tuple[int, ...], var: str = "n") -> "Extent | None":
+        """The extent of a reduction of an operand of `shape` over `axes` (None for a scalar):
+        where the leading axis is reduced, the counts over the batch are those of the reduced
+        axes (a mean of them); where it is kept, the batch alone (a loss's mean over the batch
+        whose gradient a per-sample kernel computes), unless the reduced axes count the same."""
+        if not shape:
+            return None
+        reduced = math.prod(shape[a] for a in axes if a != 0)
+        if 0 not in axes:
+            return cls(shape[0], var, frozenset({1}), frozenset({reduced}))
+        return cls(shape[0], var, frozenset({1, reduced}))
+
+    def times(self, count: int) -> str:
+        """`count` (a multiple of the extent) as an expression of the parameter."""
+        if count % self.value:
+            raise ValueError(f"{count} is no multiple of the extent {self.value}")
+        k = count // self.value
+        return self.var if k == 1 else f"{self.var} * {k}"
+
+    def spell(self, value: Any, ctype: str, spelling: Spelling) -> str | None:
+        """`value` as an expression of the parameter where it is c, 1/c or c/(c-1) for a count
+        c = L*m over the batch (see the class); None otherwise. L = 1 spells nothing: every whole
+        number would match."""
+        v = np.asarray(value)
+        if ctype not in ("float", "double") or v.size != 1 or self.value < 2 or not self.factors:
+            return None
+        dt = np.float32 if ctype == "float" else np.float64
+        x = dt(v.reshape(()).item())
+        if not np.isfinite(x) or x <= 0:
+            return None
+
+        def reads(c: int) -> bool:
+            return x == dt(c) or x == dt(1) / dt(c) or (c > 1 and x == dt(c) / dt(c - 1))
+
+        if any(reads(c) for c in self.free):
+            return None
+        as_float = f"static_cast<{ctype}>({{}})"
+        for m in sorted(self.factors):
+            c = as_float.format(self.times(self.value * m))
+            count = self.value * m
+            if x == dt(count):
+                return c
+            if x == dt(1) / dt(count):
+                return f"({spelling.literal(1, ctype)} / {c})"
+            if count > 1 and x == dt(count) / dt(count - 1):
+                return f"({c} / {as_float.format(self.times(count) + ' - 1')})"
+        return None
+
+
 @dataclass
 class PointwiseLowering:
     numel: int
@@ -250,7 +337,7 @@ def _split_coords(shape: tuple[int, ...], rows: int) -> list[Coord]:
 
 
 def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type: str = "int64_t",
-                    rows: int = 1) -> PointwiseLowering:
+                    rows: int = 1, extent: Extent | None = None) -> PointwiseLowering:
     """The body computing element `index` (a flat output index) of every output of the subgraph;
     with `rows` > 1, as a loop over rows ("p", a product of leading axes) and over each row's
     contiguous elements ("j"), statements that depend on the row alone hoisted out of the inner loop."""
@@ -258,13 +345,13 @@ def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type
     if rows > 1:
         if any(sub.type(n).shape != t.shape for n in sub.outputs.values()):
             raise ValueError("a pointwise kernel loops over rows only when its outputs have one shape")
-        body = Body(sub, spelling, index_type=index_type, levels={"p": 0, "j": 1})
+        body = Body(sub, spelling, index_type=index_type, levels={"p": 0, "j": 1}, extent=extent)
         coords = _split_coords(t.shape, rows)
         results = [(k, body.value(n, coords)) for k, n in sub.outputs.items()]
         flat = f"p * {t.numel // rows} + j"
         return PointwiseLowering(t.numel, body.lines, results[0][1], results, rows, body.by_level[0],
                                  body.by_level[1], [(k, flat, _stored(spelling, sub, k, v)) for k, v in results])
-    body = Body(sub, spelling, index_type=index_type)
+    body = Body(sub, spelling, index_type=index_type, extent=extent)
     results = []
     for k, n in sub.outputs.items():
         u = sub.type(n)
@@ -353,7 +440,8 @@ def _passes(sub: Graph, cores: list[int]) -> list[list[int]]:
     return [[c for c in cores if stage[c] == s] for s in range(max(stage.values()) + 1)]
 
 
-def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str = "int64_t") -> ReductionLowering:
+def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str = "int64_t",
+                    extent: Extent | None = None) -> ReductionLowering:
     """Loops and bodies of a reduction kernel: each reduction of the subgraph (several, in a kernel
     with several outputs, over one domain) accumulated at the input index, in as few passes as their
     dependencies allow; the outputs computed from the results at the output index (`o`)."""
@@ -394,7 +482,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     done: dict[int, tuple[str, str | None]] = {}
     passes = []
     for s, group in enumerate(_passes(sub, cores)):
-        body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels)
+        body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels, extent)
         body.cores = dict(done)
         accs = []
         for c in group:
@@ -405,7 +493,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
                                     init_value(sub.op(c), ctype, spelling)))
         passes.append(ReductionPass(body.by_level[0], body.by_level[1:], accs))
         done.update({c: (red_of[c], "o" if outputs > 1 else None) for c in group})
-    epi = Body(sub, spelling, "e", index_type)
+    epi = Body(sub, spelling, "e", index_type, extent=extent)
     epi.cores = done
     results = []
     for k, n in sub.outputs.items():

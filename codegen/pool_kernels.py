@@ -85,11 +85,12 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
-    planes = g.N * g.C
+    # N is no part of the code (the kernel takes it at run time, and parallelises at run time)
+    ctx = {k: v for k, v in g.context().items() if k != "N"}
     code = environment("cpp").get_template("max_pool2d.j2").render(
-        name=name, grad=kind == "max_pool2d_grad", parallel=planes >= 2 and planes * g.H * g.W >= CPU_PARALLEL_MIN,
-        tiled=g.tiles_exactly, bf16=bf16, max_threads=MAX_THREADS, **g.context())
-    return (KernelSource(name, code, cpp_scratch_bytes(kind, g, bf16)),
+        name=name, grad=kind == "max_pool2d_grad", parallel_min=CPU_PARALLEL_MIN, tiled=g.tiles_exactly, bf16=bf16,
+        max_threads=MAX_THREADS, **ctx)
+    return (KernelSource(name, code, cpp_scratch_bytes(kind, g, bf16), (g.N,)),
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 

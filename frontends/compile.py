@@ -227,6 +227,27 @@ class _Compiled:
                 return found[0], found[1], None
         return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
 
+    def _compiled_graphs(self) -> list[Graph]:
+        """The planned graphs of the steps compiled so far, in the order they were compiled."""
+        return [g for g, _ in self._inference.values()]
+
+    def _reuse_plans(self, forward: Graph) -> str:
+        """Gives a new step (another batch size, or inference beside training) the kernel plans of
+        the steps compiled so far that it may share (`Target.reusable`: kernels that take the
+        batch at run time), so its kernels are the same code and their objects are not compiled
+        again; returns them as text for the plan cache's key ("" when there are none). Not when
+        tuning: a tuned step's kernels are measured at their own sizes."""
+        if self.target.reusable is None or self.tune_budget_s is not None:
+            return ""
+        plans: dict[str, Any] = {}
+        for graph in self._compiled_graphs():
+            for key, plan in self.target.reusable(graph):
+                plans.setdefault(key, plan)
+        if not plans:
+            return ""
+        forward.meta["kernel_reuse"] = tuple(plans.items())
+        return f";reuse={forward.meta['kernel_reuse']!r}"
+
     def _executor(self, graph: Graph, dump: Path | None, source: Any, **extra: Any) -> Executor:
         if source is not None:
             extra["source"] = source
@@ -261,7 +282,7 @@ class _Compiled:
             dump = self._dump_subdir("inference", types)
             t0 = time.perf_counter()
             passes = precision_passes(self.precision) + self.target.passes()
-            graph, source, cache_key = self._planned(forward, passes, dump)
+            graph, source, cache_key = self._planned(forward, passes, dump, extra=self._reuse_plans(forward))
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             hit = self._inference[key] = (graph, self._executor(graph, dump, source))
@@ -380,6 +401,16 @@ class TrainStep(_Compiled):
         self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
         self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
 
+    def _compiled_graphs(self) -> list[Graph]:
+        return [g for g, _ in self._steps.values()] + super()._compiled_graphs()
+
+    @property
+    def all_compile_stats(self) -> dict[str, dict[str, Any]]:
+        """`compile_stats` of every training step compiled so far, by its input shape ("64x1x28x28"),
+        in the order they were compiled: a later batch size (the last partial batch) shows what
+        it took beside the first (on the CPU, objects built or found in the cache)."""
+        return {_shape_tag(types): dict(getattr(ex, "compile_stats", {})) for types, (_, ex) in self._steps.items()}
+
     @property
     def compile_stats(self) -> dict[str, Any]:
         """Where the example shape's training step compile went: seconds in the passes
@@ -413,8 +444,9 @@ class TrainStep(_Compiled):
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
                 extra = {"communicator": self.comm}
             t0 = time.perf_counter()
+            reuse = self._reuse_plans(forward)
             graph, source, cache_key = self._planned(forward, passes, dump,
-                                                     extra=f"optimizer={self.config!r}" if self.comm is None else None)
+                                                     extra=f"optimizer={self.config!r}{reuse}" if self.comm is None else None)
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
             self._bind(graph)

@@ -8,6 +8,11 @@ The pass stamps that on the node's `KernelSpec` (`choice`, `scratch_bytes`, `why
 it and codegen renders exactly it, once. A target
 without one is asked the scratch size alone (`Target.kernel_scratch`).
 
+A step compiled after another of the same model at another batch size carries that step's
+reusable plans (`meta["kernel_reuse"]`, from `Target.reusable`): the target takes them where they
+fit, before the tuning database and the cost model, so the new step's kernels are the same code
+and their compiled objects are shared.
+
 The step's precision (`meta["precision"]`, set by the frontend) is stamped here too: under "tf32"
 every contraction's spec gets the `tf32` flag, which the target's templates read (and which
 changes the tile plan, so the scratch asked for below is that of the kernel that will run).
@@ -31,6 +36,7 @@ from .targets import Target
 def select_kernels(graph: Graph, target: Target) -> Graph:
     out = graph.copy()
     precision = out.meta.get("precision", "float32")
+    reuse = out.meta.get("kernel_reuse", ())  # plans of a step of another batch size (`Target.reusable`)
     if precision not in target.precisions:
         raise ValueError(f"device {target.name!r} computes in {', '.join(sorted(target.precisions))}, "
                          f"not precision {precision!r}")
@@ -42,7 +48,7 @@ def select_kernels(graph: Graph, target: Target) -> Graph:
         if precision == "tf32" and spec.kind in CONTRACTIONS and not spec.param("tf32"):
             spec = attrs["kernel"] = dataclasses.replace(spec, params=spec.params + (("tf32", True),))
         if target.choose_kernel is not None:
-            chosen = target.choose_kernel(attrs["graph"], spec)
+            chosen = target.choose_kernel(attrs["graph"], spec, **({"reuse": reuse} if reuse else {}))
             if chosen is not None:
                 family, plan, scratch, why = chosen
                 spec = attrs["kernel"] = dataclasses.replace(spec, choice=(family, tuple(plan)),

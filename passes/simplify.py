@@ -26,10 +26,11 @@ from .autodiff import carry_gradient_tags
 
 SOURCES = ("input", "parameter", "state")
 
-# A fold may create a constant of at most this many elements, unless no operand is smaller:
-# folding `broadcast_to(scalar)` to an activation-sized shape would bloat the graph (and every
-# generated source) with data that a broadcast describes in one line.
-FOLD_MAX_ELEMENTS = 64
+# A fold never creates a constant larger than its largest operand: folding `broadcast_to(scalar)`
+# to an activation-sized shape would bloat the graph (and every generated source) with data that
+# a broadcast describes in one line. And no size threshold: whether a value folds must not
+# depend on the batch size, or a step of another batch size would be another graph (its kernels
+# other code, no compiled kernel shared between the two).
 
 
 def _replace(g: Graph, old: int, new: int) -> None:
@@ -106,7 +107,7 @@ def _fold_value(g: Graph, n: int) -> np.ndarray | None:
         return None
     args = [as_values(g.attrs(o)["value"], g.type(o).dtype) for o in operands]
     t: TensorType = g.type(n)
-    if t.numel > FOLD_MAX_ELEMENTS and t.numel > min(a.size for a in args):
+    if t.numel > max(a.size for a in args):
         return None
     # The interpreter's own kernels, with its result cast, so a fold cannot change semantics.
     with np.errstate(all="ignore"):

@@ -69,7 +69,13 @@ class Target:
     #: (fused subgraph, spec) -> (family, plan as (field, value) pairs, scratch bytes, why) that
     #: serves the kernel, or None for a kernel it does not render; stamped on the spec by `select`
     #: (and then `kernel_scratch` is not asked). None: the target chooses nothing
-    choose_kernel: Callable[[Graph, KernelSpec], tuple[str, tuple, int, str] | None] | None = None
+    choose_kernel: Callable[..., tuple[str, tuple, int, str] | None] | None = None
+    #: selected graph -> the plans of its kernels that a step of another batch size may take (the
+    #: sizes that change with the batch being arguments of those kernels, not their code), as
+    #: `choose_kernel`'s `reuse=`: so that step's kernels are the same code, compiled once. The
+    #: frontend puts them in a new step's `meta["kernel_reuse"]`, `select` passes them on. None:
+    #: plans are never shared between batch sizes
+    reusable: Callable[[Graph], tuple] | None = None
     #: (selected graph, **options) -> a report: measures the candidates of the graph's kernels on
     #: this machine and stores the winners in the tuning database (`ember.runtime.tuner`); None:
     #: the target has nothing to tune

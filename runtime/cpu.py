@@ -105,10 +105,10 @@ class CpuExecutor:
         self.comm = None
         if self.source.collectives:
             self.comm = communicator if communicator is not None else _comm.from_env()
-            self.lib.ember_segment.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+            self.lib.ember_segment.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
             self.lib.ember_segment.restype = None
         else:
-            self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            self.lib.ember_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             self.lib.ember_step.restype = None
         self.arena = _allocate_arena(graph, self.source.arena_bytes)
         self.peak_bytes = self.source.arena_bytes
@@ -126,7 +126,10 @@ class CpuExecutor:
         self._copy_updates = [(k, self._view(n)) for k, n in graph.updates.items()
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
-        self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data)
+        # this step's arena offsets and kernel sizes: the library's entry reads them here, so a
+        # step of another batch size of the same graph runs the same library (codegen/cpp.py)
+        self._dims = np.array(self.source.dims or [0], dtype=np.int64)
+        self._args = (ctypes.cast(self._ext, ctypes.c_void_p), self.arena.ctypes.data, self._dims.ctypes.data)
         self._runner = None
         if self.source.collectives:
             segments = [[self.source.kernels[i] for i in seg] for seg in self.source.segments]
@@ -201,6 +204,7 @@ TARGET = targets.register(targets.Target(
     # waited before the first update that reads it (runtime/cpu_segments.py)
     early_collectives=True,
     choose_kernel=cpp_choices.stamp,  # the choice table: family, plan and scratch of each kernel
+    reusable=cpp_choices.reusable,  # kernels take the batch at run time: a new batch size reuses plans
     tune=_tune,
     device_model=cpp_choices.device_name,
     language="cpp",

@@ -108,7 +108,7 @@ class CpuMeasurer:
                 continue
             scratch_bytes = max(scratch_bytes, ks.scratch_bytes)
             fname, code, declaration = cpp_units.name_by_content(ks.code, ks.name)
-            args = ["nullptr" if r is None else roles.get(r, r) for r in order]
+            args = ["nullptr" if r is None else roles.get(r, r) for r in order] + [str(e) for e in ks.extents]
             fn = cpp_units.KernelFunction(fname, spec.kind, code, declaration)
             fn.calls.append(cpp.KernelCode(i, f"{ks.name} {choice_text(choice)}", c_spec.describe(), str(out_t), [],
                                            code, "", -1, fname))

@@ -1,12 +1,15 @@
-"""Compile time of the recipe models, cold (an empty cache) and warm, and for a new batch size.
+"""Compile time of the recipe and zoo models, cold (an empty cache) and warm, and for a new batch size.
 
     python tools/compile_time.py --device cpu --models cnn resnet8
+    python tools/compile_time.py --device cpu --zoo --json out.json   # every zoo model (PyTorch needed)
     python tools/compile_time.py --device cuda --models cnn resnet8 --json out.json
 
 Each measurement runs in a fresh process (imports and the compiler's in-process caches do not
 carry over), with `EMBER_CACHE_DIR` pointing at a new folder for "cold" and at the same folder
-again for "warm"; "new batch" compiles the training step for another batch size in a process
-whose cache holds the first one. Wall seconds of `compile()` alone (the data is random).
+again for "warm"; "new batch" compiles the training step for another batch size in the warm
+process (whose cache holds the first one), as the last partial batch of an epoch does. Wall seconds
+of `compile()` and `precompile()` alone (the data is random); a zoo model is imported from PyTorch
+before the clock starts.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ import json, os, sys, time
 import numpy as np
 from ember.frontends import compile, nn, optim
 from ember.frontends.training.recipes import MODELS, build_model
+from ember.frontends.training.zoo import ZOO, ember_zoo_model
 name, device, batch, second = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-flat = MODELS[name][1]
-shape = (784,) if flat else (1, 28, 28)
+if name.startswith("zoo:"):
+    entry = ZOO[name[4:]]
+    shape, model = entry.input_shape, ember_zoo_model(entry.name, seed=0)
+else:
+    shape, model = ((784,) if MODELS[name][1] else (1, 28, 28)), build_model(name)
 x = np.zeros((batch, *shape), np.float32)
 y = np.zeros(batch, np.int64)
-model = build_model(name)
 t = time.perf_counter()
 step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=device)
 first = time.perf_counter() - t
@@ -38,7 +44,10 @@ if second:
     step.precompile((second, *shape))
     again = time.perf_counter() - t
 stats = getattr(step, "compile_stats", None)
-print(json.dumps({"compile_s": first, "new_batch_s": again, "stats": stats if isinstance(stats, dict) else None}))
+later = [s for k, s in step.all_compile_stats.items() if second and k.startswith(f"{second}x")] \
+    if hasattr(step, "all_compile_stats") else []
+print(json.dumps({"compile_s": first, "new_batch_s": again, "stats": stats if isinstance(stats, dict) else None,
+                  "new_batch_stats": later[0] if later else None}))
 """
 
 
@@ -55,24 +64,34 @@ def _run(model: str, device: str, batch: int, cache: str, second: int = 0) -> di
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--models", nargs="+", default=["cnn", "mlp", "lenet5", "resnet8"])
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--models", nargs="+", default=["cnn", "mlp", "lenet5", "resnet8"],
+                   help="recipe models, or zoo models as zoo:NAME")
+    p.add_argument("--zoo", action="store_true", help="every zoo model (at its benchmark batch size), not --models")
+    p.add_argument("--batch", type=int, default=64, help="the first batch size of the recipe models")
     p.add_argument("--new-batch", type=int, default=7, help="the batch size compiled after a warm start")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
+    if args.zoo:
+        from ember.frontends.training.zoo import ZOO
+        models = [(f"zoo:{m.name}", m.batch_size) for m in ZOO.values()]
+    else:
+        models = [(m, args.batch) for m in args.models]
     rows = []
-    for model in args.models:
+    for model, batch in models:
         with tempfile.TemporaryDirectory(prefix="ember-compile-time-") as cache:
             t = time.perf_counter()
-            cold = _run(model, args.device, args.batch, cache)
+            cold = _run(model, args.device, batch, cache)
             cold_wall = time.perf_counter() - t
-            warm = _run(model, args.device, args.batch, cache, second=args.new_batch)
-        row = {"model": model, "device": args.device, "batch": args.batch, "cold_s": round(cold["compile_s"], 3),
+            warm = _run(model, args.device, batch, cache, second=args.new_batch)
+        row = {"model": model, "device": args.device, "batch": batch, "cold_s": round(cold["compile_s"], 3),
                "cold_process_s": round(cold_wall, 3), "warm_s": round(warm["compile_s"], 3),
-               "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"]}
+               "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"],
+               "new_batch_stats": warm["new_batch_stats"]}
         rows.append(row)
-        print(f"{model:8s} {args.device:5s} cold {row['cold_s']:7.2f} s  warm {row['warm_s']:6.2f} s  "
-              f"batch {args.new_batch} after warm {row['new_batch_s']:6.2f} s", flush=True)
+        nb = warm["new_batch_stats"] or {}
+        built = f" ({nb['objects_built']} objects built)" if "objects_built" in nb else ""
+        print(f"{model:12s} {args.device:5s} batch {batch:4d}: cold {row['cold_s']:7.2f} s  warm {row['warm_s']:6.2f} s  "
+              f"batch {args.new_batch} after warm {row['new_batch_s']:6.2f} s{built}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

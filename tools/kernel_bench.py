@@ -143,7 +143,7 @@ def main():
     for _, k, args, _, _ in specs:
         n = len(args)
         params = ", ".join(f"void* a{i}" for i in range(n + 1))
-        call = ", ".join(f"(float*)a{i}" for i in range(n + 1))
+        call = ", ".join([f"(float*)a{i}" for i in range(n + 1)] + [str(e) for e in k.extents])  # sizes: run time
         src += [k.code, f'extern "C" void bench_{k.name}({params}) {{ {k.name}({call}); }}\n']
     src.append('extern "C" void bench_noop(void*, void*, void*, void*, void*) {}\n')
     t0 = time.perf_counter()

@@ -364,7 +364,9 @@ def main(args: Any) -> int:
           + (f" (planned peak memory {trainer.step.peak_bytes / 2**20:.1f} MiB)" if trainer.step.peak_bytes else ""),
           flush=True)
     if args.verbose and trainer.step.compile_stats:
-        print("compile: " + _format_compile_stats(trainer.step.compile_stats), flush=True)
+        for i, (shape, stats) in enumerate(trainer.step.all_compile_stats.items()):
+            what = "" if i == 0 else f" (batch {shape.split('x')[0]}, the last partial batch)"
+            print(f"compile{what}: " + _format_compile_stats(stats), flush=True)
     if ckpt is not None:
         try:
             trainer.load(ckpt)

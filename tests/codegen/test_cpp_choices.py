@@ -113,8 +113,11 @@ def test_a_plan_that_does_not_fit_the_geometry_is_not_accepted():
     mm = dict(kind="matmul", epilogues=(), isa="avx2", M=8, N=10, K=100, batch=1, trans_a=False, trans_b=True)
     assert cpp_choices.FAMILIES["matmul_dot"].fits(mm, (("MR", 4), ("NR", 3), ("KC", 104), ("split_cols", False),
                                                         ("parallel", False)))
-    assert not cpp_choices.FAMILIES["matmul_dot"].fits(mm, (("MR", 9), ("NR", 3), ("KC", 104),
+    assert not cpp_choices.FAMILIES["matmul_dot"].fits(mm, (("MR", 4), ("NR", 11), ("KC", 104),
                                                             ("split_cols", False), ("parallel", False)))
+    # more tile rows than M fit (M is a size the kernel takes at run time: a plan of another batch)
+    assert cpp_choices.FAMILIES["matmul_dot"].fits(mm, (("MR", 9), ("NR", 3), ("KC", 104),
+                                                        ("split_cols", False), ("parallel", False)))
     assert not cpp_choices.FAMILIES["matmul_axpy"].fits(mm, (("MR", 4), ("NV", 1), ("BT", 1), ("pack", False),
                                                              ("parallel", False)))  # B transposed: packed
 

@@ -19,5 +19,5 @@ def test_cpu_codegen_splits_the_step_at_collectives():
     src = render_step(plan_memory(fuse(g)))
     assert len(src.segments) == 2 and len(src.collectives) == 1
     assert sorted(a["reduce"] for _, _, a in src.collectives[0]) == ["mean", "sum"]
-    assert "void ember_segment(void* const* ext, char* arena, int64_t segment)" in src.code
+    assert "void ember_segment(void* const* ext, char* arena, const int64_t* dims, int64_t segment)" in src.code
     assert "void ember_step(" not in src.code

@@ -173,12 +173,17 @@ def _matmul_kernel(case):
 _NARGS = {"fwd": 5, "gin": 4, "gwt": 5, "mm": 5}
 
 
+def _args(k, n):
+    """The wrapper's call: its n pointers, then the sizes the kernel takes at run time."""
+    return ", ".join([f"a{i}" for i in range(n)] + [str(e) for e in k.extents])
+
+
 def _translation_unit(kernels):
     parts = []
     for k in kernels:
         n = _NARGS[k.name.split("_", 1)[0]]
         params = ", ".join(f"float* a{i}" for i in range(n))
-        args = ", ".join(f"a{i}" for i in range(n))
+        args = _args(k, n)
         parts.append(k.code)
         parts.append(f'extern "C" void call_{k.name}({params}) {{ {k.name}({args}); }}\n')
     return "\n".join(parts)
@@ -393,7 +398,7 @@ def mask_lib(tmp_path_factory):
     for k, (cid, kind, _) in zip(ks, MASK_CASES):
         n = 5 if kind == "gin" else 6   # with the scratch pointer Lib appends
         params = ", ".join(f"float* a{i}" for i in range(n))
-        parts += [k.code, f'extern "C" void call_{k.name}({params}) {{ {k.name}({", ".join(f"a{i}" for i in range(n))}); }}\n']
+        parts += [k.code, f'extern "C" void call_{k.name}({params}) {{ {k.name}({_args(k, n)}); }}\n']
     art = compile_cpp("\n".join(parts), flags=FLAGS, cache=tmp_path_factory.mktemp("ember_mask_cache"), name="mask_kernels")
     return Lib(art.path, ks)
 
