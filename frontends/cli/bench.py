@@ -377,7 +377,8 @@ def main(args: Any) -> int:
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
-        report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, log=lambda s: print(s, file=sys.stderr))
+        report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, bf16=precision == "bf16",
+                                log=lambda s: print(s, file=sys.stderr))
         print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
         return 0
     report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
