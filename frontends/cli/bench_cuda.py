@@ -29,16 +29,9 @@ def _torch_model(name: str):
 
 def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
                    bf16: bool = False) -> list[tuple[str, Callable]]:
-    """PyTorch's eager step and its whole step captured in a CUDA graph; `bf16`: the forward under
-    torch.autocast(bfloat16), as ember's precision="bf16" follows autocast's op lists."""
     import torch
     import torch.nn.functional as tF
     systems = []
-
-    def forward_loss(model, x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            return tF.cross_entropy(model(x), y)
-
     for mode in ("torch-eager", "torch-cudagraph"):
         model = _torch_model(name)
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
@@ -47,7 +40,8 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
 
         def eager(x, y, model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
-            loss = forward_loss(model, x, y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):  # ember's precision="bf16" alike
+                loss = tF.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             return loss
@@ -69,7 +63,8 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
         opt.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_loss = forward_loss(model, static_x, static_y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                static_loss = tF.cross_entropy(model(static_x), static_y)
             static_loss.backward()
             opt.step()
 
@@ -118,7 +113,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             if have_torch:
                 txs, tys = torch.from_numpy(xs_host).cuda(), torch.from_numpy(ys_host).cuda()
                 txb, tyb = [txs[i] for i in range(nb)], [tys[i] for i in range(nb)]
-                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0], bf16=bf16):
+                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0], bf16):
                     systems.append((mode, lambda i, fn=fn: fn(txb[i % nb], tyb[i % nb])))
             times: dict[str, list[float]] = {s: [] for s, _ in systems}
             per_block = max(1, steps // rounds)
@@ -247,8 +242,8 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
 
 
 def format_cuda_report(report: dict[str, Any]) -> str:
-    lines = [f"device=cuda ({report['gpu']}), "
-             f"{'bfloat16 (autocast)' if report.get('bf16') else 'float32'}, TF32 {'on' if report['tf32'] else 'off'}",
+    lines = [f"device=cuda ({report['gpu']}), {'bfloat16 mixed precision (autocast)' if report.get('bf16') else 'float32'}, "
+             f"TF32 {'on' if report['tf32'] else 'off'}",
              f"{'model':9} {'batch':>5} {'system':16} {'us/step':>9} {'samples/s':>12} {'ember/this':>10}"]
     for r in report["rows"]:
         lines.append(f"{r['model']:9} {r['batch']:5} {r['system']:16} {r['ms_per_step'] * 1e3:9.1f} "
