@@ -21,7 +21,8 @@ def _fmt_value(v: Any) -> str:
     if isinstance(v, Graph):
         return f"<{len(v)} nodes>"
     if isinstance(v, KernelSpec):  # with why its family was chosen (a dump's reader asks; sources do not)
-        return str(v).replace(" ", "") + (f" ({v.why})" if v.why else "")
+        # epilogues joined to the kind (`matmul+bias`); scratch and choice stay separate words
+        return str(v).replace(" +", "+") + (f" ({v.why})" if v.why else "")
     if isinstance(v, np.ndarray):
         if v.size <= 4:
             return np.array2string(v.astype(v.dtype), separator=",", floatmode="unique").replace("\n", "")
