@@ -23,13 +23,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torch_speedrun import seed_list, summary  # noqa: E402  (the twin's: one definition for both)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,24 +50,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--torch", action="store_true", help="also run the PyTorch twin (tools/torch_speedrun.py)")
     ap.add_argument("--json", action="store_true", help="only JSON lines")
     return ap.parse_args(argv)
-
-
-def seed_list(text: str) -> list[int]:
-    return [int(s) for s in text.split(",")] if "," in text else list(range(int(text)))
-
-
-def summary(results: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
-    """Mean, min, max and spread (population std) of the final accuracy and of the time to target."""
-    accs = [r["final_acc"] for r in results]
-    times = [r["time_to_target_s"] for r in results if r["reached"]]
-    out: dict[str, Any] = {"seeds": len(results), "target_acc": target, "reached": len(times),
-                           "acc_mean": statistics.fmean(accs), "acc_min": min(accs), "acc_max": max(accs),
-                           "acc_std": statistics.pstdev(accs),
-                           "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in results)}
-    if times:
-        out.update(time_mean_s=statistics.fmean(times), time_min_s=min(times), time_max_s=max(times),
-                   time_std_s=statistics.pstdev(times))
-    return out
 
 
 class EmberRun:

@@ -244,13 +244,14 @@ class Run:
                 "train_seconds": train_s, "eval_seconds": eval_s, "steps": k, "evals": evals}
 
 
-def summary(results: list[dict[str, Any]], target: float) -> dict[str, Any]:
+def summary(results: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     """Mean, min, max and spread (population std) of the final accuracy and of the time to target."""
     accs = [r["final_acc"] for r in results]
     times = [r["time_to_target_s"] for r in results if r["reached"]]
     out: dict[str, Any] = {"seeds": len(results), "target_acc": target, "reached": len(times),
                            "acc_mean": statistics.fmean(accs), "acc_min": min(accs), "acc_max": max(accs),
-                           "acc_std": statistics.pstdev(accs)}
+                           "acc_std": statistics.pstdev(accs),
+                           "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in results)}
     if times:
         out.update(time_mean_s=statistics.fmean(times), time_min_s=min(times), time_max_s=max(times),
                    time_std_s=statistics.pstdev(times))
