@@ -23,7 +23,7 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
-from .lowering import C_OPERATORS, Spelling, c_literal, hoisting_rows, lower_pointwise, lower_reduction
+from .lowering import C_OPERATORS, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise, lower_reduction
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -37,13 +37,16 @@ SPELLING = Spelling("C++", {
     "sin": "std::sin({0})", "cos": "std::cos({0})", "floor": "std::floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
-}, c_literal)
+    # bfloat16 (templates/cpp/bf16.j2)
+    "load:bfloat16": "em_bf16_load({0})", "round:bfloat16": "em_bf16_round({0})",
+    "store:bfloat16": "em_bf16_store({0})",
+}, c_literal, storage={"bfloat16": "uint16_t"})
 
 
 def _signature(sub: Graph, restrict: bool) -> str:
     r = " __restrict__" if restrict else ""
-    params = [f"const {sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.inputs.items()]
-    params += [f"{sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.outputs.items()]
+    params = [f"const {SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.inputs.items()]
+    params += [f"{SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.outputs.items()]
     return ", ".join(params)
 
 
@@ -139,7 +142,7 @@ def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[
         if name in seen:
             continue
         seen.add(name)
-        notes, ctype = graph.notes(n), graph.type(n).dtype.ctype
+        notes, ctype = graph.notes(n), SPELLING.ctype(graph.type(n).dtype)
         storage = notes["storage"]
         if storage in ("arena", "input"):
             where = f"reinterpret_cast<{ctype}*>(arena + {notes['offset']})"
@@ -166,6 +169,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     scratch_decls: list[str] = []
     segments: list[list[int]] = [[]]
     collectives: list[list[tuple[int, int, dict]]] = []
+    dots: set[str] = set()  # how the bfloat16 contractions multiply (cpu_vector.bf16_dot)
     for n in graph.meta["schedule"]:
         if graph.op(n) != "fused":
             continue
@@ -209,6 +213,8 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                                      f"{notes['scratch_offset']});  // {spec.scratch_bytes} bytes")
             call_args = [named[a] if a is not None else "nullptr" for a in order]
             code = ks.code
+            if spec.choice is not None and spec.choice[0] == "bf16":
+                dots.add(dict(spec.choice[1])["dot"])
         fname, code, declaration = cpp_units.name_by_content(code, name)
         fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))
         segments[-1].append(len(kernels))
@@ -216,7 +222,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                                   code, f"{fname}({', '.join(call_args)})", n, fname))
         fn.calls.append(kernels[-1])
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
-    header, header_text = cpp_units.prelude()
+    header, header_text = cpp_units.prelude(bf16=has_narrow(graph))
     fns = list(functions.values())
 
     def entry(preamble: str) -> str:
@@ -226,7 +232,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
             slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)],
             buffers=_buffer_decls(graph, slot_of, used) + scratch_decls, abi=ABI_VERSION)
 
-    flags = cpu_vector.cxx_flags(isa)
+    flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, dots)
     units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags)
     return StepSource(entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"], kernels,
                       segments if collectives else [list(range(len(kernels)))], collectives,

@@ -29,7 +29,7 @@ import numpy as np
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
-from ember.passes.pipeline import run_passes, train_passes, with_data_parallel, write_atomic
+from ember.passes.pipeline import precision_passes, run_passes, train_passes, with_data_parallel, write_atomic
 from ember.runtime import target as get_target
 from ember.runtime import target_names
 from ember.runtime.comm import broadcast_parameters
@@ -260,7 +260,7 @@ class _Compiled:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
             t0 = time.perf_counter()
-            passes = self.target.passes()
+            passes = precision_passes(self.precision) + self.target.passes()
             graph, source, cache_key = self._planned(forward, passes, dump)
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
@@ -407,7 +407,7 @@ class TrainStep(_Compiled):
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
             forward.meta["precision"] = self.precision
             dump = self._dump_subdir("train", types)
-            passes = train_passes(self.config) + self.target.passes()
+            passes = precision_passes(self.precision) + train_passes(self.config) + self.target.passes()
             extra = {}
             if self.comm is not None:
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
@@ -589,11 +589,11 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
     root = Path(dump_dir) if dump_dir is not None else None
     forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
     forward.meta["precision"] = precision
-    train = run_passes(forward, train_passes(as_config(optimizer)) + target.passes(),
+    train = run_passes(forward, precision_passes(precision) + train_passes(as_config(optimizer)) + target.passes(),
                        dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
     inference_forward = trace(model, types[0], name="inference")
     inference_forward.meta["precision"] = precision
-    inference = run_passes(inference_forward, target.passes(),
+    inference = run_passes(inference_forward, precision_passes(precision) + target.passes(),
                            dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
     return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
@@ -616,9 +616,12 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     bucket_bytes: with a communicator, the gradients are all-reduced in buckets of at most this
     many bytes (in reverse order of use; default 25 MiB as PyTorch DDP; a larger gradient is a
     bucket alone). Smaller buckets start communicating earlier in the backward pass.
-    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
+    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32),
     "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
-    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
+    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product)
+    or "bf16" (mixed precision as `torch.autocast(dtype=torch.bfloat16)`: matmuls and convolutions
+    on bfloat16 operands accumulating in fp32, activations stored in bfloat16, reductions, softmax,
+    the loss and the optimizer in fp32 on fp32 master weights; docs/precision.md).
     tune: True (or a budget in seconds; True is 300 s) measures every candidate kernel of each
     step compiled, on this device, before building it (`ember tune` does the same from the command
     line); the winners go into the tuning database under $EMBER_CACHE_DIR/tuning, which every later
@@ -648,7 +651,10 @@ def _verb(held: Held) -> str:
     return "update" if isinstance(held, Buffer) else "train"
 
 
-PRECISIONS = ("float32", "tf32")
+PRECISIONS = ("float32", "tf32", "bf16")
+#: what each precision is, for the one-line refusal on a device that lacks it
+_PRECISION_WHAT = {"tf32": "TF32 is a CUDA tensor-core mode", "bf16": "its kernels have no bfloat16 path",
+                   "float32": "float32"}
 DEFAULT_TUNE_BUDGET_S = 300.0
 
 
@@ -674,7 +680,7 @@ def check_precision(precision: Any, target: Any) -> None:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
     if precision not in target.precisions:
         raise ValueError(f"precision={precision!r} is not available on device {target.name!r} "
-                         f"(it computes in {', '.join(sorted(target.precisions))}); TF32 is a CUDA tensor-core mode")
+                         f"(it computes in {', '.join(sorted(target.precisions))}); {_PRECISION_WHAT[precision]}")
 
 
 __all__ = ["compile", "compile_inference", "plan", "TrainStep", "InferenceStep"]

@@ -32,7 +32,7 @@ from ..training.recipes import INITS, MODELS, OPTIMIZERS, RECIPES, build_model, 
 from ..training.trainer import Trainer, check_config
 from . import mnist_setup as setup
 from .cli_checks import (UsageError, check_device, check_hyperparameters, check_input_file, check_output_dir,
-                         check_output_file, check_plot_file, check_tf32, describe_os_error)
+                         check_output_file, check_plot_file, describe_os_error, precision_flag)
 
 __all__ = ["add_arguments", "recipe_defaults", "main"]
 
@@ -52,6 +52,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--tf32", action="store_true",
                    help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
                         "as PyTorch's allow_tf32); default: exact float32")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision as torch.autocast(dtype=torch.bfloat16): matmuls and convolutions on bfloat16 "
+                        "with float32 accumulation, float32 master weights (compile(..., precision='bf16'))")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the dataset's four IDX files (default: the --dataset's folder, where missing "
                         "files are downloaded, md5-checked)")
@@ -156,7 +159,7 @@ def _check_args(args: Any) -> None:
     if args.betas is not None and args.optimizer == "sgd":
         raise UsageError(f"--betas {args.betas}: applies to --optimizer adam or adamw; SGD's is --momentum")
     setup.check_training_args(args)
-    check_tf32(getattr(args, "tf32", False), args.device)
+    args.precision = precision_flag(args)
     if args.save:
         check_output_file("--save", args.save)
     if args.metrics_file:
@@ -288,7 +291,7 @@ def main(args: Any) -> int:
               "nesterov": args.nesterov, "recipe": args.recipe, "translate": args.translate,
               "label_smoothing": args.label_smoothing, "val_split": args.val_split, "tta": args.tta,
               "init": args.init_weights or f"{args.init} seed {args.seed}",
-              "precision": "tf32" if args.tf32 else "float32"}
+              "precision": args.precision}
     try:
         model = build_model(args.model, args.seed, args.init, translate=args.translate)
         if args.init_weights and not args.resume:
