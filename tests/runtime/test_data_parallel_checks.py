@@ -150,7 +150,7 @@ def test_trainer_checks_settings_before_data_and_the_step_plan_before_training(m
     from ember.frontends.training import trainer as T
 
     def fake_compile(model, loss, opt, example_inputs, communicator=None, **kw):
-        return SimpleNamespace(comm=communicator, precompile=lambda *a: None)
+        return SimpleNamespace(comm=communicator, precompile=lambda *a: None, seed_random=lambda seed: None)
     monkeypatch.setattr(T, "ember_compile", fake_compile)
     x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int64)
 

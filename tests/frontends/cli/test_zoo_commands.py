@@ -57,5 +57,5 @@ def test_zoo_models_without_pytorch_are_refused_in_one_line(argv, monkeypatch, c
 
 def test_tune_takes_zoo_names(capsys):
     assert cli.main(["tune", "--model", "vit,nope"]) == 2
-    assert "--model nope: expected names from cnn, mlp, lenet5, resnet8, airbench, mobilenet, vit, vit_sdpa (or all)" \
+    assert "--model nope: expected names from cnn, mlp, lenet5, resnet8, speednet, airbench, mobilenet, vit, vit_sdpa (or all)" \
         in capsys.readouterr().err
