@@ -20,7 +20,7 @@ from ember.frontends.training.metrics import logit_sums
 from ember.frontends.training.trainer import moved
 from ember.runtime.data import DataLoader
 
-from models import FAKE_DEVICE, fake_device_target
+from models import FAKE_DEVICE, device_fixture
 
 
 def _task(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,11 +108,7 @@ def _losses(trainer: Trainer) -> list[float]:
 
 @pytest.fixture(params=["cpu", FAKE_DEVICE])
 def device(request):
-    if request.param == FAKE_DEVICE:
-        with fake_device_target():
-            yield FAKE_DEVICE
-    else:
-        yield request.param
+    yield from device_fixture(request)
 
 
 def test_restart_is_a_fresh_trainer_of_that_seed(device):
