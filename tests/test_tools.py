@@ -3,6 +3,7 @@ command and the kernel bench render every kernel they would time (--dry-run), so
 helper or argument in codegen fails here rather than on the next device run."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -41,3 +42,20 @@ def test_the_kernel_bench_renders_every_kernel():
     assert r.returncode == 0, r.stderr[-3000:]
     kernels = [line.split()[1] for line in r.stdout.splitlines()]
     assert {"conv2_gi+mask", "linear_gw", "softmax_xent", "sgd_cnn"} <= set(kernels) and len(kernels) == 15, kernels
+
+
+def test_the_speedrun_tool_runs_seeds_on_one_step_and_its_pytorch_twin(tmp_path):
+    """tools/speedrun.py end to end on the CPU, cut to 3 steps: a seed run twice on the restarted
+    step gives the same evaluations, and the PyTorch twin's summary follows ember's."""
+    from conftest import require_mnist
+    pytest.importorskip("torch")
+    r = _run("speedrun.py", "--device", "cpu", "--seeds", "0,0", "--limit-steps", "3", "--eval-every", "2",
+             "--data", str(require_mnist()), "--torch", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    ember = [line for line in lines if line.get("system") == "ember"]
+    torch_runs = [line for line in lines if line.get("system") == "pytorch"]
+    assert len(ember) == len(torch_runs) == 2 and ember[0]["evals"] == ember[1]["evals"]
+    assert [e[0] for e in ember[0]["evals"]] == [2, 3] == [e[0] for e in torch_runs[0]["evals"]]
+    summaries = {line["summary"]["system"]: line["summary"] for line in lines if "summary" in line}
+    assert set(summaries) == {"ember", "pytorch"} and summaries["ember"]["seeds"] == 2

@@ -57,10 +57,14 @@ def check_zoo_model(name: str, device: str, steps: int = 3, batch: int = 8) -> s
     return r.describe()
 
 
-# speednet is left out for now: its CPU update error is 1.07x PyTorch float32's against float64
-# (median of 3 steps; the bound is 1.05), found at the end of session 7 and not yet explained
-# (the speedrun recipe's model, added to the zoo that session; see the session's closing note)
-@pytest.mark.parametrize("name", [m for m in ZOO if m != "speednet"])
+# speednet's float32 update is 1.05-1.07x as far from float64's as PyTorch's (median 1.069 over
+# the three steps), mostly conv2's and fc1's weight gradients (sums over the batch in another
+# order than oneDNN's): a known gap of the CPU kernels, not of the model, kept visible here
+_CPU_GAPS = {"speednet": "CPU weight-gradient sums 1.07x PyTorch's error (limit 1.05)"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_CPU_GAPS[n], strict=True))
+                                  if n in _CPU_GAPS else n for n in ZOO])
 def test_zoo_model_trains_as_pytorch_does_on_cpu(name):
     check_zoo_model(name, "cpu")
 
