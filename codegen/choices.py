@@ -5,8 +5,9 @@ A target's table (`cuda_choices`, `cpp_choices`) is a `ChoiceTable`: its kernel 
 renderer, its version), and how a kernel's geometry is read off its fused subgraph. For one
 kernel the table answers:
 
-- `candidates`: every (family, plan) that can serve it, in the cost model's order (the preferred
-  families by priority, each family's plans best first): what the tuner measures;
+- `candidates`: every (family, plan) that can serve it, in the cost model's order (the families
+  by what measured kernels of similar shapes say, `family_prior`, then by the table's structural
+  preference and priority; each family's plans best first): what the tuner measures;
 - `decide`: the one that serves it and why: a forced family (`force`, for experiments), else the
   tuning database's measurement for this kernel on this device (`tuning_db`), else the cost
   model's first candidate;
@@ -26,7 +27,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import tuning_db
+from . import family_prior, tuning_db
 
 Plan = tuple[tuple[str, Any], ...]  # a stamped plan: (field, value) pairs
 Choice = tuple[str, Plan]            # (family, plan)
@@ -42,12 +43,14 @@ class Family:
     name: str
     kinds: tuple[str, ...]
     #: rank among the preferred families (lower first); a family not preferred ranks after them all
+    #: (the order where no measurement says otherwise: `family_prior`)
     priority: int
     #: geometry -> the cost model's plans, best first ([] where no plan fits the geometry)
     plans: Callable[[Geometry], list[Plan]]
     #: geometry -> None where the family applies, else why not (before any plan is sought)
     rejects: Callable[[Geometry], str | None]
-    #: geometry -> whether the cost model prefers it to the families after it
+    #: geometry -> whether it is structurally preferred to the families after it (a property of
+    #: the geometry, never a measured size threshold: measurements rank families, `family_prior`)
     preferred: Callable[[Geometry], bool]
     #: (geometry, plan) -> scratch bytes
     scratch: Callable[[Geometry, Plan], int]
@@ -97,6 +100,8 @@ class ChoiceTable:
     epilogues: dict[str, frozenset[str]] = field(default_factory=dict)
     #: kinds that are no kernel (collectives): `stamp` answers None
     no_kernel: frozenset[str] = frozenset({"collective"})
+    #: geometry -> where the kernel sits among measured ones (`family_prior`); None: no prior
+    features: family_prior.Features | None = None
 
     def __post_init__(self) -> None:
         self._forced: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
@@ -138,10 +143,24 @@ class ChoiceTable:
             return f"no {', '.join(unknown)} epilogue"
         return f.rejects(g)
 
-    def ranked(self, g: Geometry) -> list[Family]:
-        """The families that serve the kernel, in the cost model's order (preferred ones by priority)."""
+    def ranked(self, g: Geometry, db: Any = ...) -> list[Family]:
+        """The families that serve the kernel, in the cost model's order."""
+        return self._ranked(g, db)[0]
+
+    def _ranked(self, g: Geometry, db: Any = ...) -> tuple[list[Family], family_prior.Prior | None]:
+        """The families in the cost model's order, and the prior that ordered them (None: the
+        table's structural order, no measurement of a similar kernel compared them)."""
         fams = [f for f in self.families.values() if g["kind"] in f.kinds and self.applies(f, g) is None]
-        return sorted(fams, key=lambda f: (not f.preferred(g), f.priority))
+        fams.sort(key=lambda f: (not f.preferred(g), f.priority))
+        if len(fams) < 2 or self.features is None:
+            return fams, None
+        db = tuning_db.active() if db is ... else db
+        prior = family_prior.predict(family_prior.sample(db, self.target, self.device()), g,
+                                     {f.name: f.version for f in fams}, self.features)
+        if prior is None:
+            return fams, None
+        known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])
+        return known + [f for f in fams if f.name not in prior.scores], prior
 
     def _geometry(self, sub: Graph, spec: KernelSpec) -> Geometry:
         if not any(spec.kind in f.kinds for f in self.families.values()):
@@ -199,7 +218,8 @@ class ChoiceTable:
                 raise ValueError(f"kernel {sub.name} ({spec.describe()}): forced family {forced!r} does not apply: "
                                  f"{reason}")
             return Decision((forced, plans[0]), "forced")
-        ranked = self.ranked(g)
+        db = tuning_db.active() if db is ... else db
+        ranked, prior = self._ranked(g, db)
         if reuse:
             shared = dict(reuse)
             for f in ranked:
@@ -207,7 +227,6 @@ class ChoiceTable:
                 plan = shared.get(f"{sub.name}@{key}", shared.get(key)) if key is not None else None
                 if plan is not None and f.fits(g, plan):
                     return Decision((f.name, plan), "reused: the plan of this kernel at another batch size")
-        db = tuning_db.active() if db is ... else db
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
             rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))
             if rec is not None:
@@ -217,7 +236,7 @@ class ChoiceTable:
                     return Decision(rec.choice, rec.summary(), rec)
         for f in ranked:
             if plans := f.plans(g):
-                return Decision((f.name, plans[0]), "cost model")
+                return Decision((f.name, plans[0]), "cost model" + (f" ({prior.describe()})" if prior else ""))
         raise NotImplementedError(f"no {self._label} kernel family serves {spec.describe()} (at {sub.name})")
 
     def choose(self, sub: Graph, spec: KernelSpec) -> Choice:

@@ -25,7 +25,8 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
-from .lowering import C_OPERATORS, Extent, Spelling, c_literal, hoisting_rows, lower_pointwise, lower_reduction
+from .lowering import (C_OPERATORS, Extent, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise,
+                       lower_reduction)
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -39,13 +40,16 @@ SPELLING = Spelling("C++", {
     "sin": "std::sin({0})", "cos": "std::cos({0})", "floor": "std::floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
-}, c_literal)
+    # bfloat16 (templates/cpp/bf16.j2)
+    "load:bfloat16": "em_bf16_load({0})", "round:bfloat16": "em_bf16_round({0})",
+    "store:bfloat16": "em_bf16_store({0})",
+}, c_literal, storage={"bfloat16": "uint16_t"})
 
 
 def _signature(sub: Graph, restrict: bool, extent: Extent | None) -> str:
     r = " __restrict__" if restrict else ""
-    params = [f"const {sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.inputs.items()]
-    params += [f"{sub.type(n).dtype.ctype}*{r} {name}" for name, n in sub.outputs.items()]
+    params = [f"const {SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.inputs.items()]
+    params += [f"{SPELLING.ctype(sub.type(n).dtype)}*{r} {name}" for name, n in sub.outputs.items()]
     params += [f"const int64_t {extent.var}"] if extent is not None else []
     return ", ".join(params)
 
@@ -203,7 +207,7 @@ def _buffer_decls(graph: Graph, slot_of: dict[tuple[str, str], int], used: list[
         if name in seen:
             continue
         seen.add(name)
-        notes, ctype = graph.notes(n), graph.type(n).dtype.ctype
+        notes, ctype = graph.notes(n), SPELLING.ctype(graph.type(n).dtype)
         storage = notes["storage"]
         if storage in ("arena", "input"):
             where = f"reinterpret_cast<{ctype}*>(arena + {table.add(notes['offset'], f'{name}: {graph.type(n)}')})"
@@ -231,6 +235,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     table = _Table()
     segments: list[list[int]] = [[]]
     collectives: list[list[tuple[int, int, dict]]] = []
+    dots: set[str] = set()  # how the bfloat16 contractions multiply (cpu_vector.bf16_dot)
     for n in graph.meta["schedule"]:
         if graph.op(n) != "fused":
             continue
@@ -276,6 +281,8 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                 scratch.append((name, notes["scratch_offset"], spec.scratch_bytes))
             call_args = [named[a] if a is not None else "nullptr" for a in order]
             code, extents = ks.code, ks.extents
+            if spec.choice is not None and spec.choice[0] == "bf16":
+                dots.add(dict(spec.choice[1])["dot"])
         call_args += [table.add(e, f"{name}: extent") for e in extents]
         fname, code, declaration = cpp_units.name_by_content(code, name)
         fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))
@@ -285,7 +292,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                                   dataclasses.replace(spec, scratch_bytes=0).describe()))
         fn.calls.append(kernels[-1])
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
-    header, header_text = cpp_units.prelude()
+    header, header_text = cpp_units.prelude(bf16=has_narrow(graph))
     fns = list(functions.values())
     buffers = _buffer_decls(graph, slot_of, used, table)
     buffers += [f"float* const {k}_scratch = reinterpret_cast<float*>(arena + {table.add(offset, f'{k}: {size} scratch bytes')});"
@@ -297,7 +304,7 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
             profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)], buffers=buffers,
             abi=ABI_VERSION, table_tag=hashlib.sha256(repr(table.values).encode()).hexdigest()[:12])
 
-    flags = cpu_vector.cxx_flags(isa)
+    flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, dots)
     layout = _layout_note(graph, kernels, table)
     units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags, layout)
     return StepSource(layout + entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"],

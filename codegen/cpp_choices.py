@@ -3,9 +3,10 @@
 A family is one C++ template with its tiling scheme (`cpp_kernels`): the two matmul forms (`dot`:
 x @ W^T vectorised along k; `axpy`: any matmul, vectorised along n), the three convolution
 kernels (forward, grad-input, grad-weight), each with its modes (row, flat, generic; the
-grad-input's scatter) and register tiles as plans, the grouped convolutions (`grouped_conv`: the
-only family serving groups > 1), pooling and the generated kinds (pointwise, reductions: one plan
-each). Each entry (a `choices.Family`) says which kinds it serves, when it
+grad-input's scatter) and register tiles as plans, the phase-plane convolutions (`conv_phase`: any
+stride and groups, register-tiled; the cost model's for strided and grouped convolutions), the
+generic grouped convolutions (`grouped_conv`), pooling and the generated kinds (pointwise,
+reductions: one plan each). Each entry (a `choices.Family`) says which kinds it serves, when it
 applies (a reason when not), when the cost model prefers it, its plans (the cost model's best
 first; the tuner's list is a spread of the cost model's ranking), its scratch from a plan, its
 renderer and its version.
@@ -29,8 +30,9 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cpp_kernels, cpu_vector, grouped_conv, pool_kernels
+from . import conv_phase, cpp_bf16, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan
+from .conv_phase import PhasePlan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
 from .shapes import pair
@@ -90,12 +92,16 @@ def geometry(sub: Graph, spec: KernelSpec, isa: VectorISA | None = None) -> dict
     core = sub.attrs(spec.core)
     operand_types = [sub.type(o) for o in sub.operands(spec.core)]
     x_t, w_t = operand_types[0], operand_types[-1]
-    # The templates are register-tiled for float32 vectors; a float64 instance would be a
-    # different kernel, not a type change, so it is refused here rather than miscompiled.
+    # The templates are register-tiled for float32 vectors, the bf16 family for bfloat16 pairs; a
+    # float64 instance would be a different kernel, not a type change, so it is refused here
+    # rather than miscompiled. Only a bfloat16 geometry names its dtype (float32 keys unchanged).
     dtypes = sorted({sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]})
-    if dtypes != ["float32"]:
-        raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 only, got {', '.join(dtypes)} "
-                                  f"(at {sub.loc(spec.core) or sub.name}); use float32 or device='reference'")
+    if dtypes == ["bfloat16"]:
+        g.update(dtype="bfloat16", bf16_dot=cpu_vector.bf16_dot(isa or cpu_vector.resolve()))
+    elif dtypes != ["float32"]:
+        raise NotImplementedError(f"device='cpu' compiles {spec.kind} for float32 and bfloat16 only, got "
+                                  f"{', '.join(dtypes)} (at {sub.loc(spec.core) or sub.name}); use float32 or "
+                                  f"device='reference'")
     if spec.kind in pool_kernels.POOL_KINDS:
         p = pool_kernels.geometry(x_t.shape, core)
         g.update(N=p.N, C=p.C, H=p.H, W=p.W, KH=p.KH, KW=p.KW, stride=(p.SH, p.SW), padding=(p.PH, p.PW),
@@ -158,6 +164,34 @@ def _always(g: dict[str, Any]) -> str | None:
     return None
 
 
+def _float32(rejects):
+    """A float32 template's `rejects`: bfloat16 operands are the bf16 family's."""
+    def check(g: dict[str, Any]) -> str | None:
+        return "it computes in float32 (bfloat16 operands: the bf16 family)" if g.get("dtype") else rejects(g)
+    return check
+
+
+# -- bf16: every contraction kind on bfloat16 operands (cpp_bf16)
+
+def _bf16_rejects(g: dict[str, Any]) -> str | None:
+    return None if g.get("dtype") == "bfloat16" else "it serves bfloat16 operands only"
+
+
+def _bf16_plans(tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [_pairs(p) for p in cpp_bf16.plans(g, _isa(g), tune)]
+    return plans
+
+
+def _bf16_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return cpp_bf16.scratch_bytes(g, cpp_bf16.Bf16Plan(**dict(plan)), _isa(g))
+
+
+def _bf16_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                 epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    return cpp_bf16.render(name, g, cpp_bf16.Bf16Plan(**dict(plan)), _isa(g))
+
+
 def _plain(g: dict[str, Any]) -> bool:
     return True
 
@@ -182,9 +216,19 @@ def _dot_rejects(g: dict[str, Any]) -> str | None:
     return cpp_kernels._dot_serves(g["trans_a"], g["trans_b"], "relu_mask" in g["epilogues"])
 
 
-def _dot_preferred(g: dict[str, Any]) -> bool:
-    # a long k and few outputs: per output a dot product, vectorised along k
-    return g["K"] >= 64 and g["N"] <= 64
+def _never(g: dict[str, Any]) -> bool:
+    """The dot form is picked over the general axpy form only where measurements say so."""
+    return False
+
+
+def features(g: dict[str, Any]) -> tuple[float, ...]:
+    """Where a kernel sits among measured ones (`family_prior`): the log2 of its sizes, and its
+    operands' layouts (matmuls) or its window and stride (convolutions)."""
+    if g["kind"] == "matmul":
+        return family_prior.log2_sizes(g["M"], g["N"], g["K"], g["batch"]) + \
+            (float(bool(g["trans_a"])), float(bool(g["trans_b"])))
+    return family_prior.log2_sizes(g["N"] * g["HO"] * g["WO"], g["O"], g["C"], g["KH"] * g["KW"],
+                                   math.prod(pair(g["stride"], "stride")))
 
 
 def _matmul_scratch(form: type):
@@ -247,13 +291,55 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
     return ks, [*order, "scratch"]
 
 
+# -- phase: convolutions of any stride and groups over phase planes, register-tiled (conv_phase)
+
+def _phase_geometry(g: dict[str, Any]) -> grouped_conv.ConvGeometry:
+    return grouped_conv.ConvGeometry(g["N"], g["C"], g["H"], g["W"], g["O"], g["KH"], g["KW"], *g["stride"],
+                                     *g["padding"], g["HO"], g["WO"], g.get("groups", 1))
+
+
+def _phase_plans(tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [p.pairs() for p in conv_phase.plans(g["kind"], _phase_geometry(g), _isa(g), tune)]
+    return plans
+
+
+def _phase_preferred(g: dict[str, Any]) -> bool:
+    # strided or grouped: these, where the conv families run generic loops; stride 1, ungrouped:
+    # the conv families' row and flat modes (their measured tiles, rows sharing their padding),
+    # but for a 1x1 grad-weight, whose tile there (OB dy channels x 1 tap) loads a vector for
+    # every FMA, where these tile OB x CB channels (ember tune, MobileNet's four 1x1 layers on 2
+    # threads: 5-60% faster)
+    if tuple(g["stride"]) != (1, 1) or g.get("groups", 1) != 1:
+        return True
+    return g["kind"] == "conv2d_grad_weight" and g["KW"] == 1
+
+
+def _phase_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return conv_phase.scratch_bytes(g["kind"], _phase_geometry(g), PhasePlan(**dict(plan)), _isa(g))
+
+
+def _phase_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                  epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    eps = g["epilogues"]
+    return conv_phase.render(name, g["kind"], _phase_geometry(g), PhasePlan(**dict(plan)), _isa(g),
+                             bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps)
+
+
 # -- pooling and the generated kinds: one family each, one plan
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
                  epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
     x_t = sub.type(sub.operands(spec.core)[0])
-    ks, order = pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)))
+    ks, order = pool_kernels.render_cpp(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)),
+                                        bf16=g.get("dtype") == "bfloat16")
     return ks, [*order, "scratch"]
+
+
+def _pool_scratch(g: dict[str, Any], plan: Plan) -> int:
+    p = pool_kernels.PoolGeometry(*(g[k] for k in ("N", "C", "H", "W", "KH", "KW")), *g["stride"], *g["padding"],
+                                  g["HO"], g["WO"])
+    return pool_kernels.cpp_scratch_bytes(g["kind"], p, bf16=g.get("dtype") == "bfloat16")
 
 
 def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
@@ -266,18 +352,23 @@ def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _dot_rejects, _dot_preferred,
+    Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _float32(_dot_rejects), _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
            accepts=_fits(_matmul_scratch(DotPlan)), runtime_extents=("batch", "M")),
-    Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _always, _plain,
+    Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _float32(_always), _plain,
            _matmul_scratch(AxpyPlan), _matmul_render(AxpyPlan), tuning_plans=_matmul_plans("axpy", True),
            accepts=_fits(_matmul_scratch(AxpyPlan)), runtime_extents=("batch", "M", "K")),
-    *(Family(name, (kind,), 0, _conv_plans(False), _always, _plain, _conv_scratch, _conv_render,
+    *(Family(name, (kind,), 0, _conv_plans(False), _float32(_always), _plain, _conv_scratch, _conv_render,
              tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), runtime_extents=("N",))
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
-    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
-    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
+    Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,
+           _phase_render, tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True),
+    Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
+           grouped=True),
+    Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
+           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch)),
+    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _pool_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
 )}
@@ -289,7 +380,7 @@ def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     return geometry(sub, spec)
 
 
-TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES)
+TABLE = ChoiceTable("cpu", FAMILIES, _geometry, device_name, EPILOGUES, features=features)
 reusable = TABLE.reusable
 
 force = TABLE.force

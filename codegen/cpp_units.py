@@ -82,9 +82,10 @@ def name_by_content(code: str, name: str) -> tuple[str, str, str]:
     return fname, code, f"EMBER_KERNEL void {fname}({params.replace(_PLACEHOLDER, fname)});"
 
 
-def prelude() -> tuple[str, str]:
-    """(file name, text) of the header every unit includes; the name hashes the text."""
-    text = _ENV.get_template("prelude.j2").render().rstrip("\n") + "\n"
+def prelude(bf16: bool = False) -> tuple[str, str]:
+    """(file name, text) of the header every unit includes; the name hashes the text. `bf16`: with
+    the bfloat16 helpers (`templates/cpp/bf16.j2`; only steps that have bfloat16 values)."""
+    text = _ENV.get_template("prelude.j2").render(bf16=bf16).rstrip("\n") + "\n"
     return f"ember_prelude_{hashlib.sha256(text.encode()).hexdigest()[:12]}.h", text
 
 

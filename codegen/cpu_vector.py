@@ -16,6 +16,15 @@ with g++; running it needs a CPU with AVX-512F (``host_supports``).
 The choice changes the source (vector width, tiles, scratch sizes), so it is read once per
 rendering of a step and recorded on it; select (scratch sizes) and the step renderer resolve it
 from the same environment.
+
+bfloat16 contractions (``cpp_bf16``) multiply pairs of bfloat16 with ``vdpbf16ps``
+(``_mm512_dpbf16_ps``) where the avx512 variant is native and the compiler enables
+``-mavx512bf16`` for this CPU (``bf16_dot``: "avx512bf16"), else with the same arithmetic in
+float32 FMAs ("emulated", any variant). ``EMBER_CPU_BF16=emulated|avx512bf16`` forces one (a
+forced "avx512bf16" needs the avx512 variant; the step is then built with ``-mavx512bf16``, so
+its source compiles anywhere, and running it needs a CPU with AVX512-BF16). The choice is part of
+each bfloat16 kernel's geometry, so dumps show it (``bf16_dot`` in the choice's key) and the
+tuning database keys it.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ from pathlib import Path
 from .compiler import DEFAULT_CXX_FLAGS, native_target_enables
 
 __all__ = ["AVX2", "AVX512", "ENV_VAR", "VARIANTS", "VectorISA", "cxx_flags", "host_supports",
-           "native_isa", "resolve"]
+           "native_isa", "resolve", "BF16_ENV_VAR", "BF16_DOTS", "bf16_dot", "bf16_flags"]
 
 #: Environment variable that forces a variant ("avx2", "avx512"; "", "auto" or "native": follow
 #: the compiler's -march=native).
@@ -85,6 +94,41 @@ def resolve(choice: str | None = None) -> VectorISA:
         raise ValueError(f"{ENV_VAR}={word!r} is not a CPU vector variant; choose one of "
                          f"{', '.join(VARIANTS)} (or 'native' to follow g++ -march=native)")
     return VARIANTS[word]
+
+
+#: Environment variable that forces how bfloat16 pairs are multiplied ("emulated", "avx512bf16";
+#: "", "auto" or "native": the instruction where the native avx512 variant has it)
+BF16_ENV_VAR = "EMBER_CPU_BF16"
+BF16_DOTS = ("avx512bf16", "emulated")
+_BF16_OPTION, _BF16_CPU_FLAG = "-mavx512bf16", "avx512_bf16"
+
+
+def native_bf16() -> bool:
+    """Whether ``-march=native`` enables AVX512-BF16 here (the compiler's view; /proc/cpuinfo when
+    there is no compiler to ask)."""
+    enabled = native_target_enables(_BF16_OPTION)
+    return _BF16_CPU_FLAG in _cpu_flags() if enabled is None else enabled
+
+
+def bf16_dot(isa: VectorISA, choice: str | None = None) -> str:
+    """How the bfloat16 kernels generated for ``isa`` multiply pairs: ``choice`` if given, else
+    ``$EMBER_CPU_BF16``, else "avx512bf16" where ``isa`` is the native avx512 and the CPU has it,
+    "emulated" otherwise."""
+    word = (os.environ.get(BF16_ENV_VAR, "") if choice is None else choice).strip().lower()
+    if word in _NATIVE_WORDS:
+        return "avx512bf16" if isa == AVX512 and isa == native_isa() and native_bf16() else "emulated"
+    if word not in BF16_DOTS:
+        raise ValueError(f"{BF16_ENV_VAR}={word!r}: choose one of {', '.join(BF16_DOTS)} (or 'native')")
+    if word == "avx512bf16" and isa != AVX512:
+        raise ValueError(f"{BF16_ENV_VAR}=avx512bf16 needs the avx512 vector variant, not {isa.name} "
+                         f"(set {ENV_VAR}=avx512 too, or {BF16_ENV_VAR}=emulated)")
+    return word
+
+
+def bf16_flags(isa: VectorISA, dots: set[str]) -> tuple[str, ...]:
+    """What a step whose bfloat16 kernels use ``dots`` adds to ``cxx_flags(isa)``: -mavx512bf16
+    where the instruction is used and the flags (a forced, non-native variant) do not enable it."""
+    return (_BF16_OPTION,) if "avx512bf16" in dots and not (isa == native_isa() and native_bf16()) else ()
 
 
 def cxx_flags(isa: VectorISA, base: tuple[str, ...] = DEFAULT_CXX_FLAGS) -> tuple[str, ...]:

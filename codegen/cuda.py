@@ -22,7 +22,7 @@ from ember.ir import Graph, KernelSpec
 from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
 from .indexing import delinearize
-from .lowering import C_OPERATORS, Body, Spelling, c_literal, lower_pointwise, lower_reduction, max_elements
+from .lowering import C_OPERATORS, Body, Spelling, c_literal, has_narrow, lower_pointwise, lower_reduction, max_elements
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -39,7 +39,10 @@ SPELLING = Spelling("CUDA", {
     "sin": "sin({0})", "cos": "cos({0})", "floor": "floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "em_lowest<{ctype}>()",
-}, c_literal)
+    # bfloat16 (templates/cuda/bf16.j2)
+    "load:bfloat16": "em_bf16_load({0})", "round:bfloat16": "em_bf16_round({0})",
+    "store:bfloat16": "em_bf16_store({0})",
+}, c_literal, storage={"bfloat16": "unsigned short"})
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class CudaStepSource:
 
 
 def _signature(sub: Graph) -> str:
-    params = [f"const {sub.type(n).dtype.ctype}* __restrict__ {name}" for name, n in sub.inputs.items()]
-    params += [f"{sub.type(n).dtype.ctype}* {name}" for name, n in sub.outputs.items()]
+    params = [f"const {SPELLING.ctype(sub.type(n).dtype)}* __restrict__ {name}" for name, n in sub.inputs.items()]
+    params += [f"{SPELLING.ctype(sub.type(n).dtype)}* {name}" for name, n in sub.outputs.items()]
     return ", ".join(params)
 
 
@@ -193,9 +196,10 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     choice = spec.choice or cuda_choices.choose(sub, spec)
     if spec.kind in pool_kernels.POOL_KINDS:  # no epilogues; x (and dy) in, out
         x_t = sub.type(sub.operands(spec.core)[0])
-        if x_t.dtype.name != "float32":
-            raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 only, got {x_t.dtype.name} "
-                                      f"(at {sub.loc(spec.core) or name}); use float32 or device='reference'")
+        if x_t.dtype.name not in ("float32", "bfloat16"):
+            raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 and bfloat16 only, got "
+                                      f"{x_t.dtype.name} (at {sub.loc(spec.core) or name}); use float32 or "
+                                      f"device='reference'")
         return (cuda_choices.render(name, sub, spec, choice), {**{role: f"in{i}" for role, i in spec.roles}, "out": "out"})
     if unknown := [e for e in spec.epilogues if e not in cuda_choices.EPILOGUES.get(spec.kind, {"pointwise"})]:
         raise NotImplementedError(f"the CUDA {spec.kind} template has no {', '.join(unknown)} epilogue (at {name}); "
@@ -229,9 +233,10 @@ def reduction_scratch(sub: Graph, core: int) -> int:
     return len(low.accs) * splits * low.outputs * _acc_bytes(low)
 
 
-def prelude() -> str:
-    """The source every module of a step starts with (helpers the kernels share)."""
-    return ENV.get_template("prelude.j2").render()
+def prelude(bf16: bool = False) -> str:
+    """The source every module of a step starts with (helpers the kernels share; with `bf16`, the
+    bfloat16 ones: only steps that have bfloat16 values)."""
+    return ENV.get_template("prelude.j2").render(bf16=bf16)
 
 
 def render_step(graph: Graph) -> CudaStepSource:
@@ -239,7 +244,7 @@ def render_step(graph: Graph) -> CudaStepSource:
 
     Kernels whose code is the same up to their name (the same convolution shape twice, say) are
     one function: the later ones launch the first one's, with their own buffers."""
-    shared = prelude()
+    shared = prelude(bf16=has_narrow(graph))
     parts = [shared]
     launches: list[LaunchArgs] = []
     kernels = []

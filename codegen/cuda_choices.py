@@ -1,18 +1,21 @@
 """The CUDA choice table: which kernel family, with which plan, serves each kernel, as data.
 
 A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
-the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the
-small-window convolutions (`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped
-convolutions (`grouped_conv`: the only family serving groups > 1), pooling and the generated
-kinds. Each entry (a `choices.Family`) says which kernel kinds it serves, when it
-applies to a kernel's geometry (a reason when it does not), when the cost model prefers it, its
-plans (the cost model's best first; the GEMM's tuner list is a wider spread of its cost model's
-plans), its scratch from a plan, its renderer and its version.
+the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the same
+direct convolutions on TF32 tensor cores (`cuda_direct_tc`), the small-window convolutions
+(`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped convolutions
+(`grouped_conv`: the only family serving groups > 1), pooling and the generated kinds. Each entry
+(a `choices.Family`) says which kernel kinds it serves, when it applies to a kernel's geometry (a
+reason when it does not: precision included, so a family with a tensor-core path says so), when
+the cost model prefers it, its plans (the cost model's best first; the tuner list of the GEMM
+and of direct_tc is a wider spread of their planners' plans), its scratch from a plan, its
+renderer and its version.
 
 `TABLE` (a `choices.ChoiceTable`) answers for a kernel: its candidates, the decision (forced, else
 the tuning database's measurement for this GPU model, else the cost model) and its stamp; the
-module-level functions are its methods. The `preferred` rules below are the cost model's priors
-for kernels nobody tuned (H200 measurements, docs/benchmarks.md); a tuned kernel ignores them.
+module-level functions are its methods. Which family the cost model picks for a kernel nobody
+tuned is learned from the tuning records of similar kernels (`family_prior`, placed by
+`features`); the `preferred` rules are only the structural order where no record compares them.
 Plans are made for the active device descriptor (`device.current()`; `with device.using(...)`
 chooses another); the database is keyed by its name.
 """
@@ -25,7 +28,8 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv, grouped_conv, pool_kernels
+from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, family_prior, grouped_conv
+from . import pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
 from .device import current
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
@@ -37,26 +41,20 @@ EPILOGUES: dict[str, frozenset[str]] = {
     "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}), "conv2d_grad_weight": frozenset({"pointwise"})}
 CONVS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 
-# Measured defaults (not switches): where a family is preferred over the implicit GEMM.
-DIRECT_MIN_WINDOW = 64  # input channels x kernel taps below which the GEMM's gather is cheap enough
-# Output positions (images x output pixels) below which the GEMM is as fast: measured on an H200
-# for the MNIST CNN's conv2 (tools/cuda_sweep.py direct), at batch 64 (37k positions) the
-# GEMM kernels tie or win (grad-input 26 vs 32 us), at batch 1024 (590k) the direct ones win
-# (forward 176 vs 202 us, grad-input 312 vs 356, grad-weight 260 vs 426).
-DIRECT_MIN_POSITIONS = 1 << 17
-# Measured on an H200 (tools/cuda_sweep.py skinny): for the MNIST linear layer the skinny
-# kernels beat the GEMM at batch 64 (4.7 MB operand: forward 6.9 vs 8.0 us, grad-weight 4.0 vs
-# 5.5 us) and at batch 1024 (75 MB: 25 vs 42 us, 24 vs 40 us); below a few MB the GEMM's plans
-# are untested against them, so smaller operands keep the GEMM.
-SKINNY_MIN_BYTES = 4 << 20
-
-
 # --------------------------------------------------------------------------- geometry
 
 def geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     """What the families decide on: the kind, epilogues, precision and the contraction's sizes
     (convolutions: N C H W O KH KW stride padding HO WO; matmuls: M N K batch trans_a trans_b rank2)."""
     g: dict[str, Any] = dict(kind=spec.kind, epilogues=spec.epilogues, tf32=bool(spec.param("tf32")))
+    if spec.core is not None and spec.kind in CONVS + ("matmul",) + tuple(pool_kernels.POOL_KINDS):
+        dtypes = {sub.type(n).dtype.name for n in [spec.core, *sub.operands(spec.core)]}
+        if dtypes == {"bfloat16"}:  # only then: float32 kernels keep their tuning database keys
+            g["dtype"] = "bfloat16"
+        elif dtypes != {"float32"}:
+            raise NotImplementedError(f"device='cuda' compiles {spec.kind} for float32 and bfloat16 only, got "
+                                      f"{', '.join(sorted(dtypes))} (at {sub.loc(spec.core) or sub.name}); use float32 "
+                                      f"or device='reference'")
     if spec.kind in CONVS:
         core = sub.attrs(spec.core)
         a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
@@ -94,6 +92,13 @@ def _always(g: dict[str, Any]) -> str | None:
     return None
 
 
+def _float32(rejects):
+    """A float32 family's `rejects`: bfloat16 operands are the GEMM's (its bfloat16 tensor-core path)."""
+    def check(g: dict[str, Any]) -> str | None:
+        return "it computes in float32 (bfloat16 operands: the gemm family)" if g.get("dtype") else rejects(g)
+    return check
+
+
 def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
 
@@ -122,7 +127,7 @@ def _gemm_rejects(g: dict[str, Any]) -> str | None:
 def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
     p = _gemm_problem(g)
     best = cuda_kernels.plan_gemm(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"],
-                                  tf32=g["tf32"])
+                                  tf32=g["tf32"], bf16="dtype" in g)
     return [_pairs(best)]
 
 
@@ -136,7 +141,7 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
     """The GEMM plans worth measuring for this kernel, the cost model's pick first."""
     p = _gemm_problem(g)
     ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                          b_kfast=p["b_kfast"], tf32=g["tf32"])
+                                          b_kfast=p["b_kfast"], tf32=g["tf32"], bf16="dtype" in g)
     chosen = list(map(_pairs, ranked[:TUNE_TOP]))  # the first is `_gemm_plans`' pick: the same ranking
     splits, tiles = set(), set()
     for q in ranked[:TUNE_SPREAD]:
@@ -156,7 +161,8 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
         gp = GemmPlan(**fields)
     except TypeError:
         return False
-    if g["tf32"] and (gp.BK % 8 or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
+    mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
+    if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
                                 p["a_kfast"], p["b_kfast"])
@@ -168,20 +174,28 @@ def _gemm_scratch(g: dict[str, Any], plan: Plan) -> int:
     return cuda_kernels.gemm_scratch_bytes(GemmPlan(**dict(plan)), p["M"], p["N"], p["batch"])
 
 
+def bf16_roles(sub: Graph, spec: KernelSpec) -> frozenset[str]:
+    """The roles of a contraction kernel whose buffers hold bfloat16 (as its templates name them)."""
+    names = {"mask": "mask_src"} if spec.kind == "conv2d_grad_input" else {}
+    roles = {names.get(role, role): sub.inputs[f"in{i}"] for role, i in spec.roles} | {"out": sub.outputs["out"]}
+    return frozenset(r for r, n in roles.items() if sub.type(n).dtype.name == "bfloat16")
+
+
 def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     gp, tf32, eps = GemmPlan(**dict(plan)), g["tf32"], spec.epilogues
+    low = bf16_roles(sub, spec)
     if g["kind"] == "matmul":
         return cuda_kernels.render_matmul(name, M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"],
                                           trans_b=g["trans_b"], batch=g["batch"], bias="bias" in eps,
-                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp)
+                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     if g["kind"] == "conv2d":
         return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
-                                                  epilogue=epilogue, tf32=tf32, plan=gp)
+                                                  epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     if g["kind"] == "conv2d_grad_input":
         return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps,
-                                                     epilogue=epilogue, tf32=tf32, plan=gp)
+                                                     epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
     return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, epilogue=epilogue, tf32=tf32,
-                                                  plan=gp)
+                                                  plan=gp, bf16_roles=low)
 
 
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
@@ -203,13 +217,6 @@ def _direct_plans(g: dict[str, Any]) -> list[Plan]:
     return [] if plan is None else [_pairs(plan)]
 
 
-def _direct_preferred(g: dict[str, Any]) -> bool:
-    window = (g["O"] if g["kind"] == "conv2d_grad_input" else g["C"]) * g["KH"] * g["KW"]
-    ph, pw_ = pair(g["padding"], "padding")
-    positions = g["N"] * (g["H"] - g["KH"] + 1 + 2 * ph) * (g["W"] - g["KW"] + 1 + 2 * pw_)
-    return window >= DIRECT_MIN_WINDOW and positions >= DIRECT_MIN_POSITIONS
-
-
 def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
     if g["kind"] != "conv2d_grad_weight":
         return 0
@@ -224,6 +231,51 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
     return cuda_direct.render_direct(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
                                      bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
                                      epilogue=epilogue, plan=cuda_direct.DirectPlan(**p))
+
+
+# -- direct_tc: the direct convolutions on TF32 tensor cores (cuda_direct_tc)
+
+def _direct_tc_rejects(g: dict[str, Any]) -> str | None:
+    if not g["tf32"]:
+        return "it runs on TF32 tensor cores: precision 'tf32' only"
+    return _direct_rejects(g)
+
+
+def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
+    """Every plan the tuner measures, the planner's best first."""
+    if g["kind"] == "conv2d_grad_weight":
+        sizes = (g[k] for k in ("N", "C", "O", "KH", "KW", "HO", "WO"))
+        return list(map(_pairs, cuda_direct_tc.tc_grad_weight_candidates(*sizes)))
+    geo = cuda_direct_tc.tc_direct_problem(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
+    if geo is None:
+        return []
+    return list(map(_pairs, cuda_direct_tc.tc_forward_candidates(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"],
+                                                                 g["KH"], g["KW"])))
+
+
+def _direct_tc_plans(g: dict[str, Any]) -> list[Plan]:
+    return _direct_tc_candidates(g)[:1]
+
+
+def _unmeasured(g: dict[str, Any]) -> bool:
+    return False  # no measurement says when it wins: the tuner decides, the cost model never picks it
+
+
+def _direct_tc_scratch(g: dict[str, Any], plan: Plan) -> int:
+    if g["kind"] != "conv2d_grad_weight":
+        return 0
+    return cuda_direct_tc.tc_grad_weight_scratch(dict(plan)["blocks"], g["O"], g["C"], g["KH"], g["KW"])
+
+
+def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                      epilogue: Any) -> CudaKernel:
+    p, eps = dict(plan), spec.epilogues
+    if g["kind"] == "conv2d_grad_weight":
+        return cuda_direct_tc.render_direct_tc_grad_weight(name, **_conv_args(g), epilogue=epilogue,
+                                                           plan=cuda_direct_tc.TcGwPlan(**p))
+    return cuda_direct_tc.render_direct_tc(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
+                                           bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                                           epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p))
 
 
 # -- small_window: memory-bound convolutions with a small window / few weights (cuda_small_conv)
@@ -285,10 +337,6 @@ def _matmul_args(g: dict[str, Any], spec: KernelSpec, epilogue: Any) -> dict[str
 def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_direct.render_matmul_thin(name, trans_a=g["trans_a"], trans_b=g["trans_b"], rows=dict(plan)["RM"],
                                           **_matmul_args(g, spec, epilogue))
-
-
-def _skinny_preferred(g: dict[str, Any]) -> bool:
-    return 4 * max(g["M"] * g["K"], g["K"] * g["N"]) >= SKINNY_MIN_BYTES
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:
@@ -356,7 +404,8 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     x_t = sub.type(sub.operands(spec.core)[0])
-    return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)))
+    return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)),
+                                    bf16=g.get("dtype") == "bfloat16")
 
 
 def _generated(module_function: str) -> Callable[..., CudaKernel]:
@@ -388,20 +437,44 @@ def _plain(g: dict[str, Any]) -> bool:
     return True
 
 
+def _never(g: dict[str, Any]) -> bool:
+    """A specialised family is picked over the general one only where measurements say so."""
+    return False
+
+
+def features(g: dict[str, Any]) -> tuple[float, ...]:
+    """Where a kernel sits among measured ones (`family_prior`): the log2 of its GEMM view's sizes,
+    of its window and stride (convolutions) or its operands' layouts (matmuls), and its precision."""
+    p = _gemm_problem(g)
+    sizes = family_prior.log2_sizes(p["M"], p["N"], p["K"], p["batch"])
+    if g["kind"] in CONVS:
+        shape = family_prior.log2_sizes(g["KH"] * g["KW"], math.prod(pair(g["stride"], "stride")))
+    else:
+        shape = (float(bool(g["trans_a"])), float(bool(g["trans_b"])))
+    return sizes + shape + (float(g["tf32"]),)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects, _small_preferred,
-           _small_scratch, _small_render),
-    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _direct_preferred, _direct_scratch, _direct_render),
-    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)], _thin_rejects,
-           _plain, _no_scratch, _thin_render),
-    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _skinny_preferred, _split_scratch, _narrow_render),
-    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _skinny_preferred, _split_scratch,
+    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _float32(_small_rejects),
+           _small_preferred, _small_scratch, _small_render),
+    Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render),
+    # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
+    # they take (direct_tc: precision "tf32" only; gemm: its plans follow the geometry's tf32);
+    # the others compute in float32 whatever the precision, which TF32 permits
+    Family("direct_tc", CONVS, 6, _direct_tc_plans, _float32(_direct_tc_rejects), _unmeasured, _direct_tc_scratch,
+           _direct_tc_render, tuning_plans=_direct_tc_candidates),
+    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
+           _float32(_thin_rejects), _plain, _no_scratch, _thin_render),
+    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _float32(_narrow_rejects), _never, _split_scratch,
+           _narrow_render),
+    Family("skinny_short", ("matmul",), 4, _short_plans, _float32(_short_rejects), _never, _split_scratch,
            _short_render),
-    # the only family with a tensor-core path: under precision "tf32" its plans use mma.sync (the
-    # others compute in float32 whatever the precision, which TF32 permits)
+    # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
+    # its mma.sync bfloat16 path, the only one serving them
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts),
-    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _plain, _no_scratch, _grouped_render, grouped=True),
+    Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
+           grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
@@ -424,7 +497,7 @@ def _device_name() -> str:
     return current().name
 
 
-TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES)
+TABLE = ChoiceTable("cuda", FAMILIES, _geometry, _device_name, EPILOGUES, features=features)
 
 force = TABLE.force
 candidates = TABLE.candidates

@@ -105,6 +105,21 @@ def _direct_geometry(grad_input: bool, N: int, C: int, H: int, W: int, O: int, K
     return dict(CI=C, H_IN=H, W_IN=W, CO=O, HO_=HO, WO_=WO, PH=ph, PW=pw_)
 
 
+def direct_roles(grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, HO: int, WO: int,
+                 ph: int, pw_: int, *, bias: bool, relu: bool, relu_mask: bool
+                 ) -> tuple[tuple[str, ...], tuple[str, ...], str, str]:
+    """(roles, inputs, the role of the staged input, description) of a direct forward (x, w,
+    [bias], out) or grad-input (dy, w, [mask_src], out) kernel, before a generated epilogue's roles."""
+    if grad_input:
+        roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
+        return roles, ("dy", "w", "mask_src"), "dy", (
+            f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
+            f"{' *relu-mask' if relu_mask else ''}")
+    roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
+    return roles, ("x", "w", "bias"), "x", (f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
+                                            f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
+
+
 def direct_plan(*, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
                 padding=(0, 0)) -> DirectPlan | None:
     """The plan `render_direct` uses for these arguments, or None where no direct kernel fits."""
@@ -131,16 +146,8 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
     geo = _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_)
-    if grad_input:
-        roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
-        inputs, src = ("dy", "w", "mask_src"), "dy"
-        description = (f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
-                       f"{' *relu-mask' if relu_mask else ''}")
-    else:
-        roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
-        inputs, src = ("x", "w", "bias"), "x"
-        description = (f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) padding ({ph},{pw_})"
-                       f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
+    roles, inputs, src, description = direct_roles(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
+                                                   relu=relu, relu_mask=relu_mask)
     if plan is None:
         plan = direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
     if plan is None or N > 65535:

@@ -241,16 +241,23 @@ def _tile_candidates():
                     yield BM, BN, TM, TN
 
 
+def mma_k(tf32: bool, bf16: bool) -> int:
+    """The k of one tensor-core instruction (mma.m16n8k8 for TF32, m16n8k16 for bfloat16); 0: none."""
+    return 16 if bf16 else 8 if tf32 else 0
+
+
 def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
                     min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
-                    _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
+                    bf16: bool = False, _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
     """Every feasible plan for C (batch, M, N) = A (M, K) @ B (K, N), best estimate first (for
-    tf32: tiles the tensor-core warp grid can split, k-tiles a multiple of 8; ranked by the fp32
-    model, which over-weights the FMAs but orders the gathers and waves alike)."""
-    BK = round_up(_pick_bk(K), 8) if tf32 else _pick_bk(K)
+    tf32 and bf16: tiles the tensor-core warp grid can split, k-tiles a multiple of the
+    instruction's k; ranked by the fp32 model, which over-weights the FMAs but orders the gathers
+    and waves alike)."""
+    mk = mma_k(tf32, bf16)
+    BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
     plans = {}
     for BM, BN, TM, TN in _tile_candidates():
-        if tf32 and tf32_warp_grid(BM, BN, (BM // TM) * (BN // TN)) is None:
+        if mk and tf32_warp_grid(BM, BN, (BM // TM) * (BN // TN)) is None:
             continue
         if BM > round_up(M, 8) * 2 and BM > _min_tile[0]:
             continue  # mostly empty tiles
@@ -278,19 +285,21 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
                 if key not in plans or plan.est_us < plans[key].est_us:
                     plans[key] = plan
     out = sorted(plans.values(), key=lambda p: p.est_us)
-    if not out and tf32 and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
+    if not out and mk and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
         return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, min_threads_for_rows=min_threads_for_rows,
-                               allow_split=allow_split, tf32=tf32, _min_tile=(32, 32))
+                               allow_split=allow_split, tf32=tf32, bf16=bf16, _min_tile=(32, 32))
     assert out
     return out
 
 
 def plan_gemm(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
-              min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False) -> GemmPlan:
+              min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
+              bf16: bool = False) -> GemmPlan:
     """The cost model's best tile sizes and split-K factor for C (batch, M, N) = A (M, K) @ B (K, N).
     Measured plans come from the tuning database (`cuda_choices`), not from here."""
     return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
-                           min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32)[0]
+                           min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32,
+                           bf16=bf16)[0]
 
 
 def gemm_scratch_bytes(plan: GemmPlan, M: int, N: int, batch: int = 1, rowsum: bool = False) -> int:
@@ -320,10 +329,11 @@ def with_epilogue(roles: tuple[str, ...], inputs: tuple[str, ...], epilogue: Poi
 
 
 def kernel_signature(roles: tuple[str, ...], inputs: tuple[str, ...], unrestricted: tuple[str, ...],
-                     scratch: bool) -> str:
-    """The parameter list of a kernel: one float pointer per role (then the scratch block)."""
-    sig = ", ".join(("const " if r in inputs else "") + "float* " + ("" if r in unrestricted else "__restrict__ ") + r
-                    for r in roles)
+                     scratch: bool, bf16_roles: frozenset[str] = frozenset()) -> str:
+    """The parameter list of a kernel: one float pointer per role (bfloat16 bits, `unsigned
+    short`, for `bf16_roles`), then the scratch block."""
+    sig = ", ".join(("const " if r in inputs else "") + ("unsigned short* " if r in bf16_roles else "float* ")
+                    + ("" if r in unrestricted else "__restrict__ ") + r for r in roles)
     return sig + (", float* __restrict__ scratch" if scratch else "")
 
 
@@ -331,18 +341,28 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
                  c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                 **ctx) -> CudaKernel:
+                 bf16_roles: frozenset[str] = frozenset(), **ctx) -> CudaKernel:
+    # bfloat16 operands (their roles in `bf16_roles`, as any other bfloat16 buffer's): read as
+    # floats, multiplied on the bfloat16 tensor cores (mma.m16n8k16), accumulated in fp32,
+    # rounded before the epilogue
+    bf16 = bool(set(inputs[:2]) & bf16_roles)
     if plan is None:
         plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
-                         min_threads_for_rows=rowsum, tf32=tf32)
-    warp_grid = tf32_warp_grid(plan.BM, plan.BN, plan.threads) if tf32 else None
-    if tf32 and (warp_grid is None or plan.BK % 8):
-        raise ValueError(f"plan {plan} cannot run on TF32 tensor cores (tiles of 16 x 8 per warp, k-tiles of 8)")
+                         min_threads_for_rows=rowsum, tf32=tf32, bf16=bf16)
+    mk = mma_k(tf32, bf16)
+    warp_grid = tf32_warp_grid(plan.BM, plan.BN, plan.threads) if mk else None
+    if mk and (warp_grid is None or plan.BK % mk):
+        raise ValueError(f"plan {plan} cannot run on {'bfloat16' if bf16 else 'TF32'} tensor cores (tiles of 16 x 8 "
+                         f"per warp, k-tiles of {mk})")
     # Shared-memory row padding (floats): for the FMA path, 4 on a k-fast operand (stored
     # transposed: turns 32-way bank conflicts on the stores into 4-way, keeps 16-byte rows for
-    # the vector reads); for the tensor-core path, rows of 8 mod 32 floats (conflict-free fragments).
-    a_pad = (8 - plan.BM % 32) % 32 if tf32 else (4 if a_kfast else 0)
-    b_pad = (8 - plan.BN % 32) % 32 if tf32 else (4 if b_kfast else 0)
+    # the vector reads); for the tensor-core path, rows of 8 mod 32 floats (TF32) or 4 mod 32
+    # (bfloat16, whose fragments read k rows 2t apart): conflict-free fragment reads.
+    if bf16:
+        a_pad, b_pad = (4 - plan.BM % 32) % 32, (4 - plan.BN % 32) % 32
+    else:
+        a_pad = (8 - plan.BM % 32) % 32 if tf32 else (4 if a_kfast else 0)
+        b_pad = (8 - plan.BN % 32) % 32 if tf32 else (4 if b_kfast else 0)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
@@ -357,13 +377,14 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     rg = _reduce_groups(splits)
     rgrid = ceil_div(outs, 32)
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
-    sig = kernel_signature(roles, inputs, unrestricted, splits > 1)
+    sig = kernel_signature(roles, inputs, unrestricted, splits > 1, bf16_roles)
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=plan.kchunk,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
                    a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
-                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32,
+                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32, bf16=bf16,
+                   bf16_roles=bf16_roles,
                    wgm=warp_grid[0] if warp_grid else 0, wgn=warp_grid[1] if warp_grid else 0,
                    a_pad=a_pad, b_pad=b_pad, **ctx)
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
@@ -376,7 +397,8 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                           stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None,
-                          epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
+                          epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
+                          bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
     """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
     out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -388,13 +410,14 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
         M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                              KW: int, stride=(1, 1), padding=(0, 0),
                              relu_mask: bool = False, plan: GemmPlan | None = None,
-                             epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
+                             epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
+                             bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
     [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -406,12 +429,13 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
         M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        relu_mask=relu_mask, epilogue=epilogue, tf32=tf32)
+        relu_mask=relu_mask, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                               KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None,
-                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
+                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
+                              bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
     """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
     dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
     K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused."""
@@ -423,6 +447,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
         a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32,
+        bf16_roles=bf16_roles,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
 
@@ -430,7 +455,8 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
 
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
                   batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None,
-                  epilogue: PointwiseEpilogue | None = None, tf32: bool = False) -> CudaKernel:
+                  epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
+                  bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
     """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
     trans_b; all row-major contiguous."""
@@ -445,7 +471,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
                     f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
         a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
-        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
 
 
 # --------------------------------------------------------------------------- loss, update

@@ -2,8 +2,9 @@
 forward, grad-input and grad-weight kernels in C++ and CUDA (templates
 `templates/<target>/grouped_conv.j2`).
 
-These are the generic, correct kernels every grouped convolution can run on; tiled and
-vectorised families for depthwise and grouped convolutions are later work. Channel block g of
+These are the generic, correct kernels every grouped convolution can run on; on the CPU the
+tiled, vectorised ones are `conv_phase`'s (the cost model's first), on CUDA tiled families are
+later work. Channel block g of
 the input (C/G channels) meets output block g (O/G channels) only; the weight is
 (O, C/G, KH, KW), as PyTorch's. Any stride and padding.
 

@@ -18,7 +18,8 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from ember.ir import OPS, Graph
+from ember.ir import OPS, DType, Graph
+from ember.ir.dtypes import as_values
 
 from .indexing import Coord, broadcast_coords, delinearize, linear_c, relinearize
 
@@ -35,10 +36,51 @@ class Spelling:
     """How one target writes expressions: `ops[op]` is a format string over the operand
     expressions ({0}, {1}, ...) with {one}, {zero} (literals of the result type) and {ctype};
     `literal(value, ctype)` writes a constant. Extra keys: "floordiv" (integer div), "lowest"
-    (the smallest value of an integer type) and "inf"."""
+    (the smallest value of an integer type) and "inf".
+
+    A dtype computed in another (bfloat16: stored as 16 bits, computed in float32; see
+    `ember.ir.dtypes`) has its C type in memory in `storage` and three more keys:
+    "load:<dtype>" (memory -> a float value), "round:<dtype>" (a float value -> the nearest value
+    of the dtype, still a float: what every op producing it ends with, as the interpreter rounds
+    every such node) and "store:<dtype>" (a float value -> memory)."""
     name: str
     ops: dict[str, str]
     literal: Callable[[Any, str], str]
+    storage: dict[str, str] = field(default_factory=dict)
+
+    def ctype(self, dtype: DType) -> str:
+        """The C type of `dtype`'s values in memory (buffers, kernel parameters)."""
+        return self.storage.get(dtype.name, dtype.ctype)
+
+
+#: the C type a value of a dtype computed in another is computed in (bfloat16: float)
+COMPUTE_CTYPES = {"float32": "float", "float64": "double"}
+
+
+def value_ctype(dtype: DType) -> str:
+    """The C type of `dtype`'s values in generated expressions (bfloat16: float)."""
+    return COMPUTE_CTYPES[dtype.compute.name] if dtype.compute_name else dtype.ctype
+
+
+def narrow(dtype: DType) -> bool:
+    """Whether `dtype` is held in fewer bits than it is computed in (bfloat16)."""
+    return dtype.compute_name is not None
+
+
+def has_narrow(graph: Graph) -> bool:
+    """Whether any value of the graph or of its kernels is of a narrow dtype (bfloat16)."""
+    return any(narrow(graph.type(n).dtype) or (graph.op(n) == "fused" and has_narrow(graph.attrs(n)["graph"]))
+               for n in graph.g)
+
+
+def stored(spelling: Spelling, dtype: DType, value: str) -> str:
+    """`value` (an expression of `value_ctype(dtype)`) as stored in a buffer of `dtype`."""
+    return spelling.ops[f"store:{dtype.name}"].format(value) if narrow(dtype) else value
+
+
+# ops whose result is exactly representable in a narrow dtype whenever their operands are (a
+# select, a sign, a max): no rounding after them
+_EXACT = frozenset({"relu", "neg", "abs", "maximum", "minimum", "where", "stop_gradient", "one_hot"})
 
 
 # Operators and helpers every C-family target spells alike (C++, CUDA C++); a target's table adds
@@ -123,20 +165,27 @@ class Body:
         if key in self.memo:
             return self.memo[key]
         sub, op, t = self.sub, self.sub.op(n), self.sub.type(n)
-        ctype = t.dtype.ctype
+        ctype = value_ctype(t.dtype)
+        rounded = True  # whether `expr` holds a value of t's dtype already (else it is rounded)
         if n in self.cores:
             expr, at = self.cores[n]
             if at is not None and linear_c(coords, t.shape) != at:
                 raise NotImplementedError(f"%{n} {op}: a fused kernel reads this reduction at index "
                                           f"{linear_c(coords, t.shape)}, not at its output's ({at})")
+            rounded = op != "sum"  # a narrow sum accumulates in float; a max is one of its values
         elif n == self.core:
-            expr = "red"
+            expr = "red"  # a contraction's template rounds its value before the epilogue
         elif n in self.input_index:
             expr = f"in{self.input_index[n]}[{linear_c(coords, t.shape)}]"
+            if narrow(t.dtype):
+                expr = self.spelling.ops[f"load:{t.dtype.name}"].format(expr)
         elif op == "constant":
             value = sub.attrs(n)["value"]
-            expr = (self.extent.spell(value, ctype, self.spelling) if self.extent is not None else None) \
-                or self.spelling.literal(value, ctype)
+            if narrow(t.dtype):
+                expr = self.spelling.literal(as_values(value, t.dtype), ctype)
+            else:
+                expr = (self.extent.spell(value, ctype, self.spelling) if self.extent is not None else None) \
+                    or self.spelling.literal(value, ctype)
         elif op == "broadcast_to":
             (o,) = sub.operands(n)
             expr = self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape))
@@ -169,8 +218,11 @@ class Body:
                 args = [self.value(o, broadcast_coords(coords, t.shape, sub.type(o).shape)) for o in operands]
             spelled = "floordiv" if op == "div" and not t.dtype.is_float else op
             expr = self.spell(spelled, args, ctype)
+            rounded = op in _EXACT
         else:
             raise NotImplementedError(f"no {self.spelling.name} spelling for op {op!r} inside a fused kernel")
+        if narrow(t.dtype) and not rounded:
+            expr = self.spelling.ops[f"round:{t.dtype.name}"].format(expr)
         name = self.temp(expr, ctype)
         self.memo[key] = name
         return name
@@ -298,7 +350,7 @@ def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type
         results = [(k, body.value(n, coords)) for k, n in sub.outputs.items()]
         flat = f"p * {t.numel // rows} + j"
         return PointwiseLowering(t.numel, body.lines, results[0][1], results, rows, body.by_level[0],
-                                 body.by_level[1], [(k, flat, v) for k, v in results])
+                                 body.by_level[1], [(k, flat, _stored(spelling, sub, k, v)) for k, v in results])
     body = Body(sub, spelling, index_type=index_type, extent=extent)
     results = []
     for k, n in sub.outputs.items():
@@ -307,7 +359,11 @@ def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type
             raise ValueError(f"pointwise output {k!r} has {u.numel} elements, 'out' {t.numel}")
         results.append((k, body.value(n, delinearize(index, u.numel, u.shape))))
     return PointwiseLowering(t.numel, body.lines, results[0][1], results, 1, [], body.lines,
-                             [(k, index, v) for k, v in results])
+                             [(k, index, _stored(spelling, sub, k, v)) for k, v in results])
+
+
+def _stored(spelling: Spelling, sub: Graph, output: str, value: str) -> str:
+    return stored(spelling, sub.type(sub.outputs[output]).dtype, value)
 
 
 def hoisting_rows(sub: Graph, spelling: Spelling, min_inner: int) -> int:
@@ -431,7 +487,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
         accs = []
         for c in group:
             (src,) = sub.operands(c)
-            ctype = sub.type(src).dtype.ctype
+            ctype = value_ctype(sub.type(src).dtype)
             acc = "acc" if single else f"acc{cores.index(c)}"
             accs.append(Accumulator(sub.op(c), body.value(src, coords), acc, red_of[c], ctype,
                                     init_value(sub.op(c), ctype, spelling)))
@@ -445,7 +501,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
         if t.numel != outputs:
             raise NotImplementedError(f"kernel {sub.name}: output {k!r} has {t.numel} elements, not one per "
                                       f"reduction output ({outputs})")
-        results.append((k, epi.value(n, delinearize("o", t.numel, t.shape))))
+        results.append((k, stored(spelling, t.dtype, epi.value(n, delinearize("o", t.numel, t.shape)))))
     return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ember.ir.ops import pool_out_dim
 
-from .cpp_kernels import KernelSource
+from .cpp_kernels import MAX_THREADS, KernelSource
 from .cuda_kernels import CudaKernel, Launch
 from .shapes import ceil_div, check_positive
 from .templates_env import environment
@@ -73,26 +73,36 @@ def _check_name(name: str) -> None:
         raise ValueError(f"kernel name {name!r} is not a C identifier")
 
 
-def render_cpp(name: str, kind: str, g: PoolGeometry) -> tuple[KernelSource, list[str | None]]:
-    """The C++ kernel of `kind` and its argument order as roles (then the step passes scratch)."""
+def cpp_scratch_bytes(kind: str, g: PoolGeometry, bf16: bool = False) -> int:
+    """Scratch of the C++ kernel: a bfloat16 gradient whose windows overlap sums each plane in
+    float (one plane per thread, up to `MAX_THREADS`) before rounding it once; else none."""
+    return 4 * MAX_THREADS * g.H * g.W if bf16 and kind == "max_pool2d_grad" and not g.tiles_exactly else 0
+
+
+def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tuple[KernelSource, list[str | None]]:
+    """The C++ kernel of `kind` (on bfloat16 values with `bf16`) and its argument order as roles
+    (then the step passes scratch)."""
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
     # N is no part of the code (the kernel takes it at run time, and parallelises at run time)
     ctx = {k: v for k, v in g.context().items() if k != "N"}
     code = environment("cpp").get_template("max_pool2d.j2").render(
-        name=name, grad=kind == "max_pool2d_grad", parallel_min=CPU_PARALLEL_MIN, tiled=g.tiles_exactly, **ctx)
-    return KernelSource(name, code, 0, (g.N,)), (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"])
+        name=name, grad=kind == "max_pool2d_grad", parallel_min=CPU_PARALLEL_MIN, tiled=g.tiles_exactly, bf16=bf16,
+        max_threads=MAX_THREADS, **ctx)
+    return (KernelSource(name, code, cpp_scratch_bytes(kind, g, bf16), (g.N,)),
+            (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 
-def render_cuda(name: str, kind: str, g: PoolGeometry) -> CudaKernel:
-    """The CUDA kernel of `kind`: one thread an output (forward) or an input element (gradient)."""
+def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> CudaKernel:
+    """The CUDA kernel of `kind` (on bfloat16 values with `bf16`): one thread an output (forward)
+    or an input element (gradient, summing in float, rounded once)."""
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
     grad = kind == "max_pool2d_grad"
     code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,
-                                                                    **g.context())
+                                                                    bf16=bf16, **g.context())
     items = g.N * g.C * (g.H * g.W if grad else g.HO * g.WO)
     function = f"{name}_{'grad' if grad else 'fwd'}"
     roles = ("x", "dy", "out") if grad else ("x", "out")

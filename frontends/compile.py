@@ -29,7 +29,7 @@ import numpy as np
 from ember.ir import Graph, TensorType, as_dtype
 from ember.passes.optimizer import OptimizerConfig, initial_state
 from ember.passes.data_parallel import DEFAULT_BUCKET_BYTES
-from ember.passes.pipeline import run_passes, train_passes, with_data_parallel, write_atomic
+from ember.passes.pipeline import precision_passes, run_passes, train_passes, with_data_parallel, write_atomic
 from ember.runtime import target as get_target
 from ember.runtime import target_names
 from ember.runtime.comm import broadcast_parameters
@@ -40,7 +40,7 @@ from . import plan_cache
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .nn import Module
 from .optim import as_config
-from .tensor import Buffer, Held, model_changed, model_epoch
+from .tensor import RNG_STEP, Buffer, Held, model_changed, model_epoch
 from .tracing import example_type, trace
 
 
@@ -281,7 +281,7 @@ class _Compiled:
                 raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
             dump = self._dump_subdir("inference", types)
             t0 = time.perf_counter()
-            passes = self.target.passes()
+            passes = precision_passes(self.precision) + self.target.passes()
             graph, source, cache_key = self._planned(forward, passes, dump, extra=self._reuse_plans(forward))
             passes_seconds = time.perf_counter() - t0
             self._bind(forward)
@@ -329,14 +329,16 @@ class _Compiled:
                 self._link.attach(name, held, new=False)
         self._epoch = model_epoch()
 
-    def inference(self, x: Any) -> np.ndarray:
-        """The model's output for `x` with the current parameters (no update), as a host array."""
+    def inference(self, x: Any, *, host: bool = True) -> Any:
+        """The model's output for `x` with the current parameters (no update), as a host array;
+        with host=False as the device holds it (a CuPy array on a GPU), without waiting for it,
+        so an evaluation that reduces it there reads back one number, not every batch's logits."""
         x = _array(x)
         types = self._types((x,), ("x",))
         self._sync()
         out = self._inference_executor(types)({"x": x})["out"]
         self._link.version += 1  # training mode updates BatchNorm's running statistics
-        return out.get() if hasattr(out, "__cuda_array_interface__") else out
+        return out.get() if host and hasattr(out, "__cuda_array_interface__") else out
 
     def _types(self, arrays: tuple[np.ndarray, ...], names: tuple[str, ...]) -> tuple[TensorType, ...]:
         """Input types of a call. A new shape compiles a new step; a new dtype is a user error
@@ -436,7 +438,7 @@ class TrainStep(_Compiled):
             forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
             forward.meta["precision"] = self.precision
             dump = self._dump_subdir("train", types)
-            passes = train_passes(self.config) + self.target.passes()
+            passes = precision_passes(self.precision) + train_passes(self.config) + self.target.passes()
             extra = {}
             if self.comm is not None:
                 passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
@@ -539,6 +541,24 @@ class TrainStep(_Compiled):
     def _state_names(self) -> set[str]:
         return {name for name in self.storage if name not in self._params}
 
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state, as compile() made it: zero moments and step counters (the
+        learning-rate schedule starts again, and the random counter is back at step 0). With new
+        weights loaded into the model, the next step starts another run without compiling again."""
+        for name in self._state_names():
+            self.storage.write(name, np.zeros(self.storage.type_of(name).shape, self.storage.type_of(name).dtype.numpy))
+        self.steps_run = 0
+
+    def seed_random(self, seed: int) -> None:
+        """Points the random draws of the steps that follow (dropout masks, random translations)
+        at stream `seed`: the step counter they are keyed by starts at seed x 2**32, so runs of
+        different seeds draw apart from their first step (2**32 steps each) while every draw stays
+        a pure function of (seed, step) on every device. No-op for a step that draws nothing."""
+        if not 0 <= int(seed) < 2**32:
+            raise ValueError(f"seed_random: seed must be in [0, 2**32), got {seed}")
+        if RNG_STEP in self._state_names():
+            self.storage.write(RNG_STEP, np.array(int(seed) << 32, np.uint64).view(np.int64))
+
     def save(self, path: str | os.PathLike, **progress: Any) -> None:
         """Writes model, optimizer state and `steps_run` to one safetensors checkpoint,
         atomically (a crash leaves the old file whole). `progress` adds the fields a training
@@ -601,11 +621,11 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
     root = Path(dump_dir) if dump_dir is not None else None
     forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
     forward.meta["precision"] = precision
-    train = run_passes(forward, train_passes(as_config(optimizer)) + target.passes(),
+    train = run_passes(forward, precision_passes(precision) + train_passes(as_config(optimizer)) + target.passes(),
                        dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
     inference_forward = trace(model, types[0], name="inference")
     inference_forward.meta["precision"] = precision
-    inference = run_passes(inference_forward, target.passes(),
+    inference = run_passes(inference_forward, precision_passes(precision) + target.passes(),
                            dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
     return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
@@ -628,9 +648,12 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     bucket_bytes: with a communicator, the gradients are all-reduced in buckets of at most this
     many bytes (in reverse order of use; default 25 MiB as PyTorch DDP; a larger gradient is a
     bucket alone). Smaller buckets start communicating earlier in the backward pass.
-    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32) or
+    precision: "float32" (default: exact fp32 arithmetic, so results align with PyTorch's fp32),
     "tf32" (device "cuda": matmuls and convolutions round their operands to TF32 and run on tensor
-    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product).
+    cores, accumulating in fp32, as PyTorch's `allow_tf32`; about 1e-3 relative error per product)
+    or "bf16" (mixed precision as `torch.autocast(dtype=torch.bfloat16)`: matmuls and convolutions
+    on bfloat16 operands accumulating in fp32, activations stored in bfloat16, reductions, softmax,
+    the loss and the optimizer in fp32 on fp32 master weights; docs/precision.md).
     tune: True (or a budget in seconds; True is 300 s) measures every candidate kernel of each
     step compiled, on this device, before building it (`ember tune` does the same from the command
     line); the winners go into the tuning database under $EMBER_CACHE_DIR/tuning, which every later
@@ -660,7 +683,10 @@ def _verb(held: Held) -> str:
     return "update" if isinstance(held, Buffer) else "train"
 
 
-PRECISIONS = ("float32", "tf32")
+PRECISIONS = ("float32", "tf32", "bf16")
+#: what each precision is, for the one-line refusal on a device that lacks it
+_PRECISION_WHAT = {"tf32": "TF32 is a CUDA tensor-core mode", "bf16": "its kernels have no bfloat16 path",
+                   "float32": "float32"}
 DEFAULT_TUNE_BUDGET_S = 300.0
 
 
@@ -686,7 +712,7 @@ def check_precision(precision: Any, target: Any) -> None:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
     if precision not in target.precisions:
         raise ValueError(f"precision={precision!r} is not available on device {target.name!r} "
-                         f"(it computes in {', '.join(sorted(target.precisions))}); TF32 is a CUDA tensor-core mode")
+                         f"(it computes in {', '.join(sorted(target.precisions))}); {_PRECISION_WHAT[precision]}")
 
 
 __all__ = ["compile", "compile_inference", "plan", "TrainStep", "InferenceStep"]

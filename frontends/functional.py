@@ -445,6 +445,42 @@ def dropout(x: Operand, p: float = 0.5, training: bool = True, seed: int = 0) ->
     return mul(t, where(keep, scale, np.zeros((), t.dtype.numpy)))
 
 
+def random_translate(x: Operand, max_shift: int, training: bool = True, seed: int = 0) -> Tensor:
+    """Data augmentation inside the step: in training, each image of an NCHW batch is moved by
+    (dy, dx) pixels, each drawn uniformly from [-max_shift, max_shift] (its channels alike), the
+    uncovered border filled with zeros; otherwise (or for max_shift 0) the identity.
+
+    The shifts come from `random_uniform` (Philox keyed by `seed` and the step counter, one draw
+    per axis and image), so every target moves the same image by the same pixels. The move
+    itself is two grouped convolutions (one group per image plane, a one-hot column of taps,
+    then a one-hot row), ops every target already compiles: a product with one tap of 1 and
+    the others 0 is exact, so the shifted batch is bit-identical everywhere. Nothing is
+    differentiated through it (the taps are drawn, the input is data)."""
+    s = int(max_shift)
+    if s < 0:
+        raise ValueError(f"random_translate: max_shift must be >= 0, got {max_shift}{_at()}")
+    if not 0 <= int(seed) < 2**32:
+        raise ValueError(f"random_translate: seed must be in [0, 2**32), got {seed}{_at()}")
+    t = _nchw("random_translate", x)
+    if not training or s == 0:
+        return t
+    if not t.dtype.is_float:
+        raise ShapeError(f"random_translate needs a floating-point input, got {t.type}{_at()}")
+    n, c, h, w = t.shape
+    k = 2 * s + 1
+    planes = reshape(t, (1, n * c, h, w))
+    for taps_shape, padding in (((n * c, 1, k, 1), (s, 0)), ((n * c, 1, 1, k), (0, s))):
+        step, stream = current().random_draw()
+        u = _emit("random_uniform", [step], shape=(n,), seed=int(seed), stream=stream)
+        # u <= 1 - 2**-24 and k is odd, so u * k rounds below k: the tap index is in [0, k)
+        tap = cast(floor(mul(u, float(k))), "int64")
+        pick = reshape(one_hot(tap, k, t.dtype), (n, 1, k))
+        taps = reshape(broadcast_to(pick, (n, c, k)), taps_shape)
+        # tap j reads the pixel j - s away: the image moves by s - j
+        planes = conv2d(planes, taps, padding=padding, groups=n * c)
+    return reshape(planes, t.shape)
+
+
 def _nchw(name: str, x: Operand) -> Tensor:
     t = _tensor(x)
     if len(t.shape) != 4:

@@ -242,6 +242,27 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+class RandomTranslate(Module):
+    """Data augmentation as a layer: in training mode moves each image by up to `max_shift`
+    pixels along each axis (zeros fill the border; `F.random_translate`), in eval mode the
+    identity. Put first in a model, it runs inside the compiled step on the batch the step was
+    given, drawn from ember's counter-based generator (deterministic for a `seed`, new every
+    step, the same on every device). Not a PyTorch module: torchvision's RandomAffine(translate)
+    draws fractions of the size and interpolates; this moves whole pixels."""
+
+    def __init__(self, max_shift: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        if int(max_shift) < 0:
+            raise ValueError(f"RandomTranslate: max_shift must be >= 0, got {max_shift}")
+        self.max_shift, self.seed = int(max_shift), int(seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.random_translate(x, self.max_shift, self.training, self.seed)
+
+    def extra_repr(self) -> str:
+        return f"max_shift={self.max_shift}"
+
+
 class Flatten(Module):
     def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
         super().__init__()

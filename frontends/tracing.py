@@ -47,6 +47,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
     graph = Graph(name or getattr(fn, "__name__", type(fn).__name__))
     names: dict[int, str] = {}
     module_names: dict[int, str] = {}  # module -> qualified name (its nodes' scope)
+    module_types: dict[str, str] = {}  # qualified name -> its class (what a precision rule may be keyed by)
     buffer_names: dict[int, str] = {}  # buffer -> qualified name (its state's name)
     # A list, not a union of dict views: that set needs hashable modules and has no stable order.
     for prefix, mod in ([("", fn)] if isinstance(fn, Module) else []) + list(dict(modules or {}).items()):
@@ -54,6 +55,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
             names[id(p)] = pname
         for mname, m in mod.named_modules(prefix):
             module_names.setdefault(id(m), mname)
+            module_types.setdefault(mname, type(m).__name__)
         for bname, buf in mod.named_buffers(prefix):
             buffer_names[id(buf)] = bname
     with TraceContext(graph, names, module_names) as ctx:
@@ -76,4 +78,5 @@ def trace(fn: Callable[..., Any], *example_args: Any, name: str | None = None,
         graph.set_output(k, t.node)
     graph.meta["parameters"] = ctx.params  # name -> Parameter, for compile()
     graph.meta["buffers"] = ctx.buffers  # name -> Buffer (module state), for compile()
+    graph.meta["modules"] = module_types  # scope -> module class (passes/precision.py: MODULE_RULES)
     return graph.verify()

@@ -22,7 +22,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from .dtypes import TensorType
+from .dtypes import TensorType, as_array
 from .ops import OPS, ShapeError, infer_type
 
 
@@ -108,7 +108,7 @@ class Graph:
 
     def add_constant(self, value: Any, dtype: Any = None, loc: str | None = None, *, scope: str = "",
                      backward: bool = False, node_id: int | None = None) -> int:
-        arr = np.asarray(value) if dtype is None else np.asarray(value, dtype=TensorType((), dtype).dtype.numpy)
+        arr = np.asarray(value) if dtype is None else as_array(value, TensorType((), dtype).dtype)
         return self.add("constant", value=arr, loc=loc, scope=scope, backward=backward, node_id=node_id)
 
     def clone_node(self, source: "Graph", n: int, operands: Sequence[int] = (), *, node_id: int | None = None,

@@ -4,6 +4,14 @@
 `precision="float64"` every float32 value is computed in float64 (the oracle for gradient and
 tolerance checks); integer and bool values keep their types.
 
+bfloat16 values are computed in float32 (a contraction of bfloat16 operands accumulates in
+float32, as the tensor-core and `vdpbf16ps` kernels do) and every bfloat16 node's result is then
+rounded to the nearest bfloat16, ties to even (`dtypes.round_bf16`): the value an eager
+framework stores after each op. Inside `run` they are float32 arrays (float64 ones under
+`precision="float64"`, still rounded: the rounding is part of the graph's meaning); a bfloat16
+input or parameter may be given as uint16 bits or as floats (rounded), and a bfloat16 output is
+returned as float32 values.
+
 `run` is one process, i.e. a world of size 1, where a collective such as `all_reduce` is the
 identity; `ember.ir.world.run_world` runs N ranks of a graph together (a simulated world).
 """
@@ -18,7 +26,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from . import philox
-from .dtypes import TensorType
+from .dtypes import TensorType, as_values, round_bf16
 from .graph import Graph
 
 Impl = Callable[[list[np.ndarray], dict[str, Any], TensorType], np.ndarray]
@@ -171,7 +179,7 @@ IMPLS: dict[str, Impl] = {
     "gt": lambda a, at, t: a[0] > a[1],
     "ge": lambda a, at, t: a[0] >= a[1],
     "where": lambda a, at, t: np.where(a[0], a[1], a[2]),
-    "cast": lambda a, at, t: a[0].astype(at["dtype"].numpy),
+    "cast": lambda a, at, t: a[0].astype(at["dtype"].compute),
     "stop_gradient": lambda a, at, t: a[0],
     "random_uniform": lambda a, at, t: philox.uniform(t.shape, at["seed"], int(a[0]), at["stream"]),
     "sum": _reduce(np.sum),
@@ -206,7 +214,7 @@ class Result:
 def _compute_dtype(t: TensorType, precision: str | None) -> np.dtype:
     if precision == "float64" and t.dtype.is_float:
         return np.dtype(np.float64)
-    return t.dtype.numpy
+    return t.dtype.compute
 
 
 def _fetch(kind: str, table: Mapping[str, Any], name: str, t: TensorType) -> np.ndarray:
@@ -215,6 +223,8 @@ def _fetch(kind: str, table: Mapping[str, Any], name: str, t: TensorType) -> np.
     value = np.asarray(table[name])
     if value.shape != t.shape:
         raise ValueError(f"{kind} {name!r}: expected shape {t.shape}, got {value.shape}")
+    if t.dtype.compute != t.dtype.numpy and value.dtype == t.dtype.numpy:  # bfloat16 bits
+        value = as_values(value, t.dtype)
     return value
 
 
@@ -237,7 +247,7 @@ def _compute(graph: Graph, n: int, values: Mapping[int, np.ndarray], inputs: Map
     """Node n's raw value from its operands' values (or from the tables, for a source)."""
     op, attrs, t = graph.op(n), graph.attrs(n), graph.type(n)
     if op == "constant":
-        return attrs["value"]
+        return as_values(attrs["value"], t.dtype) if t.dtype.compute != t.dtype.numpy else attrs["value"]
     if op in ("input", "parameter", "state"):
         table = {"input": inputs, "parameter": parameters, "state": states}[op]
         return _fetch(op, table, attrs["name"], t)
@@ -269,6 +279,8 @@ def _finish(graph: Graph, n: int, v: Any, precision: str | None, keep_dtypes: bo
     if not keep_dtypes or op not in ("input",):
         if v.dtype != want and not (keep_dtypes and t.dtype.is_float and v.dtype.kind == "f"):
             v = v.astype(want)
+    if t.dtype.compute != t.dtype.numpy:
+        v = round_bf16(v)  # bfloat16: computed in float, stored rounded (exact values stay as they are)
     return v
 
 

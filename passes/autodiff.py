@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ember.ir import OPS, Graph, TensorType
+from ember.ir.dtypes import as_array, as_values
 
 Rule = Callable[["Builder", int, int, tuple[bool, ...]], Sequence["int | None"]]
 
@@ -72,11 +73,11 @@ class Builder:
 
     def scalar(self, value: float, like: int) -> int:
         """A rank-0 constant of `like`'s dtype (broadcasts against anything)."""
-        return self.g.add_constant(np.asarray(value, dtype=self.type(like).dtype.numpy), **self._prov())
+        return self.g.add_constant(as_array(value, self.type(like).dtype), **self._prov())
 
     def zeros(self, ttype: TensorType) -> int:
         """Zeros of `ttype` as a broadcast scalar: no large constant is stored in the graph."""
-        z = self.g.add_constant(np.zeros((), dtype=ttype.dtype.numpy), **self._prov())
+        z = self.g.add_constant(as_array(0, ttype.dtype), **self._prov())
         return z if ttype.shape == () else self.op("broadcast_to", z, shape=ttype.shape)
 
     def unbroadcast(self, x: int, shape: tuple[int, ...]) -> int:
@@ -131,9 +132,10 @@ def _inexact(b: Builder, value: float, like: int) -> int:
     """A constant not exact in `like`'s dtype, as hi + lo (each exact there): computed in that
     dtype the sum rounds to hi, and the float64 oracle run (`precision="float64"`) sees the
     constant to double precision instead of float32's rounding of it."""
-    hi = np.asarray(value, dtype=b.type(like).dtype.numpy)
-    lo = np.asarray(value - float(hi), dtype=hi.dtype)
-    return b.op("add", b.scalar(float(hi), like), b.scalar(float(lo), like))
+    dtype = b.type(like).dtype
+    hi = float(as_values(as_array(value, dtype), dtype))
+    lo = float(as_values(as_array(value - hi, dtype), dtype))
+    return b.op("add", b.scalar(hi, like), b.scalar(lo, like))
 
 
 def _binary(fn: Callable[[Builder, int, int, int, int, tuple[bool, ...]], tuple["int | None", "int | None"]]) -> Rule:

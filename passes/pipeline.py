@@ -25,6 +25,7 @@ from .data_parallel import DEFAULT_BUCKET_BYTES, data_parallel
 from .fusion import fuse
 from .memory import plan_memory
 from .optimizer import OptimizerConfig, apply_optimizer
+from .precision import autocast
 from .schedule import schedule
 from .select import select_kernels
 from .simplify import simplify
@@ -63,6 +64,13 @@ def with_data_parallel(passes: Sequence[tuple[str, Pass]], world_size: int,
     at = next((i + 1 for i, (name, _) in enumerate(out) if name == "simplify"), 0)
     out.insert(at, ("data_parallel", functools.partial(data_parallel, world_size=world_size, bucket_bytes=bucket_bytes)))
     return out
+
+
+def precision_passes(precision: str) -> list[tuple[str, Pass]]:
+    """What a precision adds before everything else (before autodiff, as torch.autocast runs on
+    the forward): "bf16" rewrites the traced graph by `precision.RULES`; "float32" and "tf32"
+    (an arithmetic mode of the contraction kernels alone) add nothing."""
+    return [("autocast", autocast)] if precision == "bf16" else []
 
 
 def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> list[tuple[str, Pass]]:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ember.ir import IMPLS, OPS, Graph, TensorType
+from ember.ir.dtypes import as_array, as_values
 
 from .autodiff import carry_gradient_tags
 
@@ -104,14 +105,14 @@ def _fold_value(g: Graph, n: int) -> np.ndarray | None:
     operands = g.operands(n)
     if not operands or any(g.op(o) != "constant" for o in operands):
         return None
-    args = [g.attrs(o)["value"] for o in operands]
+    args = [as_values(g.attrs(o)["value"], g.type(o).dtype) for o in operands]
     t: TensorType = g.type(n)
     if t.numel > max(a.size for a in args):
         return None
     # The interpreter's own kernels, with its result cast, so a fold cannot change semantics.
     with np.errstate(all="ignore"):
         value = np.asarray(IMPLS[op](args, g.attrs(n), t))
-    return value.astype(t.dtype.numpy, copy=False).reshape(t.shape)
+    return as_array(as_values(value, t.dtype), t.dtype).reshape(t.shape)
 
 
 def _fold_constants(g: Graph) -> bool:
@@ -136,7 +137,7 @@ def _uniform_constant(g: Graph, n: int) -> float | None:
         (n,) = g.operands(n)
     if g.op(n) != "constant":
         return None
-    v = g.attrs(n)["value"]
+    v = as_values(g.attrs(n)["value"], g.type(n).dtype)
     if v.size == 0 or v.dtype == np.bool_:
         return None
     first = v.flat[0]

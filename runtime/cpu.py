@@ -211,4 +211,5 @@ TARGET = targets.register(targets.Target(
     source=lambda graph: cpp.render_step(graph).code,
     executor=CpuExecutor,
     storage=HostStorage,
+    precisions=frozenset({"float32", "bf16"}),  # bfloat16: codegen/cpp_bf16.py and the generated kernels
 ))

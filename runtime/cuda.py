@@ -499,5 +499,5 @@ TARGET = targets.register(targets.Target(
     available=check_available,
     select_device=select_device,
     to_device=to_device,
-    precisions=frozenset({"float32", "tf32"}),
+    precisions=frozenset({"float32", "tf32", "bf16"}),  # bf16: the GEMM family's mma.sync bfloat16 path
 ))

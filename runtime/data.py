@@ -18,6 +18,7 @@ import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -246,10 +247,14 @@ class DataLoader:
 
     With world_size=1 this is plain batching. Batches are gathered per batch through the
     index array, so no epoch-sized copy of the data is made; unshuffled batches are views.
+    Arrays on a device (with `to_device`, the target's host -> device copy) are shuffled once
+    an epoch instead, by one gather through the uploaded order, so each batch is a slice: no
+    index copy and no gather per step.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, shuffle: bool = False,
-                 seed: int = 0, drop_last: bool = False, rank: int = 0, world_size: int = 1):
+                 seed: int = 0, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 to_device: Any = None):
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)}; expected equal")
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -262,6 +267,7 @@ class DataLoader:
         self.x, self.y = x, y
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.to_device = to_device if hasattr(x, "__cuda_array_interface__") else None
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -276,6 +282,10 @@ class DataLoader:
         n_total, bs, w, r = len(self.x), self.batch_size, self.world_size, self.rank
         order = (np.random.default_rng([self.seed, self.epoch]).permutation(n_total)
                  if self.shuffle else None)
+        x, y = self.x, self.y
+        if order is not None and self.to_device is not None:
+            on_device = self.to_device(order)
+            x, y, order = x[on_device], y[on_device], None
         for k in range(len(self)):
             start = k * bs
             n = min(bs, n_total - start)
@@ -283,8 +293,8 @@ class DataLoader:
             if order is None:
                 # a slice of host arrays is already contiguous; of device arrays (CuPy) too, and
                 # np.ascontiguousarray would pull it to the host
-                yield (self.x[lo:hi], self.y[lo:hi]) if hasattr(self.x, "__cuda_array_interface__") else \
-                    (np.ascontiguousarray(self.x[lo:hi]), np.ascontiguousarray(self.y[lo:hi]))
+                yield (x[lo:hi], y[lo:hi]) if hasattr(x, "__cuda_array_interface__") else \
+                    (np.ascontiguousarray(x[lo:hi]), np.ascontiguousarray(y[lo:hi]))
             else:
                 idx = order[lo:hi]
                 yield self.x[idx], self.y[idx]

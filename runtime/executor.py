@@ -261,4 +261,5 @@ TARGET = targets.register(targets.Target(
     pipeline=pipeline.interpreted,
     executor=ReferenceExecutor,
     storage=HostStorage,
+    precisions=frozenset({"float32", "bf16"}),  # the interpreter computes bfloat16 (ir/interpreter.py)
 ))

@@ -29,6 +29,7 @@ from ember.codegen.choices import Choice
 from ember.codegen.compiler import CompileError, compile_units
 from ember.codegen.tuning_db import choice_text
 from ember.ir import Graph, KernelSpec
+from ember.ir.dtypes import as_array, as_values
 
 from .tuner import Trial
 
@@ -41,10 +42,17 @@ MAX_REPS = 10_000
 
 
 def _random(rng: np.random.Generator, t: Any) -> np.ndarray:
+    """Standard normal floats as `t`'s dtype holds them (bfloat16: their bits), zeros otherwise."""
     shape = tuple(t.shape)
-    if t.dtype.name.startswith("float"):
-        return rng.standard_normal(shape).astype(t.dtype.name)
-    return np.zeros(shape, dtype=t.dtype.name)
+    if t.dtype.is_float:
+        return as_array(rng.standard_normal(shape).astype(np.float32 if t.dtype.itemsize < 8 else np.float64),
+                        t.dtype)
+    return np.zeros(shape, dtype=t.dtype.numpy)
+
+
+def _poisoned(t: Any) -> np.ndarray:
+    """An output buffer of NaNs (as `t`'s dtype holds them): a kernel must write every element."""
+    return as_array(np.full(tuple(t.shape), np.nan, dtype=np.float32), t.dtype)
 
 
 def _aligned(nbytes: int, fill: float = np.nan) -> np.ndarray:
@@ -75,7 +83,6 @@ class CpuMeasurer:
         self.threads = threads or cpp_choices.threads()
         self.rounds, self.target_s = rounds, target_s
         self.flags = cpu_vector.cxx_flags(self.isa)
-        self.header, self.header_text = cpp_units.prelude()
         self._gomp = ctypes.CDLL("libgomp.so.1")
 
     @staticmethod
@@ -107,14 +114,13 @@ class CpuMeasurer:
                                            code, "", -1, fname))
             cands[i] = _Candidate(choice, fn, args)
         self._build(sub, list(cands.values()), inputs, out_t, trials, cands)
-        buffers = {**inputs, "out": np.full(tuple(out_t.shape), np.nan, dtype=out_t.dtype.name),
-                   "scratch": _aligned(scratch_bytes)}
+        buffers = {**inputs, "out": _poisoned(out_t), "scratch": _aligned(scratch_bytes)}
         names = [*inputs, "out", "scratch"]
         ptrs = (ctypes.c_void_p * len(names))(*[buffers[n].ctypes.data for n in names])
         before = int(self._gomp.omp_get_max_threads())
         self._gomp.omp_set_num_threads(self.threads)
         try:
-            trials.update(self._time(cands, buffers, ptrs))
+            trials.update(self._time(cands, buffers, ptrs, out_t))
         finally:
             self._gomp.omp_set_num_threads(before)
         return [trials[i] for i in range(len(choices))]
@@ -123,23 +129,27 @@ class CpuMeasurer:
 
     def _library(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], out_t: Any) -> Any:
         """Compiles the candidates with the timing entry; returns the loaded library."""
-        locals_ = [f"{sub.type(n).dtype.ctype}* const {name} = static_cast<{sub.type(n).dtype.ctype}*>(buf[{i}]);"
+        ctype = cpp.SPELLING.ctype
+        locals_ = [f"{ctype(sub.type(n).dtype)}* const {name} = static_cast<{ctype(sub.type(n).dtype)}*>(buf[{i}]);"
                    for i, (name, n) in enumerate(sub.inputs.items())]
-        locals_ += [f"{out_t.dtype.ctype}* const out = static_cast<{out_t.dtype.ctype}*>(buf[{len(inputs)}]);",
+        locals_ += [f"{ctype(out_t.dtype)}* const out = static_cast<{ctype(out_t.dtype)}*>(buf[{len(inputs)}]);",
                     f"float* const scratch = static_cast<float*>(buf[{len(inputs) + 1}]);"]
         functions = list({c.function.name: c.function for c in cands}.values())
+        narrow = cpp.has_narrow(sub)  # bfloat16 values: the prelude's helpers, and maybe -mavx512bf16
+        header, header_text = cpp_units.prelude(bf16=narrow)
         cases = [f"  case {k}: for (int64_t r = 0; r < reps; ++r) {c.function.name}({', '.join(c.args)}); break;"
                  for k, c in enumerate(cands)]
         entry = "\n".join([
-            cpp_units.entry_preamble(self.header, functions), "", 'extern "C" {',
+            cpp_units.entry_preamble(header, functions), "", 'extern "C" {',
             "double ember_tune_run(int64_t which, void* const* buf, int64_t reps) {",
             *(f"  {line}" for line in locals_),
             "  (void)scratch; (void)out;",
             "  const double t0 = omp_get_wtime();", "  switch (which) {", *cases, "  default: return -1.0;", "  }",
             "  return omp_get_wtime() - t0;", "}", "}", ""])
-        units = cpp_units.step_units(entry, functions, self.header, self.flags)
+        flags = self.flags + (cpu_vector.bf16_flags(self.isa, {cpu_vector.bf16_dot(self.isa)}) if narrow else ())
+        units = cpp_units.step_units(entry, functions, header, flags)
         art = compile_units(units, link_flags=cpp_units.LINK_FLAGS, name=f"tune_{sub.name}",
-                            headers={self.header: self.header_text})
+                            headers={header: header_text})
         lib = ctypes.CDLL(str(art.path))
         lib.ember_tune_run.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         lib.ember_tune_run.restype = ctypes.c_double
@@ -165,14 +175,15 @@ class CpuMeasurer:
 
     # -- running
 
-    def _time(self, cands: dict[int, _Candidate], buffers: dict[str, np.ndarray], ptrs: Any) -> dict[int, Trial]:
+    def _time(self, cands: dict[int, _Candidate], buffers: dict[str, np.ndarray], ptrs: Any,
+              out_t: Any) -> dict[int, Trial]:
         out = buffers["out"]
         results: dict[int, np.ndarray] = {}
         reps: dict[int, int] = {}
         for i, c in cands.items():
-            out.fill(np.nan)
+            out[...] = _poisoned(out_t)
             c.lib.ember_tune_run(c.which, ptrs, 1)
-            results[i] = out.copy()
+            results[i] = np.array(as_values(out, out_t.dtype), copy=True)  # values, for the check
             once = max(c.lib.ember_tune_run(c.which, ptrs, 1), 1e-7)
             reps[i] = int(min(MAX_REPS, max(1, self.target_s / once)))
         times: dict[int, list[float]] = {i: [] for i in cands}

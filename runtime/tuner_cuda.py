@@ -19,7 +19,9 @@ import numpy as np
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
 from ember.codegen.choices import Choice
+from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
+from ember.ir.dtypes import as_array, as_values
 
 from .tuner import Trial
 
@@ -32,10 +34,12 @@ TARGET_MS = 1.0
 
 
 def _random(cp: Any, rng: np.random.Generator, t: Any) -> Any:
+    """Standard normal floats as `t`'s dtype holds them (bfloat16: their bits), zeros otherwise."""
     shape = tuple(t.shape)
-    if t.dtype.name.startswith("float"):
-        return cp.asarray(rng.standard_normal(shape).astype(t.dtype.name))
-    return cp.zeros(shape, dtype=t.dtype.name)
+    if t.dtype.is_float:
+        return cp.asarray(as_array(rng.standard_normal(shape).astype(np.float32 if t.dtype.itemsize < 8 else np.float64),
+                                   t.dtype))
+    return cp.zeros(shape, dtype=t.dtype.numpy)
 
 
 class CudaMeasurer:
@@ -46,6 +50,7 @@ class CudaMeasurer:
         self.cp = _cupy()
         self.options = ("-std=c++17", f"-arch={_arch(self.cp)}")
         self.prelude = cuda_codegen.prelude()
+        self.prelude_bf16 = cuda_codegen.prelude(bf16=True)  # for kernels with bfloat16 values
 
     def measure(self, sub: Graph, spec: KernelSpec, choices: Sequence[Choice], *, seed: int = 0) -> list[Trial]:
         from .cuda import compile_units
@@ -65,12 +70,13 @@ class CudaMeasurer:
             units.append((kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))))
             built.append((choice, kernel, roles, c_spec.scratch_bytes))
         functions: dict[str, Any] = {}
+        prelude = self.prelude_bf16 if has_narrow(sub) else self.prelude
         try:
-            functions.update(compile_units(cp, self.prelude, units, self.options))
+            functions.update(compile_units(cp, prelude, units, self.options))
         except Exception:  # one at a time, to refuse only the candidates that fail to build
             for code, names in units:
                 try:
-                    functions.update(compile_units(cp, self.prelude, [(code, names)], self.options))
+                    functions.update(compile_units(cp, prelude, [(code, names)], self.options))
                 except Exception as exc:
                     functions.update({f: exc for f in names})
         trials = []
@@ -89,7 +95,7 @@ class CudaMeasurer:
         failed = [functions[la.function] for la in kernel.launches if isinstance(functions.get(la.function), Exception)]
         if failed:
             return Trial(choice, error=f"compile: {str(failed[0]).splitlines()[0][:200]}")
-        out = cp.full(tuple(out_t.shape), np.nan, dtype=out_t.dtype.name)
+        out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # NaN: must be written
         scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
         buffers = {**inputs, "out": out, "scratch": scratch}
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
@@ -103,7 +109,7 @@ class CudaMeasurer:
             with stream:
                 launch()
                 stream.synchronize()
-                result = cp.asnumpy(out)
+                result = as_values(cp.asnumpy(out), out_t.dtype)  # values (bfloat16: from its bits)
                 start, end = stream.record(), None
                 launch()
                 end = stream.record()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-SWEEPS = ("gemm", "gemm-plans", "direct", "direct-occupancy", "direct-staging", "skinny", "small")
+SWEEPS = ("gemm", "gemm-plans", "direct", "direct-occupancy", "direct-staging", "direct-tc", "skinny", "small")
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ replays (device us a call). The planners' defaults and the thresholds of the CUD
                                        [--once] [--dry-run]
 
 The commands (`COMMANDS` below; `--help` lists them): gemm, gemm-plans, direct, direct-occupancy,
-direct-staging, skinny, small.
+direct-staging, direct-tc, skinny, small.
 
 --dry-run renders every variant and prints its plan, without CuPy or a GPU. --once launches each
 variant once, uncaptured, with neither timing nor check, for a profiler, e.g.
@@ -27,6 +27,7 @@ import numpy as np
 from cuda_lab import (CONV1, CONV2, Group, conv_out, describe, flops, measure, mnist_contractions, render_gemm,
                       require_cupy)
 from ember.codegen import cuda_direct as cd
+from ember.codegen import cuda_direct_tc as ct
 from ember.codegen import cuda_kernels as ck
 from ember.codegen import cuda_skinny as cs
 from ember.codegen import cuda_small_conv as sc
@@ -268,6 +269,31 @@ def direct_staging_groups(B: int, args) -> list[Group]:
     return groups
 
 
+def direct_tc_groups(B: int, args) -> list[Group]:
+    """conv2 on TF32 tensor cores: every direct_tc plan the tuner measures against the float32
+    direct kernel and the GEMM's tensor-core pick (the TF32 kernels' rel error is TF32's, ~1e-4)."""
+    spec = dict(N=B, **CONV2)
+    HO, WO = conv_out(spec)
+    groups = []
+    for kind, extra in (FWD, GI):
+        CI, _, _, CO, HOk, WOk = _direct_tiling(kind, spec)
+        kernels = [("direct float32", cd.render_direct(f"dp_{kind}_{B}", **_direct_args(kind, spec))),
+                   ("gemm tf32", render_gemm(f"gt_{kind}_{B}", kind, spec, dict(extra, tf32=True)))]
+        for i, p in enumerate(ct.tc_forward_candidates(B, CI, CO, HOk, WOk, spec["KH"], spec["KW"])):
+            kernels.append((f"direct_tc rb{p.RB} cc{p.CC} w{p.WM}x{p.WN} f{p.FM}x{p.FN} t{p.threads}",
+                            ct.render_direct_tc(f"tc{i}_{kind}_{B}", plan=p, **_direct_args(kind, spec))))
+        groups.append(Group(kind, spec, extra, kernels, dict(batch=B, kernel=kind), flops(kind, spec)))
+    extra = dict(bias=False)
+    kernels = [("direct float32", cd.render_direct_grad_weight(f"dp_gw_{B}", **spec)),
+               ("gemm tf32", render_gemm(f"gt_gw_{B}", "conv_gw", spec, dict(extra, tf32=True)))]
+    for i, p in enumerate(ct.tc_grad_weight_candidates(B, spec["C"], spec["O"], spec["KH"], spec["KW"], HO, WO)):
+        kernels.append((f"direct_tc rb{p.RB} f{p.FM}x{p.FN} khw{p.KHW} blocks {p.blocks} "
+                        f"t{p.threads(spec['C'], spec['O'], spec['KH'])}",
+                        ct.render_direct_tc_grad_weight(f"tc{i}_gw_{B}", plan=p, **spec)))
+    groups.append(Group("conv_gw", spec, extra, kernels, dict(batch=B, kernel="conv_gw"), flops("conv_gw", spec)))
+    return groups
+
+
 # ---- skinny: the linear layer's memory-bound matmuls --------------------------------------------
 
 def _traffic(m: dict) -> int:
@@ -383,6 +409,9 @@ COMMANDS = {
     "direct-staging": (direct_staging_groups, [1024],
                        "conv2: the direct kernels' weight staging, vector stores and row padding; the "
                        "grad-weight over block counts and rows a unit"),
+    "direct-tc": (direct_tc_groups, [64, 1024],
+                  "conv2 on TF32 tensor cores: the direct_tc plans against the float32 direct kernels and the "
+                  "GEMM's TF32 pick"),
     "skinny": (skinny_groups, [64, 1024],
                "the CNN's linear forward (narrow) and grad-weight (short-M): the skinny matmuls' plans against "
                "the GEMM, with GB/s of compulsory traffic"),

@@ -3,7 +3,9 @@ kernel choices it ran: how many came from the tuning database, how many from the
 Compare tuning databases by running it under different $EMBER_CACHE_DIR (the user database is
 `$EMBER_CACHE_DIR/tuning`); `--no-db` ignores every database (the cost model alone).
 
-    python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64 [--tf32] [--torch] [--out rows.json]
+    python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32] [--torch] [--out rows.json]
+
+Any model of the zoo (`ember bench --zoo` lists them) can be a case.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def main() -> None:
     from ember.codegen import tuning_db
     from ember.frontends import compile as ember_compile
     from ember.frontends import nn, optim
-    from ember.frontends.training.recipes import MODELS, build_model
+    from ember.frontends.training.zoo import ZOO, zoo_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="cnn:64,cnn:1024,mlp:64,mlp:1024", help="model:batch,...")
@@ -34,12 +36,15 @@ def main() -> None:
     for case in args.cases.split(","):
         name, batch = case.split(":")
         batch = int(batch)
-        shape = (batch, 784) if MODELS[name][1] else (batch, 1, 28, 28)
+        if name not in ZOO:
+            raise SystemExit(f"step_time: unknown model {name!r} (known: {', '.join(ZOO)})")
+        shape = (batch, *ZOO[name].input_shape)
         rng = np.random.default_rng(0)
         xs_h = rng.random((8, *shape), dtype=np.float32)
         ys_h = rng.integers(0, 10, (8, batch)).astype(np.int64)
         with tuning_db.using(None) if args.no_db else contextlib.nullcontext():
-            step = ember_compile(build_model(name, 0), nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
+            model = zoo_model(name, 0)
+            step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
                                  example_inputs=(xs_h[0], ys_h[0]), device="cuda",
                                  precision="tf32" if args.tf32 else "float32")
         xs, ys = cp.asarray(xs_h), cp.asarray(ys_h)
@@ -58,7 +63,7 @@ def main() -> None:
             from ember.frontends.cli.bench_cuda import _torch_systems
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
             txs, tys = torch.from_numpy(xs_h).cuda(), torch.from_numpy(ys_h).cuda()
-            replay = dict(_torch_systems(name, build_model(name, 0).state_dict(), 0.05, txs[0], tys[0]))["torch-cudagraph"]
+            replay = dict(_torch_systems(name, zoo_model(name, 0).state_dict(), 0.05, txs[0], tys[0]))["torch-cudagraph"]
             for i in range(30):
                 replay(txs[i % 8], tys[i % 8])
             torch.cuda.synchronize()

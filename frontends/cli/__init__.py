@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     debug = args.debug or os.environ.get("EMBER_DEBUG", "") not in ("", "0")
     module = importlib.import_module(f"{__name__}.{COMMANDS[args.command][0]}")
+    # a command's named recipe (`ember mnist --recipe speedrun`) supplies defaults: parsed again
+    # with them, every option given on the command line still wins
+    defaults = module.recipe_defaults(args) if hasattr(module, "recipe_defaults") else None
+    if defaults:
+        sub = _subparser(parser, args.command)
+        sub.set_defaults(**defaults)
+        args = parser.parse_args(argv)
     try:
         return module.main(args)
     except KeyboardInterrupt:

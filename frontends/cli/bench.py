@@ -173,7 +173,8 @@ def _batches(model: str, batch: int, count: int, data: str | None, seed: int) ->
 
 
 def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: tuple[np.ndarray, np.ndarray],
-           lr: float, profile: bool = False) -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
+           lr: float, profile: bool = False,
+           precision: str = "float32") -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
     res = SystemResult(f"ember-{device}")
     previous = os.environ.get("EMBER_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as cache:
@@ -184,7 +185,7 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
                 model.load_state_dict(init)
                 t0 = time.perf_counter()
                 step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=example, device=device,
-                                     profile=profile)
+                                     profile=profile, precision=precision)
                 elapsed = time.perf_counter() - t0
                 setattr(res, f"compile_{attempt}_s", elapsed)
         finally:
@@ -196,7 +197,8 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
     return step, res
 
 
-def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bool, threads: int):
+def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bool, threads: int,
+           precision: str = "float32"):
     import torch
     import torch.nn.functional as tF
     torch.set_num_threads(threads)
@@ -205,7 +207,9 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def loss_fn(x, y):
-        return tF.cross_entropy(model(x), y)
+        # bf16: the forward under autocast, as ember's precision="bf16" (the same op lists)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            return tF.cross_entropy(model(x), y)
 
     fwd, opt_step = loss_fn, opt.step
     res = SystemResult("torch-compile" if compiled else "torch-eager")
@@ -225,7 +229,8 @@ def _torch(model_name: str, init: dict[str, np.ndarray], lr: float, compiled: bo
 
 def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: int = 10, batch: int | None = 64,
               lr: float = 0.05, threads: int | None = None, data: str | None = None, torch_compile: bool = True,
-              rounds: int = 4, seed: int = 0, profile: bool = False, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
+              rounds: int = 4, seed: int = 0, profile: bool = False, precision: str = "float32",
+              log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     if threads and threads > cores:
         # threads beyond the cores time-share them: the step times measure the oversubscription, and
@@ -241,7 +246,8 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
     # when set before libgomp loads (i.e. before `import torch`); the report records the values.
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     os.environ.setdefault("OMP_WAIT_POLICY", "active" if os.environ["GOMP_SPINCOUNT"] != "0" else "passive")
-    report: dict[str, Any] = {"device": device, "threads": threads, "batch": batch or "per model", "steps": steps,
+    report: dict[str, Any] = {"device": device, "precision": precision, "threads": threads,
+                              "batch": batch or "per model", "steps": steps,
                               "models": {},
                               "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")}}
     if device == "cpu":
@@ -261,13 +267,13 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
         batches = _batches(name, model_batch, 16, data, seed)
         init = zoo_model(name, seed).state_dict()  # PyTorch's initialisation (the reference recipe's weights)
         log(f"[{name}] compiling ember ...")
-        systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr, profile)]
+        systems: list[tuple[Callable, SystemResult]] = [_ember(name, device, init, batches[0], lr, profile, precision)]
         if have_torch:
-            systems.append(_torch(name, init, lr, False, threads))
+            systems.append(_torch(name, init, lr, False, threads, precision))
             if torch_compile:
                 try:
                     log(f"[{name}] torch.compile ...")
-                    fn, res = _torch(name, init, lr, True, threads)
+                    fn, res = _torch(name, init, lr, True, threads, precision)
                     t0 = time.perf_counter()
                     fn(*batches[0])
                     res.compile_cold_s = time.perf_counter() - t0
@@ -316,7 +322,7 @@ def run_bench(models: list[str], device: str = "cpu", steps: int = 200, warmup: 
 
 def format_table(report: dict[str, Any]) -> str:
     peak = report.get("fma_peak_gflops")
-    lines = [f"device={report['device']} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
+    lines = [f"device={report['device']} precision={report.get('precision', 'float32')} threads={report['threads']} batch={report['batch']} steps/system={report['steps']}"
              + (f" fma_peak={peak:.1f} GFLOP/s" if peak else "")
              + (f" cpu_vector={report['cpu_vector']}" if report.get("cpu_vector") else "") + f" omp={report.get('omp')}",
              f"{'model':9} {'system':14} {'median ms':>10} {'p10':>8} {'p90':>8} {'ember/this':>10} {'compile cold':>12} {'warm':>7} {'peak MiB':>9}"]
@@ -347,6 +353,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="default: each model's batch size in the zoo, 64 (cuda: 64 and 1024)")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 tensor cores for ember (precision='tf32') and PyTorch (allow_tf32) alike")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision for ember (precision='bf16') and PyTorch "
+                                                       "(torch.autocast) alike")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
@@ -356,9 +364,9 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    from .cli_checks import check_device, check_tf32
+    from .cli_checks import check_device, precision_flag
     check_device(args.device)
-    check_tf32(args.tf32, args.device)  # the CPU timing has no TF32 mode: a run would ignore the flag
+    precision = precision_flag(args)  # the CPU timing has no TF32 mode: a run would ignore the flag
     from .cli_checks import UsageError, check_torch_for, selected_models
     models = selected_models(args.model, args.zoo)
     unknown = [m for m in models if m not in ZOO]
@@ -369,10 +377,12 @@ def main(args: Any) -> int:
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
-        report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, log=lambda s: print(s, file=sys.stderr))
+        report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, bf16=precision == "bf16",
+                                log=lambda s: print(s, file=sys.stderr))
         print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
         return 0
     report = run_bench(models, device=args.device, steps=args.steps, warmup=args.warmup, batch=args.batch_size,
-                       threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile, profile=args.profile)
+                       threads=args.threads, data=args.data, torch_compile=not args.no_torch_compile, profile=args.profile,
+                       precision=precision)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

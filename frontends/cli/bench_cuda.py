@@ -27,7 +27,8 @@ def _torch_model(name: str):
     return torch_zoo_model(name)  # the zoo's PyTorch definitions (the recipes' twins among them)
 
 
-def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) -> list[tuple[str, Callable]]:
+def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
+                   bf16: bool = False) -> list[tuple[str, Callable]]:
     import torch
     import torch.nn.functional as tF
     systems = []
@@ -39,7 +40,8 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) ->
 
         def eager(x, y, model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
-            loss = tF.cross_entropy(model(x), y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):  # ember's precision="bf16" alike
+                loss = tF.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             return loss
@@ -61,7 +63,8 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) ->
         opt.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_loss = tF.cross_entropy(model(static_x), static_y)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                static_loss = tF.cross_entropy(model(static_x), static_y)
             static_loss.backward()
             opt.step()
 
@@ -76,7 +79,8 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0) ->
 
 
 def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, rounds: int = 5, lr: float = 0.05,
-                   tf32: bool = False, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+                   tf32: bool = False, bf16: bool = False, seed: int = 0,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
     import cupy as cp
     try:
         import torch
@@ -87,7 +91,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
     report: dict[str, Any] = {"device": "cuda", "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                              "tf32": tf32, "rows": []}
+                              "tf32": tf32, "bf16": bf16, "rows": []}
     for name in models:
         for batch in batches:
             shape = (batch, *ZOO[name].input_shape)
@@ -98,7 +102,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             model = zoo_model(name, seed)
             init = model.state_dict()
             step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=(xs_host[0], ys_host[0]),
-                                 device="cuda", precision="tf32" if tf32 else "float32")
+                                 device="cuda", precision="bf16" if bf16 else "tf32" if tf32 else "float32")
             # A dataset on the device, already cut into batches (views made once, for every system
             # alike): slicing a device array costs microseconds of host time per call, which on a
             # ~20 us step would be measured instead of the step. Labels are drawn in 0..9: nothing to
@@ -109,7 +113,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             if have_torch:
                 txs, tys = torch.from_numpy(xs_host).cuda(), torch.from_numpy(ys_host).cuda()
                 txb, tyb = [txs[i] for i in range(nb)], [tys[i] for i in range(nb)]
-                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0]):
+                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0], bf16):
                     systems.append((mode, lambda i, fn=fn: fn(txb[i % nb], tyb[i % nb])))
             times: dict[str, list[float]] = {s: [] for s, _ in systems}
             per_block = max(1, steps // rounds)
@@ -238,7 +242,8 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
 
 
 def format_cuda_report(report: dict[str, Any]) -> str:
-    lines = [f"device=cuda ({report['gpu']}), float32, TF32 {'on' if report['tf32'] else 'off'}",
+    lines = [f"device=cuda ({report['gpu']}), {'bfloat16 mixed precision (autocast)' if report.get('bf16') else 'float32'}, "
+             f"TF32 {'on' if report['tf32'] else 'off'}",
              f"{'model':9} {'batch':>5} {'system':16} {'us/step':>9} {'samples/s':>12} {'ember/this':>10}"]
     for r in report["rows"]:
         lines.append(f"{r['model']:9} {r['batch']:5} {r['system']:16} {r['ms_per_step'] * 1e3:9.1f} "

@@ -11,6 +11,7 @@ temporary file, one byte long, is created in it and removed.
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import math
 import os
@@ -22,7 +23,7 @@ from ..training.recipes import MODELS
 from ..training.zoo import ZOO, require_torch
 
 __all__ = ["UsageError", "check_output_file", "check_output_dir", "check_plot_file", "check_input_file",
-           "check_hyperparameters", "check_device", "check_tf32", "describe_os_error", "format_loss",
+           "check_hyperparameters", "check_device", "check_tf32", "precision_flag", "describe_os_error", "format_loss",
            "selected_models", "check_torch_for"]
 
 
@@ -160,6 +161,24 @@ def check_device(device: str) -> None:
 def check_tf32(tf32: bool, device: str) -> None:
     if tf32 and device.partition(":")[0] != "cuda":
         raise UsageError(f"--tf32: TF32 is a CUDA tensor-core mode; --device {device} computes in float32")
+
+
+def precision_flag(args: "argparse.Namespace") -> str:
+    """The precision `--tf32` / `--bf16` ask for ("float32" without either), checked against the
+    command's --device: one flag at most, and one the device computes in."""
+    tf32, bf16 = bool(getattr(args, "tf32", False)), bool(getattr(args, "bf16", False))
+    if tf32 and bf16:
+        raise UsageError("--tf32 and --bf16: choose one precision")
+    check_tf32(tf32, args.device)
+    from ember.runtime import target, target_names
+    if not bf16:
+        return "tf32" if tf32 else "float32"
+    name = args.device.partition(":")[0]
+    if name in target_names() and "bf16" not in target(name).precisions:
+        having = [t for t in target_names() if "bf16" in target(t).precisions]
+        raise UsageError(f"--bf16: --device {args.device} has no bfloat16 kernels (devices with them: "
+                         f"{', '.join(having)})")
+    return "bf16"
 
 
 def selected_models(model: str, zoo: bool) -> list[str]:

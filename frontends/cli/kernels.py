@@ -25,7 +25,7 @@ from ember.frontends import nn, plan
 from ember.frontends.checkpoint import atomic_write_bytes
 from ..training.recipes import MODELS, make_optimizer
 from ..training.zoo import ZOO, require_torch, zoo_model
-from .cli_checks import check_output_dir, describe_os_error
+from .cli_checks import check_output_dir, describe_os_error, precision_flag
 
 EXTENSIONS = {"cpp": ".cpp", "cuda": ".cu"}
 
@@ -67,6 +67,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the sources (created)")
     p.add_argument("--tf32", action="store_true", help="cuda: the kernels of compile(..., precision='tf32')")
+    p.add_argument("--bf16", action="store_true", help="the kernels of compile(..., precision='bf16') (bfloat16 "
+                                                       "mixed precision)")
     p.add_argument("--gpu", metavar="NAME", help=f"cuda: plan the kernels for this GPU ({', '.join(KNOWN)}; "
                                                  f"default: the one at hand, else h200)")
 
@@ -91,10 +93,11 @@ def main(args: Any) -> int:
         except ModuleNotFoundError as exc:
             print(f"ember kernels: error: {args.model}: {exc}", file=sys.stderr)
             return 2
+    args.precision = precision_flag(args)  # a UsageError: one line, exit status 2
     out = check_output_dir("--out", args.out)
     try:
         for path in write_kernels(args.model, args.device, out, args.batch_size,
-                                  "tf32" if args.tf32 else "float32", args.gpu):
+                                  args.precision, args.gpu):
             print(path)
     except ValueError as exc:
         print(f"ember kernels: error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ The epoch count is a target: `--epochs 3 --resume ckpt` trains until 3 epochs ar
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -27,13 +28,13 @@ from ember.runtime.consistency import ConsistencyError
 from ember.frontends import nn
 from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
-from ..training.recipes import INITS, MODELS, OPTIMIZERS, build_model, make_optimizer
+from ..training.recipes import INITS, MODELS, OPTIMIZERS, RECIPES, build_model, make_optimizer
 from ..training.trainer import Trainer, check_config
 from . import mnist_setup as setup
 from .cli_checks import (UsageError, check_device, check_hyperparameters, check_input_file, check_output_dir,
-                         check_output_file, check_plot_file, check_tf32, describe_os_error)
+                         check_output_file, check_plot_file, describe_os_error, precision_flag)
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "recipe_defaults", "main"]
 
 # Where a missing dataset folder is filled from (a module attribute so tests can point it elsewhere;
 # None: the dataset's own mirrors).
@@ -41,12 +42,19 @@ MNIST_MIRRORS: tuple[str, ...] | None = None
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn", help="cnn (default), mlp, lenet5 or resnet8")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="a named recipe's settings as the defaults (options given here win): "
+                        + "; ".join(f"{name}: {r.description}" for name, r in RECIPES.items()).replace("%", "%%"))
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                   help="cnn (default), mlp, lenet5, resnet8 or speednet (the speedrun recipe's)")
     p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
     p.add_argument("--tf32", action="store_true",
                    help="cuda: matmuls and convolutions on TF32 tensor cores (compile(..., precision='tf32'), "
                         "as PyTorch's allow_tf32); default: exact float32")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision as torch.autocast(dtype=torch.bfloat16): matmuls and convolutions on bfloat16 "
+                        "with float32 accumulation, float32 master weights (compile(..., precision='bf16'))")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the dataset's four IDX files (default: the --dataset's folder, where missing "
                         "files are downloaded, md5-checked)")
@@ -58,6 +66,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="torch.optim's SGD, Adam or AdamW")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--betas", default=None, metavar="B1,B2",
+                   help="Adam's and AdamW's moment decays (default torch's 0.9,0.999)")
+    p.add_argument("--translate", type=int, default=None, metavar="N",
+                   help="random translation of the training images by up to N pixels each way, inside the compiled "
+                        "step (models with an augmentation layer: speednet)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffled order")
     p.add_argument("--init", choices=INITS, default="torch",
                    help="initial weights: torch (default): PyTorch's default initialisation for --seed, bit for bit, "
@@ -93,6 +106,23 @@ def add_arguments(p: Any) -> None:
                    help="also print where the compile went (passes, rendering, compiler; objects cached or built)")
 
 
+def recipe_defaults(args: Any) -> dict[str, Any] | None:
+    """The --recipe's settings for --device, which the parser takes as its defaults."""
+    return RECIPES[args.recipe].settings_for(args.device) if args.recipe else None
+
+
+def _betas(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        b1, b2 = (float(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--betas {text}: expected two decays B1,B2, e.g. 0.9,0.999") from None
+    if not all(math.isfinite(b) and 0 <= b < 1 for b in (b1, b2)):
+        raise UsageError(f"--betas {text}: expected decays in [0, 1), e.g. 0.9,0.999")
+    return b1, b2
+
+
 def _format_compile_stats(stats: dict[str, Any]) -> str:
     """One line: seconds per phase, then the cache's share (`ember mnist --verbose`)."""
     parts = [f"{label} {stats[key]:.2f} s" for key, label in (("passes_s", "passes"), ("render_s", "render"),
@@ -125,8 +155,11 @@ def _check_args(args: Any) -> None:
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**32)")
     check_hyperparameters(args.lr, args.momentum)
+    _betas(args.betas)
+    if args.betas is not None and args.optimizer == "sgd":
+        raise UsageError(f"--betas {args.betas}: applies to --optimizer adam or adamw; SGD's is --momentum")
     setup.check_training_args(args)
-    check_tf32(getattr(args, "tf32", False), args.device)
+    args.precision = precision_flag(args)
     if args.save:
         check_output_file("--save", args.save)
     if args.metrics_file:
@@ -196,6 +229,22 @@ def _epoch_line(rec: dict[str, Any], epochs: int, n_test: int, limit_steps: int 
             f"{speed}")
 
 
+def _target_line(trainer: Trainer, target: float, n_test: int) -> str:
+    """Where and when the run reached --target-acc (or that it did not), and the time to it."""
+    since = setup.seconds_since_start()
+    wall = f", {since:.2f} s since the command started" if since is not None else ""
+    r = trainer.reached
+    if r is None:
+        evals = [rec for rec in trainer.records if "test_acc" in rec and rec.get("type") in ("epoch", "eval")]
+        best = max((rec["test_acc"] for rec in evals), default=None)
+        return (f"target test accuracy {100 * target:.2f}% not reached" +
+                (f" (best {100 * best:.2f}% of {len(evals)} evaluations)" if best is not None else "") +
+                f"; {trainer.train_seconds:.3f} s of training, {trainer.eval_seconds:.3f} s of evaluation{wall}")
+    return (f"reached test accuracy {100 * r['test_acc']:.2f}% ({round(r['test_acc'] * n_test)}/{n_test}) >= "
+            f"{100 * target:.2f}% at epoch {r['epoch']}, step {r['step']}: {r['train_seconds']:.3f} s of training "
+            f"(compile {trainer.compile_seconds:.2f} s and evaluation {r['eval_seconds']:.3f} s excluded){wall}")
+
+
 def _divergence_message(d: dict[str, Any], args: Any) -> str:
     if d.get("loss") is not None:
         what = f"the training loss became {d['loss']} at epoch {d['epoch']}, step {d['step']}"
@@ -238,12 +287,13 @@ def main(args: Any) -> int:
     (x_train, y_train), val = setup.split_validation(x_train, y_train, args.val_split)
 
     config = {"model": args.model, "dataset": args.dataset, "optimizer": args.optimizer, "lr": args.lr,
-              "momentum": args.momentum, "weight_decay": args.weight_decay, "nesterov": args.nesterov,
-              "label_smoothing": args.label_smoothing, "val_split": args.val_split,
+              "momentum": args.momentum, "betas": args.betas, "weight_decay": args.weight_decay,
+              "nesterov": args.nesterov, "recipe": args.recipe, "translate": args.translate,
+              "label_smoothing": args.label_smoothing, "val_split": args.val_split, "tta": args.tta,
               "init": args.init_weights or f"{args.init} seed {args.seed}",
-              "precision": "tf32" if args.tf32 else "float32"}
+              "precision": args.precision}
     try:
-        model = build_model(args.model, args.seed, args.init)
+        model = build_model(args.model, args.seed, args.init, translate=args.translate)
         if args.init_weights and not args.resume:
             try:
                 weights = load_weights(args.init_weights)
@@ -253,7 +303,8 @@ def main(args: Any) -> int:
                 model.load_state_dict(weights)
             except (KeyError, ValueError) as e:
                 raise CheckpointError(f"{args.init_weights}: does not fit the {args.model} model: {e}") from None
-        opt = make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay, args.nesterov)
+        opt = make_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay, args.nesterov,
+                             _betas(args.betas))
     except (ValueError, OSError) as e:
         return _error(str(e))
 
@@ -276,8 +327,12 @@ def main(args: Any) -> int:
           + (f" + {len(val[0])} validation (the last {args.val_split:g} of {n_files})" if val is not None else "")
           + f" / {len(x_test)} test images)", flush=True)
     # the schedule, attached by the trainer, gets a line of its own
-    print(f"ember mnist: {args.model} on {args.device}, {repr(opt).replace(', schedule=None', '')}, batch {args.batch_size}"
-          + (f", label smoothing {args.label_smoothing:g}" if args.label_smoothing else ""), flush=True)
+    print(f"ember mnist: {f'recipe {args.recipe}: ' if args.recipe else ''}{args.model} on {args.device}, "
+          f"{repr(opt).replace(', schedule=None', '')}, batch {args.batch_size}"
+          + (f", {'shuffled' if args.shuffle else 'file order'}" if args.recipe else "")
+          + (f", label smoothing {args.label_smoothing:g}" if args.label_smoothing else "")
+          + (f", random translation up to {model.augment.max_shift} px" if getattr(model, "augment", None) else "")
+          + (f", test-time augmentation {args.tta}" if args.tta else ""), flush=True)
     if run_dir is not None:
         setup.write_config(run_dir, args, {"run_dir": os.fspath(run_dir), "data": os.fspath(root)})
         print(f"run folder: {run_dir}", flush=True)
@@ -291,7 +346,8 @@ def main(args: Any) -> int:
                           progress=not args.no_progress, dump_dir=args.dump_kernels, config=config, communicator=comm,
                           bucket_bytes=args.bucket_bytes, precision=config["precision"], val=val,
                           loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing),
-                          lr_schedule=schedule, epochs=args.epochs)
+                          lr_schedule=schedule, epochs=args.epochs,
+                          tta=setup.parse_shifts("--tta", args.tta) if args.tta else ())
     except ConsistencyError as e:  # raised on every rank at once: rank 0 alone says it
         return _ranks_disagree(comm, e)
     except ValueError as e:  # a warm-up longer than the run, known only with the steps per epoch
@@ -347,7 +403,8 @@ def main(args: Any) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
     try:
-        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch, save_every=args.save_every)
+        trainer.fit(args.epochs, save=args.save, on_epoch=on_epoch, save_every=args.save_every,
+                    target_acc=args.target_acc, eval_every=args.eval_every)
     except OSError as e:  # the checkpoint (or a dump of the inference step) could not be written
         if e.errno is None:
             raise
@@ -367,6 +424,8 @@ def main(args: Any) -> int:
     if trainer.stop_requested and trainer.epoch < args.epochs:
         print(f"stopped at step {trainer.global_step}" + (f"; resume with --resume {args.save}" if args.save else ""))
         return 130
+    if args.target_acc is not None:
+        print(_target_line(trainer, args.target_acc, len(x_test)), flush=True)
     if args.save:
         print(f"saved {args.save}")
     if args.plot:

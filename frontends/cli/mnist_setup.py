@@ -1,5 +1,6 @@
 """`ember mnist`'s training options: optimizer details, learning-rate schedule, label smoothing,
-the validation split, the dataset, and the run folder (`--output-dir`).
+the validation split, the dataset, evaluation (test-time augmentation, a target accuracy) and
+the run folder (`--output-dir`).
 
 Split out of `mnist.py`, which keeps the run itself; everything here runs before any data is
 read or step compiled (the checks), or sets the run up (data, split, folder).
@@ -23,7 +24,7 @@ from ..training.recipes import LR_SCHEDULES, WARMUP_START_FACTOR, LRSchedule
 from .cli_checks import UsageError, check_output_dir
 
 __all__ = ["add_training_arguments", "check_training_args", "lr_schedule", "split_validation", "run_folder",
-           "write_config", "CHECKPOINT", "METRICS", "CURVES", "CONFIG"]
+           "write_config", "parse_shifts", "seconds_since_start", "CHECKPOINT", "METRICS", "CURVES", "CONFIG"]
 
 # the files of a run folder (--output-dir)
 CHECKPOINT, METRICS, CURVES, CONFIG = "checkpoint.safetensors", "metrics.jsonl", "curves.png", "config.json"
@@ -62,6 +63,15 @@ def add_training_arguments(p: Any) -> None:
                    help="a run folder DIR/run-001, run-002, ... (the next free number; --resume of a checkpoint "
                         "inside one continues there) holding metrics.jsonl, checkpoint.safetensors (each epoch), "
                         "curves.png (with matplotlib) and config.json; --save, --metrics-file and --plot still win")
+    p.add_argument("--target-acc", type=float, default=None, metavar="A",
+                   help="stop once the test accuracy reaches A (a fraction, e.g. 0.99), evaluating after every epoch "
+                        "and every --eval-every steps; prints the time to it: training seconds (compile and "
+                        "evaluations excluded) and wall seconds since the command started")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="also evaluate the test set every N steps (on the device, one read back each)")
+    p.add_argument("--tta", default=None, metavar="DY:DX[,DY:DX...]",
+                   help="test-time augmentation: evaluate the logits averaged over the images and their copies "
+                        "moved by each DY:DX pixels (zeros fill the border), e.g. --tta=0:1,0:-1")
     p.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="also write the checkpoint every N steps (atomically; a mid-epoch one resumes at its step); "
                         "needs --save or --output-dir")
@@ -99,6 +109,12 @@ def check_training_args(args: Any) -> None:
         raise UsageError(str(e)) from None
     if not (math.isfinite(args.label_smoothing) and 0 <= args.label_smoothing < 1):
         raise UsageError(f"--label-smoothing {args.label_smoothing}: expected a number in [0, 1)")
+    if args.target_acc is not None and not (math.isfinite(args.target_acc) and 0 < args.target_acc <= 1):
+        raise UsageError(f"--target-acc {args.target_acc}: expected a test accuracy in (0, 1], e.g. 0.99")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise UsageError(f"--eval-every {args.eval_every}: expected an integer >= 1 (steps)")
+    if args.tta is not None:
+        parse_shifts("--tta", args.tta)
     if args.val_split is not None and not (math.isfinite(args.val_split) and 0 < args.val_split < 1):
         raise UsageError(f"--val-split {args.val_split}: expected a fraction of the training set in (0, 1), e.g. 0.1")
     if args.save_every is not None:
@@ -109,6 +125,37 @@ def check_training_args(args: Any) -> None:
                              f"--output-dir DIR")
     if args.output_dir is not None:
         check_output_dir("--output-dir", args.output_dir)
+
+
+def parse_shifts(flag: str, text: str) -> tuple[tuple[int, int], ...]:
+    """"DY:DX,DY:DX..." -> ((dy, dx), ...): pixel shifts, each a pair of integers."""
+    shifts = []
+    for part in text.replace(" ", ",").split(","):
+        if not part:
+            continue
+        dy, sep, dx = part.partition(":")
+        try:
+            shifts.append((int(dy), int(dx)))
+        except ValueError:
+            raise UsageError(f"{flag} {text}: {part!r} is not DY:DX; expected pixel shifts such as 0:1,0:-1") from None
+        if not sep:
+            raise UsageError(f"{flag} {text}: {part!r} is not DY:DX; expected pixel shifts such as 0:1,0:-1")
+    if not shifts:
+        raise UsageError(f"{flag} {text!r}: no shift given; expected pixel shifts such as 0:1,0:-1")
+    return tuple(shifts)
+
+
+def seconds_since_start() -> float | None:
+    """Wall seconds since this process started (Python's start-up and imports included), from
+    /proc (10 ms resolution); None where /proc is not there."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def split_validation(x: np.ndarray, y: np.ndarray, fraction: float | None

@@ -26,7 +26,7 @@ from ember.runtime import target_names
 
 from ..training.recipes import MODELS, make_optimizer
 from ..training.zoo import ZOO, zoo_model
-from .cli_checks import UsageError, check_torch_for, selected_models
+from .cli_checks import UsageError, check_torch_for, precision_flag, selected_models
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -47,6 +47,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--device", default="cuda", metavar="{" + ",".join(target_names()) + "}[:N]")
     p.add_argument("--batch-size", default="64,1024", metavar="B[,B...]", help="batch sizes (default 64,1024)")
     p.add_argument("--tf32", action="store_true", help="cuda: tune the kernels of precision='tf32'")
+    p.add_argument("--bf16", action="store_true", help="tune the kernels of precision='bf16' (bfloat16 mixed precision)")
     p.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for the whole run, in seconds")
     p.add_argument("--retune", action="store_true", help="measure kernels the database already holds again")
     p.add_argument("--db", default=None, metavar="DIR",
@@ -55,6 +56,7 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
+    precision = precision_flag(args)
     models = selected_models(args.model, args.zoo)
     if unknown := [m for m in models if m not in ZOO]:
         raise UsageError(f"--model {', '.join(unknown)}: expected names from {', '.join(ZOO)} (or all)")
@@ -71,7 +73,6 @@ def main(args: Any) -> int:
     if index:
         target.select_device(int(index))
     db = tuning_db.TuningDB(args.db, (tuning_db.SHIPPED_DIR,)) if args.db else tuning_db.default_db()
-    precision = "tf32" if args.tf32 else "float32"
     t0 = time.perf_counter()
     totals = {"measured": 0, "reused": 0, "budget": 0}
     with tuning_db.using(db):

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "MetricsWriteError", "MetricsWarning", "cross_entropy_sum", "correct_count", "epoch_records",
+__all__ = ["MetricsWriter", "read_metrics", "MetricsError", "MetricsWriteError", "MetricsWarning", "cross_entropy_sum", "correct_count", "logit_sums", "epoch_records",
            "format_loss"]
 
 
@@ -219,6 +219,18 @@ def cross_entropy_sum(logits: np.ndarray, labels: np.ndarray) -> float:
 def correct_count(logits: np.ndarray, labels: np.ndarray) -> int:
     """How many rows' argmax equals the label."""
     return int((np.asarray(logits).argmax(axis=1) == np.asarray(labels)).sum())
+
+
+def logit_sums(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """(cross-entropy summed over the batch in float64, how many rows' argmax is the label), as
+    0-d arrays where `logits` and `labels` are: NumPy's functions dispatch to a device array's
+    own (CuPy implements NumPy's protocols), so an evaluation on a GPU adds them up there and
+    reads back two numbers at its end instead of every batch's logits."""
+    z = logits.astype(np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    picked = np.take_along_axis(z, labels.reshape(-1, 1), axis=1)[:, 0]
+    return (lse - picked).sum(), (z.argmax(axis=1) == labels).sum()
 
 
 def epoch_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

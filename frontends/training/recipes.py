@@ -1,13 +1,15 @@
 """The MNIST recipes: the models (`MODELS`, `build_model`), PyTorch's default initialisation
-reproduced bit for bit (`pytorch_init`) and the optimizer factory (`make_optimizer`).
+reproduced bit for bit (`pytorch_init`), the optimizer factory (`make_optimizer`) and the named
+recipes of `ember mnist --recipe` (`RECIPES`).
 
-The models are the ones of the reference recipe (`../shared/reference/torch_mnist.py`).
+cnn and mlp are the models of the reference recipe (`../shared/reference/torch_mnist.py`);
+speednet is the speedrun recipe's (docs/speedrun.md has the experiments that chose it).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,8 +17,8 @@ import numpy as np
 from ember.frontends import functional as F
 from ember.frontends import nn, optim
 
-__all__ = ["ResNet8", "BasicBlock", "MODELS", "INITS", "OPTIMIZERS", "LR_SCHEDULES", "WARMUP_START_FACTOR",
-           "LRSchedule", "build_model", "pytorch_init", "make_optimizer"]
+__all__ = ["ResNet8", "BasicBlock", "SpeedNet", "MODELS", "INITS", "OPTIMIZERS", "LR_SCHEDULES",
+           "WARMUP_START_FACTOR", "LRSchedule", "Recipe", "RECIPES", "build_model", "pytorch_init", "make_optimizer"]
 
 
 def _cnn() -> nn.Module:
@@ -74,9 +76,37 @@ class ResNet8(nn.Module):
         return self.fc(F.flatten(self.avgpool(x), 1))
 
 
+class SpeedNet(nn.Module):
+    """The speedrun recipe's model: random translation of the input (training only), two
+    convolution blocks (conv, 2x2 max pooling, BatchNorm, ReLU: pooling before the normalisation
+    is the same network as after a ReLU, on a quarter of the values) and a two-layer head.
+    In the spirit of tuomaso/train_mnist_fast's network, with BatchNorm added; the widths and the
+    first kernel were chosen by experiment (docs/speedrun.md)."""
+
+    def __init__(self, classes: int = 10, max_shift: int = 1, widths: tuple[int, int] = (24, 32),
+                 hidden: int = 256) -> None:
+        super().__init__()
+        c1, c2 = widths
+        self.augment = nn.RandomTranslate(max_shift)  # no parameters: the state dict is the same for every shift
+        self.conv1 = nn.Conv2d(1, c1, 5)
+        self.bn1 = nn.BatchNorm2d(c1)
+        self.conv2 = nn.Conv2d(c1, c2, 3)
+        self.bn2 = nn.BatchNorm2d(c2)
+        self.pool = nn.MaxPool2d(2)
+        self.relu = nn.ReLU()
+        self.fc1 = nn.Linear(c2 * 5 * 5, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: Any) -> Any:
+        x = self.relu(self.bn1(self.pool(self.conv1(self.augment(x)))))  # 28 -> 24 -> 12
+        x = self.relu(self.bn2(self.pool(self.conv2(x))))  # 12 -> 10 -> 5
+        return self.fc2(self.relu(self.fc1(F.flatten(x, 1))))
+
+
 # name -> (builder, whether it takes flat 784-pixel rows). cnn and mlp are torch_mnist.py's models.
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {"cnn": (_cnn, False), "mlp": (_mlp, True),
-                                                           "lenet5": (_lenet5, False), "resnet8": (ResNet8, False)}
+                                                           "lenet5": (_lenet5, False), "resnet8": (ResNet8, False),
+                                                           "speednet": (SpeedNet, False)}
 
 def pytorch_init(model: nn.Module, seed: int = 0) -> nn.Module:
     """Sets `model`'s Linear and Conv2d parameters, in place, to exactly the values PyTorch's
@@ -115,16 +145,25 @@ def pytorch_init(model: nn.Module, seed: int = 0) -> nn.Module:
 INITS = ("torch", "ember")
 
 
-def build_model(name: str, seed: int = 0, init: str = "torch") -> nn.Module:
+def build_model(name: str, seed: int = 0, init: str = "torch", translate: int | None = None) -> nn.Module:
     """The named MNIST model. init "torch": PyTorch's default initialisation for `seed`, bit for
     bit (what the reference recipe, torch_mnist.py, starts from); "ember": ember's own
-    generator (`nn.manual_seed(seed)`), the same distributions but other values."""
+    generator (`nn.manual_seed(seed)`), the same distributions but other values. translate: the
+    largest shift of the model's random translation (models with an `augment` layer)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; expected one of {INITS}")
     nn.manual_seed(seed)
     model = MODELS[name][0]()
+    if translate is not None:
+        augment = getattr(model, "augment", None)
+        if not isinstance(augment, nn.RandomTranslate):
+            raise ValueError(f"--translate {translate}: the {name} model has no random translation layer "
+                             f"(an `augment` RandomTranslate, as speednet's)")
+        if translate < 0:
+            raise ValueError(f"--translate {translate}: expected a largest shift >= 0 (pixels)")
+        augment.max_shift = int(translate)
     return pytorch_init(model, seed) if init == "torch" else model
 
 
@@ -133,21 +172,23 @@ _NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 
 
 def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
-                   nesterov: bool = False) -> optim.Optimizer:
+                   nesterov: bool = False, betas: tuple[float, float] | None = None) -> optim.Optimizer:
     """The named optimizer with torch.optim's semantics and checks. weight_decay None: torch's
-    default (0 for SGD and Adam, 0.01 for AdamW's decoupled decay)."""
+    default (0 for SGD and Adam, 0.01 for AdamW's decoupled decay); betas None: torch's (0.9, 0.999)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
     if name == "sgd":
         if nesterov and momentum <= 0:  # torch's words, and the flag that fixes it
             raise ValueError("Nesterov momentum requires a momentum and zero dampening (add --momentum M > 0)")
+        if betas is not None:
+            raise ValueError("--betas applies to Adam and AdamW; SGD's is --momentum")
         return optim.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay or 0.0, nesterov=nesterov)
     if momentum:
         raise ValueError(f"--momentum applies to SGD; {_NAMES[name]}'s moment decay is its betas (0.9, 0.999)")
     if nesterov:
         raise ValueError(f"--nesterov applies to SGD with momentum, not {name}")
     cls = optim.Adam if name == "adam" else optim.AdamW
-    return cls(lr=lr, weight_decay=weight_decay)
+    return cls(lr=lr, weight_decay=weight_decay, **({"betas": tuple(betas)} if betas is not None else {}))
 
 
 LR_SCHEDULES = ("constant", "cosine", "onecycle", "step", "linear")
@@ -224,3 +265,31 @@ class LRSchedule:
                 "linear": f"linear from {lr:g} to 0 over {total_steps - w} steps",
                 "step": f"x{self.gamma:g} every {self.step_size} steps"}[self.name]
         return f"lr schedule: {warm}{main}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named set of `ember mnist` settings (`--recipe NAME`): option names as the command's
+    (`batch_size` for --batch-size) with their values, and per device kind the values that
+    differ there. Options given on the command line win over the recipe's."""
+    description: str
+    settings: dict[str, Any]
+    per_device: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def settings_for(self, device: str) -> dict[str, Any]:
+        """The settings for `device` ("cuda:1" is a cuda device)."""
+        return {**self.settings, **self.per_device.get(device.partition(":")[0], {})}
+
+
+RECIPES: dict[str, Recipe] = {
+    "speedrun": Recipe(
+        description="MNIST to 99% test accuracy as fast as possible (docs/speedrun.md): speednet, one epoch of "
+                    "batch 512, Adam (betas 0.7, 0.9) on a one-cycle schedule peaking at 0.02, label smoothing 0.1, "
+                    "random translation by up to 1 pixel, shuffled, float32",
+        settings={"model": "speednet", "epochs": 1, "batch_size": 512, "optimizer": "adam", "lr": 0.02,
+                  "betas": "0.7,0.9", "lr_schedule": "onecycle", "label_smoothing": 0.1, "translate": 1,
+                  "shuffle": True, "eval_batch_size": 2000},
+        # a GPU evaluates the 10k test images in one call; on a CPU 2000 at a time keep the
+        # activations (110 MB for speednet) in reach of the caches' and memory's comfort
+        per_device={"cuda": {"eval_batch_size": 10000}}),
+}

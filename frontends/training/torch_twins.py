@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["TWINS", "torch_model"]
 
-TWINS = ("cnn", "mlp", "lenet5", "resnet8")
+TWINS = ("cnn", "mlp", "lenet5", "resnet8", "speednet")
 
 
 def _resnet8(tnn: Any, torch: Any) -> Any:
@@ -47,6 +47,30 @@ def _resnet8(tnn: Any, torch: Any) -> Any:
     return ResNet8()
 
 
+def _speednet(tnn: Any, torch: Any) -> Any:
+    class SpeedNet(tnn.Module):
+        """recipes.SpeedNet without its random translation, which the step applies to the batch
+        (tools/torch_speedrun.py); the state dict is the same (the translation has none)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = tnn.Conv2d(1, 24, 5)
+            self.bn1 = tnn.BatchNorm2d(24)
+            self.conv2 = tnn.Conv2d(24, 32, 3)
+            self.bn2 = tnn.BatchNorm2d(32)
+            self.pool = tnn.MaxPool2d(2)
+            self.relu = tnn.ReLU()
+            self.fc1 = tnn.Linear(32 * 5 * 5, 256)
+            self.fc2 = tnn.Linear(256, 10)
+
+        def forward(self, x: Any) -> Any:
+            x = self.relu(self.bn1(self.pool(self.conv1(x))))
+            x = self.relu(self.bn2(self.pool(self.conv2(x))))
+            return self.fc2(self.relu(self.fc1(torch.flatten(x, 1))))
+
+    return SpeedNet()
+
+
 def torch_model(name: str) -> Any:
     """A fresh PyTorch twin of recipe `name` (PyTorch's own initialisation; load ember's weights)."""
     import torch
@@ -62,4 +86,6 @@ def torch_model(name: str) -> Any:
                               tnn.Linear(120, 84), tnn.ReLU(), tnn.Linear(84, 10))
     if name == "resnet8":
         return _resnet8(tnn, torch)
+    if name == "speednet":
+        return _speednet(tnn, torch)
     raise ValueError(f"no PyTorch twin for model {name!r}; expected one of {', '.join(TWINS)}")

@@ -2,9 +2,13 @@
 feeds it the loader's batches (views of the arrays in memory, or on the device for a target that
 keeps data there; a shuffled batch is gathered per batch), reads the loss back as Python floats
 (every step on the host; on a device only when it is logged or shown, so the GPU never waits), writes metrics records, evaluates with
-`step.inference` (the compiled inference graph on the same parameters) and saves and restores
-checkpoints. The epoch count is a target: `fit(3)` on a trainer resumed after one epoch trains
-two more.
+`step.inference` (the compiled inference graph on the same parameters, its logits reduced where
+they are: on a device one read back per evaluation; optionally averaged over shifted copies of
+the images, test-time augmentation) and saves and restores checkpoints. The epoch count is a
+target: `fit(3)` on a trainer resumed after one epoch trains two more. `fit(target_acc=...)`
+also stops once the test accuracy reaches a target, evaluating every `eval_every` steps, and
+times the run: `train_seconds` (steps only) and `eval_seconds` (evaluations), the device
+synchronised at each boundary. `restart` starts another seed's run on the same compiled step.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +25,7 @@ from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim
 
 from ember.frontends.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from .metrics import MetricsWriter, correct_count, cross_entropy_sum, format_loss
+from .metrics import MetricsWriter, format_loss, logit_sums
 
 __all__ = ["Trainer", "NonFiniteError", "check_config"]
 
@@ -45,6 +49,10 @@ class Trainer:
     `epochs` x steps_per_epoch() steps (a schedule already attached with `optim.lr_scheduler`
     works as it is); step records then log each step's `lr`. A resumed trainer must be built with
     the same schedule (checkpoints record it, and `load` refuses another).
+    tta: test-time augmentation, (dy, dx) pixel shifts: evaluation averages the logits of the
+    images and of each shifted copy (zeros fill the border; the copies are made once, where
+    the data is kept). seed: the initial shuffled order and the stream of the step's random
+    draws (`TrainStep.seed_random`: dropout masks, random translations).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, train: tuple[np.ndarray, np.ndarray],
@@ -55,7 +63,7 @@ class Trainer:
                  print_fn: Callable[[str], None] | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
                  communicator: Any = None, bucket_bytes: int | None = None, precision: str = "float32",
                  val: tuple[np.ndarray, np.ndarray] | None = None, lr_schedule: Any = None,
-                 epochs: int | None = None) -> None:
+                 epochs: int | None = None, tta: Sequence[tuple[int, int]] = ()) -> None:
         from ember.runtime.data import DataLoader
 
         from ember.runtime import target as get_target
@@ -97,13 +105,14 @@ class Trainer:
         to_device = get_target(device).to_device
         self.on_device = to_device is not None
         example = (x[:min(batch_size, len(x))], y[:min(batch_size, len(x))])
+        self.tta = tuple((int(dy), int(dx)) for dy, dx in tta)
+        # the evaluation sets as evaluate() reads them: every view of the images (the images, then
+        # each shifted copy), and the labels, where the data is kept
+        self._eval_views = {name: _views(data, self.tta, to_device) for name, data in (("test", test), ("val", val))
+                            if data is not None}
         if self.on_device:
             x, y = to_device(x), to_device(y)
-            if test is not None:
-                test = (to_device(test[0]), test[1])
-            if val is not None:
-                val = (to_device(val[0]), val[1])
-        self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed)
+        self.loader = DataLoader(x, y, batch_size, shuffle=shuffle, seed=seed, to_device=to_device)
         self.test = test
         self.val = val
         self.eval_batch_size = eval_batch_size
@@ -123,6 +132,12 @@ class Trainer:
         self.write_error: OSError | None = None  # the first failed metrics write; none is tried after it
         self.saved_at: int | None = None  # global step of the last checkpoint this trainer wrote
         self.target_epochs: int | None = None  # fit()'s goal, for the progress bar
+        self.target_acc: float | None = None  # fit(): stop once the test accuracy reaches it
+        self.eval_every: int | None = None  # fit(): also evaluate the test set every N steps
+        self.reached: dict[str, Any] | None = None  # the "target" record once target_acc is reached
+        self.train_seconds = 0.0  # time in training steps (device synchronised), this process
+        self.eval_seconds = 0.0  # time in evaluations, this process
+        self._train_mark = 0.0  # when the current stretch of steps started
         self.save_every: int | None = None  # fit(): also checkpoint every N steps, to fit's `save`
         self._save_path: str | os.PathLike | None = None
         # the schedule's length is fixed here, in the compiled step: epochs x steps per epoch
@@ -145,6 +160,7 @@ class Trainer:
         if last and reaches_end and not getattr(self.loader, "drop_last", False):
             self.step.precompile((last, *x.shape[1:]))
         self.compile_seconds = time.perf_counter() - t0
+        self.step.seed_random(seed)
 
     def lr_at(self, t: int) -> float:
         """The learning rate of optimizer step t (0-based, counted over the whole run), as the
@@ -210,7 +226,8 @@ class Trainer:
         loss_sum = batch_loss_sum = 0.0  # per-sample sum and per-batch sum, over this run's part of the epoch
         samples = steps = 0
         interval_loss, interval_samples, interval_steps = 0.0, 0, 0
-        t_start = t_interval = t_bar = time.perf_counter()
+        t_start = t_interval = t_bar = self._train_mark = time.perf_counter()
+        paused = 0.0  # seconds of this epoch spent evaluating mid-epoch (eval_every)
         stopped = False
         pending: list[tuple[Any, int]] = []  # (loss as the device holds it, batch size), not yet read back
         loss = math.nan
@@ -218,7 +235,7 @@ class Trainer:
         def settle() -> dict[str, Any] | None:
             """Reads back the pending losses, in order, into the sums; the diverged record if one is not finite."""
             nonlocal loss, loss_sum, batch_loss_sum, samples, steps, interval_loss, interval_samples, interval_steps
-            values = [float(v) for v, _ in pending]  # on a device the first waits; the rest are ready
+            values = _read_back([v for v, _ in pending])
             for k, (value, (_, n)) in enumerate(zip(values, pending)):
                 if not math.isfinite(value):
                     # every later step trains on NaN too: stop here, and never save this state
@@ -277,6 +294,17 @@ class Trainer:
                     stopped = True
                     break
                 self.save(self._save_path)
+            if self.eval_every and self.global_step % self.eval_every == 0 and self.step_in_epoch < total:
+                if settle() is not None:  # also waits for the device: the steps' time ends here
+                    bar.close()
+                    self.record(self.diverged)
+                    return self.diverged
+                t_pause = time.perf_counter()
+                self._checkpoint_eval(epoch_no)
+                paused += time.perf_counter() - t_pause
+                if self.reached is not None:
+                    stopped = True
+                    break
             if self._agree_to_stop():
                 stopped = self.step_in_epoch < total
                 break
@@ -284,7 +312,8 @@ class Trainer:
             bar.close()
             self.record(self.diverged)
             return self.diverged
-        epoch_seconds = time.perf_counter() - t_start
+        epoch_seconds = time.perf_counter() - t_start - paused
+        self.train_seconds += time.perf_counter() - self._train_mark
         if show and steps:
             bar.set_postfix_str(f"loss {format_loss(batch_loss_sum / steps)}, {samples / epoch_seconds:.0f} samples/s")
         bar.close()
@@ -300,44 +329,85 @@ class Trainer:
         if self.test is not None:
             rec["test_loss"], rec["test_acc"] = self.evaluate()
         if self.val is not None:
-            rec["val_loss"], rec["val_acc"] = self.evaluate(self.val)
+            rec["val_loss"], rec["val_acc"] = self.evaluate("val")
+        eval_seconds = time.perf_counter() - t_eval
+        self.eval_seconds += eval_seconds
         rec.update(samples_per_s=samples / max(epoch_seconds, 1e-12), epoch_seconds=epoch_seconds,
-                   eval_seconds=time.perf_counter() - t_eval, time=time.perf_counter() - self._t0)
+                   eval_seconds=eval_seconds, train_seconds=self.train_seconds, time=time.perf_counter() - self._t0)
         if self.world_size > 1:  # every rank trains as many samples in the same steps
             rec["samples_per_s_all_ranks"] = rec["samples_per_s"] * self.world_size
         self.epoch += 1
         self.step_in_epoch = 0
         self.record(rec)
+        if "test_acc" in rec:
+            self._note_target(rec)
         return rec
 
-    def evaluate(self, data: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy) of the current parameters on `data` (default: the test
-        set), through the compiled inference graph in batches of `eval_batch_size`."""
-        x, y = data if data is not None else self.test  # type: ignore[misc]
+    def _checkpoint_eval(self, epoch_no: int) -> None:
+        """A test-set evaluation between steps (`eval_every`): an "eval" record, and the target
+        checked. The caller has synchronised the device; the next stretch of steps starts after."""
+        self.train_seconds += time.perf_counter() - self._train_mark
+        t0 = time.perf_counter()
+        loss, acc = self.evaluate()
+        seconds = time.perf_counter() - t0
+        self.eval_seconds += seconds
+        rec = {"type": "eval", "epoch": epoch_no, "step": self.global_step, "test_loss": loss, "test_acc": acc,
+               "eval_seconds": seconds, "train_seconds": self.train_seconds, "time": time.perf_counter() - self._t0}
+        self.record(rec)
+        self._note_target(rec)
+        self._train_mark = time.perf_counter()
+
+    def _note_target(self, rec: dict[str, Any]) -> None:
+        """The "target" record, the first time an evaluation reaches `target_acc`: where (epoch,
+        step), the accuracy, and the time to it: training seconds (compile and evaluations
+        excluded), evaluation seconds so far, and seconds since the trainer was made (`time`)."""
+        if self.target_acc is None or self.reached is not None or rec["test_acc"] < self.target_acc:
+            return
+        self.reached = {"type": "target", "target_acc": self.target_acc, "epoch": rec["epoch"], "step": rec["step"],
+                        "test_acc": rec["test_acc"], "train_seconds": self.train_seconds,
+                        "eval_seconds": self.eval_seconds, "time": time.perf_counter() - self._t0}
+        self.record(self.reached)
+
+    def evaluate(self, data: "str | tuple[np.ndarray, np.ndarray]" = "test") -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) of the current parameters on `data` ("test", "val" or
+        an (x, y) pair), through the compiled inference graph in batches of `eval_batch_size`.
+        With `tta`, of the logits averaged over the images and their shifted copies. The sums
+        stay where the logits are until the end: on a device the evaluation reads back once."""
+        views, y = self._eval_views[data] if isinstance(data, str) else _views(data, self.tta, None)
         bs = self.eval_batch_size
-        loss = 0.0
-        correct = 0
+        loss: Any = 0.0
+        correct: Any = 0
         model = self.step.model
         was_training = model.training
         model.eval()  # BatchNorm normalises by its running statistics (and leaves them), as in PyTorch
         try:
-            for s in range(0, len(x), bs):
-                logits = self.step.inference(x[s:s + bs])
-                loss += cross_entropy_sum(logits, y[s:s + bs])
-                correct += correct_count(logits, y[s:s + bs])
+            for s in range(0, len(y), bs):
+                logits = self.step.inference(views[0][s:s + bs], host=False)
+                for v in views[1:]:
+                    logits = logits + self.step.inference(v[s:s + bs], host=False)
+                batch_loss, batch_correct = logit_sums(logits / len(views) if len(views) > 1 else logits, y[s:s + bs])
+                loss, correct = loss + batch_loss, correct + batch_correct
         finally:
             model.train(was_training)
-        return loss / len(x), correct / len(x)
+        return float(loss) / len(y), int(correct) / len(y)
 
     def fit(self, epochs: int, save: str | os.PathLike | None = None,
             on_epoch: Callable[[dict[str, Any]], None] | None = None,
-            save_every: int | None = None) -> list[dict[str, Any]]:
+            save_every: int | None = None, target_acc: float | None = None,
+            eval_every: int | None = None) -> list[dict[str, Any]]:
         """Trains until `epochs` epochs are done in all (a resumed trainer continues its count);
         saves a checkpoint to `save` after every epoch and when stopped early (unless stopped
         before any step ran: the file on disk then already holds this state, or a better one),
-        and with `save_every` also every that many steps (mid-epoch checkpoints resume there)."""
+        and with `save_every` also every that many steps (mid-epoch checkpoints resume there).
+        With `target_acc`, stops at the first evaluation whose test accuracy reaches it (after
+        each epoch, and every `eval_every` steps), recorded in `self.reached`."""
+        if target_acc is not None and self.test is None:
+            raise ValueError("target_acc needs a test set to evaluate")
+        if eval_every is not None and (eval_every < 1 or self.test is None):
+            raise ValueError(f"eval_every {eval_every}: expected an integer >= 1 and a test set to evaluate")
         done = []
         self.target_epochs = epochs
+        self.target_acc, self.eval_every = target_acc, eval_every
         self.save_every, self._save_path = save_every, save
         start_step = self.global_step
         if self.world_size > 1:
@@ -364,9 +434,25 @@ class Trainer:
                 break
             if save is not None and (rec["type"] != "stopped" or self.global_step > start_step):
                 self.save(save)
-            if rec["type"] == "stopped" or self.stop_requested:
+            if rec["type"] == "stopped" or self.stop_requested or self.reached is not None:
                 break
         return done
+
+    def restart(self, weights: Mapping[str, Any], seed: int) -> None:
+        """Starts another run on the compiled step, as a new Trainer of `seed` would but without
+        compiling again: `weights` (the model's state dict, e.g. another seed's initial
+        parameters and buffers) loaded, fresh optimizer state (the schedule starts again), the
+        random stream and the shuffled order of `seed`, and the counters, timers and records
+        at zero."""
+        self.step.load_state_dict(weights)
+        self.step.reset_optimizer()
+        self.step.seed_random(seed)
+        self.loader.seed = int(seed)
+        self.epoch = self.global_step = self.step_in_epoch = 0
+        self.train_seconds = self.eval_seconds = 0.0
+        self.records, self.reached, self.diverged = [], None, None
+        self.stop_requested = False
+        self._t0 = time.perf_counter()
 
     def finite(self) -> bool:
         """Whether every parameter and optimizer state value is finite."""
@@ -422,3 +508,37 @@ def check_config(ckpt: Checkpoint, config: dict[str, Any], keys: tuple[str, ...]
                     "steps per epoch and schedule settings" if key == "lr_schedule" else "")
             raise CheckpointError(f"{where}: checkpoint was written with {key}={have!r}, this run has {key}={want!r}"
                                   + hint)
+
+
+def _read_back(losses: list[Any]) -> list[float]:
+    """The losses as floats. On a device, stacked there first: one copy back (the first loss's
+    wait included) instead of one per loss, which an epoch of hundreds of fast steps notices."""
+    if len(losses) > 1 and hasattr(losses[0], "__cuda_array_interface__"):
+        stacked = np.stack(losses)  # CuPy's stack, through NumPy's dispatch
+        return [float(v) for v in (stacked.get() if hasattr(stacked, "get") else stacked)]
+    return [float(v) for v in losses]
+
+
+def moved(x: np.ndarray, dy: int, dx: int) -> np.ndarray:
+    """NCHW images moved down by dy and right by dx pixels, zeros where nothing lands (what
+    `nn.RandomTranslate` does to an image that drew (dy, dx))."""
+    out = np.zeros_like(x)
+    h, w = x.shape[-2:]
+    out[..., max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+        x[..., max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
+def _views(data: tuple[Any, Any], tta: tuple[tuple[int, int], ...], to_device: Any) -> tuple[list[Any], Any]:
+    """([the images, each shifted copy], labels) of an evaluation set, on the device where
+    `to_device` is given (a device set stays there; its shifted copies are made there once)."""
+    x, y = data
+    if tta and x.ndim != 4:
+        raise ValueError(f"test-time augmentation shifts NCHW images; the evaluation images are {x.shape}")
+    on_device = hasattr(x, "__cuda_array_interface__")
+    host = x.get() if on_device and tta else x
+    views = [x] + [moved(host, dy, dx) for dy, dx in tta]
+    if to_device is not None:
+        views = [v if hasattr(v, "__cuda_array_interface__") else to_device(v) for v in views]
+        y = y if hasattr(y, "__cuda_array_interface__") else to_device(np.asarray(y))
+    return views, y

@@ -4,7 +4,7 @@ would bring their own, so that `ember bench --zoo` (and `--model NAME` in `ember
 
 Every entry is a PyTorch module for 28x28 single-channel inputs and 10 classes, built by a
 function of a width factor (1.0: the model as described; tests use small widths), plus the batch
-size it is benchmarked at. The recipes' twins (cnn, mlp, lenet5, resnet8: `torch_twins`) are
+size it is benchmarked at. The recipes' twins (cnn, mlp, lenet5, resnet8, speednet: `torch_twins`) are
 entries too, so the zoo is the whole set. PyTorch is imported only when a model is built;
 without it, building one raises a one-line error.
 """
@@ -173,6 +173,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("mlp", _twin_entry("mlp"), "the MNIST MLP (784-30-10, sigmoid)", flat=True),
     ZooModel("lenet5", _twin_entry("lenet5"), "LeNet-5 with ReLU and max pooling"),
     ZooModel("resnet8", _twin_entry("resnet8"), "ResNet-8 (BatchNorm, residual blocks, stride 2)"),
+    ZooModel("speednet", _twin_entry("speednet"), "the speedrun recipe's: conv-pool-BatchNorm-ReLU x2, two linear "
+             "layers (its random translation is the training step's, not the model's)"),
     ZooModel("airbench", _airbench, "airbench-style: bias-free conv-BatchNorm-GELU blocks, max pooling"),
     ZooModel("mobilenet", _mobilenet, "MobileNet-style: depthwise-separable blocks, ReLU6"),
     ZooModel("vit", _vit(False), "a small vision transformer, attention as reshape/permute/matmul/softmax"),
@@ -211,7 +213,7 @@ def ember_zoo_model(name: str, width: float = 1.0, seed: int | None = None, torc
 
 def zoo_model(name: str, seed: int = 0) -> Any:
     """The ember model of zoo model `name` with PyTorch's initialisation for `seed`, as the
-    commands build it: a recipe's own ember model where it has one (cnn, mlp, lenet5, resnet8:
+    commands build it: a recipe's own ember model where it has one (cnn, mlp, lenet5, resnet8, speednet:
     the twin's layers and names, no PyTorch needed), else the PyTorch definition imported."""
     from .recipes import MODELS, build_model
     if name in MODELS:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ember.codegen import cuda_direct as cd
+from ember.codegen import cuda_direct_tc as ct
 from ember.codegen import cuda_kernels as ck
 from ember.codegen import cuda_skinny as cs
 from ember.codegen import cuda_small_conv as sc
@@ -99,6 +100,27 @@ def direct_kernels(batches=(64, 1024)):
         k = cd.render_matmul_thin(tag, **m)
         assert k is not None, tag
         out.append((k, ("matmul", m, {})))
+    return out
+
+
+def direct_tc_kernels(batches=(64, 1024)):
+    """The direct convolutions on TF32 tensor cores (`cuda_direct_tc`, the planner's best plan):
+    conv2 of the MNIST CNN and every odd stride-1 geometry, with and without their epilogues."""
+    out = []
+    t = dict(tf32=True)
+    geos = [(f"conv2_{B}", dict(N=B, **MNIST_CONVS["conv2"])) for B in batches]
+    geos += [(f"odd{i}", g) for i, g in enumerate(ODD_CONVS) if g["stride"] == 1]
+    for tag, g in geos:
+        for bias in (False, True):
+            k = ct.render_direct_tc(f"{tag}_tcfwd{int(bias)}", grad_input=False, bias=bias, relu=bias, **g)
+            if k is not None:
+                out.append((k, ("conv_fwd", g, dict(bias=bias, relu=bias) | t)))
+            k = ct.render_direct_tc(f"{tag}_tcgi{int(bias)}", grad_input=True, relu_mask=bias, **g)
+            if k is not None:
+                out.append((k, ("conv_gi", g, dict(relu_mask=bias) | t)))
+        k = ct.render_direct_tc_grad_weight(f"{tag}_tcgw", **g)
+        if k is not None:
+            out.append((k, ("conv_gw", g, dict(bias=False) | t)))
     return out
 
 
@@ -203,6 +225,7 @@ def all_kernels(batches=(64, 1024)):
         out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C), ("sce", dict(N=n, C=C), {})))
     out += tf32_kernels()
     out += direct_kernels(batches)
+    out += direct_tc_kernels(batches)
     out += skinny_kernels(batches)
     out += small_kernels(batches)
     for numel, mom, wd in ((4618, 0.0, 0.0), (18433 * 10 + 3, 0.9, 1e-4), (3, 0.5, 0.0)):

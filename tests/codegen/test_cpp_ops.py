@@ -303,6 +303,6 @@ def test_float64_matmul_compiles_or_is_refused_clearly():
     a, b = g.add_input("a", TensorType((5, 16), "float64")), g.add_input("b", TensorType((16, 3), "float64"))
     g.set_output("out", g.add("matmul", [a, b]))
     inputs = {"a": _data(TensorType((5, 16), "float64")), "b": _data(TensorType((16, 3), "float64"))}
-    # The contraction templates are float32 register tiles: float64 is refused before g++ runs.
-    with pytest.raises(NotImplementedError, match=r"device='cpu' compiles matmul for float32 only, got float64"):
+    # The contraction templates are float32 and bfloat16 kernels: float64 is refused before g++ runs.
+    with pytest.raises(NotImplementedError, match=r"device='cpu' compiles matmul for float32 and bfloat16 only, got float64"):
         _compile_and_compare(g, inputs, tol={"out": F64_TOL})

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from ember.codegen import cuda, cuda_direct, cuda_kernels, cuda_skinny, cuda_small_conv
+from ember.codegen import cuda, cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv
 
 from nvcc import assert_compiles, nvcc_or_skip
 
@@ -31,6 +31,8 @@ FAMILIES: dict[str, Callable[[bool], object]] = {
     "gemm_matmul": lambda relu: cuda_kernels.render_matmul(
         "k", M=7, N=13, K=5, trans_a=True, trans_b=False, bias=True, relu=relu),
     "direct": lambda relu: cuda_direct.render_direct(
+        "k", grad_input=False, N=3, C=3, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1, bias=True, relu=relu),
+    "direct_tc": lambda relu: cuda_direct_tc.render_direct_tc(
         "k", grad_input=False, N=3, C=3, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1, bias=True, relu=relu),
     "thin": lambda relu: cuda_direct.render_matmul_thin(
         "k", M=33, N=36, K=16, trans_a=False, trans_b=False, bias=True, relu=relu),
@@ -139,6 +141,7 @@ GEOMETRY = {
     "gemm_conv_tf32": ("conv_fwd", dict(N=2, C=3, H=9, W=7, O=5, KH=3, KW=2, stride=(2, 1), padding=(1, 0))),
     "gemm_matmul": ("matmul", dict(M=7, N=13, K=5, trans_a=True, trans_b=False)),
     "direct": ("conv_fwd", dict(N=3, C=3, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1)),
+    "direct_tc": ("conv_fwd", dict(N=3, C=3, H=11, W=9, O=5, KH=3, KW=3, stride=1, padding=1)),
     "thin": ("matmul", dict(M=33, N=36, K=16, trans_a=False, trans_b=False)),
     "narrow": ("matmul", dict(M=1000, N=13, K=37, trans_a=False, trans_b=True)),
     "short_m": ("matmul", dict(M=3, N=64, K=999, trans_a=False, trans_b=False)),

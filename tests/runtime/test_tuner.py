@@ -98,15 +98,16 @@ def test_a_second_run_reuses_the_database_and_measures_nothing(tmp_path):
 
 def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(tmp_path):
     db = TuningDB(tmp_path)
-    bad = {}
-
-    def pick_bad(sub, c):  # the last candidate of each kernel: never the reference
-        cands = cuda_choices.candidates(*next((s, k) for s, k in kernels_of(graph) if s.name == sub.name))
-        bad[sub.name] = cands[-1]
-        return c == cands[-1]
-
     with tuning_db.using(db):
         graph = _graph()
+        # the last candidate of each kernel before tuning (never the reference); taken up front
+        # because each stored record feeds the cost model's prior, which may reorder the rest
+        bad = {s.name: cuda_choices.candidates(s, k)[-1] for s, k in kernels_of(graph)}
+
+    def pick_bad(sub, c):
+        return c == bad[sub.name]
+
+    with tuning_db.using(db):
         report = tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(pick_bad, pick_bad), db=db)
     measured = [k for k in report.kernels if k.status == "measured"]
     assert measured
@@ -128,7 +129,7 @@ def test_select_with_a_fixed_database_is_deterministic_and_without_one_is_the_co
     with tuning_db.using(None):
         cost = _graph()
     sub, spec = _tunable(cost)[0]
-    assert spec.why == "cost model" and spec.choice == cuda_choices.candidates(sub, spec)[0]
+    assert spec.why.startswith("cost model") and spec.choice == cuda_choices.candidates(sub, spec)[0]
     other = cuda_choices.candidates(sub, spec)[1]
     db = TuningDB(tmp_path)
     key = cuda_choices.TABLE.key(sub, spec)
@@ -148,7 +149,7 @@ def test_a_damaged_database_costs_speed_not_the_compile(tmp_path):
     (tmp_path / "cuda-nvidia-h200.json").write_text("{not json")
     with tuning_db.using(TuningDB(tmp_path)):
         graph = _graph()
-    assert all(k.why == "cost model" for _, k in _tunable(graph))
+    assert all(k.why.startswith("cost model") for _, k in _tunable(graph))
     with pytest.raises(ValueError, match="read-only"):
         TuningDB(None).store("cuda", "x", "k", Record(("gemm", ()), {"gemm": 1.0}, {}))
 
@@ -162,7 +163,7 @@ def test_a_stored_plan_that_does_not_fit_the_kernel_is_ignored(tmp_path):
              Record(nonsense, {choice_text(nonsense): 0.1}, cuda_choices.TABLE.versions(sub, spec)))
     with tuning_db.using(TuningDB(tmp_path)):
         stamped = {s.name: k for s, k in _tunable(_graph())}
-    assert stamped[sub.name].choice != nonsense and stamped[sub.name].why == "cost model"
+    assert stamped[sub.name].choice != nonsense and stamped[sub.name].why.startswith("cost model")
 
 
 def test_a_database_reads_a_file_again_only_when_another_writer_changed_it(tmp_path):

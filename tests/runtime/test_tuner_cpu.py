@@ -153,3 +153,31 @@ def test_compile_tunes_on_the_cpu_then_reuses(tmp_path, monkeypatch):
     nn.manual_seed(0)
     again = compile(_small()[0], nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (x, y), device="cpu", tune=True)
     assert again.tune_reports[0].measured == 0 and again.tune_reports[0].reused == len(report.kernels)
+
+
+def test_bf16_candidates_match_the_interpreter_and_are_keyed_apart(tmp_path):
+    """precision="bf16": each bfloat16 contraction's candidates (tile heights and widths) run on
+    bfloat16 bits and give the interpreter's result within one bfloat16 step; their database key
+    names the dtype and the product path, so float32 records never serve them."""
+    model, x_shape = _net(1)
+    example = (np.zeros(x_shape, np.float32), np.zeros(x_shape[0], np.int64))
+    with tuning_db.using(None):
+        graph = next(iter(plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cpu",
+                               precision="bf16").values()))
+    measurer = CpuMeasurer(rounds=1, target_s=0.0)
+    kinds = set()
+    for sub, spec in kernels_of(graph):
+        if spec.kind not in cpp_choices.TEMPLATED or spec.kind.startswith("max_pool"):
+            continue
+        g = cpp_choices.geometry(sub, spec)
+        assert g["dtype"] == "bfloat16" and g["bf16_dot"] in ("emulated", "avx512bf16")
+        assert '"dtype":"bfloat16"' in cpp_choices.TABLE.key(sub, spec)
+        choices = cpp_choices.candidates(sub, spec)
+        assert {f for f, _ in choices} == {"bf16"} and len(choices) > 1
+        ref = ir.run(sub, measurer.inputs(sub)).outputs["out"].astype(np.float64)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
+        for trial in measurer.measure(sub, spec, choices):
+            assert trial.error is None, trial.error
+            assert np.all(np.abs(trial.output - ref) <= step + 1e-6 * np.abs(ref).max()), choice_text(trial.choice)
+        kinds.add(spec.kind)
+    assert kinds == {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"}

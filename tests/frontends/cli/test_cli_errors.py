@@ -313,5 +313,5 @@ def test_torchrun_underscore_spellings_are_accepted():
 def test_bench_models_are_a_list_or_all(capsys):
     from ember.frontends.cli import main
     assert main(["bench", "--model", "cnn,lenett", "--steps", "1"]) == 2
-    assert "--model cnn,lenett: expected model names from cnn, mlp, lenet5, resnet8, airbench, mobilenet, vit, " \
+    assert "--model cnn,lenett: expected model names from cnn, mlp, lenet5, resnet8, speednet, airbench, mobilenet, vit, " \
            "vit_sdpa (comma-separated) or all" in capsys.readouterr().err

@@ -1,0 +1,310 @@
+"""The direct stride-1 convolutions of `cuda_direct` on TF32 tensor cores (precision "tf32").
+
+Same blocking as the float32 direct kernels, the FMAs replaced by `mma.sync.m16n8k8` (operands
+rounded to TF32 with cvt.rna, fp32 accumulation; fragment layout and helpers in `mma_tf32.j2`,
+shared with the GEMM's tensor-core path):
+
+- forward and grad-input (`conv2d_direct_tc.j2`): a block stages RB input rows (with their halo)
+  of one image and the weights, CC input channels at a time, in shared memory, rounded to TF32
+  once as they are staged. Per kernel tap (kh, kw) the convolution is a GEMM: m = the block's
+  RB x WO output pixels (flattened, 16 a tile), n = output channels (8 a tile), k = input
+  channels (8 a step), and A(pixel, channel) is the staged input at the pixel's offset plus the
+  tap's: the sliding window is an address, so nothing is gathered twice from global memory.
+  A warp owns FM pixel tiles x FN channel tiles.
+- grad-weight (`conv2d_direct_tc_gw.j2`): dw[:, :, kh, kw] = dy (O x pixels) @ x shifted by the
+  tap (pixels x C); a block walks a fixed range of (image, RB rows) units, staged with cp.async
+  into two buffers (the next unit's copies in flight while this one is summed), and writes its
+  partial sums; a second launch adds them in block order (deterministic, no atomics). A warp owns
+  FM tiles of 16 output channels x FN tiles of 8 input channels x KHW kernel rows (all KW taps),
+  so each dy fragment it reads serves FN x KHW x KW mmas.
+
+Nothing here is measured yet: the family (`direct_tc` in `cuda_choices`) is never the cost model's
+pick, and the planners' rankings only order the plans the tuner measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cuda_direct import _direct_geometry, direct_roles
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _conv_geometry, _reduce_groups,
+                           kernel_signature, with_epilogue)
+from .device import current, static_shared_budget
+from .shapes import ceil_div, round_up
+from .templates_env import environment
+
+_env = environment("cuda")
+
+#: most fp32 accumulators a thread holds (4 a 16 x 8 tile): the float32 direct kernels' register budget
+MAX_ACCUMULATORS = 64
+#: plans the tuner measures per kernel: the planner's best TUNE_TOP, then the best of each warp tile
+#: and of each size of block
+TUNE_TOP = 6
+
+
+@dataclass(frozen=True)
+class TcPlan:
+    """Tiling of the forward / grad-input kernel."""
+    RB: int   # output rows a block
+    CC: int   # input channels a shared-memory stage (a multiple of 8)
+    FM: int   # 16-pixel tiles a warp
+    FN: int   # 8-channel tiles a warp
+    WM: int   # warps along the pixels
+    WN: int   # warps along the output channels
+    score: float = 0.0  # the planner's ranking (not part of a stamped plan)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.WM * self.WN
+
+
+@dataclass(frozen=True)
+class TcGwPlan:
+    """Tiling of the grad-weight kernel."""
+    RB: int      # output rows a unit (one image)
+    FM: int      # 16-output-channel tiles a warp
+    FN: int      # 8-input-channel tiles a warp
+    KHW: int     # kernel rows a warp (each with all KW taps)
+    blocks: int  # blocks of the first launch (partials in scratch)
+    score: float = 0.0
+
+    def threads(self, C: int, O: int, KH: int) -> int:
+        return 32 * (ceil_div(O, 16) // self.FM) * (ceil_div(C, 8) // self.FN) * (KH // self.KHW)
+
+
+def stride_8_mod_16(n: int) -> int:
+    """The least stride >= n that is 8 mod 16: a fragment read (lanes t = 0..3 one stride apart,
+    g = 0..7 one float apart) then hits 32 distinct shared-memory banks."""
+    return n + (8 - n % 16) % 16
+
+
+def stride_4_mod_8(n: int) -> int:
+    """The least stride >= n that is 4 mod 8: a fragment read (lanes g = 0..7 one stride apart,
+    t = 0..3 one float apart) then hits 32 distinct shared-memory banks."""
+    return n + (4 - n % 8) % 8
+
+
+def _divisors(n: int, most: int) -> list[int]:
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+
+
+def _occupancy(threads: int, registers: int, shared_bytes: int) -> float:
+    """Warps a multiprocessor holds at once over 16 (a guess at what hides the mma and shared-memory
+    latencies; at most 1), for blocks of `threads` taking an estimated `registers` a thread; 0
+    when not one block fits."""
+    dev = current()
+    blocks = min(dev.max_threads_per_multiprocessor // threads, dev.max_blocks_per_multiprocessor,
+                 dev.registers_per_multiprocessor // (round_up(registers, 8) * threads),
+                 dev.shared_per_multiprocessor // (shared_bytes + 1024))
+    return min(1.0, blocks * threads / 32 / 16)
+
+
+# --------------------------------------------------------------------------- forward / grad-input
+
+def tc_shared_floats(CC: int, RB: int, KH: int, KW: int, WO: int, CO: int) -> int:
+    """Floats of shared memory of the forward kernel: CC channel planes of RB + KH - 1 staged rows
+    and the CC x KH x KW x CO weights (rows of output channels padded to 8 mod 16)."""
+    return CC * stride_8_mod_16((RB + KH - 1) * (WO + KW - 1)) + KH * KW * CC * stride_8_mod_16(round_up(CO, 8))
+
+
+def tc_channels_per_step(CI: int, RB: int, KH: int, KW: int, WO: int, CO: int) -> int | None:
+    """Input channels a stage: the largest even split of CI, rounded up to 8 (at most 32), whose
+    rows and weights fit the static shared memory of a block; None if not even 8 fit."""
+    budget = static_shared_budget(current())
+    for parts in range(1, ceil_div(CI, 8) + 1):
+        CC = round_up(ceil_div(CI, parts), 8)
+        if CC <= 32 and 4 * tc_shared_floats(CC, RB, KH, KW, WO, CO) <= budget:
+            return CC
+    return None
+
+
+def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> list[TcPlan]:
+    """Every feasible tiling of a stride-1 convolution producing CO x HO x WO per image from CI
+    channels, the planner's best first (a guess: unmeasured, see the module's doc)."""
+    sms = current().multiprocessors
+    NT = ceil_div(CO, 8)
+    plans = []
+    for RB in range(1, HO + 1):
+        CC = tc_channels_per_step(CI, RB, KH, KW, WO, CO)
+        if CC is None:
+            break  # more rows fit even less
+        MT = ceil_div(RB * WO, 16)
+        for FN in _divisors(NT, 8):
+            for FM in (1, 2, 3, 4):
+                WM, WN = ceil_div(MT, FM), NT // FN
+                if 4 * FM * FN > MAX_ACCUMULATORS or not 64 <= 32 * WM * WN <= 512:
+                    continue
+                # work done over work issued: pixel tiles, rows past HO, channel tiles, k steps
+                useful = (RB * WO / (16 * FM * WM) * HO / (ceil_div(HO, RB) * RB) * CO / (8 * NT)
+                          * CI / (CC * ceil_div(CI, CC)))
+                lds = (4 * FM + 2 * FN) / (FM * FN)  # fragment loads a mma
+                # warp instructions staging a stage's rows and weights (~12 an element) a mma
+                staging = 12 / 32 * (CC * (RB + KH - 1) * (WO + KW - 1) + KH * KW * CC * CO) \
+                    / (CC // 8 * KH * KW * WM * FM * WN * FN)
+                fill = min(1.0, N * ceil_div(HO, RB) / (2 * sms))
+                # registers: ptxas -v on conv2's plans (accumulators, fragments, offsets) ~ this
+                occupancy = _occupancy(32 * WM * WN, 4 * FM * FN + 8 * FM + 4 * FN + 16,
+                                       4 * tc_shared_floats(CC, RB, KH, KW, WO, CO))
+                if occupancy == 0:
+                    continue  # not one block fits a multiprocessor's registers: it would spill
+                score = useful * fill * occupancy / (1 + 0.5 * (lds + staging))
+                plans.append(TcPlan(RB, CC, FM, FN, WM, WN, score))
+    return sorted(plans, key=lambda p: -p.score)
+
+
+def _spread(ranked: list, *shapes) -> list:
+    """The best TUNE_TOP plans, then the best of each value of every `shape(plan)` among the rest
+    (the ranking is a guess: the spread covers what it may misjudge)."""
+    out = list(ranked[:TUNE_TOP])
+    for shape in shapes:
+        seen = {shape(p) for p in out}
+        for p in ranked:
+            if shape(p) not in seen:
+                seen.add(shape(p))
+                out.append(p)
+    return list(dict.fromkeys(out))
+
+
+def _rows_class(RB: int) -> int:
+    return min(RB.bit_length(), 5)  # 1, 2-3, 4-7, 8-15, 16 and more rows a block
+
+
+def tc_forward_candidates(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> list[TcPlan]:
+    """The plans worth measuring, the planner's best first: a spread over warp tiles and rows a block."""
+    return _spread(tc_forward_plans(N, CI, CO, HO, WO, KH, KW), lambda p: (p.FM, p.FN), lambda p: _rows_class(p.RB))
+
+
+def _problem(name: str, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride,
+             padding) -> tuple[dict[str, int], int, int, int, int] | None:
+    """(the forward convolution the kernel computes, ph, pw, HO, WO), or None where no direct
+    kernel applies (stride > 1, padding not smaller than the kernel, too many images for the grid)."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW or N > 65535:
+        return None
+    return _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_), ph, pw_, HO, WO
+
+
+def tc_direct_problem(*, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
+                      padding=(0, 0)) -> dict[str, int] | None:
+    """The forward convolution (CI, CO, HO_, WO_, ...) the forward / grad-input kernel computes,
+    or None where none applies."""
+    found = _problem("direct_tc", grad_input, N, C, H, W, O, KH, KW, stride, padding)
+    return None if found is None else found[0]
+
+
+def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                     stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
+                     epilogue: PointwiseEpilogue | None = None, plan: TcPlan | None = None) -> CudaKernel | None:
+    """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
+    [mask_src], out) on TF32 tensor cores; None where no plan fits. `plan`: the planner's best."""
+    found = _problem(name, grad_input, N, C, H, W, O, KH, KW, stride, padding)
+    if found is None:
+        return None
+    geo, ph, pw_, HO, WO = found
+    if plan is None:
+        plans = tc_forward_plans(N, geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
+        if not plans:
+            return None
+        plan = plans[0]
+    roles, inputs, src, description = direct_roles(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
+                                                   relu=relu, relu_mask=relu_mask)
+    roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
+    RS, WS = plan.RB + KH - 1, geo["WO_"] + KW - 1
+    if not (plan.CC % 8 == 0 and plan.WM * plan.FM * 16 >= plan.RB * geo["WO_"]
+            and plan.WN * plan.FN == ceil_div(geo["CO"], 8)):
+        raise ValueError(f"{name}: plan {plan} does not tile {geo['CO']} channels x {plan.RB} rows of {geo['WO_']}")
+    grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
+    code = _env.get_template("conv2d_direct_tc.j2").render(
+        name=name, description=description, N=N, KH=KH, KW=KW, **geo, RB=plan.RB, CC=plan.CC, FM=plan.FM,
+        FN=plan.FN, WM=plan.WM, WN=plan.WN, threads=plan.threads, plane=stride_8_mod_16(RS * WS),
+        cop=stride_8_mod_16(round_up(geo["CO"], 8)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
+        bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
+    return CudaKernel(name, code, (Launch(f"{name}_direct_tc", grid, (plan.threads, 1, 1), 0, roles),), 0)
+
+
+# --------------------------------------------------------------------------- grad-weight
+
+def tc_gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int) -> int:
+    """Floats of one staging buffer of the grad-weight kernel: dy as ceil(O/16)*16 rows of the
+    unit's pixels (rounded up to 8, the row stride 4 mod 8), then x as ceil(C/8)*8 planes of
+    RB + KH - 1 rows (plane stride 4 mod 8); a multiple of 4 (the second buffer stays aligned)."""
+    dys = round_up(O, 16) * stride_4_mod_8(round_up(RB * WO, 8))
+    return round_up(dys + round_up(C, 8) * stride_4_mod_8((RB + KH - 1) * (WO + KW - 1)), 4)
+
+
+def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> list[TcGwPlan]:
+    """Every feasible tiling of the grad-weight kernel, the planner's best first (unmeasured)."""
+    dev = current()
+    MT, NT = ceil_div(O, 16), ceil_div(C, 8)
+    plans = []
+    for RB in (1, 2, 3, 4, 6, 8):
+        if RB > HO or 2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB) > dev.shared_per_block:
+            continue  # two buffers must fit the dynamic shared memory a launch takes without opting in
+        units = N * ceil_div(HO, RB)
+        blocks = max(1, min(units, 4 * dev.multiprocessors, units // 2 or 1))
+        for FM in _divisors(MT, 8):
+            for FN in _divisors(NT, 8):
+                for KHW in _divisors(KH, KH):
+                    warps = MT // FM * (NT // FN) * (KH // KHW)
+                    if 4 * FM * FN * KHW * KW > MAX_ACCUMULATORS or warps > 32:
+                        continue
+                    taps = FN * KHW * KW  # mmas a dy fragment serves
+                    lds = (4 * FM + 2 * taps) / (FM * taps)
+                    useful = (O / (16 * MT) * C / (8 * NT) * RB * WO / round_up(RB * WO, 8)
+                              * HO / (ceil_div(HO, RB) * RB))
+                    fill = min(1.0, blocks * warps / (8 * dev.multiprocessors))
+                    # registers: ptxas -v on conv2's plans ~ this
+                    occupancy = _occupancy(32 * warps, 4 * FM * FN * KHW * KW * 7 // 5 + 45,
+                                           2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB))
+                    if occupancy == 0:
+                        continue  # not one block fits a multiprocessor's registers: it would spill
+                    score = useful * fill * occupancy / (1 + lds) / (1 + 0.1 * (RB + KH - 1) / RB)
+                    plans.append(TcGwPlan(RB, FM, FN, KHW, blocks, score))
+    return sorted(plans, key=lambda p: -p.score)
+
+
+def tc_grad_weight_candidates(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> list[TcGwPlan]:
+    """The grad-weight plans worth measuring, the planner's best first."""
+    return _spread(tc_grad_weight_plans(N, C, O, KH, KW, HO, WO), lambda p: (p.FM, p.FN, p.KHW), lambda p: p.RB)
+
+
+def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
+                                 stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
+                                 plan: TcGwPlan | None = None) -> CudaKernel | None:
+    """dw = conv2d_grad_weight(x, dy) for stride 1 on TF32 tensor cores: roles x, dy, out
+    (O, C, KH, KW); two launches (per-block partials in scratch, their fixed-order sum); None
+    where no plan fits. `plan`: the planner's best."""
+    sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
+    if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
+        return None
+    if plan is None:
+        plans = tc_grad_weight_plans(N, C, O, KH, KW, HO, WO)
+        if not plans:
+            return None
+        plan = plans[0]
+    MT, NT = ceil_div(O, 16), ceil_div(C, 8)
+    if MT % plan.FM or NT % plan.FN or KH % plan.KHW:
+        raise ValueError(f"{name}: plan {plan} does not tile {O} x {C} x {KH} rows of weights")
+    smem = 2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB)
+    if smem > current().shared_per_block:
+        return None  # rows that do not fit two buffers
+    roles, inputs, unrestricted = with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
+    outs = O * C * KH * KW
+    rg = _reduce_groups(plan.blocks)
+    threads = plan.threads(C, O, KH)
+    code = _env.get_template("conv2d_direct_tc_gw.j2").render(
+        name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
+        N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, RB=plan.RB, FM=plan.FM, FN=plan.FN,
+        KHW=plan.KHW, blocks=plan.blocks, threads=threads, ps=stride_4_mod_8(round_up(plan.RB * WO, 8)),
+        plane=stride_4_mod_8((plan.RB + KH - 1) * (WO + KW - 1)), buf=tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB),
+        roles=roles, inputs=inputs, unrestricted=unrestricted,
+        signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32), pw=epilogue)
+    args = roles + ("scratch",)
+    return CudaKernel(name, code, (Launch(f"{name}_direct_tc", (plan.blocks, 1, 1), (threads, 1, 1), smem, args),
+                                   Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),
+                      tc_grad_weight_scratch(plan.blocks, O, C, KH, KW))
+
+
+def tc_grad_weight_scratch(blocks: int, O: int, C: int, KH: int, KW: int) -> int:
+    """Scratch bytes of the grad-weight kernel: one partial of every weight per block."""
+    return round_up(4 * blocks * O * C * KH * KW, SCRATCH_ALIGN)

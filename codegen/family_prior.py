@@ -1,0 +1,137 @@
+"""The cost model's prior between kernel families, learned from the tuning database's measurements.
+
+Where several families serve a kernel nobody tuned, which is faster depends on its shape in ways
+no single size threshold captures (the direct convolution beats the implicit GEMM at a wide
+window and many positions; a skinny matmul beats it when the operands are big and one side is
+narrow). Every tuning record holds the time of every candidate it measured, so the records are
+a sample of which family wins where. The prior ranks a kernel's families by what the nearest
+measured kernels of the same kind say:
+
+- each kernel is placed by its table's `features` (the log2 of its sizes: a factor of two in
+  one size is a distance of 1);
+- the `NEIGHBOURS` nearest records that measured at least two of this kernel's families are
+  consulted, each weighted by 4^-distance (an exact match outweighs a record at twice one size
+  four to one);
+- a family's score is the weighted mean of log2(its best time / the best time of this kernel's
+  families in that record): 0 where it won, 1 where it took twice as long;
+- families with a score rank first, lowest score first; those no neighbour measured keep the
+  table's structural order after them.
+
+The records are the active database's for this device (the user's, then the shipped ones); for
+a device with none, every shipped record of the target (another GPU's relative speeds beat none).
+A family's timings in a record whose version of it is not the family's version now are stale and
+left out, as the exact lookup (`tuning_db.lookup`) leaves the whole record out.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import tuning_db
+
+#: records consulted per kernel: enough to average out one noisy measurement, few enough that
+#: far-away shapes do not outvote the near ones
+NEIGHBOURS = 3
+
+Features = Callable[[Mapping[str, Any]], tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Prior:
+    #: family -> weighted mean log2(time / best time) over the neighbours that measured it
+    scores: dict[str, float]
+    #: how many records were consulted and the nearest one's distance
+    neighbours: int
+    nearest: float
+
+    def describe(self) -> str:
+        """`prior of 3 tuned kernels (nearest 0.0): direct 1.00x, gemm 1.31x` for dumps."""
+        ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
+        rel = ", ".join(f"{f} {2 ** s:.2f}x" for f, s in ranked)
+        return f"prior of {self.neighbours} tuned kernel{'s' * (self.neighbours != 1)} (nearest {self.nearest:.1f}): {rel}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_of(key: str) -> dict[str, Any]:
+    return json.loads(key)
+
+
+def _family_times(record: tuning_db.Record, versions: Mapping[str, int]) -> dict[str, float]:
+    """The best time each family of `versions` reached in a record measured with that version."""
+    best: dict[str, float] = {}
+    for text, t in record.timings_us.items():
+        family = text.split("(", 1)[0]
+        if family in versions and record.versions.get(family) == versions[family] and math.isfinite(t) and t > 0:
+            best[family] = min(t, best.get(family, math.inf))
+    return best
+
+
+def predict(records: Mapping[str, tuning_db.Record], g: Mapping[str, Any], families: Mapping[str, int],
+            features: Features) -> Prior | None:
+    """The prior for a kernel of geometry `g` among `families` (the ones that serve it, with their
+    versions now); None when no record of its kind measured two of them."""
+    here = features(g)
+    near: list[tuple[float, dict[str, float]]] = []
+    for key, rec in records.items():
+        other = _geometry_of(key)
+        if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
+            continue
+        times = _family_times(rec, families)
+        if len(times) < 2:
+            continue
+        there = features(other)
+        if len(there) != len(here):
+            continue
+        near.append((math.dist(here, there), times))
+    if not near:
+        return None
+    near.sort(key=lambda dt: dt[0])
+    near = near[:NEIGHBOURS]
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for distance, times in near:
+        w, best = 4.0 ** -distance, min(times.values())
+        for f, t in times.items():
+            sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
+            weights[f] = weights.get(f, 0.0) + w
+    return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0])
+
+
+def shipped_records(target: str, shipped_dir: Path = tuning_db.SHIPPED_DIR) -> dict[str, tuning_db.Record]:
+    """Every shipped record of a target, whatever its device (the fallback sample)."""
+    db = tuning_db.TuningDB(None, (shipped_dir,))
+    out: dict[str, tuning_db.Record] = {}
+    for path in sorted(shipped_dir.glob(f"{tuning_db.device_slug(target, 'x').rsplit('-', 1)[0]}-*.json")):
+        try:
+            device = json.loads(path.read_text())["device"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for key, rec in db.records(target, device).items():
+            out.setdefault(key, rec)
+    return out
+
+
+_SHIPPED: dict[str, dict[str, tuning_db.Record]] = {}
+
+
+def sample(db: tuning_db.TuningDB | None, target: str, device: str) -> Mapping[str, tuning_db.Record]:
+    """The records the prior learns from for (target, device): see the module's docstring."""
+    records = db.records(target, device) if db is not None else {}
+    if records:
+        return records
+    if target not in _SHIPPED:
+        _SHIPPED[target] = shipped_records(target)
+    return _SHIPPED[target]
+
+
+def log2_sizes(*sizes: float) -> tuple[float, ...]:
+    """Features from sizes: their log2 (a size below 1 counts as 1)."""
+    return tuple(math.log2(max(1.0, float(s))) for s in sizes)
+
+
+__all__ = ["NEIGHBOURS", "Prior", "predict", "sample", "shipped_records", "log2_sizes"]

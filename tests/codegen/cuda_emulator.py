@@ -1,0 +1,189 @@
+"""Runs generated CUDA kernels on the CPU, for tests on a machine without a GPU: the kernel's own
+source, compiled by g++ against a small emulation of what it uses of CUDA.
+
+Each CUDA thread of a block is an OS thread (blocks run one after another); `__syncthreads` is a
+barrier of the block; shared arrays live in an arena filled with NaN before every block (a read
+of something the block did not stage shows); cp.async takes the templates' synchronous path
+(`__CUDA_ARCH__` is undefined). The TF32 tensor-core helpers of `mma_tf32.j2` are replaced by an
+emulation written from the PTX ISA's fragment tables ("Matrix Fragments for mma.m16n8k8", .tf32):
+the 32 lanes of a warp publish their A, B and C registers, meet at a barrier of the warp, and each
+computes its own four D elements (A and B truncated to TF32's 19 bits, as the hardware reads
+them; sums in double). So a kernel whose fragment indexing, staging or epilogue is wrong gives
+wrong numbers here, as it would on the GPU; what this cannot see is timing and the hardware's
+rounding inside the mma (it adds in double).
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from ember.codegen.cuda_kernels import CudaKernel
+from ember.codegen.templates_env import environment
+
+#: bytes a static shared array may take (a block's static limit)
+SLOT = 48 * 1024
+
+HEADER = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 { unsigned x = 0, y = 0, z = 0; };
+namespace ember_emu {
+thread_local dim3 thread_idx, block_idx;
+std::barrier<>* block_barrier = nullptr;
+std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+struct WarpTable { unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; };
+std::vector<WarpTable> tables;
+std::vector<float> arena;  // a block's static shared arrays (SLOT bytes each), then its dynamic shared memory
+inline float* shared_array(int slot) { return arena.data() + (size_t)slot * (SLOT / 4); }
+}  // namespace ember_emu
+#define threadIdx ember_emu::thread_idx
+#define blockIdx ember_emu::block_idx
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __shared__ static
+#define __align__(n) alignas(n)
+inline void __syncthreads() { ember_emu::block_barrier->arrive_and_wait(); }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+inline float __uint_as_float(unsigned u) { float x; std::memcpy(&x, &u, 4); return x; }
+""".replace("SLOT", str(SLOT))
+
+#: what replaces the text of mma_tf32.j2 in a kernel
+MMA_EMULATION = r"""
+// cvt.rna.tf32.f32: to nearest, ties away from zero (on the magnitude bits), 10 mantissa bits kept
+static inline unsigned to_tf32(float x) {
+  const unsigned u = __float_as_uint(x);
+  if ((u & 0x7f800000u) == 0x7f800000u) return u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
+static inline float tf32_operand(unsigned u) { return __uint_as_float(u & 0xffffe000u); }
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, from the PTX ISA's fragment tables:
+// lane = 4 g + t holds A (g + 8 (i % 2), t + 4 (i / 2)) in a[i], B (t + 4 i, g) in b[i],
+// C and D (g + 8 (i / 2), 2 t + i % 2) in c[i]
+static inline void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ember_emu::WarpTable& T = ember_emu::tables[warp];
+  for (int i = 0; i < 4; ++i) { T.a[lane][i] = a[i]; T.c[lane][i] = c[i]; }
+  for (int i = 0; i < 2; ++i) T.b[lane][i] = b[i];
+  ember_emu::warp_barriers[warp]->arrive_and_wait();
+  const unsigned g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    double s = T.c[lane][i];
+    for (unsigned k = 0; k < 8; ++k) {
+      const float av = tf32_operand(T.a[4 * (row % 8) + k % 4][row / 8 + 2 * (k / 4)]);
+      const float bv = tf32_operand(T.b[4 * col + k % 4][k / 4]);
+      s += (double)av * (double)bv;
+    }
+    d[i] = (float)s;
+  }
+  ember_emu::warp_barriers[warp]->arrive_and_wait();  // every lane has read the table
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+"""
+
+RUNNER = r"""
+namespace ember_emu {
+// One OS thread per CUDA thread of a block, kept for every block of the launch (blocks one after
+// another, the shared arena poisoned with NaN before each).
+template <typename F>
+void run_grid(F body, int gx, int gy, int gz, int threads, int static_slots, size_t dyn_bytes) {
+  arena.assign((size_t)static_slots * (SLOT / 4) + dyn_bytes / 4 + 1, NAN);
+  std::barrier<> bb(threads);
+  block_barrier = &bb;
+  const int warps = (threads + 31) / 32;
+  warp_barriers.clear();
+  for (int w = 0; w < warps; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
+  tables.assign(warps, WarpTable{});
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([=, &bb] {
+      thread_idx = dim3{(unsigned)t, 0, 0};
+      for (int z = 0; z < gz; ++z)
+        for (int y = 0; y < gy; ++y)
+          for (int x = 0; x < gx; ++x) {
+            if (t == 0) std::fill(arena.begin(), arena.end(), NAN);
+            block_idx = dim3{(unsigned)x, (unsigned)y, (unsigned)z};
+            bb.arrive_and_wait();  // the arena is poisoned before any thread of the block starts
+            body();
+            bb.arrive_and_wait();  // every thread is done with the block
+          }
+    });
+  for (auto& th : pool) th.join();
+}
+}  // namespace ember_emu
+""".replace("SLOT", str(SLOT))
+
+
+def _mma_text() -> str:
+    return environment("cuda").get_template("mma_tf32.j2").render()
+
+
+def _emulated(kernel: CudaKernel, index: int) -> str:
+    """A kernel's source with its TF32 helpers and shared arrays emulated, and its entry
+    `emu_launch_<index>(launch, pointers)`."""
+    code = kernel.code
+    mma = _mma_text()
+    if mma in code:
+        code = code.replace(mma, MMA_EMULATION)
+    slots = 0
+
+    def to_arena(m: re.Match) -> str:
+        nonlocal slots
+        slots += 1
+        return f"float* {m.group(1)} = ember_emu::shared_array({slots - 1});"
+
+    code = re.sub(r"__shared__ __align__\(16\) float (\w+)\[[^\]]+\];", to_arena, code)
+    code = code.replace("extern __shared__ __align__(16) float smem[];",
+                        f"float* smem = ember_emu::shared_array({slots});")
+    calls = []
+    for i, ln in enumerate(kernel.launches):
+        args = ", ".join(f"a[{j}]" for j in range(len(ln.args)))
+        (bx, by, bz), (gx, gy, gz) = ln.block, ln.grid
+        assert by == bz == 1 and bx % 32 == 0, ln
+        calls.append(f"  if (launch == {i}) ember_emu::run_grid([=] {{ {ln.function}({args}); }}, {gx}, {gy}, {gz}, "
+                     f"{bx}, {slots}, {ln.shared_bytes});")
+    return (code + f'extern "C" void emu_launch_{index}(int launch, float** a) {{\n' + "\n".join(calls) + "\n}\n")
+
+
+def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
+    """The kernels' sources with the emulation, compiled into one shared library in `folder`."""
+    src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
+    src.write_text(HEADER + RUNNER + "".join(_emulated(k, i) for i, k in enumerate(kernels)))
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wno-unknown-pragmas",
+                        "-o", str(lib), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, f"g++ failed on {src}:\n{r.stderr[-4000:]}"
+    return ctypes.CDLL(str(lib))
+
+
+def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.ndarray]) -> None:
+    """Makes the launches of kernel `index` of the library in order on `buffers` (float32 arrays
+    by role, written in place; "scratch" is added, filled with NaN)."""
+    bufs = dict(buffers)
+    bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
+    entry = getattr(lib, f"emu_launch_{index}")
+    for i, ln in enumerate(kernel.launches):
+        arrays = [bufs[r] for r in ln.args]
+        assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+        ptrs = (ctypes.POINTER(ctypes.c_float) * len(arrays))(
+            *[a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) for a in arrays])
+        entry(ctypes.c_int(i), ptrs)
+
+
+def tf32(a: np.ndarray) -> np.ndarray:
+    """cvt.rna.tf32.f32 in NumPy (finite values): the float32 values rounded to 10 mantissa bits."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)

@@ -1,0 +1,184 @@
+"""The CPU's bfloat16 kernels (codegen/cpp_bf16.py, the bfloat16 spellings of the generated kernels,
+max pooling) against the interpreter: every contraction kind, with its epilogues, on the path this
+CPU has (`vdpbf16ps` where it has AVX512-BF16) and on the emulated one (16-lane and 8-lane).
+
+A contraction's result may differ from the interpreter's by the last bit where the float32 sum,
+taken in another order, lies next to a rounding boundary of bfloat16: allowed one bfloat16 step
+(the spacing of bfloat16 at the value: 2^-8 to 2^-7 of it), plus float32's accumulation error;
+most elements must agree bit for bit. (The native and emulated paths agree with each other bit
+for bit on this CPU: the emulation is the instruction's arithmetic.)
+Generated (pointwise, reduction) kernels and pooling round as the interpreter does: exact.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from ember import ir
+from ember.codegen import cpu_vector
+from ember.ir import Graph, TensorType, bfloat16, float32
+from ember.ir.dtypes import bf16_bits, bf16_values
+from ember.ir.kernel import CONTRACTIONS
+
+from models import run_compiled
+
+PATHS = ["native", "emulated", "avx2"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """The bfloat16 product path under test: the CPU's own (skipped without AVX512-BF16), emulated
+    on 16 lanes, emulated on 8 (the avx2 variant)."""
+    if request.param == "native":
+        if not (cpu_vector.native_isa() == cpu_vector.AVX512 and cpu_vector.native_bf16()):
+            pytest.skip("this CPU has no AVX512-BF16: its bfloat16 kernels are the emulated ones")
+        monkeypatch.setenv(cpu_vector.BF16_ENV_VAR, "native")
+        return "avx512bf16"
+    if request.param == "avx2":
+        monkeypatch.setenv(cpu_vector.ENV_VAR, "avx2")
+    monkeypatch.setenv(cpu_vector.BF16_ENV_VAR, "emulated")
+    return "emulated"
+
+
+def _bits(rng, *shape, scale=1.0) -> np.ndarray:
+    return bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu") -> None:
+    """`graph` compiled for `device` gives the interpreter's "out" (see the module docstring); on
+    the CPU its bfloat16 contractions multiply by `dot`, on CUDA on the GEMM's tensor cores."""
+    want = ir.run(graph, inputs).outputs["out"]
+    planned, out = run_compiled(graph, device, inputs)
+    families = {planned.attrs(n)["kernel"].choice[0]: dict(planned.attrs(n)["kernel"].choice[1]).get("dot")
+                for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind in CONTRACTIONS}
+    assert families == ({"bf16": dot} if device == "cpu" else {"gemm": None})  # the dump shows the path
+    got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
+    assert got.shape == want.shape
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(want), np.abs(got)), 1e-30))) - 7)  # one bfloat16 step
+    tol = step + 1e-6 * np.sqrt(reduction) * scale
+    assert np.all(np.abs(got - want) <= tol), float(np.max(np.abs(got - want) - tol))
+    assert np.mean(got == want) >= 0.9  # a boundary case now and then, not a different sum
+
+
+CONVS = [  # name, N, C, H, W, O, KH, KW, stride, padding
+    ("mnist_conv1", 3, 1, 28, 28, 16, 3, 3, (1, 1), (0, 0)),
+    ("mnist_conv2", 2, 16, 26, 26, 32, 3, 3, (1, 1), (0, 0)),
+    ("stride2_pad1", 2, 5, 11, 9, 7, 3, 3, (2, 2), (1, 1)),
+    ("k1_odd", 1, 3, 5, 7, 33, 1, 1, (1, 1), (0, 0)),
+    ("k5_pad2_rect", 2, 4, 9, 12, 9, 5, 3, (1, 2), (2, 1)),
+    ("pad1_odd_c", 2, 3, 7, 9, 5, 3, 3, (1, 1), (1, 1)),     # stride 1, padded: the direct mode
+    ("k5_pad2", 1, 5, 8, 6, 4, 5, 5, (1, 1), (2, 2)),
+    ("k1_pad1", 1, 2, 4, 5, 3, 1, 1, (1, 1), (1, 1)),        # grad-input: padding past the kernel
+]
+
+
+def _conv_graph(case, kind: str, epilogue: bool) -> tuple[Graph, dict, int]:
+    _, n, c, h, w, o, kh, kw, stride, padding = case
+    rng = np.random.default_rng(zlib.crc32(f"{case[0]}/{kind}".encode()))
+    g = Graph(kind)
+    at = dict(stride=stride, padding=padding)
+    ho = (h + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (w + 2 * padding[1] - kw) // stride[1] + 1
+    if kind == "conv2d":
+        x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
+        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        y = g.add("conv2d", [x, wt], **at)
+        inputs = {"x": _bits(rng, n, c, h, w), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        if epilogue:
+            b = g.add_input("b", TensorType((o,), bfloat16))
+            y = g.add("relu", [g.add("add", [y, g.add("reshape", [b], shape=(o, 1, 1))])])
+            inputs["b"] = _bits(rng, o)
+        reduction = c * kh * kw
+    elif kind == "conv2d_grad_input":
+        dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
+        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        y = g.add("conv2d_grad_input", [dy, wt], input_shape=(n, c, h, w), **at)
+        inputs = {"dy": _bits(rng, n, o, ho, wo), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        if epilogue:  # ReLU's backward: where(mask > 0, ., 0)
+            m = g.add_input("m", TensorType((n, c, h, w), bfloat16))
+            zero = g.add_constant(0.0, dtype=bfloat16)
+            y = g.add("where", [g.add("gt", [m, zero]), y, zero])
+            inputs["m"] = _bits(rng, n, c, h, w)
+        reduction = o * kh * kw
+    else:
+        x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
+        dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
+        y = g.add("conv2d_grad_weight", [x, dy], weight_shape=(o, c, kh, kw), **at)
+        inputs = {"x": _bits(rng, n, c, h, w), "dy": _bits(rng, n, o, ho, wo)}
+        reduction = n * ho * wo
+    g.set_output("out", y)
+    return g, inputs, reduction
+
+
+@pytest.mark.parametrize("case", CONVS, ids=[c[0] for c in CONVS])
+@pytest.mark.parametrize("kind", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_convolutions(case, kind, path):
+    graph, inputs, reduction = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")
+    _check(graph, inputs, path, reduction)
+
+
+MATMULS = [  # name, M, N, K, trans_a, trans_b, batch, bias, relu
+    ("linear_fwd", 64, 10, 300, False, True, 1, True, False),
+    ("linear_grad_w", 10, 70, 64, True, False, 1, False, False),
+    ("hidden_relu", 33, 47, 29, False, False, 1, True, True),
+    ("batched_tt", 7, 19, 21, True, True, 3, False, False),
+]
+
+
+def matmul_graph(case) -> tuple[Graph, dict, int]:
+    _, m, n, k, ta, tb, batch, bias, relu = case
+    rng = np.random.default_rng(7)
+    lead = (batch,) if batch > 1 else ()
+    g = Graph("mm")
+    a_shape = lead + ((k, m) if ta else (m, k))
+    b_shape = lead + ((n, k) if tb else (k, n))
+    a, b = g.add_input("a", TensorType(a_shape, bfloat16)), g.add_input("b", TensorType(b_shape, bfloat16))
+    perm = tuple(range(len(lead))) + (len(lead) + 1, len(lead))
+    y = g.add("matmul", [g.add("transpose", [a], perm=perm) if ta else a, g.add("transpose", [b], perm=perm) if tb else b])
+    inputs = {"a": _bits(rng, *a_shape), "b": _bits(rng, *b_shape, scale=0.2)}
+    if bias:
+        v = g.add_input("v", TensorType((n,), bfloat16))
+        y = g.add("add", [y, v])
+        inputs["v"] = _bits(rng, n)
+    if relu:
+        y = g.add("relu", [y])
+    g.set_output("out", y)
+    return g, inputs, k
+
+
+@pytest.mark.parametrize("case", MATMULS, ids=[c[0] for c in MATMULS])
+def test_matmuls(case, path):
+    graph, inputs, k = matmul_graph(case)
+    _check(graph, inputs, path, k)
+
+
+def pointwise_and_pooling_graph() -> tuple[Graph, dict]:
+    """Casts, bfloat16 arithmetic with broadcasting, a bfloat16 sum (float32 accumulator,
+    rounded once), max pooling and its gradient (overlapping windows: sums in float)."""
+    g = Graph("pw")
+    x = g.add_input("x", TensorType((2, 3, 9, 9), float32))
+    b = g.add_input("b", TensorType((3,), float32))
+    xb = g.add("cast", [x], dtype=bfloat16)
+    y = g.add("mul", [g.add("add", [xb, g.add("reshape", [g.add("cast", [b], dtype=bfloat16)], shape=(3, 1, 1))]), xb])
+    y = g.add("relu", [y])
+    pool = dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1))
+    p = g.add("max_pool2d", [y], **pool)
+    dx = g.add("max_pool2d_grad", [y, g.add("sub", [p, g.add_constant(0.3, dtype=bfloat16)])], **pool)
+    s = g.add("sum", [dx], axes=(0, 2, 3))
+    g.set_output("out", g.add("add", [g.add("cast", [s], dtype=float32),
+                                      g.add("cast", [g.add("sum", [p], axes=(0, 2, 3))], dtype=float32)]))
+    rng = np.random.default_rng(3)
+    inputs = {"x": (rng.standard_normal((2, 3, 9, 9)) * 3).astype(np.float32),
+              "b": rng.standard_normal(3).astype(np.float32)}
+    return g, inputs
+
+
+def test_generated_kernels_and_pooling_round_as_the_interpreter():
+    """The generated kernels and pooling round as the interpreter does: exact."""
+    g, inputs = pointwise_and_pooling_graph()
+    want = ir.run(g, inputs).outputs["out"]
+    _, got = run_compiled(g, "cpu", inputs)
+    assert np.array_equal(got["out"], want)

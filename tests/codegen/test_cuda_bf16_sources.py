@@ -1,0 +1,61 @@
+"""precision="bf16" on the `cuda` target without a GPU: every contraction of the MNIST models' steps
+is served by the GEMM family's bfloat16 tensor-core path (mma.sync m16n8k16, fp32 accumulation),
+the other families refuse bfloat16 operands in one line, pooling and the generated kernels take
+bfloat16 buffers (`unsigned short`), and every source compiles with `nvcc -cubin -arch=sm_90`
+warning-free (the runtime compiles the same with NVRTC). The numerics run on a GPU:
+tests/codegen/test_cuda_bf16.py and tests/e2e/test_bf16_vs_torch.py (marked cuda)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from ember.codegen import cuda_choices, tuning_db
+from ember.frontends import nn, optim, plan
+from ember.frontends.cli import main as ember_main
+from ember.frontends.training import build_model
+from ember.ir.kernel import CONTRACTIONS
+from ember.runtime.tuner import kernels_of
+from test_cuda_step_sources import _compile_all
+from nvcc import nvcc_or_skip
+
+
+def _plans(model: str) -> dict:
+    shape = (784,) if model == "mlp" else (1, 28, 28)
+    example = (np.zeros((64, *shape), np.float32), np.zeros(64, np.int64))
+    with tuning_db.using(None):
+        return plan(build_model(model), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example, device="cuda",
+                    precision="bf16")
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp", "lenet5", "resnet8"])
+def test_every_contraction_runs_on_the_bfloat16_tensor_cores(model):
+    for graph in _plans(model).values():
+        contractions = [(sub, spec) for sub, spec in kernels_of(graph) if spec.kind in CONTRACTIONS]
+        assert contractions
+        for sub, spec in contractions:
+            g = cuda_choices.geometry(sub, spec)
+            assert g["dtype"] == "bfloat16" and spec.choice[0] == "gemm"
+            assert '"dtype":"bfloat16"' in cuda_choices.TABLE.key(sub, spec)  # tuned apart from float32
+            code = cuda_choices.render(sub.name, sub, spec, spec.choice).code
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
+            # every other family that serves the kind says why it does not serve bfloat16
+            for f in cuda_choices.FAMILIES.values():
+                if f.name != "gemm" and spec.kind in f.kinds:
+                    assert cuda_choices.TABLE.applies(f, g) is not None, f.name
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp", "lenet5", "resnet8"])
+def test_every_bf16_source_compiles_with_nvcc(model, tmp_path):
+    nvcc = nvcc_or_skip()
+    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--bf16", "--out", str(tmp_path)]) == 0
+    sources = sorted(tmp_path.glob("*.cu"))
+    assert len(sources) == 2
+    _compile_all(nvcc, sources)
+    text = sources[-1].read_text()
+    assert "em_bf16_round" in text and "mma.sync.aligned.m16n8k16" in text
+    # generated kernels take bfloat16 buffers as 16-bit words
+    assert re.search(r"const unsigned short\* __restrict__ in\d+", text)
+    if model == "lenet5":
+        assert "max pooling gradient of bf16[" in text

@@ -1,0 +1,105 @@
+"""The cost model's prior between kernel families (codegen/family_prior.py): learned from tuning
+records, it ranks a kernel's families by what the nearest measured kernels of its kind found, and
+the choice table takes it (the dump says so) where no record of the kernel itself exists."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ember.codegen import cuda_choices, family_prior, tuning_db
+from ember.codegen.device import H200
+from ember.codegen.tuning_db import Record, TuningDB, kernel_key
+from ember.frontends import nn, optim, plan
+
+
+def _g(M, N, K, tf32=False):
+    return dict(kind="matmul", epilogues=(), tf32=tf32, M=M, N=N, K=K, batch=1, trans_a=False, trans_b=True,
+                rank2=True, broadcast=False)
+
+
+def _record(times: dict[str, float]) -> Record:
+    winner = min(times, key=times.get)
+    return Record((winner, ()), {f"{f}(X=1)": t for f, t in times.items()}, {f: 1 for f in times})
+
+
+FAMS = {"skinny_narrow": 1, "gemm": 1}
+
+
+def test_an_exact_record_decides_and_a_shape_between_two_takes_the_nearer():
+    small, big = _g(64, 10, 9216), _g(4096, 10, 9216)
+    records = {kernel_key(small): _record({"gemm": 5.0, "skinny_narrow": 8.0}),
+               kernel_key(big): _record({"gemm": 60.0, "skinny_narrow": 30.0})}
+    f = cuda_choices.features
+    assert min((p := family_prior.predict(records, small, FAMS, f)).scores, key=p.scores.get) == "gemm"
+    assert p.nearest == 0.0 and p.neighbours == 2
+    assert min((p := family_prior.predict(records, big, FAMS, f)).scores, key=p.scores.get) == "skinny_narrow"
+    near_big = family_prior.predict(records, _g(2048, 10, 9216), FAMS, f)
+    assert min(near_big.scores, key=near_big.scores.get) == "skinny_narrow"
+    near_small = family_prior.predict(records, _g(128, 10, 9216), FAMS, f)
+    assert min(near_small.scores, key=near_small.scores.get) == "gemm"
+    # scores are log2 time ratios to the best: twice as slow in the only record is 1.0
+    one = family_prior.predict({kernel_key(big): records[kernel_key(big)]}, big, FAMS, f)
+    assert one.scores == pytest.approx({"skinny_narrow": 0.0, "gemm": 1.0})
+    assert "skinny_narrow 1.00x, gemm 2.00x" in one.describe()
+
+
+def test_records_that_compare_fewer_than_two_of_the_families_or_another_kind_say_nothing():
+    g = _g(64, 10, 9216)
+    records = {kernel_key(g): _record({"gemm": 5.0}),  # gemm alone: no comparison
+               kernel_key(dict(g, kind="conv2d")): _record({"gemm": 5.0, "skinny_narrow": 1.0})}
+    assert family_prior.predict(records, g, FAMS, lambda geo: (0.0,)) is None
+
+
+def test_a_familys_timings_of_another_version_are_stale():
+    g = _g(64, 10, 9216)
+    records = {kernel_key(g): _record({"gemm": 5.0, "skinny_narrow": 1.0})}
+    assert family_prior.predict(records, g, FAMS, cuda_choices.features) is not None
+    assert family_prior.predict(records, g, {"skinny_narrow": 2, "gemm": 1}, cuda_choices.features) is None
+
+
+def _cnn_graph(batch):
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10))
+    example = (np.zeros((batch, 1, 28, 28), np.float32), np.zeros(batch, np.int64))
+    return plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example, device="cuda")[f"train-{batch}x1x28x28"]
+
+
+def _linear_forward(graph):
+    for n in graph.meta["schedule"]:
+        if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind == "matmul" \
+                and graph.attrs(n)["kernel"].param("trans_b"):
+            return graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
+    raise AssertionError("no forward matmul")
+
+
+@pytest.mark.parametrize("winner", ["gemm", "skinny_narrow"])
+def test_the_table_follows_a_neighbouring_measurement_and_says_so(tmp_path, winner):
+    """A database with one measured neighbour (the same layer at batch 64): an untuned batch 96
+    takes the family that won there, and its stamp names the prior."""
+    with tuning_db.using(None):
+        sub, spec = _linear_forward(_cnn_graph(64))
+    g = cuda_choices._geometry(sub, spec)
+    loser = "gemm" if winner == "skinny_narrow" else "skinny_narrow"
+    data = {"schema": tuning_db.SCHEMA, "target": "cuda", "device": H200.name,
+            "records": {kernel_key(g): _record({winner: 5.0, loser: 9.0}).to_json()}}
+    (tmp_path / f"{tuning_db.device_slug('cuda', H200.name)}.json").write_text(json.dumps(data))
+    db = TuningDB(None, (tmp_path,))
+    with tuning_db.using(db):
+        graph = _cnn_graph(96)
+    spec96 = _linear_forward(graph)[1]
+    assert spec96.choice[0] == winner
+    assert spec96.why.startswith("cost model (prior of 1 tuned kernel (nearest 0.6)")
+    assert f"{winner} 1.00x" in spec96.why
+
+
+def test_without_a_comparing_record_the_general_family_comes_first():
+    """The structural order: a specialised family (skinny, direct) only where measurements say so."""
+    g = _g(1024, 10, 9216)
+    fams, prior = cuda_choices.TABLE._ranked(g, db=TuningDB(None, ()))  # no records here: the shipped ones
+    assert prior is not None  # the shipped H200 records compare them
+    table = cuda_choices.TABLE
+    structural = sorted((f for f in table.families.values() if table.applies(f, g) is None),
+                        key=lambda f: (not f.preferred(g), f.priority))
+    assert structural[0].name == "gemm" and "skinny_narrow" in [f.name for f in structural]
