@@ -54,18 +54,22 @@ def _signature(sub: Graph, restrict: bool, extent: Extent | None) -> str:
     return ", ".join(params)
 
 
-def generated_extent(sub: Graph, kind: str, core: int | None = None) -> Extent | None:
+def generated_extent(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> Extent | None:
     """The size a generated kernel takes at run time: the leading axis of its loop domain (a
     pointwise kernel's output, a reduction's operand), which for the step's activations is the
-    batch; None for a scalar domain. Its value is the kernel's last argument (`extents`)."""
+    batch; None for a scalar domain, or where the domain is `fixed` (a pointwise kernel that
+    writes parameters and state alone: their sizes, which no batch size changes). Its value is
+    the kernel's last argument (`extents`)."""
+    if fixed:
+        return None
     if kind == "pointwise":
         return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
     return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
 
 
-def generated_extents(sub: Graph, kind: str, core: int | None = None) -> tuple[int, ...]:
-    extent = generated_extent(sub, kind, core)
+def generated_extents(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> tuple[int, ...]:
+    extent = generated_extent(sub, kind, core, fixed)
     return (extent.value,) if extent is not None else ()
 
 
@@ -79,11 +83,12 @@ def _bound(count: int, extent: Extent | None) -> str:
 MIN_ROW = 16
 
 
-def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
+def render_pointwise(name: str, sub: Graph, restrict: bool = True, fixed: bool = False) -> str:
     """One flat loop, or rows (leading axes) of contiguous elements when that hoists per-row
     operands (a normalisation's per-channel values) out of the vectorised inner loop. The
-    leading extent is an argument (`generated_extent`), so is whether a team of threads pays."""
-    extent = generated_extent(sub, "pointwise")
+    leading extent is an argument (`generated_extent`), so is whether a team of threads pays,
+    unless the domain is `fixed` (the kernel writes parameters and state alone)."""
+    extent = generated_extent(sub, "pointwise", fixed=fixed)
     low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW), extent=extent)
     numel = _bound(low.numel, extent)
     return ENV.get_template("pointwise.j2").render(
@@ -245,8 +250,11 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         outs = [local_name(graph, m) for m in results]
         in_place = any(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
         if spec.kind == "pointwise":
-            code = render_pointwise(name, sub, restrict=not in_place)
-            call_args, extents = args + outs, generated_extents(sub, "pointwise")
+            # an optimizer's update: the parameters' sizes, the same at every batch size, so the
+            # code holds them (fixed bounds, no OpenMP region where the work is small)
+            fixed = all(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
+            code = render_pointwise(name, sub, restrict=not in_place, fixed=fixed)
+            call_args, extents = args + outs, generated_extents(sub, "pointwise", fixed=fixed)
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
             call_args, extents = args + outs, generated_extents(sub, "reduction", spec.core)
