@@ -25,12 +25,12 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
+from .cpp_kernels import PARALLEL_MIN
 from .lowering import (C_OPERATORS, Extent, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise,
                        lower_reduction)
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
-PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
 ABI_VERSION = 3  # 3: the entry takes the run-time table (dims), kernels their extents
 
 SPELLING = Spelling("C++", {
