@@ -36,7 +36,7 @@ ABI_VERSION = 3  # 3: the entry takes the run-time table (dims), kernels their e
 SPELLING = Spelling("C++", {
     **C_OPERATORS,
     "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})", "sigmoid": "em_sigmoid({0})",
-    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "std::erf({0})",
+    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "em_erf({0})",
     "sin": "std::sin({0})", "cos": "std::cos({0})", "floor": "std::floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
