@@ -57,14 +57,7 @@ def check_zoo_model(name: str, device: str, steps: int = 3, batch: int = 8) -> s
     return r.describe()
 
 
-# speednet's float32 update is 1.05-1.07x as far from float64's as PyTorch's (median 1.069 over
-# the three steps), mostly conv2's and fc1's weight gradients (sums over the batch in another
-# order than oneDNN's): a known gap of the CPU kernels, not of the model, kept visible here
-_CPU_GAPS = {"speednet": "CPU weight-gradient sums 1.07x PyTorch's error (limit 1.05)"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_CPU_GAPS[n], strict=True))
-                                  if n in _CPU_GAPS else n for n in ZOO])
+@pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_model_trains_as_pytorch_does_on_cpu(name):
     check_zoo_model(name, "cpu")
 
