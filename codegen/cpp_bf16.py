@@ -40,6 +40,10 @@ __all__ = ["Bf16Plan", "Gemm", "gemm_of", "plans", "scratch_bytes", "render"]
 CHUNKS = 16
 #: below this many multiply-adds a kernel runs on one thread (a team costs more)
 SERIAL_MACS = 1 << 18
+#: the most bytes of finished outputs a direct-mode task stages before copying them out (within L2)
+STAGE_BYTES = 64 * 1024
+#: the most bytes of a GEMM-mode task's block of packed B (it stays in L2 while the row tiles run)
+B_BLOCK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -59,15 +63,22 @@ class Gemm:
     out_index: str        # the flat index of C[g][m][n] in the output (and the mask)
     bias_index: str       # the bias element of (m, n)
     what: str             # one line for the kernel's header
+    # where an operand lies in a plain layout, its rows as C++ pointers (else "": the accessors)
+    a_row: str = ""       # row m of A[g], contiguous along k
+    a_krow: str = ""      # row k of A[g] stored k by k (A^T row-major: contiguous along m)
+    b_krow: str = ""      # row k of B[g], contiguous along n
+    b_ncol: str = ""      # column n of B[g], contiguous along k
 
 
 @dataclass(frozen=True)
 class Bf16Plan:
     mr: int   # rows of the register tile
     nv: int   # column vectors of the register tile
-    nb: int   # columns per block (a task packs one block of B)
+    nb: int   # gemm: columns per block (a task packs one block of B); direct: output rows per task
+              # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
-    mode: str = "gemm"  # "gemm" (any contraction) or "direct" (stride-1 convolutions: `Direct`)
+    mode: str = "gemm"  # "gemm" (any contraction), "direct" (stride-1 convolutions: `Direct`) or
+                        # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused)
 
 
 @dataclass(frozen=True)
@@ -125,13 +136,19 @@ def direct_of(g: dict[str, Any]) -> Direct | None:
                   "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted")
 
 
-def _direct_block(d: Direct, nw: int) -> int:
-    """Columns (flat positions) per task: a whole image where the images alone give enough tasks."""
-    cols = d.HOUT * d.WP
-    nb = _round_up(cols, nw)
-    while nb > nw and d.G * math.ceil(cols / nb) < 4 * MAX_THREADS:
-        nb = _round_up(nb // 2, nw)
-    return nb
+def _direct_rows(d: Direct, mp: int, nw: int) -> int:
+    """Output rows per task: the whole image where the images alone give enough tasks and its
+    finished outputs (every channel, staged before the copy into the output) stay within
+    STAGE_BYTES; else halved until both hold (at least one row)."""
+    rb = d.HOUT
+    while rb > 1 and (d.G * math.ceil(d.HOUT / rb) < 4 * MAX_THREADS or 2 * mp * _stage_pitch(d, rb, nw) > STAGE_BYTES):
+        rb = (rb + 1) // 2
+    return rb
+
+
+def _stage_pitch(d: Direct, rb: int, nw: int) -> int:
+    """bfloat16 elements of one channel's row in the stage: a task's positions, whole vector groups."""
+    return _round_up(rb * d.WP, nw)
 
 
 def _conv_sizes(g: dict[str, Any]) -> tuple[int, ...]:
@@ -146,10 +163,13 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
         M, N, K, G = g["M"], g["N"], g["K"], g["batch"]
         a = "(long)g * M * K + (long)k * M + m" if g["trans_a"] else "(long)g * M * K + (long)m * K + k"
         b = "(long)g * K * N + (long)n * K + k" if g["trans_b"] else "(long)g * K * N + (long)k * N + n"
+        a_rows = {"a_krow": "pa + ((long)g * K + k) * M"} if g["trans_a"] else {"a_row": "pa + ((long)g * M + m) * K"}
+        b_rows = {"b_ncol": "pb + ((long)g * N + n) * K"} if g["trans_b"] else {"b_krow": "pb + ((long)g * K + k) * N"}
         return Gemm(kind, G, M, N, K, "a", "b", False, False, f"return k < K ? pa[{a}] : 0u;",
                     _ROW.format(setup="", step="", value=f"pb[{b}]"),
                     "((long)g * M + m) * N + n", "n",
-                    f"C[b] = {'A^T' if g['trans_a'] else 'A'}[b] @ {'B^T' if g['trans_b'] else 'B'}[b]")
+                    f"C[b] = {'A^T' if g['trans_a'] else 'A'}[b] @ {'B^T' if g['trans_b'] else 'B'}[b]",
+                    **a_rows, **b_rows)
     NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
     # the input's windows: row (c, kh, kw) over pixels (oh, ow), or row (oh, ow) over (c, kh, kw)
     pixel = "const int ih = oh * SH + kh - PH, iw = ow * SW + kw - PW;\n      if (ih >= 0 && ih < H && iw >= 0 && iw < W) v = {src};"
@@ -161,7 +181,8 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
                                       "  int oh = n0 / WO, ow = n0 % WO;",
                                 step="if (++ow == WO) { ow = 0; ++oh; }",
                                 value=None, body=pixel.format(src="plane[ih * W + iw]")),
-                    "((long)g * M + m) * N + n", "m", "out[n,o,p] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c,window(p)]")
+                    "((long)g * M + m) * N + n", "m", "out[n,o,p] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c,window(p)]",
+                    a_row="pa + (long)m * K")
     if kind == "conv2d_grad_input":
         body = ("const int th = h + PH - kh, tw = w + PW - kw;\n"
                 "      if (th >= 0 && tw >= 0 && th % SH == 0 && tw % SW == 0 && th / SH < HO && tw / SW < WO)\n"
@@ -183,7 +204,8 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
                                       "  int c = n0 / (KH * KW), kh = n0 % (KH * KW) / KW, kw = n0 % KW;",
                                 step="if (++kw == KW) { kw = 0; if (++kh == KH) { kh = 0; ++c; } }", value=None,
                                 body=pixel.format(src="pb[(((long)g * C + c) * H + ih) * W + iw]")),
-                    "(long)m * N + n", "m", "dw[o,c,kh,kw] = sum_(n,p) dy[n,o,p] x[n,c,window(p)]")
+                    "(long)m * N + n", "m", "dw[o,c,kh,kw] = sum_(n,p) dy[n,o,p] x[n,c,window(p)]",
+                    a_row="pa + ((long)g * M + m) * K")
     raise ValueError(f"no bfloat16 GEMM reading of kind {kind!r}")
 
 
@@ -220,20 +242,58 @@ def _rows(M: int, most: int) -> list[int]:
 
 
 def _block(gm: Gemm, nw: int) -> int:
-    """Columns per block: the whole N (padded) where the groups alone give enough tasks, else
-    halved until there are (a block of B stays within a few hundred kB)."""
-    if gm.reduce_groups:
-        return _round_up(gm.N, nw)
+    """Columns per block: the whole N (padded; grad-weight sums its images over it), halved while
+    a block of B (K/2 pairs a column) is over B_BLOCK_BYTES (it stays in L2 while every row tile
+    of the task runs over it)."""
     nb = _round_up(gm.N, nw)
-    while nb > nw and (gm.G * math.ceil(gm.N / nb) < 4 * MAX_THREADS or (gm.K + 1) // 2 * nb * 4 > 512 * 1024):
+    if gm.reduce_groups:
+        return nb
+    while nb > nw and (gm.K + 1) // 2 * nb * 4 > B_BLOCK_BYTES:
         nb = _round_up(nb // 2, nw)
     return nb
+
+
+def _row_groups(gm: Gemm, plan: Bf16Plan) -> int:
+    """Groups of row tiles a (g, block) task is split into: enough tasks for a full team where
+    the GEMMs and blocks alone do not make them."""
+    tiles = _round_up(gm.M, plan.mr) // plan.mr
+    blocks = gm.G * math.ceil(gm.N / plan.nb)
+    return max(1, min(tiles, math.ceil(4 * MAX_THREADS / blocks)))
+
+
+def dot_serves(g: dict[str, Any]) -> bool:
+    """Whether the dot mode reads this kernel: a matmul whose A rows and B^T rows (x @ W^T) are
+    contiguous along k, so its pairs along k are where they lie (no packing)."""
+    return g["kind"] == "matmul" and not g["trans_a"] and g["trans_b"]
+
+
+def _dot_tiles(g: dict[str, Any], isa: VectorISA) -> list[tuple[float, int, int]]:
+    """(cost, rows, columns) of the dot mode's register tiles that fit, cheapest first: the outputs
+    computed (padding included) times the products and loads of each (an accumulator a product,
+    a vector load of A or B per row and column, at two loads a cycle), plus the horizontal sums."""
+    M, N, K = g["M"], g["N"], g["K"]
+    per = 3 if g["bf16_dot"] == "emulated" else 1  # what each pair product holds besides its accumulator
+    steps = math.ceil(K / (2 * isa.lanes))
+    out = []
+    for nr in range(1, min(N, isa.lanes) + 1):
+        for mr in range(1, min(M, 16) + 1):
+            if mr * nr + per * nr + per > isa.registers:
+                continue
+            tiles = math.ceil(M / mr) * math.ceil(N / nr)
+            out.append((tiles * (steps * (mr * nr + 0.5 * (mr + nr)) + mr * nr * math.log2(isa.lanes)), mr, nr))
+    return sorted(out)
+
+
+def _gemm_cost(gm: Gemm, plan: Bf16Plan, isa: VectorISA) -> float:
+    """The GEMM mode's products (vector by vector, padding included), on the dot mode's scale."""
+    return gm.G * _round_up(gm.M, plan.mr) * _round_up(gm.N, plan.nv * isa.lanes) / isa.lanes * ((gm.K + 1) // 2)
 
 
 def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Plan]:
     """The cost model's plans, best first (tune: the tuner's wider list): the direct mode first
     where it applies (it gathers no windows: each input element is packed once, not KH * KW
-    times), then the GEMM mode."""
+    times), then the GEMM mode; for x @ W^T the dot mode (no packing, no padding of N to whole
+    vectors) before the GEMM mode where it costs fewer products."""
     gm, d = gemm_of(g), direct_of(g)
     out = []
     for mode in (["direct"] if d is not None else []) + ["gemm"]:
@@ -246,12 +306,16 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
             most = _max_rows(isa, nv, g["bf16_dot"])
             for mr in _rows(rows, most)[: 3 if tune else 1]:
                 nw = nv * isa.lanes
-                nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else _direct_block(d, nw)) \
-                    if mode == "direct" else _block(gm, nw)
+                nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else
+                      _direct_rows(d, _round_up(d.OC, mr), nw)) if mode == "direct" else _block(gm, nw)
                 ranked.append(Bf16Plan(mr, nv, nb, g["bf16_dot"], mode))
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
         out += ranked
+    if dot_serves(g):
+        tiles = _dot_tiles(g, isa)
+        dots = [Bf16Plan(mr, nr, 0, g["bf16_dot"], "dot") for _, mr, nr in tiles[: 3 if tune else 1]]
+        out = dots + out if tiles[0][0] < _gemm_cost(gm, out[0], isa) else out + dots
     return out if tune else out[:1]
 
 
@@ -271,15 +335,21 @@ def _gw_x_words(d: Direct) -> int:
     return _round_up(d.CI * _gw_x_plane(d) // 2, 16)
 
 
+def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
+    """4-byte words of one thread's stage (every channel's finished outputs of a task), 64-byte aligned."""
+    return _round_up((_round_up(d.OC, plan.mr) * _stage_pitch(d, plan.nb, plan.nv * isa.lanes) + 1) // 2, 16)
+
+
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
     """Offsets (in 4-byte words, 64-byte aligned) of the scratch regions and its size."""
     if d is not None and d.kind == "conv2d_grad_weight":  # each thread's image and dy, the chunks' sums
         mp, op = _round_up(d.CI * d.KH * d.KW, plan.mr), _round_up(d.OC, plan.nv * isa.lanes)
         sizes = {"x": _gw_x_words(d) * MAX_THREADS, "dy": (d.HOUT * d.WP + 1) // 2 * op * MAX_THREADS,
                  "part": min(d.G, CHUNKS) * mp * op}
-    elif d is not None:  # the direct mode: the weight packed once, each thread's image
+    elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
         ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
-        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS}
+        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
+                 "stage": _stage_words(d, plan, isa) * MAX_THREADS}
     else:
         k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
         chunks = min(gm.G, CHUNKS) if gm.reduce_groups else 0
@@ -297,18 +367,32 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
 
 def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
     gm = gemm_of(g)
-    _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g))
+    _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g), g)
+    if plan.mode == "dot":
+        return 0
     return 4 * _layout(gm, plan, isa, direct_of(g) if plan.mode == "direct" else None)["total"]
 
 
-def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None) -> None:
+def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None,
+                g: dict[str, Any] | None = None) -> None:
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
-    if plan.mode not in ("gemm", "direct") or (plan.mode == "direct" and d is None):
-        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: stride-1 convolutions)")
+    if plan.mode not in ("gemm", "direct", "dot") or (plan.mode == "direct" and d is None) or \
+            (plan.mode == "dot" and not (g is not None and dot_serves(g))):
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: stride-1 convolutions; "
+                         f"dot: a @ b^T)")
+    if plan.mode == "dot":
+        if (plan.mr, plan.nv) not in {(mr, nr) for _, mr, nr in _dot_tiles(g, isa)} or plan.nb != 0:
+            raise ValueError(f"dot tile {plan.mr}x{plan.nv} (nb {plan.nb}) does not fit {isa.registers} registers "
+                             f"({dot}) or the outputs")
+        return
     if plan.mode == "direct":
-        if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot) or plan.nb % (plan.nv * isa.lanes):
-            raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors, blocks of {plan.nb}: does not fit")
+        if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
+            raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
+        if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(d.OC, plan.nv * isa.lanes):
+            raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {d.OC} output channels in whole vectors")
+        if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
+            raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
         return
     if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
@@ -321,20 +405,28 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     _check_name(name)
     gm, d = gemm_of(g), direct_of(g)
     dot = g["bf16_dot"]
-    _check_plan(gm, plan, isa, dot, d)
+    _check_plan(gm, plan, isa, dot, d, g)
     eps = g["epilogues"]
+    if plan.mode == "dot":
+        code = _render("bf16_dot.j2", isa, name=name, G=gm.G, M=gm.M, N=gm.N, K=gm.K, plan=plan, dot=dot,
+                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
+                       parallel=gm.G * gm.M * gm.N * gm.K >= SERIAL_MACS)
+        return KernelSource(name, code, 0), ["a", "b", "bias" if "bias" in eps else None,
+                                             "mask" if "relu_mask" in eps else None, "out", "scratch"]
     if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct_gw.j2", isa, name=name, d=d, plan=plan, dot=dot, lay={**lay, "x_words": _gw_x_words(d)},
                        XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
                        OP=_round_up(d.OC, plan.nv * isa.lanes), chunks=min(d.G, CHUNKS), bias=False, relu=False,
-                       relu_mask=False, parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
+                       relu_mask=False, mask_in_copy=False, parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
         return KernelSource(name, code, 4 * lay["total"]), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot, lay=lay, CI2=(d.CI + 1) // 2,
-                       MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes),
-                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+        code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot,
+                       lay={**lay, "stage_words": _stage_words(d, plan, isa)}, CI2=(d.CI + 1) // 2,
+                       MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
+                       SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
+                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
                        parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
@@ -343,9 +435,9 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     conv = {k: v for k, v in zip(("NI", "C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
                                  _conv_sizes(g))} if gm.kind != "matmul" else {}
     macs = gm.G * gm.M * gm.N * gm.K
-    code = _render("bf16_gemm.j2", isa, name=name, gm=gm, plan=plan, dot=dot, conv=conv, lay=lay,
+    code = _render("bf16_gemm.j2", isa, name=name, gm=gm, plan=plan, dot=dot, conv=conv, lay=lay, MG=_row_groups(gm, plan),
                    K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr), chunks=min(gm.G, CHUNKS),
-                   bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                   bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
                    parallel=macs >= SERIAL_MACS)
     roles = [gm.a_role, gm.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
              "out", "scratch"]
