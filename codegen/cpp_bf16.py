@@ -77,19 +77,23 @@ class Bf16Plan:
     nb: int   # gemm: columns per block (a task packs one block of B); direct: output rows per task
               # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
-    mode: str = "gemm"  # "gemm" (any contraction), "direct" (stride-1 convolutions: `Direct`) or
+    mode: str = "gemm"  # "gemm" (any contraction), "direct" (convolutions, grad-input of stride 1: `Direct`) or
                         # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused)
 
 
 @dataclass(frozen=True)
 class Direct:
-    """A stride-1 convolution read directly: OC output channels over the flat positions
-    q = oh * WP + ow of a zero-padded input (HP x WP, the input placed at (PT, PL)), so that the
-    input element of window offset (kh, kw) is at q + kh * WP + kw and a vector of VL consecutive
-    positions is one load (no im2col; positions with ow >= WOUT are computed and dropped).
-    The input is packed once per image as pairs of channels (the reduction's pairs). The
-    forward reads x; grad-input is the forward of dy, padded by the kernel's overhang
-    (KH - 1 - PH), with the weight flipped and its channel axes swapped."""
+    """A convolution read directly: OC output channels over the flat positions q = oh * WP + ow
+    of a grid of the outputs (HOUT x WP: each row a few positions wider, which are computed and
+    dropped), so that a vector of VL consecutive positions is one load of the packed input (no
+    im2col). The input is packed once per image as phase planes (a, b) < (SH, SW) over the grid
+    (HP x WP): plane (a, b) holds input[i * SH + a - PT][j * SW + b - PL] at (i, j), zero outside
+    the input, so the window offset (kh, kw) of position q is at q + (kh / SH) * WP + kw / SW in
+    plane (kh % SH, kw % SW): stride 1 in every plane, whatever the convolution's. Phases that no
+    tap reads (a >= KH: a 1x1 strided window) are not packed. The forward reads x (its pairs of
+    channels); grad-input (stride 1) is the forward of dy, padded by the kernel's overhang
+    (KH - 1 - PH, cropped where negative), with the weight flipped and its channel axes swapped;
+    grad-weight reads x (one channel a plane) at the pairs of positions of dy."""
     kind: str
     G: int
     CI: int        # input channels (the reduction's, with KH * KW)
@@ -98,7 +102,7 @@ class Direct:
     WIN: int
     KH: int
     KW: int
-    PT: int        # the input's first row (column) in the padded grid
+    PT: int        # the input's padding: its first row (column) in the grid, negative where cropped
     PL: int
     HOUT: int
     WOUT: int
@@ -106,31 +110,43 @@ class Direct:
     b_role: str    # the input (x, or dy)
     w_index: str   # flat index in the weight of (output channel oc, input channel c, kh, kw)
     what: str
+    SH: int = 1
+    SW: int = 1
 
     @property
     def HP(self) -> int:
-        return self.HOUT + self.KH - 1
+        return self.HOUT + (self.KH - 1) // self.SH
 
     @property
     def WP(self) -> int:
-        return self.WOUT + self.KW - 1
+        return self.WOUT + (self.KW - 1) // self.SW
+
+    @property
+    def PHH(self) -> int:
+        """Phase rows that some tap reads."""
+        return min(self.SH, self.KH)
+
+    @property
+    def PHW(self) -> int:
+        return min(self.SW, self.KW)
 
 
 def direct_of(g: dict[str, Any]) -> Direct | None:
-    """The direct reading of a stride-1 convolution, else None. Grad-weight reads the same grid
-    (x padded, dy over its flat positions) with the roles turned: rows (c, kh, kw), columns o,
-    summed over the positions (`templates/cpp/bf16_direct_gw.j2`)."""
-    if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight") or tuple(g["stride"]) != (1, 1):
+    """The direct reading of a convolution (grad-input: of stride 1), else None. Grad-weight
+    reads the same grid (x in phase planes, dy over its flat positions) with the roles turned:
+    rows (c, kh, kw), columns o, summed over the positions (`templates/cpp/bf16_direct_gw.j2`)."""
+    if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
         return None
-    NI, C, H, W, O, KH, KW, _, _, PH, PW, HO, WO = _conv_sizes(g)
+    NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
     if g["kind"] == "conv2d_grad_weight":
         return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
-                      "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] shifted")
+                      "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] at the window of q", SH, SW)
     if g["kind"] == "conv2d":
         return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
-                      "((long)(oc * CI + c) * KH + kh) * KW + kw", "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] shifted")
-    if PH > KH - 1 or PW > KW - 1:
-        return None  # more padding than the kernel overhangs: the padded dy would start inside dy
+                      "((long)(oc * CI + c) * KH + kh) * KW + kw",
+                      "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] at the window", SH, SW)
+    if (SH, SW) != (1, 1):
+        return None  # a strided grad-input: the GEMM mode
     return Direct("conv2d_grad_input", NI, O, C, HO, WO, KH, KW, KH - 1 - PH, KW - 1 - PW, H, W, "w", "dy",
                   "((long)(c * OC + oc) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
                   "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted")
@@ -320,19 +336,24 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
 
 
 def _plane(d: Direct, nw: int) -> int:
-    """Words of one packed channel pair: the padded grid, and past it what the last tile's
-    vector loads reach (they start up to NW - 1 past the grid's last row, plus the window)."""
+    """Words of one packed phase plane of a channel pair: the grid, and past it what the last
+    tile's vector loads reach (they start up to NW - 1 past the grid's last row, plus the window)."""
     return _round_up(d.HP * d.WP + nw + d.KW, 16)
 
 
+def _planes(d: Direct) -> int:
+    """Phase planes a channel (pair) packs."""
+    return d.PHH * d.PHW
+
+
 def _gw_x_plane(d: Direct) -> int:
-    """bfloat16 elements of one padded channel of x in the direct grad-weight: the grid and what
-    the last position pair's window reaches past it."""
+    """bfloat16 elements of one phase plane of a channel of x in the direct grad-weight: the grid
+    and what the last position pair's window reaches past it."""
     return _round_up(d.HP * d.WP + d.KW + 2, 32)
 
 
 def _gw_x_words(d: Direct) -> int:
-    return _round_up(d.CI * _gw_x_plane(d) // 2, 16)
+    return _round_up(d.CI * _planes(d) * _gw_x_plane(d) // 2, 16)
 
 
 def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
@@ -348,7 +369,7 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
                  "part": min(d.G, CHUNKS) * mp * op}
     elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
         ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
-        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
+        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
                  "stage": _stage_words(d, plan, isa) * MAX_THREADS}
     else:
         k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
@@ -379,8 +400,8 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
     if plan.mode not in ("gemm", "direct", "dot") or (plan.mode == "direct" and d is None) or \
             (plan.mode == "dot" and not (g is not None and dot_serves(g))):
-        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: stride-1 convolutions; "
-                         f"dot: a @ b^T)")
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions, grad-input "
+                         f"of stride 1; dot: a @ b^T)")
     if plan.mode == "dot":
         if (plan.mr, plan.nv) not in {(mr, nr) for _, mr, nr in _dot_tiles(g, isa)} or plan.nb != 0:
             raise ValueError(f"dot tile {plan.mr}x{plan.nv} (nb {plan.nb}) does not fit {isa.registers} registers "

@@ -367,7 +367,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
            grouped=True),
     Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
-           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch)),
+           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _pool_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),

@@ -22,7 +22,7 @@ from ember.ir import Graph, TensorType, bfloat16, float32
 from ember.ir.dtypes import bf16_bits, bf16_values
 from ember.ir.kernel import CONTRACTIONS
 
-from models import run_compiled
+from models import plan_for, run_compiled
 
 PATHS = ["native", "emulated", "avx2"]
 
@@ -125,6 +125,8 @@ MATMULS = [  # name, M, N, K, trans_a, trans_b, batch, bias, relu
     ("linear_grad_w", 10, 70, 64, True, False, 1, False, False),
     ("hidden_relu", 33, 47, 29, False, False, 1, True, True),
     ("batched_tt", 7, 19, 21, True, True, 3, False, False),
+    ("batched_abt_tail", 9, 13, 45, False, True, 2, True, True),   # the dot mode, a partial vector of k
+    ("odd_k_ta", 17, 40, 17, True, False, 1, False, False),
 ]
 
 
@@ -182,3 +184,36 @@ def test_generated_kernels_and_pooling_round_as_the_interpreter():
     want = ir.run(g, inputs).outputs["out"]
     _, got = run_compiled(g, "cpu", inputs)
     assert np.array_equal(got["out"], want)
+
+
+# strided (direct in phase planes; grad-input: GEMM), cropped (grad-input of padding past the
+# kernel), a rectangular stride; matmuls of every layout, odd and partial k, batched (dot, GEMM)
+EVERY_PLAN = [("conv", c, k) for c in CONVS for k in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+              if c[0] == "stride2_pad1" or (c[0], k) in {("k1_pad1", "conv2d_grad_input"), ("k5_pad2_rect", "conv2d")}] + \
+    [("matmul", c, None) for c in MATMULS if c[0] in ("hidden_relu", "batched_tt", "batched_abt_tail", "odd_k_ta")]
+
+
+@pytest.mark.parametrize("what,case,kind", EVERY_PLAN, ids=[f"{c[0]}-{k or 'matmul'}" for _, c, k in EVERY_PLAN])
+def test_every_plan_matches_the_interpreter(what, case, kind):
+    """Every plan the tuner may pick (each mode: direct, dot, GEMM; tile heights and widths) gives
+    the interpreter's result within one bfloat16 step, on this CPU's product path."""
+    from ember.codegen import cpp_choices
+    from ember.codegen.tuning_db import choice_text
+    from ember.runtime.tuner import kernels_of
+    from ember.runtime.tuner_cpu import CpuMeasurer
+    graph = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")[0] if what == "conv" else matmul_graph(case)[0]
+    planned = plan_for(graph, "cpu")
+    [(sub, spec)] = [(s, k) for s, k in kernels_of(planned) if k.kind in CONTRACTIONS]
+    measurer = CpuMeasurer(rounds=1, target_s=0.0)
+    inputs = measurer.inputs(sub)
+    want = ir.run(sub, inputs).outputs["out"]
+    want = (bf16_values(want) if want.dtype == np.uint16 else want).astype(np.float64)
+    choices = cpp_choices.candidates(sub, spec)
+    modes = {dict(plan)["mode"] for _, plan in choices}
+    assert "gemm" in modes and ("direct" in modes) == (what == "conv" and (kind != "conv2d_grad_input" or case[8] == (1, 1)))
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    for trial in measurer.measure(sub, spec, choices):
+        assert trial.error is None, trial.error
+        got = trial.output.astype(np.float64)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(want), np.abs(got)), 1e-30))) - 7)
+        assert np.all(np.abs(got - want) <= step + 1e-6 * scale), choice_text(trial.choice)
