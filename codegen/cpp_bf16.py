@@ -77,8 +77,9 @@ class Bf16Plan:
     nb: int   # gemm: columns per block (a task packs one block of B); direct: output rows per task
               # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
-    mode: str = "gemm"  # "gemm" (any contraction), "direct" (convolutions, grad-input of stride 1: `Direct`) or
-                        # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused)
+    mode: str = "gemm"  # "gemm" (ungrouped), "direct" (convolutions: `Direct`; grad-weight ungrouped),
+                        # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused) or
+                        # "taps" (a grouped grad-weight: mr taps a pass, nv 1, nb unused)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class Direct:
     what: str
     SH: int = 1
     SW: int = 1
+    GR: int = 1    # groups: output channel group gr reads input channel group gr only
+    DH: int = 1    # the input's dilation (grad-input of a strided convolution: dy's rows SH apart)
+    DW: int = 1
 
     @property
     def HP(self) -> int:
@@ -132,24 +136,29 @@ class Direct:
 
 
 def direct_of(g: dict[str, Any]) -> Direct | None:
-    """The direct reading of a convolution (grad-input: of stride 1), else None. Grad-weight
+    """The direct reading of a convolution, else None. Grad-weight
     reads the same grid (x in phase planes, dy over its flat positions) with the roles turned:
-    rows (c, kh, kw), columns o, summed over the positions (`templates/cpp/bf16_direct_gw.j2`)."""
+    rows (c, kh, kw), columns o, summed over the positions (`templates/cpp/bf16_direct_gw.j2`;
+    ungrouped: a grouped grad-weight is the taps mode's)."""
     if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
         return None
     NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
+    GR = g.get("groups", 1)
     if g["kind"] == "conv2d_grad_weight":
+        if GR != 1:
+            return None
         return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
                       "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] at the window of q", SH, SW)
     if g["kind"] == "conv2d":
         return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
-                      "((long)(oc * CI + c) * KH + kh) * KW + kw",
-                      "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] at the window", SH, SW)
-    if (SH, SW) != (1, 1):
-        return None  # a strided grad-input: the GEMM mode
+                      "((long)(oc * CIG + cl) * KH + kh) * KW + kw",
+                      "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] at the window", SH, SW, GR)
+    # grad-input: the forward of dy with its rows (columns) placed SH (SW) apart, so a strided
+    # convolution's too (at SH * SW times the products: the zeros between are multiplied)
     return Direct("conv2d_grad_input", NI, O, C, HO, WO, KH, KW, KH - 1 - PH, KW - 1 - PW, H, W, "w", "dy",
-                  "((long)(c * OC + oc) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
-                  "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted")
+                  "((long)(c * OCG + ocl) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
+                  "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted" +
+                  (f", dy's rows {SH} and columns {SW} apart" if (SH, SW) != (1, 1) else ""), 1, 1, GR, SH, SW)
 
 
 def _direct_rows(d: Direct, mp: int, nw: int) -> int:
@@ -160,6 +169,40 @@ def _direct_rows(d: Direct, mp: int, nw: int) -> int:
     while rb > 1 and (d.G * math.ceil(d.HOUT / rb) < 4 * MAX_THREADS or 2 * mp * _stage_pitch(d, rb, nw) > STAGE_BYTES):
         rb = (rb + 1) // 2
     return rb
+
+
+def taps_of(g: dict[str, Any]) -> Direct | None:
+    """The taps reading of a grouped grad-weight (`templates/cpp/bf16_taps_gw.j2`), else None: one
+    (output channel, input channel of its group) a task, its window's taps as vector accumulators
+    along the flat positions of the grid (x in phase planes as in the direct mode, dy on the grid)."""
+    if g["kind"] != "conv2d_grad_weight" or g.get("groups", 1) == 1:
+        return None
+    NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
+    return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
+                  "dw[o,cl,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] at the window of q", SH, SW, g["groups"])
+
+
+def _taps_per_pass(d: Direct, isa: VectorISA, dot: str) -> int:
+    """Taps a pass accumulates: all of the window where the registers hold them (an accumulator a
+    tap, besides dy's vector and the tap's load; emulated: their halves too)."""
+    return max(1, min(d.KH * d.KW, isa.registers - (6 if dot == "emulated" else 2)))
+
+
+def _taps_xplane(d: Direct, isa: VectorISA) -> int:
+    """bfloat16 elements of one phase plane in the taps mode: what the last vector of the farthest
+    tap reaches."""
+    qv = math.ceil(d.HOUT * d.WP / (2 * isa.lanes))
+    return _round_up((d.HP - d.HOUT) * d.WP + (d.KW - 1) // d.SW + qv * 2 * isa.lanes, 32)
+
+
+def _direct_mp(d: Direct, mr: int) -> int:
+    """Rows of the direct forward's tiles: each group's output channels in whole tiles."""
+    return d.GR * _round_up(d.OC // d.GR, mr)
+
+
+def _cig2(d: Direct) -> int:
+    """Pairs of input channels of a group."""
+    return (d.CI // d.GR + 1) // 2
 
 
 def _stage_pitch(d: Direct, rb: int, nw: int) -> int:
@@ -312,8 +355,10 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
     vectors) before the GEMM mode where it costs fewer products."""
     gm, d = gemm_of(g), direct_of(g)
     out = []
-    for mode in (["direct"] if d is not None else []) + ["gemm"]:
-        rows, cols = (d.OC, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
+    if (t := taps_of(g)) is not None:
+        return [Bf16Plan(_taps_per_pass(t, isa, g["bf16_dot"]), 1, 0, g["bf16_dot"], "taps")]
+    for mode in (["direct"] if d is not None else []) + (["gemm"] if g.get("groups", 1) == 1 else []):
+        rows, cols = (d.OC // d.GR, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
         if mode == "direct" and d.kind == "conv2d_grad_weight":
             rows, cols = d.CI * d.KH * d.KW, d.OC
         nvs = [2, 1] if cols > isa.lanes else [1]
@@ -323,12 +368,12 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
             for mr in _rows(rows, most)[: 3 if tune else 1]:
                 nw = nv * isa.lanes
                 nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else
-                      _direct_rows(d, _round_up(d.OC, mr), nw)) if mode == "direct" else _block(gm, nw)
+                      _direct_rows(d, _direct_mp(d, mr), nw)) if mode == "direct" else _block(gm, nw)
                 ranked.append(Bf16Plan(mr, nv, nb, g["bf16_dot"], mode))
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
         out += ranked
-    if dot_serves(g):
+    if dot_serves(g) and out:
         tiles = _dot_tiles(g, isa)
         dots = [Bf16Plan(mr, nr, 0, g["bf16_dot"], "dot") for _, mr, nr in tiles[: 3 if tune else 1]]
         out = dots + out if tiles[0][0] < _gemm_cost(gm, out[0], isa) else out + dots
@@ -358,7 +403,14 @@ def _gw_x_words(d: Direct) -> int:
 
 def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
     """4-byte words of one thread's stage (every channel's finished outputs of a task), 64-byte aligned."""
-    return _round_up((_round_up(d.OC, plan.mr) * _stage_pitch(d, plan.nb, plan.nv * isa.lanes) + 1) // 2, 16)
+    return _round_up((_direct_mp(d, plan.mr) * _stage_pitch(d, plan.nb, plan.nv * isa.lanes) + 1) // 2, 16)
+
+
+def _taps_layout(d: Direct, isa: VectorISA) -> dict[str, int]:
+    """4-byte words of each thread's x planes and dy grid in the taps mode, 64-byte aligned."""
+    qv = math.ceil(d.HOUT * d.WP / (2 * isa.lanes))
+    return {"x_words": _round_up(_planes(d) * _taps_xplane(d, isa) // 2, 16) * MAX_THREADS,
+            "dy_words": _round_up(qv * isa.lanes, 16) * MAX_THREADS}
 
 
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
@@ -368,8 +420,9 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
         sizes = {"x": _gw_x_words(d) * MAX_THREADS, "dy": (d.HOUT * d.WP + 1) // 2 * op * MAX_THREADS,
                  "part": min(d.G, CHUNKS) * mp * op}
     elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
-        ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
-        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
+        ci2, mp = _cig2(d), _direct_mp(d, plan.mr)
+        sizes = {"a": mp * d.KH * d.KW * ci2,
+                 "x": d.GR * ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
                  "stage": _stage_words(d, plan, isa) * MAX_THREADS}
     else:
         k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
@@ -391,6 +444,8 @@ def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
     _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g), g)
     if plan.mode == "dot":
         return 0
+    if plan.mode == "taps":
+        return 4 * sum(_taps_layout(taps_of(g), isa).values())
     return 4 * _layout(gm, plan, isa, direct_of(g) if plan.mode == "direct" else None)["total"]
 
 
@@ -398,10 +453,16 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
                 g: dict[str, Any] | None = None) -> None:
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
-    if plan.mode not in ("gemm", "direct", "dot") or (plan.mode == "direct" and d is None) or \
-            (plan.mode == "dot" and not (g is not None and dot_serves(g))):
-        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions, grad-input "
-                         f"of stride 1; dot: a @ b^T)")
+    grouped = g is not None and g.get("groups", 1) != 1
+    if plan.mode not in ("gemm", "direct", "dot", "taps") or (plan.mode == "direct" and d is None) or \
+            (plan.mode == "dot" and not (g is not None and dot_serves(g))) or (plan.mode == "gemm" and grouped) or \
+            (plan.mode == "taps" and not (g is not None and taps_of(g) is not None)):
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions but a "
+                         f"grouped grad-weight; dot: a @ b^T; taps: a grouped grad-weight; gemm: ungrouped)")
+    if plan.mode == "taps":
+        if (plan.mr, plan.nv, plan.nb) != (_taps_per_pass(taps_of(g), isa, dot), 1, 0):
+            raise ValueError(f"taps plan {plan}: expected {_taps_per_pass(taps_of(g), isa, dot)} taps a pass")
+        return
     if plan.mode == "dot":
         if (plan.mr, plan.nv) not in {(mr, nr) for _, mr, nr in _dot_tiles(g, isa)} or plan.nb != 0:
             raise ValueError(f"dot tile {plan.mr}x{plan.nv} (nb {plan.nb}) does not fit {isa.registers} registers "
@@ -428,6 +489,15 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     dot = g["bf16_dot"]
     _check_plan(gm, plan, isa, dot, d, g)
     eps = g["epilogues"]
+    if plan.mode == "taps":
+        t = taps_of(g)
+        sizes = _taps_layout(t, isa)
+        lay = {"x": 0, "dy": sizes["x_words"], "x_words": sizes["x_words"] // MAX_THREADS,
+               "dy_words": sizes["dy_words"] // MAX_THREADS}
+        code = _render("bf16_taps_gw.j2", isa, name=name, d=t, plan=plan, dot=dot, lay=lay, XPLANE=_taps_xplane(t, isa),
+                       bias=False, relu=False, relu_mask=False, mask_in_copy=False,
+                       parallel=t.G * t.OC * t.HOUT * t.WOUT * (t.CI // t.GR) * t.KH * t.KW >= SERIAL_MACS)
+        return KernelSource(name, code, 4 * sum(sizes.values())), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "dot":
         code = _render("bf16_dot.j2", isa, name=name, G=gm.G, M=gm.M, N=gm.N, K=gm.K, plan=plan, dot=dot,
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
@@ -444,11 +514,11 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot,
-                       lay={**lay, "stage_words": _stage_words(d, plan, isa)}, CI2=(d.CI + 1) // 2,
-                       MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
+                       lay={**lay, "stage_words": _stage_words(d, plan, isa)},
+                       OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
                        SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
-                       parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
+                       parallel=d.G * d.OC * d.HOUT * d.WOUT * (d.CI // d.GR) * d.KH * d.KW >= SERIAL_MACS)
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
         return KernelSource(name, code, 4 * lay["total"]), roles

@@ -46,14 +46,17 @@ def _bits(rng, *shape, scale=1.0) -> np.ndarray:
     return bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu") -> None:
+def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu",
+           family: str = "bf16") -> None:
     """`graph` compiled for `device` gives the interpreter's "out" (see the module docstring); on
-    the CPU its bfloat16 contractions multiply by `dot`, on CUDA on the GEMM's tensor cores."""
+    the CPU its bfloat16 contractions multiply by `dot` (the bf16 family; the grouped family's
+    loops have no `dot`), on CUDA on the GEMM's tensor cores."""
     want = ir.run(graph, inputs).outputs["out"]
     planned, out = run_compiled(graph, device, inputs)
     families = {planned.attrs(n)["kernel"].choice[0]: dict(planned.attrs(n)["kernel"].choice[1]).get("dot")
                 for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind in CONTRACTIONS}
-    assert families == ({"bf16": dot} if device == "cpu" else {"gemm": None})  # the dump shows the path
+    want_families = {family: dot if family == "bf16" else None}
+    assert families == (want_families if device == "cpu" else {"gemm": None})  # the dump shows the path
     got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
     assert got.shape == want.shape
     scale = max(float(np.max(np.abs(want))), 1e-30)
@@ -75,38 +78,48 @@ CONVS = [  # name, N, C, H, W, O, KH, KW, stride, padding
 ]
 
 
+GROUPED = [  # name, N, C, H, W, O, KH, KW, stride, padding, groups
+    ("depthwise", 2, 6, 9, 11, 6, 3, 3, (1, 1), (1, 1), 6),
+    ("depthwise_s2", 2, 5, 10, 9, 5, 3, 3, (2, 2), (1, 1), 5),
+    ("grouped_3x2", 2, 6, 7, 8, 9, 3, 3, (1, 1), (0, 1), 3),    # 2 input and 3 output channels a group
+    ("depthwise_x2_k5", 1, 3, 8, 8, 6, 5, 5, (1, 1), (2, 2), 3),  # a channel multiplier, a 5x5 window
+]
+
+
 def _conv_graph(case, kind: str, epilogue: bool) -> tuple[Graph, dict, int]:
-    _, n, c, h, w, o, kh, kw, stride, padding = case
+    _, n, c, h, w, o, kh, kw, stride, padding = case[:10]
+    groups = case[10] if len(case) > 10 else 1
     rng = np.random.default_rng(zlib.crc32(f"{case[0]}/{kind}".encode()))
     g = Graph(kind)
-    at = dict(stride=stride, padding=padding)
+    at = dict(stride=stride, padding=padding, **({"groups": groups} if groups != 1 else {}))
+    c_in = c // groups  # the weight's input channels
     ho = (h + 2 * padding[0] - kh) // stride[0] + 1
     wo = (w + 2 * padding[1] - kw) // stride[1] + 1
     if kind == "conv2d":
         x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
-        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        wt = g.add_input("w", TensorType((o, c_in, kh, kw), bfloat16))
         y = g.add("conv2d", [x, wt], **at)
-        inputs = {"x": _bits(rng, n, c, h, w), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        inputs = {"x": _bits(rng, n, c, h, w), "w": _bits(rng, o, c_in, kh, kw, scale=0.3)}
         if epilogue:
             b = g.add_input("b", TensorType((o,), bfloat16))
             y = g.add("relu", [g.add("add", [y, g.add("reshape", [b], shape=(o, 1, 1))])])
             inputs["b"] = _bits(rng, o)
-        reduction = c * kh * kw
+        reduction = c_in * kh * kw
     elif kind == "conv2d_grad_input":
         dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
-        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        wt = g.add_input("w", TensorType((o, c_in, kh, kw), bfloat16))
         y = g.add("conv2d_grad_input", [dy, wt], input_shape=(n, c, h, w), **at)
-        inputs = {"dy": _bits(rng, n, o, ho, wo), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        inputs = {"dy": _bits(rng, n, o, ho, wo), "w": _bits(rng, o, c_in, kh, kw, scale=0.3)}
         if epilogue:  # ReLU's backward: where(mask > 0, ., 0)
             m = g.add_input("m", TensorType((n, c, h, w), bfloat16))
             zero = g.add_constant(0.0, dtype=bfloat16)
             y = g.add("where", [g.add("gt", [m, zero]), y, zero])
             inputs["m"] = _bits(rng, n, c, h, w)
-        reduction = o * kh * kw
+        reduction = o // groups * kh * kw
     else:
         x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
         dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
-        y = g.add("conv2d_grad_weight", [x, dy], weight_shape=(o, c, kh, kw), **at)
+        y = g.add("conv2d_grad_weight", [x, dy], weight_shape=(o, c_in, kh, kw), **at)
         inputs = {"x": _bits(rng, n, c, h, w), "dy": _bits(rng, n, o, ho, wo)}
         reduction = n * ho * wo
     g.set_output("out", y)
@@ -118,6 +131,19 @@ def _conv_graph(case, kind: str, epilogue: bool) -> tuple[Graph, dict, int]:
 def test_convolutions(case, kind, path):
     graph, inputs, reduction = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")
     _check(graph, inputs, path, reduction)
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=[c[0] for c in GROUPED])
+@pytest.mark.parametrize("kind", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_grouped_convolutions(case, kind, path):
+    """Grouped and depthwise convolutions: the bf16 family's direct mode (forward, grad-input) and
+    taps mode (grad-weight); and the grouped family's loops on bfloat16 operands (the tuner's
+    other candidate)."""
+    graph, inputs, reduction = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")
+    _check(graph, inputs, path, reduction)
+    from ember.codegen import cpp_choices
+    with cpp_choices.force("grouped"):
+        _check(graph, inputs, path, reduction, family="grouped")
 
 
 MATMULS = [  # name, M, N, K, trans_a, trans_b, batch, bias, relu
@@ -210,7 +236,7 @@ def test_every_plan_matches_the_interpreter(what, case, kind):
     want = (bf16_values(want) if want.dtype == np.uint16 else want).astype(np.float64)
     choices = cpp_choices.candidates(sub, spec)
     modes = {dict(plan)["mode"] for _, plan in choices}
-    assert "gemm" in modes and ("direct" in modes) == (what == "conv" and (kind != "conv2d_grad_input" or case[8] == (1, 1)))
+    assert "gemm" in modes and ("direct" in modes) == (what == "conv")
     scale = max(float(np.max(np.abs(want))), 1e-30)
     for trial in measurer.measure(sub, spec, choices):
         assert trial.error is None, trial.error
