@@ -1,7 +1,17 @@
-"""bfloat16 contractions on the CPU: every kind (matmul, conv2d, its two gradients) as batched GEMMs
-of bfloat16 pairs with float32 accumulation (`templates/cpp/bf16_gemm.j2`).
+"""bfloat16 contractions on the CPU: every kind (matmul, conv2d, its two gradients) on bfloat16
+pairs with float32 accumulation, in four modes (the plan's `mode`, best first where they apply):
 
-Each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
+- `direct` (`Direct`, `templates/cpp/bf16_direct.j2`): convolutions of any stride and groups over
+  a grid of their outputs, the input packed once per image in phase planes (a vector of output
+  positions is one load); finished outputs staged and copied out a row at a time. Grad-input is
+  the forward of dy (placed stride apart); an ungrouped grad-weight reads the same grid with the
+  roles turned (`bf16_direct_gw.j2`);
+- `taps` (`bf16_taps_gw.j2`): a grouped grad-weight, one (o, c) pair a task, vectors along the
+  positions;
+- `dot` (`bf16_dot.j2`): x @ W^T, A's and B's rows read where they lie (pairs along k);
+- `gemm` (`bf16_gemm.j2`): any ungrouped kind as batched GEMMs (below).
+
+In the GEMM mode each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
 (a convolution's B is its im2col, gathered while packing, never stored whole):
 
 | kind | G | M | N | K | A | B | C |
@@ -34,7 +44,8 @@ from typing import Any
 from .cpp_kernels import MAX_THREADS, KernelSource, _check_name, _render
 from .cpu_vector import VectorISA
 
-__all__ = ["Bf16Plan", "Gemm", "gemm_of", "plans", "scratch_bytes", "render"]
+__all__ = ["Bf16Plan", "Gemm", "Direct", "gemm_of", "direct_of", "taps_of", "dot_serves", "plans", "scratch_bytes",
+           "render"]
 
 #: grad-weight's fixed number of partial sums (chunks of images)
 CHUNKS = 16
