@@ -36,8 +36,8 @@ def test_every_python_block_runs(index, tmp_path, mnist_dir):
 
 
 def test_the_training_command_prints_pytorchs_accuracy(mnist_dir, tmp_path):
-    """The README's first command, after its install: one epoch of the CNN, 96.83% (96.84% with
-    AVX-512's summation order), as the README says."""
+    """The README's first command, after its install: one epoch of the CNN, PyTorch's 96.83% within
+    one test image (the vector width's summation order: 96.82% to 96.84%), as the README says."""
     command = _blocks("bash")[0].split("&&")[-1].strip()
     argv = shlex.split(command)
     assert argv[:2] == ["ember", "mnist"]
@@ -45,7 +45,7 @@ def test_the_training_command_prints_pytorchs_accuracy(mnist_dir, tmp_path):
     argv[0] = str(ember) if ember.exists() else "ember"
     res = subprocess.run(argv + ["--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"test loss 0\.108\d, test accuracy 96\.8[34]%", res.stdout), res.stdout
+    assert re.search(r"test loss 0\.108\d, test accuracy 96\.8[234]%", res.stdout), res.stdout
     assert "data: mnist from ../shared/data/mnist" in res.stdout  # the first run says where its data comes from
 
 
