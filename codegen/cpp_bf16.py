@@ -22,8 +22,12 @@ product is exact in float32, so both paths sum exact products in float32.
 
 The epilogue mirrors the interpreter node by node: the accumulator rounded to bfloat16, then
 `+ bias` rounded, then ReLU (or ReLU's backward mask), stored as bfloat16. Grad-weight sums its
-images in CH fixed chunks (partial sums in scratch, added in chunk order): the result does not
-depend on the thread count.
+images in min(N, 16) fixed chunks (partial sums in scratch, added in chunk order): the result does
+not depend on the thread count.
+
+The sizes that follow the batch are the kernels' arguments (`KernelSource.extents`), not constants
+of their code: a convolution's images, a matmul's batch, rows and reduced length; so one compiled
+kernel serves every batch size, with the plan (tile, column block) of the batch it was chosen for.
 """
 from __future__ import annotations
 
@@ -316,37 +320,50 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
         raise ValueError(f"column block {plan.nb} is not a multiple of the tile's {plan.nv * isa.lanes} columns")
 
 
+def _parallel(macs: str) -> str:
+    """The team's `if()`: whether a call's multiply-adds (`macs`, a C++ expression of its run-time
+    sizes) are worth a team."""
+    return f"(long){macs} >= {SERIAL_MACS}"
+
+
 def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tuple[KernelSource, list[str | None]]:
-    """The kernel and its arguments in order as roles (None: a null pointer)."""
+    """The kernel and its arguments in order as roles (None: a null pointer). The images of a
+    convolution, and a matmul's batch, rows and reduced length, are its run-time sizes
+    (`KernelSource.extents`), not constants of its code."""
     _check_name(name)
     gm, d = gemm_of(g), direct_of(g)
     dot = g["bf16_dot"]
     _check_plan(gm, plan, isa, dot, d)
     eps = g["epilogues"]
+    common = dict(name=name, plan=plan, dot=dot, CHUNKS=CHUNKS)
     if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct_gw.j2", isa, name=name, d=d, plan=plan, dot=dot, lay={**lay, "x_words": _gw_x_words(d)},
+        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d)}, **common,
                        XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
-                       OP=_round_up(d.OC, plan.nv * isa.lanes), chunks=min(d.G, CHUNKS), bias=False, relu=False,
-                       relu_mask=False, parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
-        return KernelSource(name, code, 4 * lay["total"]), ["dy", "x", None, None, "out", "scratch"]
+                       OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False, relu_mask=False,
+                       PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
+        return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot, lay=lay, CI2=(d.CI + 1) // 2,
+        code = _render("bf16_direct.j2", isa, d=d, lay=lay, CI2=(d.CI + 1) // 2, **common,
                        MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
-                       parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CI * KH * KW"))
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
-        return KernelSource(name, code, 4 * lay["total"]), roles
+        return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles
     lay = _layout(gm, plan, isa)
-    conv = {k: v for k, v in zip(("NI", "C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
-                                 _conv_sizes(g))} if gm.kind != "matmul" else {}
-    macs = gm.G * gm.M * gm.N * gm.K
-    code = _render("bf16_gemm.j2", isa, name=name, gm=gm, plan=plan, dot=dot, conv=conv, lay=lay,
-                   K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr), chunks=min(gm.G, CHUNKS),
-                   bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
-                   parallel=macs >= SERIAL_MACS)
+    # the images NI are no constant of a convolution's code: its G; a matmul's rows M and reduced
+    # length K are run-time sizes too (`rt`), passed to its helpers as arguments (SZ, SA)
+    conv = {k: v for k, v in zip(("C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
+                                 _conv_sizes(g)[1:])} if gm.kind != "matmul" else {}
+    rt = gm.kind == "matmul"
+    # where each thread's B panel starts: past A, which grows with M, K and G where A is per GEMM
+    b_at = "((long)MP * K2 * G + 15) / 16 * 16" if not (gm.a_shared or gm.reduce_groups) else str(lay["b"])
+    code = _render("bf16_gemm.j2", isa, gm=gm, conv=conv, lay=lay, K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr),
+                   rt=rt, SZ=", const int M, const int K, const int K2" if rt else "", SA=", M, K, K2" if rt else "",
+                   B_AT=b_at, bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
+                   PARALLEL=_parallel("G * M * N * K"), **common)
     roles = [gm.a_role, gm.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
              "out", "scratch"]
-    return KernelSource(name, code, 4 * lay["total"]), roles
+    return KernelSource(name, code, 4 * lay["total"], (gm.G, gm.M, gm.K) if rt else (gm.G,)), roles
