@@ -25,18 +25,18 @@ from ember.ir import Graph, KernelSpec
 
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
+from .cpp_kernels import PARALLEL_MIN
 from .lowering import (C_OPERATORS, Extent, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise,
                        lower_reduction)
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
-PARALLEL_MIN = 32768  # below this many elements an OpenMP team costs more than it saves
 ABI_VERSION = 3  # 3: the entry takes the run-time table (dims), kernels their extents
 
 SPELLING = Spelling("C++", {
     **C_OPERATORS,
     "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})", "sigmoid": "em_sigmoid({0})",
-    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "std::erf({0})",
+    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "em_erf({0})",
     "sin": "std::sin({0})", "cos": "std::cos({0})", "floor": "std::floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
     "lowest": "std::numeric_limits<{ctype}>::lowest()",
@@ -54,18 +54,22 @@ def _signature(sub: Graph, restrict: bool, extent: Extent | None) -> str:
     return ", ".join(params)
 
 
-def generated_extent(sub: Graph, kind: str, core: int | None = None) -> Extent | None:
+def generated_extent(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> Extent | None:
     """The size a generated kernel takes at run time: the leading axis of its loop domain (a
     pointwise kernel's output, a reduction's operand), which for the step's activations is the
-    batch; None for a scalar domain. Its value is the kernel's last argument (`extents`)."""
+    batch; None for a scalar domain, or where the domain is `fixed` (a pointwise kernel that
+    writes parameters and state alone: their sizes, which no batch size changes). Its value is
+    the kernel's last argument (`extents`)."""
+    if fixed:
+        return None
     if kind == "pointwise":
         return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
     return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
 
 
-def generated_extents(sub: Graph, kind: str, core: int | None = None) -> tuple[int, ...]:
-    extent = generated_extent(sub, kind, core)
+def generated_extents(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> tuple[int, ...]:
+    extent = generated_extent(sub, kind, core, fixed)
     return (extent.value,) if extent is not None else ()
 
 
@@ -79,11 +83,12 @@ def _bound(count: int, extent: Extent | None) -> str:
 MIN_ROW = 16
 
 
-def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
+def render_pointwise(name: str, sub: Graph, restrict: bool = True, fixed: bool = False) -> str:
     """One flat loop, or rows (leading axes) of contiguous elements when that hoists per-row
     operands (a normalisation's per-channel values) out of the vectorised inner loop. The
-    leading extent is an argument (`generated_extent`), so is whether a team of threads pays."""
-    extent = generated_extent(sub, "pointwise")
+    leading extent is an argument (`generated_extent`), so is whether a team of threads pays,
+    unless the domain is `fixed` (the kernel writes parameters and state alone)."""
+    extent = generated_extent(sub, "pointwise", fixed=fixed)
     low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW), extent=extent)
     numel = _bound(low.numel, extent)
     return ENV.get_template("pointwise.j2").render(
@@ -92,12 +97,25 @@ def render_pointwise(name: str, sub: Graph, restrict: bool = True) -> str:
         parallel=f"{numel} >= {PARALLEL_MIN}" if extent is not None else low.numel >= PARALLEL_MIN)
 
 
+# A float sum is added in float partials of at most this many elements of its innermost loop,
+# the partials in a double total. One float chain over a whole BatchNorm channel (N*H*W values,
+# 73728 at batch 512) lost ~1.4e-6 relative, four times NumPy's pairwise sum, and made speednet's
+# update 1.07x less accurate against float64 than PyTorch float32's. A contiguous innermost loop
+# is vectorised, so each lane's chain is SUM_CHUNK / lanes (64 or 128 adds); a strided one runs
+# in order, so its chunk is shorter. The double add per chunk is the whole cost: a row up to
+# SUM_CHUNK long is one partial, as the single float loop summed it.
+SUM_CHUNK = 1024
+SUM_CHUNK_STRIDED = 64
+
+
 def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) -> str:
     """A loop over the outputs, loops over the reduced elements inside; the operand's leading
-    extent (kept or reduced) is an argument (`generated_extent`), so is whether threads pay."""
+    extent (kept or reduced) is an argument (`generated_extent`), so is whether threads pay.
+    Float sums are blocked: float partials per chunk of the innermost loop, double totals."""
     extent = generated_extent(sub, "reduction", core)
     low = lower_reduction(sub, core, SPELLING, extent=extent)
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    rank = len(sub.type(sub.operands(core)[0]).shape)
     kept_lead = extent is not None and 0 not in tuple(axes)
     outputs = _bound(low.outputs, extent) if kept_lead else str(low.outputs)
     # the extent is the first reduced loop's when the leading axis is reduced (runs start at it)
@@ -109,10 +127,16 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
         parallel: str | bool = low.outputs >= 2 and low.outputs * low.reduced * len(low.passes) >= PARALLEL_MIN
     else:
         parallel = f"{outputs} >= 2 && {work} >= {PARALLEL_MIN}"
+    chunk = SUM_CHUNK if axes and max(axes) == rank - 1 else SUM_CHUNK_STRIDED
+    inner = loops[-1][1] if loops else "0"
+    float_sum = {a.acc: a.op == "sum" and a.ctype == "float" for a in low.accs}
     return ENV.get_template("reduction.j2").render(
         name=name, ops="+".join(dict.fromkeys(a.op for a in low.accs)), reduced=reduced, loops=loops,
         outputs=outputs, params=_signature(sub, restrict, extent), passes=low.passes,
-        epilogue=low.epilogue, results=low.results, parallel=parallel)
+        epilogue=low.epilogue, results=low.results, parallel=parallel, chunk=chunk,
+        chunk_loop=not (inner.isdigit() and int(inner) <= chunk),
+        blocked_passes=[bool(loops) and all(float_sum[a.acc] for a in p.accs) for p in low.passes],
+        total_ctype={a.acc: "double" if float_sum[a.acc] else a.ctype for a in low.accs})
 
 
 @dataclass
@@ -245,8 +269,11 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
         outs = [local_name(graph, m) for m in results]
         in_place = any(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
         if spec.kind == "pointwise":
-            code = render_pointwise(name, sub, restrict=not in_place)
-            call_args, extents = args + outs, generated_extents(sub, "pointwise")
+            # an optimizer's update: the parameters' sizes, the same at every batch size, so the
+            # code holds them (fixed bounds, no OpenMP region where the work is small)
+            fixed = all(graph.notes(m)["storage"] in ("parameter", "state") for m in results)
+            code = render_pointwise(name, sub, restrict=not in_place, fixed=fixed)
+            call_args, extents = args + outs, generated_extents(sub, "pointwise", fixed=fixed)
         elif spec.kind == "reduction":
             code = render_reduction(name, sub, spec.core, restrict=not in_place)
             call_args, extents = args + outs, generated_extents(sub, "reduction", spec.core)

@@ -1,7 +1,17 @@
-"""bfloat16 contractions on the CPU: every kind (matmul, conv2d, its two gradients) as batched GEMMs
-of bfloat16 pairs with float32 accumulation (`templates/cpp/bf16_gemm.j2`).
+"""bfloat16 contractions on the CPU: every kind (matmul, conv2d, its two gradients) on bfloat16
+pairs with float32 accumulation, in four modes (the plan's `mode`, best first where they apply):
 
-Each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
+- `direct` (`Direct`, `templates/cpp/bf16_direct.j2`): convolutions of any stride and groups over
+  a grid of their outputs, the input packed once per image in phase planes (a vector of output
+  positions is one load); finished outputs staged and copied out a row at a time. Grad-input is
+  the forward of dy (placed stride apart); an ungrouped grad-weight reads the same grid with the
+  roles turned (`bf16_direct_gw.j2`);
+- `taps` (`bf16_taps_gw.j2`): a grouped grad-weight, one (o, c) pair a task, vectors along the
+  positions;
+- `dot` (`bf16_dot.j2`): x @ W^T, A's and B's rows read where they lie (pairs along k);
+- `gemm` (`bf16_gemm.j2`): any ungrouped kind as batched GEMMs (below).
+
+In the GEMM mode each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
 (a convolution's B is its im2col, gathered while packing, never stored whole):
 
 | kind | G | M | N | K | A | B | C |
@@ -26,8 +36,10 @@ images in min(N, 16) fixed chunks (partial sums in scratch, added in chunk order
 not depend on the thread count.
 
 The sizes that follow the batch are the kernels' arguments (`KernelSource.extents`), not constants
-of their code: a convolution's images, a matmul's batch, rows and reduced length; so one compiled
-kernel serves every batch size, with the plan (tile, column block) of the batch it was chosen for.
+of their code, in every mode: a convolution's images, a matmul's batch, rows and reduced length;
+so one compiled kernel serves every batch size, with the plan (tile, block, rows a task) of the
+batch it was chosen for. The work split that depended on them (the GEMM mode's groups of row
+tiles, the grad-weight's chunks) is computed at run time.
 """
 from __future__ import annotations
 
@@ -38,12 +50,17 @@ from typing import Any
 from .cpp_kernels import MAX_THREADS, KernelSource, _check_name, _render
 from .cpu_vector import VectorISA
 
-__all__ = ["Bf16Plan", "Gemm", "gemm_of", "plans", "scratch_bytes", "render"]
+__all__ = ["Bf16Plan", "Gemm", "Direct", "gemm_of", "direct_of", "taps_of", "dot_serves", "plans", "scratch_bytes",
+           "render"]
 
 #: grad-weight's fixed number of partial sums (chunks of images)
 CHUNKS = 16
 #: below this many multiply-adds a kernel runs on one thread (a team costs more)
 SERIAL_MACS = 1 << 18
+#: the most bytes of finished outputs a direct-mode task stages before copying them out (within L2)
+STAGE_BYTES = 64 * 1024
+#: the most bytes of a GEMM-mode task's block of packed B (it stays in L2 while the row tiles run)
+B_BLOCK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -63,26 +80,38 @@ class Gemm:
     out_index: str        # the flat index of C[g][m][n] in the output (and the mask)
     bias_index: str       # the bias element of (m, n)
     what: str             # one line for the kernel's header
+    # where an operand lies in a plain layout, its rows as C++ pointers (else "": the accessors)
+    a_row: str = ""       # row m of A[g], contiguous along k
+    a_krow: str = ""      # row k of A[g] stored k by k (A^T row-major: contiguous along m)
+    b_krow: str = ""      # row k of B[g], contiguous along n
+    b_ncol: str = ""      # column n of B[g], contiguous along k
 
 
 @dataclass(frozen=True)
 class Bf16Plan:
     mr: int   # rows of the register tile
     nv: int   # column vectors of the register tile
-    nb: int   # columns per block (a task packs one block of B)
+    nb: int   # gemm: columns per block (a task packs one block of B); direct: output rows per task
+              # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
-    mode: str = "gemm"  # "gemm" (any contraction) or "direct" (stride-1 convolutions: `Direct`)
+    mode: str = "gemm"  # "gemm" (ungrouped), "direct" (convolutions: `Direct`; grad-weight ungrouped),
+                        # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused) or
+                        # "taps" (a grouped grad-weight: mr taps a pass, nv 1, nb unused)
 
 
 @dataclass(frozen=True)
 class Direct:
-    """A stride-1 convolution read directly: OC output channels over the flat positions
-    q = oh * WP + ow of a zero-padded input (HP x WP, the input placed at (PT, PL)), so that the
-    input element of window offset (kh, kw) is at q + kh * WP + kw and a vector of VL consecutive
-    positions is one load (no im2col; positions with ow >= WOUT are computed and dropped).
-    The input is packed once per image as pairs of channels (the reduction's pairs). The
-    forward reads x; grad-input is the forward of dy, padded by the kernel's overhang
-    (KH - 1 - PH), with the weight flipped and its channel axes swapped."""
+    """A convolution read directly: OC output channels over the flat positions q = oh * WP + ow
+    of a grid of the outputs (HOUT x WP: each row a few positions wider, which are computed and
+    dropped), so that a vector of VL consecutive positions is one load of the packed input (no
+    im2col). The input is packed once per image as phase planes (a, b) < (SH, SW) over the grid
+    (HP x WP): plane (a, b) holds input[i * SH + a - PT][j * SW + b - PL] at (i, j), zero outside
+    the input, so the window offset (kh, kw) of position q is at q + (kh / SH) * WP + kw / SW in
+    plane (kh % SH, kw % SW): stride 1 in every plane, whatever the convolution's. Phases that no
+    tap reads (a >= KH: a 1x1 strided window) are not packed. The forward reads x (its pairs of
+    channels); grad-input (stride 1) is the forward of dy, padded by the kernel's overhang
+    (KH - 1 - PH, cropped where negative), with the weight flipped and its channel axes swapped;
+    grad-weight reads x (one channel a plane) at the pairs of positions of dy."""
     kind: str
     G: int
     CI: int        # input channels (the reduction's, with KH * KW)
@@ -91,7 +120,7 @@ class Direct:
     WIN: int
     KH: int
     KW: int
-    PT: int        # the input's first row (column) in the padded grid
+    PT: int        # the input's padding: its first row (column) in the grid, negative where cropped
     PL: int
     HOUT: int
     WOUT: int
@@ -99,43 +128,103 @@ class Direct:
     b_role: str    # the input (x, or dy)
     w_index: str   # flat index in the weight of (output channel oc, input channel c, kh, kw)
     what: str
+    SH: int = 1
+    SW: int = 1
+    GR: int = 1    # groups: output channel group gr reads input channel group gr only
+    DH: int = 1    # the input's dilation (grad-input of a strided convolution: dy's rows SH apart)
+    DW: int = 1
 
     @property
     def HP(self) -> int:
-        return self.HOUT + self.KH - 1
+        return self.HOUT + (self.KH - 1) // self.SH
 
     @property
     def WP(self) -> int:
-        return self.WOUT + self.KW - 1
+        return self.WOUT + (self.KW - 1) // self.SW
+
+    @property
+    def PHH(self) -> int:
+        """Phase rows that some tap reads."""
+        return min(self.SH, self.KH)
+
+    @property
+    def PHW(self) -> int:
+        return min(self.SW, self.KW)
 
 
 def direct_of(g: dict[str, Any]) -> Direct | None:
-    """The direct reading of a stride-1 convolution, else None. Grad-weight reads the same grid
-    (x padded, dy over its flat positions) with the roles turned: rows (c, kh, kw), columns o,
-    summed over the positions (`templates/cpp/bf16_direct_gw.j2`)."""
-    if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight") or tuple(g["stride"]) != (1, 1):
+    """The direct reading of a convolution, else None. Grad-weight
+    reads the same grid (x in phase planes, dy over its flat positions) with the roles turned:
+    rows (c, kh, kw), columns o, summed over the positions (`templates/cpp/bf16_direct_gw.j2`;
+    ungrouped: a grouped grad-weight is the taps mode's)."""
+    if g["kind"] not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
         return None
-    NI, C, H, W, O, KH, KW, _, _, PH, PW, HO, WO = _conv_sizes(g)
+    NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
+    GR = g.get("groups", 1)
     if g["kind"] == "conv2d_grad_weight":
+        if GR != 1:
+            return None
         return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
-                      "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] shifted")
+                      "dw[o,c,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] at the window of q", SH, SW)
     if g["kind"] == "conv2d":
         return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
-                      "((long)(oc * CI + c) * KH + kh) * KW + kw", "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] shifted")
-    if PH > KH - 1 or PW > KW - 1:
-        return None  # more padding than the kernel overhangs: the padded dy would start inside dy
+                      "((long)(oc * CIG + cl) * KH + kh) * KW + kw",
+                      "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] at the window", SH, SW, GR)
+    # grad-input: the forward of dy with its rows (columns) placed SH (SW) apart, so a strided
+    # convolution's too (at SH * SW times the products: the zeros between are multiplied)
     return Direct("conv2d_grad_input", NI, O, C, HO, WO, KH, KW, KH - 1 - PH, KW - 1 - PW, H, W, "w", "dy",
-                  "((long)(c * OC + oc) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
-                  "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted")
+                  "((long)(c * OCG + ocl) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
+                  "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted" +
+                  (f", dy's rows {SH} and columns {SW} apart" if (SH, SW) != (1, 1) else ""), 1, 1, GR, SH, SW)
 
 
-def _direct_block(d: Direct, nw: int) -> int:
-    """Columns (flat positions) per task: a whole image where the images alone give enough tasks."""
-    cols = d.HOUT * d.WP
-    nb = _round_up(cols, nw)
-    while nb > nw and d.G * math.ceil(cols / nb) < 4 * MAX_THREADS:
-        nb = _round_up(nb // 2, nw)
-    return nb
+def _direct_rows(d: Direct, mp: int, nw: int) -> int:
+    """Output rows per task: the whole image where the images alone give enough tasks and its
+    finished outputs (every channel, staged before the copy into the output) stay within
+    STAGE_BYTES; else halved until both hold (at least one row)."""
+    rb = d.HOUT
+    while rb > 1 and (d.G * math.ceil(d.HOUT / rb) < 4 * MAX_THREADS or 2 * mp * _stage_pitch(d, rb, nw) > STAGE_BYTES):
+        rb = (rb + 1) // 2
+    return rb
+
+
+def taps_of(g: dict[str, Any]) -> Direct | None:
+    """The taps reading of a grouped grad-weight (`templates/cpp/bf16_taps_gw.j2`), else None: one
+    (output channel, input channel of its group) a task, its window's taps as vector accumulators
+    along the flat positions of the grid (x in phase planes as in the direct mode, dy on the grid)."""
+    if g["kind"] != "conv2d_grad_weight" or g.get("groups", 1) == 1:
+        return None
+    NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
+    return Direct("conv2d_grad_weight", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "dy", "x", "",
+                  "dw[o,cl,kh,kw] = sum_(n,q) dy[n,o,q] x[n,c] at the window of q", SH, SW, g["groups"])
+
+
+def _taps_per_pass(d: Direct, isa: VectorISA, dot: str) -> int:
+    """Taps a pass accumulates: all of the window where the registers hold them (an accumulator a
+    tap, besides dy's vector and the tap's load; emulated: their halves too)."""
+    return max(1, min(d.KH * d.KW, isa.registers - (6 if dot == "emulated" else 2)))
+
+
+def _taps_xplane(d: Direct, isa: VectorISA) -> int:
+    """bfloat16 elements of one phase plane in the taps mode: what the last vector of the farthest
+    tap reaches."""
+    qv = math.ceil(d.HOUT * d.WP / (2 * isa.lanes))
+    return _round_up((d.HP - d.HOUT) * d.WP + (d.KW - 1) // d.SW + qv * 2 * isa.lanes, 32)
+
+
+def _direct_mp(d: Direct, mr: int) -> int:
+    """Rows of the direct forward's tiles: each group's output channels in whole tiles."""
+    return d.GR * _round_up(d.OC // d.GR, mr)
+
+
+def _cig2(d: Direct) -> int:
+    """Pairs of input channels of a group."""
+    return (d.CI // d.GR + 1) // 2
+
+
+def _stage_pitch(d: Direct, rb: int, nw: int) -> int:
+    """bfloat16 elements of one channel's row in the stage: a task's positions, whole vector groups."""
+    return _round_up(rb * d.WP, nw)
 
 
 def _conv_sizes(g: dict[str, Any]) -> tuple[int, ...]:
@@ -150,10 +239,13 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
         M, N, K, G = g["M"], g["N"], g["K"], g["batch"]
         a = "(long)g * M * K + (long)k * M + m" if g["trans_a"] else "(long)g * M * K + (long)m * K + k"
         b = "(long)g * K * N + (long)n * K + k" if g["trans_b"] else "(long)g * K * N + (long)k * N + n"
+        a_rows = {"a_krow": "pa + ((long)g * K + k) * M"} if g["trans_a"] else {"a_row": "pa + ((long)g * M + m) * K"}
+        b_rows = {"b_ncol": "pb + ((long)g * N + n) * K"} if g["trans_b"] else {"b_krow": "pb + ((long)g * K + k) * N"}
         return Gemm(kind, G, M, N, K, "a", "b", False, False, f"return k < K ? pa[{a}] : 0u;",
                     _ROW.format(setup="", step="", value=f"pb[{b}]"),
                     "((long)g * M + m) * N + n", "n",
-                    f"C[b] = {'A^T' if g['trans_a'] else 'A'}[b] @ {'B^T' if g['trans_b'] else 'B'}[b]")
+                    f"C[b] = {'A^T' if g['trans_a'] else 'A'}[b] @ {'B^T' if g['trans_b'] else 'B'}[b]",
+                    **a_rows, **b_rows)
     NI, C, H, W, O, KH, KW, SH, SW, PH, PW, HO, WO = _conv_sizes(g)
     # the input's windows: row (c, kh, kw) over pixels (oh, ow), or row (oh, ow) over (c, kh, kw)
     pixel = "const int ih = oh * SH + kh - PH, iw = ow * SW + kw - PW;\n      if (ih >= 0 && ih < H && iw >= 0 && iw < W) v = {src};"
@@ -165,7 +257,8 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
                                       "  int oh = n0 / WO, ow = n0 % WO;",
                                 step="if (++ow == WO) { ow = 0; ++oh; }",
                                 value=None, body=pixel.format(src="plane[ih * W + iw]")),
-                    "((long)g * M + m) * N + n", "m", "out[n,o,p] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c,window(p)]")
+                    "((long)g * M + m) * N + n", "m", "out[n,o,p] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c,window(p)]",
+                    a_row="pa + (long)m * K")
     if kind == "conv2d_grad_input":
         body = ("const int th = h + PH - kh, tw = w + PW - kw;\n"
                 "      if (th >= 0 && tw >= 0 && th % SH == 0 && tw % SW == 0 && th / SH < HO && tw / SW < WO)\n"
@@ -187,7 +280,8 @@ def gemm_of(g: dict[str, Any]) -> Gemm:
                                       "  int c = n0 / (KH * KW), kh = n0 % (KH * KW) / KW, kw = n0 % KW;",
                                 step="if (++kw == KW) { kw = 0; if (++kh == KH) { kh = 0; ++c; } }", value=None,
                                 body=pixel.format(src="pb[(((long)g * C + c) * H + ih) * W + iw]")),
-                    "(long)m * N + n", "m", "dw[o,c,kh,kw] = sum_(n,p) dy[n,o,p] x[n,c,window(p)]")
+                    "(long)m * N + n", "m", "dw[o,c,kh,kw] = sum_(n,p) dy[n,o,p] x[n,c,window(p)]",
+                    a_row="pa + ((long)g * M + m) * K")
     raise ValueError(f"no bfloat16 GEMM reading of kind {kind!r}")
 
 
@@ -224,24 +318,56 @@ def _rows(M: int, most: int) -> list[int]:
 
 
 def _block(gm: Gemm, nw: int) -> int:
-    """Columns per block: the whole N (padded) where the groups alone give enough tasks, else
-    halved until there are (a block of B stays within a few hundred kB)."""
-    if gm.reduce_groups:
-        return _round_up(gm.N, nw)
+    """Columns per block: the whole N (padded; grad-weight sums its images over it), halved while
+    a block of B (K/2 pairs a column) is over B_BLOCK_BYTES (it stays in L2 while every row tile
+    of the task runs over it)."""
     nb = _round_up(gm.N, nw)
-    while nb > nw and (gm.G * math.ceil(gm.N / nb) < 4 * MAX_THREADS or (gm.K + 1) // 2 * nb * 4 > 512 * 1024):
+    if gm.reduce_groups:
+        return nb
+    while nb > nw and (gm.K + 1) // 2 * nb * 4 > B_BLOCK_BYTES:
         nb = _round_up(nb // 2, nw)
     return nb
+
+
+def dot_serves(g: dict[str, Any]) -> bool:
+    """Whether the dot mode reads this kernel: a matmul whose A rows and B^T rows (x @ W^T) are
+    contiguous along k, so its pairs along k are where they lie (no packing)."""
+    return g["kind"] == "matmul" and not g["trans_a"] and g["trans_b"]
+
+
+def _dot_tiles(g: dict[str, Any], isa: VectorISA) -> list[tuple[float, int, int]]:
+    """(cost, rows, columns) of the dot mode's register tiles that fit, cheapest first: the outputs
+    computed (padding included) times the products and loads of each (an accumulator a product,
+    a vector load of A or B per row and column, at two loads a cycle), plus the horizontal sums."""
+    M, N, K = g["M"], g["N"], g["K"]
+    per = 3 if g["bf16_dot"] == "emulated" else 1  # what each pair product holds besides its accumulator
+    steps = math.ceil(K / (2 * isa.lanes))
+    out = []
+    for nr in range(1, min(N, isa.lanes) + 1):
+        for mr in range(1, min(M, 16) + 1):
+            if mr * nr + per * nr + per > isa.registers:
+                continue
+            tiles = math.ceil(M / mr) * math.ceil(N / nr)
+            out.append((tiles * (steps * (mr * nr + 0.5 * (mr + nr)) + mr * nr * math.log2(isa.lanes)), mr, nr))
+    return sorted(out)
+
+
+def _gemm_cost(gm: Gemm, plan: Bf16Plan, isa: VectorISA) -> float:
+    """The GEMM mode's products (vector by vector, padding included), on the dot mode's scale."""
+    return gm.G * _round_up(gm.M, plan.mr) * _round_up(gm.N, plan.nv * isa.lanes) / isa.lanes * ((gm.K + 1) // 2)
 
 
 def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Plan]:
     """The cost model's plans, best first (tune: the tuner's wider list): the direct mode first
     where it applies (it gathers no windows: each input element is packed once, not KH * KW
-    times), then the GEMM mode."""
+    times), then the GEMM mode; for x @ W^T the dot mode (no packing, no padding of N to whole
+    vectors) before the GEMM mode where it costs fewer products."""
     gm, d = gemm_of(g), direct_of(g)
     out = []
-    for mode in (["direct"] if d is not None else []) + ["gemm"]:
-        rows, cols = (d.OC, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
+    if (t := taps_of(g)) is not None:
+        return [Bf16Plan(_taps_per_pass(t, isa, g["bf16_dot"]), 1, 0, g["bf16_dot"], "taps")]
+    for mode in (["direct"] if d is not None else []) + (["gemm"] if g.get("groups", 1) == 1 else []):
+        rows, cols = (d.OC // d.GR, d.HOUT * d.WP) if mode == "direct" else (gm.M, gm.N)
         if mode == "direct" and d.kind == "conv2d_grad_weight":
             rows, cols = d.CI * d.KH * d.KW, d.OC
         nvs = [2, 1] if cols > isa.lanes else [1]
@@ -250,29 +376,50 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
             most = _max_rows(isa, nv, g["bf16_dot"])
             for mr in _rows(rows, most)[: 3 if tune else 1]:
                 nw = nv * isa.lanes
-                nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else _direct_block(d, nw)) \
-                    if mode == "direct" else _block(gm, nw)
+                nb = (_round_up(d.OC, nw) if d.kind == "conv2d_grad_weight" else
+                      _direct_rows(d, _direct_mp(d, mr), nw)) if mode == "direct" else _block(gm, nw)
                 ranked.append(Bf16Plan(mr, nv, nb, g["bf16_dot"], mode))
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
         out += ranked
+    if dot_serves(g) and out:
+        tiles = _dot_tiles(g, isa)
+        dots = [Bf16Plan(mr, nr, 0, g["bf16_dot"], "dot") for _, mr, nr in tiles[: 3 if tune else 1]]
+        out = dots + out if tiles[0][0] < _gemm_cost(gm, out[0], isa) else out + dots
     return out if tune else out[:1]
 
 
 def _plane(d: Direct, nw: int) -> int:
-    """Words of one packed channel pair: the padded grid, and past it what the last tile's
-    vector loads reach (they start up to NW - 1 past the grid's last row, plus the window)."""
+    """Words of one packed phase plane of a channel pair: the grid, and past it what the last
+    tile's vector loads reach (they start up to NW - 1 past the grid's last row, plus the window)."""
     return _round_up(d.HP * d.WP + nw + d.KW, 16)
 
 
+def _planes(d: Direct) -> int:
+    """Phase planes a channel (pair) packs."""
+    return d.PHH * d.PHW
+
+
 def _gw_x_plane(d: Direct) -> int:
-    """bfloat16 elements of one padded channel of x in the direct grad-weight: the grid and what
-    the last position pair's window reaches past it."""
+    """bfloat16 elements of one phase plane of a channel of x in the direct grad-weight: the grid
+    and what the last position pair's window reaches past it."""
     return _round_up(d.HP * d.WP + d.KW + 2, 32)
 
 
 def _gw_x_words(d: Direct) -> int:
-    return _round_up(d.CI * _gw_x_plane(d) // 2, 16)
+    return _round_up(d.CI * _planes(d) * _gw_x_plane(d) // 2, 16)
+
+
+def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
+    """4-byte words of one thread's stage (every channel's finished outputs of a task), 64-byte aligned."""
+    return _round_up((_direct_mp(d, plan.mr) * _stage_pitch(d, plan.nb, plan.nv * isa.lanes) + 1) // 2, 16)
+
+
+def _taps_layout(d: Direct, isa: VectorISA) -> dict[str, int]:
+    """4-byte words of each thread's x planes and dy grid in the taps mode, 64-byte aligned."""
+    qv = math.ceil(d.HOUT * d.WP / (2 * isa.lanes))
+    return {"x_words": _round_up(_planes(d) * _taps_xplane(d, isa) // 2, 16) * MAX_THREADS,
+            "dy_words": _round_up(qv * isa.lanes, 16) * MAX_THREADS}
 
 
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
@@ -281,9 +428,11 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
         mp, op = _round_up(d.CI * d.KH * d.KW, plan.mr), _round_up(d.OC, plan.nv * isa.lanes)
         sizes = {"x": _gw_x_words(d) * MAX_THREADS, "dy": (d.HOUT * d.WP + 1) // 2 * op * MAX_THREADS,
                  "part": min(d.G, CHUNKS) * mp * op}
-    elif d is not None:  # the direct mode: the weight packed once, each thread's image
-        ci2, mp = (d.CI + 1) // 2, _round_up(d.OC, plan.mr)
-        sizes = {"a": mp * d.KH * d.KW * ci2, "x": ci2 * _plane(d, plan.nv * isa.lanes) * MAX_THREADS}
+    elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
+        ci2, mp = _cig2(d), _direct_mp(d, plan.mr)
+        sizes = {"a": mp * d.KH * d.KW * ci2,
+                 "x": d.GR * ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
+                 "stage": _stage_words(d, plan, isa) * MAX_THREADS}
     else:
         k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
         chunks = min(gm.G, CHUNKS) if gm.reduce_groups else 0
@@ -301,18 +450,44 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
 
 def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
     gm = gemm_of(g)
-    _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g))
+    _check_plan(gm, plan, isa, g["bf16_dot"], direct_of(g), g)
+    if plan.mode == "dot":
+        return 0
+    if plan.mode == "taps":
+        return 4 * sum(_taps_layout(taps_of(g), isa).values())
     return 4 * _layout(gm, plan, isa, direct_of(g) if plan.mode == "direct" else None)["total"]
 
 
-def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None) -> None:
+def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None,
+                g: dict[str, Any] | None = None) -> None:
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
-    if plan.mode not in ("gemm", "direct") or (plan.mode == "direct" and d is None):
-        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: stride-1 convolutions)")
+    grouped = g is not None and g.get("groups", 1) != 1
+    if plan.mode not in ("gemm", "direct", "dot", "taps") or (plan.mode == "direct" and d is None) or \
+            (plan.mode == "dot" and not (g is not None and dot_serves(g))) or (plan.mode == "gemm" and grouped) or \
+            (plan.mode == "taps" and not (g is not None and taps_of(g) is not None)):
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions but a "
+                         f"grouped grad-weight; dot: a @ b^T; taps: a grouped grad-weight; gemm: ungrouped)")
+    if plan.mode == "taps":
+        if (plan.mr, plan.nv, plan.nb) != (_taps_per_pass(taps_of(g), isa, dot), 1, 0):
+            raise ValueError(f"taps plan {plan}: expected {_taps_per_pass(taps_of(g), isa, dot)} taps a pass")
+        return
+    if plan.mode == "dot":
+        # not limited by M: the rows are a run-time size (past M the last row is computed again,
+        # not stored), so a plan of one batch serves another
+        per = 3 if dot == "emulated" else 1
+        if not (1 <= plan.mr <= 16 and 1 <= plan.nv <= min(g["N"], isa.lanes)) or plan.nb != 0 or \
+                plan.mr * plan.nv + per * plan.nv + per > isa.registers:
+            raise ValueError(f"dot tile {plan.mr}x{plan.nv} (nb {plan.nb}) does not fit {isa.registers} registers "
+                             f"({dot}) or the outputs")
+        return
     if plan.mode == "direct":
-        if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot) or plan.nb % (plan.nv * isa.lanes):
-            raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors, blocks of {plan.nb}: does not fit")
+        if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
+            raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
+        if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(d.OC, plan.nv * isa.lanes):
+            raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {d.OC} output channels in whole vectors")
+        if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
+            raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
         return
     if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
@@ -333,22 +508,39 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     _check_name(name)
     gm, d = gemm_of(g), direct_of(g)
     dot = g["bf16_dot"]
-    _check_plan(gm, plan, isa, dot, d)
+    _check_plan(gm, plan, isa, dot, d, g)
     eps = g["epilogues"]
     common = dict(name=name, plan=plan, dot=dot, CHUNKS=CHUNKS)
+    if plan.mode == "taps":
+        t = taps_of(g)
+        sizes = _taps_layout(t, isa)
+        lay = {"x": 0, "dy": sizes["x_words"], "x_words": sizes["x_words"] // MAX_THREADS,
+               "dy_words": sizes["dy_words"] // MAX_THREADS}
+        code = _render("bf16_taps_gw.j2", isa, d=t, lay=lay, XPLANE=_taps_xplane(t, isa), **common,
+                       bias=False, relu=False, relu_mask=False, mask_in_copy=False,
+                       PARALLEL=_parallel("G * O * HO * WO * CG * KH * KW"))
+        return KernelSource(name, code, 4 * sum(sizes.values()), (t.G,)), ["dy", "x", None, None, "out", "scratch"]
+    if plan.mode == "dot":
+        code = _render("bf16_dot.j2", isa, N=gm.N, **common,
+                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
+                       PARALLEL=_parallel("G * M * N * K"))
+        return KernelSource(name, code, 0, (gm.G, gm.M, gm.K)), ["a", "b", "bias" if "bias" in eps else None,
+                                                                  "mask" if "relu_mask" in eps else None, "out", "scratch"]
     if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d)}, **common,
                        XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
-                       OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False, relu_mask=False,
-                       PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
+                       OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False,
+                       relu_mask=False, mask_in_copy=False, PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct.j2", isa, d=d, lay=lay, CI2=(d.CI + 1) // 2, **common,
-                       MP=_round_up(d.OC, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes),
-                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
-                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CI * KH * KW"))
+        code = _render("bf16_direct.j2", isa, d=d, **common,
+                       lay={**lay, "stage_words": _stage_words(d, plan, isa)},
+                       OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
+                       SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
+                       bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"))
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles
@@ -362,8 +554,8 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     b_at = "((long)MP * K2 * G + 15) / 16 * 16" if not (gm.a_shared or gm.reduce_groups) else str(lay["b"])
     code = _render("bf16_gemm.j2", isa, gm=gm, conv=conv, lay=lay, K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr),
                    rt=rt, SZ=", const int M, const int K, const int K2" if rt else "", SA=", M, K, K2" if rt else "",
-                   B_AT=b_at, bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
-                   PARALLEL=_parallel("G * M * N * K"), **common)
+                   B_AT=b_at, MAXT=4 * MAX_THREADS, bias="bias" in eps, relu="relu" in eps,
+                   relu_mask="relu_mask" in eps, mask_in_copy=False, PARALLEL=_parallel("G * M * N * K"), **common)
     roles = [gm.a_role, gm.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
              "out", "scratch"]
     return KernelSource(name, code, 4 * lay["total"], (gm.G, gm.M, gm.K) if rt else (gm.G,)), roles

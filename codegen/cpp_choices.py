@@ -205,6 +205,10 @@ def _plain(g: dict[str, Any]) -> bool:
     return True
 
 
+def _float32_only(g: dict[str, Any]) -> bool:
+    return g.get("dtype") != "bfloat16"
+
+
 def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
 
@@ -296,7 +300,7 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
     geo = grouped_conv.geometry((g["N"], g["C"], g["H"], g["W"]), (g["O"], g["C"] // g["groups"], g["KH"], g["KW"]),
                                 g)
     ks, order = grouped_conv.render_cpp(name, g["kind"], geo, bias="bias" in eps, relu="relu" in eps,
-                                        relu_mask="relu_mask" in eps)
+                                        relu_mask="relu_mask" in eps, bf16=g.get("dtype") == "bfloat16")
     return ks, [*order, "scratch"]
 
 
@@ -382,10 +386,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,
            _phase_render, tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True,
            code_geometry=_phase_code),
-    Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
+    # float32 or bfloat16 operands; for bfloat16 after the bf16 family (its direct and taps modes
+    # are tiled), so the generic loops serve what they do not (a strided grouped grad-input)
+    Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _float32_only, _no_scratch, _grouped_render,
            grouped=True, code_geometry=runtime("N")),
     Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
-           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), code_geometry=_bf16_code),
+           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2, grouped=True,
+           code_geometry=_bf16_code),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _pool_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),

@@ -44,6 +44,9 @@ __all__ = [
 
 #: Kernels clamp their OpenMP team to this many threads; per-thread scratch is sized for it.
 MAX_THREADS = 16
+#: work (elements, or multiply-adds) below which starting the OpenMP team costs more than it saves:
+#: one fact of the CPU's team, read by every CPU renderer that decides whether a loop runs in parallel
+PARALLEL_MIN = 32768
 #: Alignment (in floats) of every sub-buffer carved out of the scratch block: 64 bytes.
 _ALIGN = 16
 #: Number of per-slot partial sums grad-weight reduces over (fixed: independent of threads).

@@ -71,18 +71,21 @@ def _family_times(record: tuning_db.Record, versions: Mapping[str, int]) -> dict
     return best
 
 
-def predict(records: Mapping[str, tuning_db.Record], g: Mapping[str, Any], families: Mapping[str, int],
+def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
             features: Features) -> Prior | None:
     """The prior for a kernel of geometry `g` among `families` (the ones that serve it, with their
-    versions now); None when no record of its kind measured two of them."""
+    versions now); None when no record of its kind measured two of them. A key may hold several
+    records (`sample`): the first that compares two current families counts."""
     here = features(g)
     near: list[tuple[float, dict[str, float]]] = []
-    for key, rec in records.items():
+    for key, recs in records.items():
         other = _geometry_of(key)
         if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
             continue
-        times = _family_times(rec, families)
-        if len(times) < 2:
+        comparing = (t for rec in (recs if isinstance(recs, tuple) else (recs,))
+                     if len(t := _family_times(rec, families)) >= 2)
+        times = next(comparing, None)
+        if times is None:
             continue
         there = features(other)
         if len(there) != len(here):
@@ -119,11 +122,20 @@ def shipped_records(target: str, shipped_dir: Path = tuning_db.SHIPPED_DIR) -> d
 _SHIPPED: dict[str, dict[str, tuning_db.Record]] = {}
 
 
-def sample(db: tuning_db.TuningDB | None, target: str, device: str) -> Mapping[str, tuning_db.Record]:
-    """The records the prior learns from for (target, device): see the module's docstring."""
-    records = db.records(target, device) if db is not None else {}
-    if records:
-        return records
+Sample = Mapping[str, "tuning_db.Record | tuple[tuning_db.Record, ...]"]
+
+
+def sample(db: tuning_db.TuningDB | None, target: str, device: str) -> Sample:
+    """The records the prior learns from for (target, device): see the module's docstring. A
+    kernel measured in several files keeps them all, in lookup order (the user's first): as the
+    exact lookup skips a stale user record for the shipped one, `predict` takes the first of them
+    whose current families compare."""
+    layered: dict[str, tuple[tuning_db.Record, ...]] = {}
+    for layer in db.layers(target, device) if db is not None else []:
+        for key, rec in layer.items():
+            layered[key] = layered.get(key, ()) + (rec,)
+    if layered:
+        return layered
     if target not in _SHIPPED:
         _SHIPPED[target] = shipped_records(target)
     return _SHIPPED[target]

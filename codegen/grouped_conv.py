@@ -24,14 +24,13 @@ from typing import Any
 
 from ember.ir.ops import conv_out_dim
 
-from .cpp_kernels import KernelSource
+from .cpp_kernels import PARALLEL_MIN, KernelSource
 from .cuda_kernels import CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
 from .shapes import ceil_div, check_positive
 from .templates_env import environment
 
 CONV_KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 CUDA_THREADS = 256
-CPU_PARALLEL_MIN = 32768  # multiply-adds below which an OpenMP team costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -85,20 +84,22 @@ def _description(kind: str, g: ConvGeometry, images: str | None = None) -> str:
 
 
 def render_cpp(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,
-               relu_mask: bool = False) -> tuple[KernelSource, list[str | None]]:
+               relu_mask: bool = False, bf16: bool = False) -> tuple[KernelSource, list[str | None]]:
     """The C++ kernel of `kind` and its argument order as roles (None: NULL; then the step passes
-    scratch, unused): the signatures of the ungrouped templates in `cpp_kernels`."""
+    scratch, unused): the signatures of the ungrouped templates in `cpp_kernels`. `bf16`: bfloat16
+    operands and result (float32 sums of exact products; the result rounded as the interpreter's
+    nodes are: the sum, then `+ bias`)."""
     _check(name, kind)
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the grouped {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
     # N is no part of the code: the kernel takes it at run time, and decides then whether a team
-    # of threads pays (as many tasks as 2 and CPU_PARALLEL_MIN multiply-adds)
+    # of threads pays (as many tasks as 2 and PARALLEL_MIN multiply-adds)
     tasks = {"conv2d": "N * O", "conv2d_grad_input": "N * C", "conv2d_grad_weight": "O * CG"}[kind]
     per_image = g.macs // g.N
     ctx = {k: v for k, v in dataclasses.asdict(g).items() if k != "N"}
     code = environment("cpp").get_template("grouped_conv.j2").render(
         name=name, kind=kind, description=_description(kind, g, "N"), bias=bias, relu=relu, relu_mask=relu_mask,
-        parallel_if=f"{tasks} >= 2 && static_cast<int64_t>(N) * {per_image} >= {CPU_PARALLEL_MIN}", **ctx)
+        bf16=bf16, parallel_if=f"{tasks} >= 2 && static_cast<int64_t>(N) * {per_image} >= {PARALLEL_MIN}", **ctx)
     order: list[str | None] = {"conv2d": ["x", "w", "bias" if bias else None, "out"],
                                "conv2d_grad_input": ["dy", "w", *(["mask"] if relu_mask else []), "out"],
                                "conv2d_grad_weight": ["x", "dy", "out", None]}[kind]

@@ -19,14 +19,13 @@ from typing import Any
 
 from ember.ir.ops import pool_out_dim
 
-from .cpp_kernels import MAX_THREADS, KernelSource
+from .cpp_kernels import MAX_THREADS, PARALLEL_MIN, KernelSource
 from .cuda_kernels import CudaKernel, Launch
 from .shapes import ceil_div, check_positive
 from .templates_env import environment
 
 POOL_KINDS = ("max_pool2d", "max_pool2d_grad")
 CUDA_THREADS = 256
-CPU_PARALLEL_MIN = 32768  # elements below which an OpenMP team costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
     # N is no part of the code (the kernel takes it at run time, and parallelises at run time)
     ctx = {k: v for k, v in g.context().items() if k != "N"}
     code = environment("cpp").get_template("max_pool2d.j2").render(
-        name=name, grad=kind == "max_pool2d_grad", parallel_min=CPU_PARALLEL_MIN, tiled=g.tiles_exactly, bf16=bf16,
+        name=name, grad=kind == "max_pool2d_grad", parallel_min=PARALLEL_MIN, tiled=g.tiles_exactly, bf16=bf16,
         max_threads=MAX_THREADS, **ctx)
     return (KernelSource(name, code, cpp_scratch_bytes(kind, g, bf16), (g.N,)),
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))

@@ -188,6 +188,13 @@ class TuningDB:
                 h.update(b"-")
         return h.hexdigest()
 
+    def layers(self, target: str, device: str) -> list[dict[str, Record]]:
+        """The records for (target, device) as `lookup` reads them: the user's file, then each
+        shipped one (a stale user record does not hide the shipped record of the same kernel)."""
+        slug = device_slug(target, device)
+        return ([self._load(self.user_dir, slug, "user")] if self.user_dir is not None else []) + \
+            [self._load(d, slug, "shipped") for d in self.shipped_dirs]
+
     def records(self, target: str, device: str) -> dict[str, Record]:
         """Every record for (target, device), shipped ones overridden by the user's."""
         slug = device_slug(target, device)

@@ -45,6 +45,10 @@ its input is bfloat16, its output leaves the module rounded to bfloat16, its sta
 normalisation computed in float32 inside (by the op rules); LayerNorm is on the CUDA float32 list
 and returns float32, as the op rules give already.
 
+Data augmentation is no layer of PyTorch's model and no op autocast sees (a transform of the
+batch), so the modules in `KEPT_MODULES` are left as traced: `RandomTranslate`'s one-hot
+grouped convolutions move float32 pixels exactly, and the first layer after it casts them.
+
 The graph's interface does not change: inputs, parameters, states, outputs and updates keep
 their dtypes (an output that became bfloat16 is cast back), so the runtime sees no bfloat16.
 """
@@ -54,7 +58,8 @@ from dataclasses import dataclass
 
 from ember.ir import OPS, DType, Graph, bfloat16, float32
 
-__all__ = ["Rule", "RULES", "MODULE_RULES", "CLASSES", "EXACT", "autocast", "missing_rules", "derived"]
+__all__ = ["Rule", "RULES", "MODULE_RULES", "KEPT_MODULES", "CLASSES", "EXACT", "autocast", "missing_rules",
+           "derived"]
 
 CLASSES = ("lower", "float32", "follow", "keep")
 
@@ -121,6 +126,9 @@ MODULE_RULES: dict[str, Rule] = {
     "LayerNorm": Rule("float32", "aten::layer_norm", "float32", "follow"),
 }
 
+#: modules whose ops run as traced (data augmentation, outside what autocast sees), by class name
+KEPT_MODULES = frozenset({"RandomTranslate"})
+
 #: ops that commute with rounding to bfloat16 (round(op(x)) == op(round(x)), one operand): a
 #: float32 one whose only use is a cast to bfloat16 runs on the bfloat16 operand instead
 EXACT = frozenset({"relu", "neg", "abs", "max_pool2d", "reshape", "transpose", "broadcast_to", "stop_gradient"})
@@ -175,6 +183,8 @@ class _Rewriter:
     def operands(self, n: int) -> list[int]:
         src, g = self.src, self.g
         ops = [self.leaving(self.new[o], src.scope(n)) for o in src.operands(n)]
+        if src.meta.get("modules", {}).get(src.scope(n)) in KEPT_MODULES:
+            return [self.cast(o, src.type(t).dtype) for o, t in zip(ops, src.operands(n))]
         floats = [o for o in ops if g.type(o).dtype.is_float]
         rule = RULES[src.op(n)].ember
         if rule == "lower":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,15 +74,18 @@ class _Candidate:
 
 class CpuMeasurer:
     """Measures candidates on this CPU with `threads` OpenMP threads (default: the step's), for the
-    vector variant `isa` (default: the step's); `rounds` of timing, each about `target_s` a candidate."""
+    vector variant `isa` (default: the step's); `rounds` of timing, each about `target_s` a candidate.
+    `cpu_time`: each round timed by the CPU time this process used (all its threads) divided by
+    `threads` instead of the wall clock, for machines shared with other work (with OpenMP's waiting
+    threads asleep, OMP_WAIT_POLICY=passive, it is what the kernel takes on idle cores)."""
 
     def __init__(self, threads: int | None = None, isa: cpu_vector.VectorISA | None = None, *,
-                 rounds: int = ROUNDS, target_s: float = TARGET_S) -> None:
+                 rounds: int = ROUNDS, target_s: float = TARGET_S, cpu_time: bool = False) -> None:
         if rounds < 1:
             raise ValueError(f"rounds={rounds}: expected at least one round of timing")
         self.isa = isa or cpu_vector.resolve()
         self.threads = threads or cpp_choices.threads()
-        self.rounds, self.target_s = rounds, target_s
+        self.rounds, self.target_s, self.cpu_time = rounds, target_s, cpu_time
         self.flags = cpu_vector.cxx_flags(self.isa)
         self._gomp = ctypes.CDLL("libgomp.so.1")
 
@@ -175,6 +179,14 @@ class CpuMeasurer:
 
     # -- running
 
+    def _run(self, c: _Candidate, ptrs: Any, reps: int) -> float:
+        """Seconds `reps` calls of candidate `c` took (wall clock, or CPU time / threads)."""
+        if not self.cpu_time:
+            return c.lib.ember_tune_run(c.which, ptrs, reps)
+        t0 = time.process_time()
+        c.lib.ember_tune_run(c.which, ptrs, reps)
+        return (time.process_time() - t0) / self.threads
+
     def _time(self, cands: dict[int, _Candidate], buffers: dict[str, np.ndarray], ptrs: Any,
               out_t: Any) -> dict[int, Trial]:
         out = buffers["out"]
@@ -184,10 +196,10 @@ class CpuMeasurer:
             out[...] = _poisoned(out_t)
             c.lib.ember_tune_run(c.which, ptrs, 1)
             results[i] = np.array(as_values(out, out_t.dtype), copy=True)  # values, for the check
-            once = max(c.lib.ember_tune_run(c.which, ptrs, 1), 1e-7)
+            once = max(self._run(c, ptrs, 1), 1e-7)
             reps[i] = int(min(MAX_REPS, max(1, self.target_s / once)))
         times: dict[int, list[float]] = {i: [] for i in cands}
         for _ in range(self.rounds):
             for i, c in cands.items():
-                times[i].append(c.lib.ember_tune_run(c.which, ptrs, reps[i]) / reps[i])
+                times[i].append(self._run(c, ptrs, reps[i]) / reps[i])
         return {i: Trial(c.choice, statistics.median(times[i]) * 1e6, results[i]) for i, c in cands.items()}

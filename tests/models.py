@@ -149,6 +149,16 @@ def fake_device_target():
         targets.unregister(FAKE_DEVICE)
 
 
+def device_fixture(request):
+    """The body of a `device` fixture over `storage_targets()`-style params: the device's name,
+    with FAKE_DEVICE registered while the test runs."""
+    if request.param == FAKE_DEVICE:
+        with fake_device_target():
+            yield FAKE_DEVICE
+    else:
+        yield request.param
+
+
 def storage_targets() -> list:
     """pytest params: the reference, every code-generating target (cuda marked) and FAKE_DEVICE;
     a test takes them through a fixture that registers FAKE_DEVICE (`fake_device_target`)."""

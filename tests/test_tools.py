@@ -3,6 +3,7 @@ command and the kernel bench render every kernel they would time (--dry-run), so
 helper or argument in codegen fails here rather than on the next device run."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -41,3 +42,35 @@ def test_the_kernel_bench_renders_every_kernel():
     assert r.returncode == 0, r.stderr[-3000:]
     kernels = [line.split()[1] for line in r.stdout.splitlines()]
     assert {"conv2_gi+mask", "linear_gw", "softmax_xent", "sgd_cnn"} <= set(kernels) and len(kernels) == 15, kernels
+
+
+def test_the_speedrun_tool_runs_seeds_on_one_step_and_its_pytorch_twin(tmp_path):
+    """tools/speedrun.py end to end on the CPU, cut to 3 steps: a seed run twice on the restarted
+    step gives the same evaluations, and the PyTorch twin's summary follows ember's."""
+    from conftest import require_mnist
+    pytest.importorskip("torch")
+    r = _run("speedrun.py", "--device", "cpu", "--seeds", "0,0", "--limit-steps", "3", "--eval-every", "2",
+             "--data", str(require_mnist()), "--torch", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    ember = [line for line in lines if line.get("system") == "ember"]
+    torch_runs = [line for line in lines if line.get("system") == "pytorch"]
+    assert len(ember) == len(torch_runs) == 2 and ember[0]["evals"] == ember[1]["evals"]
+    assert [e[0] for e in ember[0]["evals"]] == [2, 3] == [e[0] for e in torch_runs[0]["evals"]]
+    summaries = {line["summary"]["system"]: line["summary"] for line in lines if "summary" in line}
+    assert set(summaries) == {"ember", "pytorch"} and summaries["ember"]["seeds"] == 2
+
+
+def test_the_cpu_step_timer_times_each_precision_and_its_kernels():
+    """tools/cpu_step_time.py on a small case: a line per precision with both clocks and the ratio
+    to the first, then each contraction kernel's CPU time under its precision's total."""
+    r = _run("cpu_step_time.py", "--cases", "mlp:8", "--rounds", "1", "--kernels")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("mlp:8 ")]
+    assert [line.split()[1] for line in steps] == ["float32", "bf16"], lines
+    assert all(re.search(r"wall median +[\d.]+ ms .* cpu/2 median +[\d.]+ ms .*ratio to float32: wall [\d.]+, cpu [\d.]+", line)
+               for line in steps), steps
+    totals = [line for line in lines if "contraction kernels" in line]
+    assert [line.split(":")[0].strip() for line in totals] == ["float32", "bf16"], lines
+    assert sum(1 for line in lines if re.match(r" +[\d.]+ us +k\d+_matmul +bf16\(", line)) >= 3, lines

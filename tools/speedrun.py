@@ -23,13 +23,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torch_speedrun import seed_list, summary  # noqa: E402  (the twin's: one definition for both)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,27 +47,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--limit-steps", type=int, default=None, metavar="N", help="steps per epoch (smoke tests)")
     ap.add_argument("--threads", type=int, default=None, help="cpu: OpenMP threads (and PyTorch's)")
     ap.add_argument("--tf32", action="store_true", help="cuda: TF32 contractions, for both systems")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (autocast's rules), for both systems")
     ap.add_argument("--torch", action="store_true", help="also run the PyTorch twin (tools/torch_speedrun.py)")
     ap.add_argument("--json", action="store_true", help="only JSON lines")
     return ap.parse_args(argv)
-
-
-def seed_list(text: str) -> list[int]:
-    return [int(s) for s in text.split(",")] if "," in text else list(range(int(text)))
-
-
-def summary(results: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
-    """Mean, min, max and spread (population std) of the final accuracy and of the time to target."""
-    accs = [r["final_acc"] for r in results]
-    times = [r["time_to_target_s"] for r in results if r["reached"]]
-    out: dict[str, Any] = {"seeds": len(results), "target_acc": target, "reached": len(times),
-                           "acc_mean": statistics.fmean(accs), "acc_min": min(accs), "acc_max": max(accs),
-                           "acc_std": statistics.pstdev(accs),
-                           "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in results)}
-    if times:
-        out.update(time_mean_s=statistics.fmean(times), time_min_s=min(times), time_max_s=max(times),
-                   time_std_s=statistics.pstdev(times))
-    return out
 
 
 class EmberRun:
@@ -89,7 +73,8 @@ class EmberRun:
         self.trainer = Trainer(
             self._model(0), opt, (xtr, ytr), (xte, yte), device=args.device, batch_size=int(r["batch_size"]),
             shuffle=bool(r.get("shuffle")), seed=0, eval_batch_size=int(r["eval_batch_size"]),
-            limit_steps=args.limit_steps, log_every=0, precision="tf32" if args.tf32 else "float32",
+            limit_steps=args.limit_steps, log_every=0,
+            precision="bf16" if args.bf16 else "tf32" if args.tf32 else "float32",
             loss_fn=nn.CrossEntropyLoss(label_smoothing=float(r.get("label_smoothing", 0.0))),
             lr_schedule=LRSchedule(r["lr_schedule"], int(r.get("warmup_steps", 0))), epochs=self.epochs,
             tta=tuple(tuple(int(v) for v in p.split(":")) for p in str(r.get("tta") or "").split(",") if p))
@@ -103,14 +88,17 @@ class EmberRun:
         return self.build_model(self.recipe["model"], seed, translate=self.translate)
 
     def _warm_up(self) -> None:
-        """The first call of every compiled step (a GPU captures its graph then) and the
-        evaluation's inference step, outside the timed runs (`restart` undoes their effect)."""
+        """The first two calls of every compiled step and of the evaluation's inference step,
+        outside the timed runs (`restart` undoes their effect): on a GPU the first call loads the
+        modules and the second captures the CUDA graph (runtime/cuda.py), which seed 0's timed
+        run paid for when the warm-up made one call (0.38 s against 0.07 s for seeds 1-9)."""
         t = self.trainer
         x, y = t.loader.x, t.loader.y
         bs, n = t.loader.batch_size, len(y)
-        for size in sorted({min(bs, n), n % bs} - {0}):
-            t.step.run(x[:size], y[:size], check_labels=False)
-        t.evaluate()
+        for _ in range(2):
+            for size in sorted({min(bs, n), n % bs} - {0}):
+                t.step.run(x[:size], y[:size], check_labels=False)
+            t.evaluate()
 
     def run(self, seed: int, target: float | None, eval_every: int | None) -> dict[str, Any]:
         t = self.trainer
@@ -140,8 +128,7 @@ def _torch(args: argparse.Namespace, epochs: int, target: float) -> tuple[dict[s
                         ("--limit-steps", args.limit_steps)):
         if value is not None:
             cmd += [flag, str(value)]
-    if args.tf32:
-        cmd.append("--tf32")
+    cmd += [flag for flag, on in (("--tf32", args.tf32), ("--bf16", args.bf16)) if on]
     env = dict(os.environ)
     if args.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = args.device.partition(":")[2]

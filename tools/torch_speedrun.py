@@ -46,6 +46,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="steps per epoch (smoke tests; the schedule spans epochs x N)")
     ap.add_argument("--threads", type=int, default=0, help="cpu: torch.set_num_threads (0: torch's default)")
     ap.add_argument("--tf32", action="store_true", help="cuda: TF32 matmuls and convolutions")
+    ap.add_argument("--bf16", action="store_true", help="torch.autocast(dtype=torch.bfloat16) around the model")
     return ap.parse_args(argv)
 
 
@@ -113,6 +114,7 @@ class Run:
         self.steps_per_epoch = min(-(-self.n // self.bs), args.limit_steps or self.n)
         self.shift, self.smoothing = int(r["translate"]), float(r["label_smoothing"])
         self.eval_bs, self.target, self.eval_every = int(r["eval_batch_size"]), args.target_acc, args.eval_every
+        self.bf16 = args.bf16
         self.model = torch_model("speednet").to(self.dev)
         rates = onecycle_rates(torch, float(r["lr"]), self.epochs * self.steps_per_epoch)
         betas = tuple(float(b) for b in str(r["betas"]).split(","))
@@ -135,8 +137,13 @@ class Run:
             torch.cuda.synchronize()
         self.setup_seconds = time.perf_counter() - t0
 
+    def _forward(self, x: Any) -> Any:
+        # no autocast cache: a captured graph must not keep casts made outside it
+        with self.torch.autocast(self.dev.type, dtype=self.torch.bfloat16, enabled=self.bf16, cache_enabled=False):
+            return self.model(x).float()
+
     def _loss(self, x: Any, y: Any) -> Any:
-        return self.F.cross_entropy(self.model(translate(self.torch, x, self.shift)), y, label_smoothing=self.smoothing)
+        return self.F.cross_entropy(self._forward(translate(self.torch, x, self.shift)), y, label_smoothing=self.smoothing)
 
     def _graph_step(self, x: Any, y: Any) -> None:
         self.lr.copy_(self.rates.index_select(0, self.counter)[0])
@@ -196,7 +203,7 @@ class Run:
         with torch.no_grad():
             correct = torch.zeros((), dtype=torch.int64, device=self.dev)
             for s in range(0, len(self.xte), self.eval_bs):
-                correct += (self.model(self.xte[s:s + self.eval_bs]).argmax(1) == self.yte[s:s + self.eval_bs]).sum()
+                correct += (self._forward(self.xte[s:s + self.eval_bs]).argmax(1) == self.yte[s:s + self.eval_bs]).sum()
         self.model.train()
         return correct.item() / len(self.xte)
 
@@ -244,13 +251,14 @@ class Run:
                 "train_seconds": train_s, "eval_seconds": eval_s, "steps": k, "evals": evals}
 
 
-def summary(results: list[dict[str, Any]], target: float) -> dict[str, Any]:
+def summary(results: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     """Mean, min, max and spread (population std) of the final accuracy and of the time to target."""
     accs = [r["final_acc"] for r in results]
     times = [r["time_to_target_s"] for r in results if r["reached"]]
     out: dict[str, Any] = {"seeds": len(results), "target_acc": target, "reached": len(times),
                            "acc_mean": statistics.fmean(accs), "acc_min": min(accs), "acc_max": max(accs),
-                           "acc_std": statistics.pstdev(accs)}
+                           "acc_std": statistics.pstdev(accs),
+                           "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in results)}
     if times:
         out.update(time_mean_s=statistics.fmean(times), time_min_s=min(times), time_max_s=max(times),
                    time_std_s=statistics.pstdev(times))

@@ -359,7 +359,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
     p.add_argument("--profile", action="store_true",
-                   help="time every ember kernel (a build with timers around each kernel) and list them")
+                   help="time every ember kernel and list them (cpu: a build with timers around each kernel; cuda: "
+                        "each kernel alone and the step's graph without it)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -378,6 +379,7 @@ def main(args: Any) -> int:
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
         report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, bf16=precision == "bf16",
+                                profile=args.profile,
                                 log=lambda s: print(s, file=sys.stderr))
         print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
         return 0

@@ -79,7 +79,7 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
 
 
 def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, rounds: int = 5, lr: float = 0.05,
-                   tf32: bool = False, bf16: bool = False, seed: int = 0,
+                   tf32: bool = False, bf16: bool = False, seed: int = 0, profile: bool = False,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     import cupy as cp
     try:
@@ -142,7 +142,8 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
                 report["rows"].append(row)
                 log(f"{name:9} batch {batch:5} {sys_name:16} {ms * 1e3:9.1f} us/step {batch / ms * 1e3:12.0f} samples/s "
                     f"ember/this {ember_ms / ms:6.3f}")
-            report.setdefault("kernels", {})[f"{name}-{batch}"] = kernel_profile(step)
+            if profile:  # each kernel alone and the step without each: minutes for a zoo, so asked for
+                report.setdefault("kernels", {})[f"{name}-{batch}"] = kernel_profile(step)
     return report
 
 

@@ -214,8 +214,13 @@ def ember_zoo_model(name: str, width: float = 1.0, seed: int | None = None, torc
 def zoo_model(name: str, seed: int = 0) -> Any:
     """The ember model of zoo model `name` with PyTorch's initialisation for `seed`, as the
     commands build it: a recipe's own ember model where it has one (cnn, mlp, lenet5, resnet8, speednet:
-    the twin's layers and names, no PyTorch needed), else the PyTorch definition imported."""
+    the twin's layers and names, no PyTorch needed; speednet's random translation off, as its
+    twin has none), else the PyTorch definition imported."""
     from .recipes import MODELS, build_model
     if name in MODELS:
-        return build_model(name, seed, init="torch")
+        model = build_model(name, seed, init="torch")
+        augment = getattr(model, "augment", None)
+        if augment is not None:  # the twin leaves augmentation to its training step: the same work
+            augment.max_shift = 0
+        return model
     return ember_zoo_model(name, seed=seed)

@@ -3,12 +3,15 @@
 constants that are counts over the batch are computed from it, exactly."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 from ember.codegen import cpp_kernels as ck
 from ember.codegen import conv_phase, grouped_conv, pool_kernels
-from ember.codegen.cpu_vector import resolve
+from ember.codegen.compiler import compile_cpp
+from ember.codegen.cpu_vector import cxx_flags, resolve
 from ember.codegen.cpp import SPELLING
 from ember.codegen.lowering import Extent
 
@@ -64,6 +67,46 @@ def test_phase_convolutions_are_one_text_for_every_batch_and_groups(kind, groups
         c, _ = conv_phase.render("k", kind, wide, plan, isa)
         assert a.code == b.code == c.code, plan
         assert (a.extents, b.extents, c.extents) == ((64, groups), (7, groups), (7, 2 * groups)), plan
+
+
+MM_CASES = [  # (trans_a, relu_mask, plan): a 6-row tile, so most row counts leave a shorter last tile
+    (False, True, ck.AxpyPlan(6, 2, 1, False, True)), (True, False, ck.AxpyPlan(6, 1, 2, True, False)),
+    (False, False, ck.DotPlan(4, 3, 64, False, True))]
+
+
+def test_one_compiled_matmul_computes_every_row_count_and_k(tmp_path):
+    N, K = 40, 70
+    kernels, parts = [], []
+    for i, (ta, mask, plan) in enumerate(MM_CASES):
+        k = ck.render_matmul(f"mm{i}", M=64, N=N, K=K, trans_a=ta, trans_b=isinstance(plan, ck.DotPlan), plan=plan,
+                             relu_mask=mask)
+        nargs = 6 if mask else 5
+        params = ", ".join([f"float* a{j}" for j in range(nargs)] + ["int64_t b", "int64_t m", "int64_t k"])
+        sizes = "b, m" if isinstance(plan, ck.DotPlan) else "b, m, k"
+        parts += [k.code, f'extern "C" void call{i}({params}) {{ mm{i}({", ".join(f"a{j}" for j in range(nargs))}, '
+                          f'{sizes}); }}\n']
+        kernels.append(k)
+    lib = ctypes.CDLL(str(compile_cpp("\n".join(parts), flags=cxx_flags(resolve()), cache=tmp_path).path))
+    rng = np.random.default_rng(0)
+    scratch = np.zeros(1 << 22, np.float32)  # the panels of any k here
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    for i, (ta, mask, plan) in enumerate(MM_CASES):
+        dot = isinstance(plan, ck.DotPlan)
+        for m in (1, 5, 6, 7, 13, 64):
+            k = K if dot else m + 3  # the axpy form's k is a size it takes at run time too (a weight gradient's)
+            a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
+            b = rng.standard_normal((N, k) if dot else (k, N), dtype=np.float32)
+            want = (a.T if ta else a).astype(np.float64) @ (b.T if dot else b).astype(np.float64)
+            c = np.full((m, N), np.nan, np.float32)
+            fn = getattr(lib, f"call{i}")
+            fn.argtypes = [ctypes.c_void_p] * (6 if mask else 5) + [ctypes.c_int64] * 3
+            if mask:
+                keep = rng.standard_normal((m, N), dtype=np.float32)
+                fn(ptr(a), ptr(b), None, ptr(keep), ptr(c), ptr(scratch), 1, m, k)
+                want = np.where(keep > 0, want, 0.0)
+            else:
+                fn(ptr(a), ptr(b), None, ptr(c), ptr(scratch), 1, m, k)
+            np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=f"case {i}, m={m}, k={k}")
 
 
 def test_pooling_and_grouped_convolutions_are_one_text_for_every_batch():

@@ -29,7 +29,7 @@ from ember.ir import Graph, TensorType, bfloat16, float32
 from ember.ir.dtypes import bf16_bits, bf16_values
 from ember.ir.kernel import CONTRACTIONS
 
-from models import run_compiled
+from models import plan_for, run_compiled
 
 PATHS = ["native", "emulated", "avx2"]
 
@@ -53,14 +53,17 @@ def _bits(rng, *shape, scale=1.0) -> np.ndarray:
     return bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu") -> None:
+def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "cpu",
+           family: str = "bf16") -> None:
     """`graph` compiled for `device` gives the interpreter's "out" (see the module docstring); on
-    the CPU its bfloat16 contractions multiply by `dot`, on CUDA on the GEMM's tensor cores."""
+    the CPU its bfloat16 contractions multiply by `dot` (the bf16 family; the grouped family's
+    loops have no `dot`), on CUDA on the GEMM's tensor cores."""
     want = ir.run(graph, inputs).outputs["out"]
     planned, out = run_compiled(graph, device, inputs)
     families = {planned.attrs(n)["kernel"].choice[0]: dict(planned.attrs(n)["kernel"].choice[1]).get("dot")
                 for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind in CONTRACTIONS}
-    assert families == ({"bf16": dot} if device == "cpu" else {"gemm": None})  # the dump shows the path
+    want_families = {family: dot if family == "bf16" else None}
+    assert families == (want_families if device == "cpu" else {"gemm": None})  # the dump shows the path
     got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
     _assert_close(got, want, reduction)
 
@@ -87,38 +90,48 @@ CONVS = [  # name, N, C, H, W, O, KH, KW, stride, padding
 ]
 
 
+GROUPED = [  # name, N, C, H, W, O, KH, KW, stride, padding, groups
+    ("depthwise", 2, 6, 9, 11, 6, 3, 3, (1, 1), (1, 1), 6),
+    ("depthwise_s2", 2, 5, 10, 9, 5, 3, 3, (2, 2), (1, 1), 5),
+    ("grouped_3x2", 2, 6, 7, 8, 9, 3, 3, (1, 1), (0, 1), 3),    # 2 input and 3 output channels a group
+    ("depthwise_x2_k5", 1, 3, 8, 8, 6, 5, 5, (1, 1), (2, 2), 3),  # a channel multiplier, a 5x5 window
+]
+
+
 def _conv_graph(case, kind: str, epilogue: bool) -> tuple[Graph, dict, int]:
-    _, n, c, h, w, o, kh, kw, stride, padding = case
+    _, n, c, h, w, o, kh, kw, stride, padding = case[:10]
+    groups = case[10] if len(case) > 10 else 1
     rng = np.random.default_rng(zlib.crc32(f"{case[0]}/{kind}".encode()))
     g = Graph(kind)
-    at = dict(stride=stride, padding=padding)
+    at = dict(stride=stride, padding=padding, **({"groups": groups} if groups != 1 else {}))
+    c_in = c // groups  # the weight's input channels
     ho = (h + 2 * padding[0] - kh) // stride[0] + 1
     wo = (w + 2 * padding[1] - kw) // stride[1] + 1
     if kind == "conv2d":
         x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
-        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        wt = g.add_input("w", TensorType((o, c_in, kh, kw), bfloat16))
         y = g.add("conv2d", [x, wt], **at)
-        inputs = {"x": _bits(rng, n, c, h, w), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        inputs = {"x": _bits(rng, n, c, h, w), "w": _bits(rng, o, c_in, kh, kw, scale=0.3)}
         if epilogue:
             b = g.add_input("b", TensorType((o,), bfloat16))
             y = g.add("relu", [g.add("add", [y, g.add("reshape", [b], shape=(o, 1, 1))])])
             inputs["b"] = _bits(rng, o)
-        reduction = c * kh * kw
+        reduction = c_in * kh * kw
     elif kind == "conv2d_grad_input":
         dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
-        wt = g.add_input("w", TensorType((o, c, kh, kw), bfloat16))
+        wt = g.add_input("w", TensorType((o, c_in, kh, kw), bfloat16))
         y = g.add("conv2d_grad_input", [dy, wt], input_shape=(n, c, h, w), **at)
-        inputs = {"dy": _bits(rng, n, o, ho, wo), "w": _bits(rng, o, c, kh, kw, scale=0.3)}
+        inputs = {"dy": _bits(rng, n, o, ho, wo), "w": _bits(rng, o, c_in, kh, kw, scale=0.3)}
         if epilogue:  # ReLU's backward: where(mask > 0, ., 0)
             m = g.add_input("m", TensorType((n, c, h, w), bfloat16))
             zero = g.add_constant(0.0, dtype=bfloat16)
             y = g.add("where", [g.add("gt", [m, zero]), y, zero])
             inputs["m"] = _bits(rng, n, c, h, w)
-        reduction = o * kh * kw
+        reduction = o // groups * kh * kw
     else:
         x = g.add_input("x", TensorType((n, c, h, w), bfloat16))
         dy = g.add_input("dy", TensorType((n, o, ho, wo), bfloat16))
-        y = g.add("conv2d_grad_weight", [x, dy], weight_shape=(o, c, kh, kw), **at)
+        y = g.add("conv2d_grad_weight", [x, dy], weight_shape=(o, c_in, kh, kw), **at)
         inputs = {"x": _bits(rng, n, c, h, w), "dy": _bits(rng, n, o, ho, wo)}
         reduction = n * ho * wo
     g.set_output("out", y)
@@ -132,11 +145,29 @@ def test_convolutions(case, kind, path):
     _check(graph, inputs, path, reduction)
 
 
+@pytest.mark.parametrize("case", GROUPED, ids=[c[0] for c in GROUPED])
+@pytest.mark.parametrize("kind", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_grouped_convolutions(case, kind, path):
+    """Grouped and depthwise convolutions: the bf16 family's direct mode (forward, grad-input) and
+    taps mode (grad-weight); and the grouped family's loops on bfloat16 operands (the tuner's
+    other candidate)."""
+    graph, inputs, reduction = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")
+    _check(graph, inputs, path, reduction)
+    from ember.codegen import cpp_choices
+    with cpp_choices.force("grouped"):
+        _check(graph, inputs, path, reduction, family="grouped")
+
+
 MATMULS = [  # name, M, N, K, trans_a, trans_b, batch, bias, relu
     ("linear_fwd", 64, 10, 300, False, True, 1, True, False),
     ("linear_grad_w", 10, 70, 64, True, False, 1, False, False),
     ("hidden_relu", 33, 47, 29, False, False, 1, True, True),
     ("batched_tt", 7, 19, 21, True, True, 3, False, False),
+]
+# the CPU's modes besides (tests/codegen/test_cuda_bf16.py runs MATMULS on a GPU)
+CPU_MATMULS = MATMULS + [
+    ("batched_abt_tail", 9, 13, 45, False, True, 2, True, True),   # the dot mode, a partial vector of k
+    ("odd_k_ta", 17, 40, 17, True, False, 1, False, False),
 ]
 
 
@@ -161,7 +192,7 @@ def matmul_graph(case) -> tuple[Graph, dict, int]:
     return g, inputs, k
 
 
-@pytest.mark.parametrize("case", MATMULS, ids=[c[0] for c in MATMULS])
+@pytest.mark.parametrize("case", CPU_MATMULS, ids=[c[0] for c in CPU_MATMULS])
 def test_matmuls(case, path):
     graph, inputs, k = matmul_graph(case)
     _check(graph, inputs, path, k)
@@ -200,11 +231,12 @@ def test_generated_kernels_and_pooling_round_as_the_interpreter():
 
 def _conv_geometry(case, kind: str, dot: str, epilogue: bool) -> dict:
     """The family's geometry of a CONVS case (cpp_choices.geometry's keys)."""
-    _, n, c, h, w, o, kh, kw, stride, padding = case
+    _, n, c, h, w, o, kh, kw, stride, padding = case[:10]
+    groups = case[10] if len(case) > 10 else 1
     ho, wo = (h + 2 * padding[0] - kh) // stride[0] + 1, (w + 2 * padding[1] - kw) // stride[1] + 1
     eps = {"conv2d": ("bias", "relu"), "conv2d_grad_input": ("relu_mask",)}.get(kind, ()) if epilogue else ()
     return dict(kind=kind, epilogues=eps, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=stride, padding=padding,
-                HO=ho, WO=wo, dtype="bfloat16", bf16_dot=dot)
+                HO=ho, WO=wo, dtype="bfloat16", bf16_dot=dot, **({"groups": groups} if groups != 1 else {}))
 
 
 def _mm_geometry(case, dot: str) -> dict:
@@ -214,8 +246,10 @@ def _mm_geometry(case, dot: str) -> dict:
                 bf16_dot=dot)
 
 
-#: (case, kind or "matmul", the batch it is planned for, the batches it runs at): convolutions of
-#: both modes (direct: stride 1; gemm), matmuls whose rows, k and batch follow the batch. The
+#: (case, kind or "matmul", the batch it is planned for, the batches it runs at), each run with
+#: every plan the tuner may pick: convolutions in every mode (direct of stride 1 and 2, its
+#: grad-weight, gemm; grouped: direct and taps), matmuls (dot, gemm) whose rows, k and batch
+#: follow the batch. The
 #: forward runs without its bias: `_assert_close` allows a step of the result, and where the bias
 #: cancels the sum the sum's step is larger (1 of 313k outputs at 17 images, the step compiled for 17
 #: as well); grad-input keeps its ReLU mask (read at each image's offset)
@@ -223,9 +257,12 @@ _EPILOGUE = {"conv2d_grad_input"}
 BATCH_RUNS = [
     *((CONVS[1], kind, 24, (24, 1, 3, 17)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
     *((CONVS[2], kind, 24, (24, 1, 5, 19)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    *((GROUPED[1], kind, 6, (6, 1, 3, 19)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    *((GROUPED[2], kind, 6, (6, 1, 4)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
     (MATMULS[0], "matmul", 64, ((64, 300, 1), (1, 300, 1), (7, 300, 1))),       # (M, K, batch): x @ W^T's rows
     (MATMULS[1], "matmul", 64, ((10, 64, 1), (10, 1, 1), (10, 23, 1))),         # a weight gradient's k
     (MATMULS[3], "matmul", 3, ((7, 21, 3), (1, 21, 1), (9, 5, 2))),             # batched, transposed
+    (CPU_MATMULS[4], "matmul", 2, ((9, 45, 2), (1, 45, 1), (20, 13, 3), (5, 64, 1))),  # a @ b^T: dot, k's tail
 ]
 
 
@@ -238,17 +275,21 @@ def _with_batch(case, kind: str, run) -> tuple:
 
 @pytest.mark.parametrize("dot", ["emulated", "avx512bf16"])
 def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
-    """Each kernel planned for one batch is the same code at another, and, compiled once, computes
-    the interpreter's result at every batch it runs at."""
+    """Each kernel planned for one batch (every plan of the tuner's list: each mode) is the same
+    code at another, and, compiled once, computes the interpreter's result at every batch it runs
+    at, within the scratch sized for that batch."""
     isa = cpu_vector.resolve()
     if dot == "avx512bf16" and not (isa == cpu_vector.AVX512 and cpu_vector.native_bf16()):
         pytest.skip("this CPU has no AVX512-BF16")
     geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
         _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
     parts, kernels = [cpp_units.prelude(bf16=True)[1]], []
-    for i, (case, kind, planned, runs) in enumerate(BATCH_RUNS):
+    todo = []
+    for case, kind, planned, runs in BATCH_RUNS:
         g = geo(_with_batch(case, kind, planned if kind != "matmul" else runs[0]), kind)
-        plan = cpp_bf16.plans(g, isa)[0]
+        todo += [(case, kind, runs, g, plan) for plan in cpp_bf16.plans(g, isa, tune=True)]
+    assert {p.mode for *_, p in todo} == {"direct", "gemm", "dot", "taps"}
+    for i, (case, kind, runs, g, plan) in enumerate(todo):
         ks, roles = cpp_bf16.render(f"k{i}", g, plan, isa)
         for run in runs:  # the same text at every batch it runs at
             assert cpp_bf16.render(f"k{i}", geo(_with_batch(case, kind, run), kind), plan, isa)[0].code == ks.code
@@ -260,7 +301,7 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
     flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, {dot})
     lib = ctypes.CDLL(str(compile_cpp("\n".join(parts) + "\n", flags=flags, cache=tmp_path).path))
     ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    for i, (case, kind, _, runs) in enumerate(BATCH_RUNS):
+    for i, (case, kind, runs, _, _) in enumerate(todo):
         plan, roles, nsizes = kernels[i]
         for run in runs:
             c = _with_batch(case, kind, run)
@@ -284,3 +325,36 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
                 _assert_close(bf16_values(out), want, reduction)
             except AssertionError as e:
                 raise AssertionError(f"{kind} {case[0]} planned {plan} run at {run}") from e
+
+
+# strided (direct in phase planes; grad-input: GEMM), cropped (grad-input of padding past the
+# kernel), a rectangular stride; matmuls of every layout, odd and partial k, batched (dot, GEMM)
+EVERY_PLAN = [("conv", c, k) for c in CONVS for k in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+              if c[0] == "stride2_pad1" or (c[0], k) in {("k1_pad1", "conv2d_grad_input"), ("k5_pad2_rect", "conv2d")}] + \
+    [("matmul", c, None) for c in CPU_MATMULS if c[0] in ("hidden_relu", "batched_tt", "batched_abt_tail", "odd_k_ta")]
+
+
+@pytest.mark.parametrize("what,case,kind", EVERY_PLAN, ids=[f"{c[0]}-{k or 'matmul'}" for _, c, k in EVERY_PLAN])
+def test_every_plan_matches_the_interpreter(what, case, kind):
+    """Every plan the tuner may pick (each mode: direct, dot, GEMM; tile heights and widths) gives
+    the interpreter's result within one bfloat16 step, on this CPU's product path."""
+    from ember.codegen import cpp_choices
+    from ember.codegen.tuning_db import choice_text
+    from ember.runtime.tuner import kernels_of
+    from ember.runtime.tuner_cpu import CpuMeasurer
+    graph = _conv_graph(case, kind, epilogue=kind != "conv2d_grad_weight")[0] if what == "conv" else matmul_graph(case)[0]
+    planned = plan_for(graph, "cpu")
+    [(sub, spec)] = [(s, k) for s, k in kernels_of(planned) if k.kind in CONTRACTIONS]
+    measurer = CpuMeasurer(rounds=1, target_s=0.0)
+    inputs = measurer.inputs(sub)
+    want = ir.run(sub, inputs).outputs["out"]
+    want = (bf16_values(want) if want.dtype == np.uint16 else want).astype(np.float64)
+    choices = cpp_choices.candidates(sub, spec)
+    modes = {dict(plan)["mode"] for _, plan in choices}
+    assert "gemm" in modes and ("direct" in modes) == (what == "conv")
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    for trial in measurer.measure(sub, spec, choices):
+        assert trial.error is None, trial.error
+        got = trial.output.astype(np.float64)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(want), np.abs(got)), 1e-30))) - 7)
+        assert np.all(np.abs(got - want) <= step + 1e-6 * scale), choice_text(trial.choice)

@@ -267,6 +267,28 @@ def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():
     assert np.all(np.isinf(got[(xs > 88.73) & np.isfinite(xs)]))
 
 
+def test_vectorisable_erf_is_within_two_ulp_and_keeps_its_special_values():
+    """em_erf (the prelude's polynomial erf, tools/fit_erf.py) against float64 erf rounded to
+    float32, over [-5, 5], tiny and subnormal arguments, and the special values."""
+    import math
+    xs = np.concatenate([np.linspace(-5, 5, 200_001, dtype=np.float32),
+                         np.logspace(-44, 0, 2001).astype(np.float32),
+                         np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0], np.float32)])
+    g = Graph("erf")
+    x = g.add_input("x", TensorType(xs.shape))
+    g.set_output("e", g.add("erf", [x]))
+    got = CpuExecutor(cpu_plan(g), HostStorage())({"x": xs})["e"]
+    want = np.array([math.erf(float(v)) if np.isfinite(v) else np.nan for v in xs], np.float32)
+    finite = np.isfinite(xs)
+    normal = finite & (np.abs(want) >= np.finfo(np.float32).tiny)
+    ulp = np.abs(got[normal].view(np.int32).astype(np.int64) - want[normal].view(np.int32).astype(np.int64))
+    assert ulp.max() <= 2, (ulp.max(), xs[normal][ulp.argmax()])
+    tiny = finite & ~normal
+    assert np.abs(got[tiny] - want[tiny]).max() <= 2e-45
+    assert np.array_equal(np.sign(got[finite]), np.sign(xs[finite]))  # odd, and erf(-0) = -0's sign kept
+    assert np.isnan(got[-7]) and got[-6] == 1.0 and got[-5] == -1.0 and got[-4] == 0.0 and np.signbit(got[-3])
+
+
 @pytest.mark.parametrize("src,mid,out", [
     ((4, 6), (24,), (3, 24)),         # the reshaped coordinate splits from i % 24: ((i / 6) % 4, i % 6)
     ((2, 3, 4), (6, 4), (5, 6, 4)),   # splits from i / 4 % 6 into a coordinate and its own % 3

@@ -59,6 +59,24 @@ def test_a_familys_timings_of_another_version_are_stale():
     assert family_prior.predict(records, g, {"skinny_narrow": 2, "gemm": 1}, cuda_choices.features) is None
 
 
+def test_a_stale_user_record_does_not_hide_the_shipped_record_of_the_same_kernel(tmp_path):
+    """As the exact lookup skips a stale user record for the shipped one, the prior's sample keeps
+    both and learns from the first whose families are current."""
+    g = _g(64, 10, 9216)
+    TuningDB(tmp_path / "shipped").store("cuda", "H200", kernel_key(g), _record({"gemm": 5.0, "skinny_narrow": 8.0}))
+    stale = Record(("skinny_narrow", ()), {"gemm(X=1)": 9.0, "skinny_narrow(X=1)": 1.0}, {"gemm": 0, "skinny_narrow": 0})
+    db = TuningDB(tmp_path / "user", (tmp_path / "shipped",))
+    db.store("cuda", "H200", kernel_key(g), stale)
+    records = family_prior.sample(db, "cuda", "H200")
+    assert len(records[kernel_key(g)]) == 2  # the user's, then the shipped one
+    p = family_prior.predict(records, g, FAMS, cuda_choices.features)
+    assert p is not None and min(p.scores, key=p.scores.get) == "gemm" and p.neighbours == 1
+    # a current user record comes first
+    db.store("cuda", "H200", kernel_key(g), _record({"gemm": 9.0, "skinny_narrow": 1.0}))
+    p = family_prior.predict(family_prior.sample(db, "cuda", "H200"), g, FAMS, cuda_choices.features)
+    assert min(p.scores, key=p.scores.get) == "skinny_narrow"
+
+
 def _cnn_graph(batch):
     nn.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10))

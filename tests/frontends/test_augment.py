@@ -129,3 +129,17 @@ def test_bad_arguments_are_one_line_errors():
         trace(Shift(1, seed=-3), spec((2, 1, 4, 4)))
     with pytest.raises(Exception, match="random_translate expects an NCHW input"):
         trace(lambda x: nn.RandomTranslate(1)(x), spec((2, 16)))
+
+
+def test_bf16_leaves_the_shift_in_float32():
+    """Under precision="bf16" the translation is left as traced (`precision.KEPT_MODULES`): its
+    convolutions stay float32 (no bfloat16 kernel family serves a grouped one) and move the
+    pixels exactly, as in float32; the layer after it is lowered."""
+    from ember.passes.precision import autocast
+    model = nn.Sequential(nn.RandomTranslate(2), nn.Conv2d(1, 2, 3))
+    g = autocast(trace(model, spec((4, 1, 9, 9))))
+    convs = {g.scope(n): g.type(g.operands(n)[0]).dtype.name for n in g.g if g.op(n) == "conv2d"}
+    assert convs == {"0": "float32", "1": "bfloat16"}
+    x = _batch(16, size=12)
+    step = compile(Shift(2, 4), nn.MSELoss(), optim.SGD(lr=0.0), (x, x), device="cpu", precision="bf16")
+    assert [step.inference(x).tobytes() for _ in range(2)] == [o.tobytes() for o in _outputs("reference", x, 2, 4, 2)]

@@ -58,7 +58,8 @@ def test_kernels_command_shows_each_buffers_dtype_and_the_product_path(tmp_path)
     assert re.search(r"float\* const p_0_weight = ", source)  # the master weight
     dots = set(re.findall(r"choice=bf16\(mr=\d+,nv=\d+,nb=\d+,dot=(\w+),mode=(\w+)\)", graph))
     assert {d for d, _ in dots} == {"avx512bf16" if "_mm512_dpbf16_ps" in source else "emulated"}
-    assert {m for _, m in dots} == {"direct", "gemm"}  # the stride-1 convolutions direct, the matmuls GEMMs
+    # the stride-1 convolutions direct, the linear layer's x @ W^T read along k (dot), its gradients GEMMs
+    assert {m for _, m in dots} == {"direct", "dot", "gemm"}
     assert len(re.findall(r"choice=bf16\(", graph)) == 8  # the 8 contractions of a CNN step
 
 

@@ -15,7 +15,7 @@ from ember.frontends import compile, nn, optim
 from ember.frontends import functional as F
 from ember.frontends.tensor import Parameter
 
-from models import FAKE_DEVICE, fake_device_target, storage_targets
+from models import FAKE_DEVICE, device_fixture, storage_targets
 
 
 class Net(nn.Module):
@@ -32,11 +32,7 @@ class Net(nn.Module):
 
 @pytest.fixture(params=storage_targets())
 def device(request):
-    if request.param == FAKE_DEVICE:
-        with fake_device_target():
-            yield FAKE_DEVICE
-    else:
-        yield request.param
+    yield from device_fixture(request)
 
 
 def _batches(n: int = 3, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -181,3 +181,17 @@ def test_bf16_candidates_match_the_interpreter_and_are_keyed_apart(tmp_path):
             assert np.all(np.abs(trial.output - ref) <= step + 1e-6 * np.abs(ref).max()), choice_text(trial.choice)
         kinds.add(spec.kind)
     assert kinds == {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"}
+
+
+def test_cpu_time_measures_the_same_kernel():
+    """CpuMeasurer(cpu_time=True) times by the process's CPU time over the threads (for shared
+    machines): positive times, the same outputs as the wall-clock measurer's."""
+    model, x_shape = _net(1)
+    example = (np.zeros(x_shape, np.float32), np.zeros(x_shape[0], np.int64))
+    with tuning_db.using(None):
+        graph = next(iter(plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cpu").values()))
+    sub, spec = next((s, k) for s, k in kernels_of(graph) if k.kind == "conv2d")
+    wall, cpu = (CpuMeasurer(rounds=2, target_s=0.001, cpu_time=c).measure(sub, spec, [spec.choice])[0]
+                 for c in (False, True))
+    assert wall.error is None and cpu.error is None and cpu.time_us > 0
+    assert np.array_equal(wall.output, cpu.output)
