@@ -38,6 +38,13 @@ def _all_plans_valid(g: Geometry, plan: Plan) -> bool | None:
     return None  # "ask candidates"
 
 
+def runtime(*keys: str) -> Callable[[Geometry], Geometry]:
+    """`Family.code_geometry` of a family whose kernels take the sizes `keys` at run time."""
+    def code(g: Geometry) -> Geometry:
+        return {k: v for k, v in g.items() if k not in keys}
+    return code
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -66,10 +73,11 @@ class Family:
     version: int = 1
     #: whether it serves grouped convolutions (a geometry with groups > 1); the others do not
     grouped: bool = False
-    #: geometry keys whose values its kernels take at run time, not in their code (the images N
-    #: of a convolution, the rows M of a matmul): a plan of it serves any value of them, so a step
-    #: of another batch size may take it (`reusable`, `decide(reuse=)`) and share the kernel
-    runtime_extents: tuple[str, ...] = ()
+    #: geometry -> the part of it its kernels' code depends on, where they take the rest at run
+    #: time (the images N of a convolution, the rows M of a matmul: `runtime`): a plan of it
+    #: serves any geometry with the same part, so a step of another batch size may take it
+    #: (`reusable`, `decide(reuse=)`) and share the kernel. None: the code holds every size
+    code_geometry: Callable[[Geometry], Geometry] | None = None
 
     def all_plans(self, g: Geometry) -> list[Plan]:
         return (self.tuning_plans or self.plans)(g)
@@ -183,7 +191,7 @@ class ChoiceTable:
     def reuse_key(self, f: Family, g: Geometry) -> str:
         """A kernel's key among the plans a step shares with steps of other batch sizes: its
         geometry without the sizes its family takes at run time."""
-        return f"{f.name}:" + tuning_db.kernel_key({k: v for k, v in g.items() if k not in f.runtime_extents})
+        return f"{f.name}:" + tuning_db.kernel_key(f.code_geometry(g))
 
     def reusable(self, graph: Graph) -> tuple[tuple[str, Plan], ...]:
         """(reuse key, plan) of every kernel of a selected graph whose family takes its
@@ -196,7 +204,7 @@ class ChoiceTable:
             if graph.op(n) != "fused" or (spec := graph.attrs(n)["kernel"]).choice is None:
                 continue
             f = self.families.get(spec.choice[0])
-            if f is None or not f.runtime_extents:
+            if f is None or f.code_geometry is None:
                 continue
             sub = graph.attrs(n)["graph"]
             key = self.reuse_key(f, self._geometry(sub, spec))
@@ -223,7 +231,7 @@ class ChoiceTable:
         if reuse:
             shared = dict(reuse)
             for f in ranked:
-                key = self.reuse_key(f, g) if f.runtime_extents else None
+                key = self.reuse_key(f, g) if f.code_geometry is not None else None
                 plan = shared.get(f"{sub.name}@{key}", shared.get(key)) if key is not None else None
                 if plan is not None and f.fits(g, plan):
                     return Decision((f.name, plan), "reused: the plan of this kernel at another batch size")

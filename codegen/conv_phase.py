@@ -21,12 +21,17 @@ not copied: a 1x1 convolution at stride 2 becomes a GEMM over the subsampled inp
 * grad-weight: dw[o][c][kh][kw] = sum over images and flat positions of dyp[o][q] *
   plane[c][q + offset(kh, kw)], dyp being dy at pitch P (zero elsewhere): a tile of OB dy
   channels x (CB input channels x TC taps) independent vector accumulators runs over IB images
-  stacked in the planes, then adds its lane sums into per-slot partials; S fixed slots of images
-  are summed in slot order at the end.
+  stacked in the planes, then adds its lane sums into per-slot partials; min(N, 16) slots of
+  images are summed in slot order at the end.
 
 Tasks own output channel blocks of whole images (forward, grad-input) or fixed image slots
 (grad-weight), every sum has a fixed order: results do not depend on the thread count. Channel
 blocks never cross a group, and a group's tiles read its C/G input channels only.
+
+The images N and the groups G are the kernels' arguments (`KernelSource.extents`), not constants
+of their code: one compiled kernel serves every batch size, and any number of groups of the same
+channels a group (a batch folded into the groups: `random_translate`'s per-image taps). A plan
+stacking more images than a slot gets (a plan of a larger batch) runs short passes.
 """
 from __future__ import annotations
 
@@ -131,8 +136,11 @@ class _Planes:
 
 
 def _common(g: ConvGeometry, isa: VectorISA) -> dict[str, Any]:
-    return dict(N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=g.KH, KW=g.KW, SH=g.SH, SW=g.SW, PH=g.PH, PW=g.PW,
-                HO=g.HO, WO=g.WO, G=g.G, CG=g.C // g.G, OG=g.O // g.G)
+    # no N, C, O or G: the kernels take the images and the groups at run time (`extents`), so one
+    # kernel serves every batch size, and a batch folded into the groups (random_translate's
+    # per-image taps); the regions of the scratch that grow with G come last
+    return dict(H=g.H, W=g.W, KH=g.KH, KW=g.KW, SH=g.SH, SW=g.SW, PH=g.PH, PW=g.PW,
+                HO=g.HO, WO=g.WO, CG=g.C // g.G, OG=g.O // g.G)
 
 
 def _check_tile(name: str, plan: PhasePlan, cout: int, isa: VectorISA) -> None:
@@ -162,14 +170,14 @@ def _forward_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA) ->
     NOBG = ceil_div(OG, OB)
     NU = g.G * NOBG
     ctx = dict(_common(g, isa), kind="conv2d", VB=VB, OB=OB, P=P, R=R, Q=Q, T=T, NT=NT, QP=QP, PS=PS, NPH=NPH,
-               CS=NPH * PS, NOBG=NOBG, NU=NU, NDIRECT=(g.HO * g.WO) // T if P == g.WO else 0,
+               CS=NPH * PS, NOBG=NOBG, NDIRECT=(g.HO * g.WO) // T if P == g.WO else 0,
                TAP_OFF=pl.tap_offsets(PS), **pl.copy_ctx())
     sc = _Scratch()
-    sc.add("wk", NU * OB * CG * g.KH * g.KW)
-    sc.add("bk", NU * OB)
     per_thread = round_up(CG * NPH * PS, _ALIGN) + OB * QP
     ctx["PER_THREAD"] = per_thread
     sc.add("thr", MAX_THREADS * per_thread)
+    sc.add("wk", NU * OB * CG * g.KH * g.KW)
+    sc.add("bk", NU * OB)   # the kernel finds it past wk (G at run time)
     return ctx, sc
 
 
@@ -219,13 +227,13 @@ def _grad_input_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA)
     NU = g.G * NCB
     ctx = dict(_common(g, isa), kind="conv2d_grad_input", VB=VB, OB=OB, P=P, U0=U0, V0=V0, RU=RU, CV=CV, DR=DR,
                RT=RT, RL=RL, Q=Q, T=T, NT=NT, QP=QP, DS=DS, NPH=len(phases), PHASES=phases, PTAPS=taps, POFF=offs,
-               PKK=[[kh * g.KW + kw for kh, kw in t] for t in taps], PWOFF=woff, VA=VA, VZ=VZ, JH=JH, JT=JT, ZLEN=ZLEN, NCB=NCB, NU=NU,
+               PKK=[[kh * g.KW + kw for kh, kw in t] for t in taps], PWOFF=woff, VA=VA, VZ=VZ, JH=JH, JT=JT, ZLEN=ZLEN, NCB=NCB,
                PT_OF=[[pidx.get((a, b), -1) for b in range(g.SW)] for a in range(g.SH)])
     sc = _Scratch()
-    sc.add("wk", NU * OB * OG * g.KH * g.KW)
     per_thread = round_up(OG * DS, _ALIGN) + len(phases) * OB * QP + ZLEN
     ctx["PER_THREAD"] = per_thread
     sc.add("thr", MAX_THREADS * per_thread)
+    sc.add("wk", NU * OB * OG * g.KH * g.KW)
     return ctx, sc
 
 
@@ -242,11 +250,13 @@ def _grad_weight_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA
     CG, OG = g.C // g.G, g.O // g.G
     TPC = g.KH * g.KW
     OB, CB, TC, IB = plan.OB, plan.CB, plan.TC, plan.IB
-    S, IMAX = _gw_limits(g)
     if plan.VB:
         raise _plan_error(name, plan, "a grad-weight plan has no VB")
-    if not (1 <= OB <= OG and 1 <= IB <= IMAX and 1 <= TC <= TPC and 1 <= CB <= CG and (CB == 1 or TC == TPC)):
-        raise _plan_error(name, plan, f"it needs 1 <= OB <= {OG}, 1 <= IB <= {IMAX}, 1 <= TC <= {TPC}, "
+    # IB may exceed the images a slot holds (a plan of a larger batch: the kernel's passes are then
+    # short), not the stack the cost model allows any batch
+    ib_max = max(1, _GW_STACK // (pl.R * pl.P))
+    if not (1 <= OB <= OG and 1 <= IB <= ib_max and 1 <= TC <= TPC and 1 <= CB <= CG and (CB == 1 or TC == TPC)):
+        raise _plan_error(name, plan, f"it needs 1 <= OB <= {OG}, 1 <= IB <= {ib_max}, 1 <= TC <= {TPC}, "
                                       f"1 <= CB <= {CG} and CB > 1 only with TC = {TPC}")
     X = CB * TC
     if OB * X + X + 1 > isa.registers:
@@ -259,19 +269,19 @@ def _grad_weight_ctx(name: str, g: ConvGeometry, plan: PhasePlan, isa: VectorISA
     DS = round_up(NV * VL, _ALIGN)
     NPH = len(pl.used)
     NOBG = ceil_div(OG, OB)
-    NU = g.G * NOBG
     if TC == TPC:    # chunks of CB channels, every tap
         chunks = [(c0, min(CB, CG - c0), 0, TPC) for c0 in range(0, CG, CB)]
     else:            # one channel, chunks of TC taps
         chunks = [(-1, 1, k0, min(TC, TPC - k0)) for k0 in range(0, TPC, TC)]
-    ctx = dict(_common(g, isa), kind="conv2d_grad_weight", OB=OB, CB=CB, TC=TC, IB=IB, S=S, P=P, R=R, LQ=LQ, NV=NV,
-               PS=PS, DS=DS, NPH=NPH, CS=NPH * PS, NOBG=NOBG, NU=NU, TPC=TPC, CHUNKS=chunks,
+    ctx = dict(_common(g, isa), kind="conv2d_grad_weight", OB=OB, CB=CB, TC=TC, IB=IB, SLOTS=_GW_SLOTS, P=P, R=R,
+               LQ=LQ, NV=NV,
+               PS=PS, DS=DS, NPH=NPH, CS=NPH * PS, NOBG=NOBG, TPC=TPC, CHUNKS=chunks,
                TAP_OFF=pl.tap_offsets(PS), **pl.copy_ctx())
     sc = _Scratch()
-    sc.add("dw", S * g.O * CG * TPC)
     per_thread = round_up(CG * NPH * PS, _ALIGN) + OG * DS
     ctx["PER_THREAD"] = per_thread
     sc.add("thr", MAX_THREADS * per_thread)
+    sc.add("dw", _GW_SLOTS * g.O * CG * TPC)  # min(N, SLOTS) slots at run time: room for SLOTS
     return ctx, sc
 
 
@@ -375,5 +385,5 @@ def render(name: str, kind: str, g: ConvGeometry, plan: PhasePlan, isa: VectorIS
     order: list[str | None] = {"conv2d": ["x", "w", "bias" if bias else None, "out", "scratch"],
                                "conv2d_grad_input": ["dy", "w", *(["mask"] if relu_mask else []), "out", "scratch"],
                                "conv2d_grad_weight": ["x", "dy", "out", None, "scratch"]}[kind]
-    return KernelSource(name, code, sc.nbytes), order
+    return KernelSource(name, code, sc.nbytes, (g.N, g.G)), order
 

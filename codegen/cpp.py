@@ -317,26 +317,32 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     buffers += [f"float* const {k}_scratch = reinterpret_cast<float*>(arena + {table.add(offset, f'{k}: {size} scratch bytes')});"
                 for k, offset, size in scratch]
 
-    def entry(preamble: str) -> str:
+    def entry(preamble: str, implements: bool) -> str:
         return ENV.get_template("step.j2").render(
             graph_name=graph.name, kernels=kernels, functions=len(fns), segments=seg_kernels, preamble=preamble,
             profile=profile, slots=[f"{i}={k}:{v}" for i, (k, v) in enumerate(slots)], buffers=buffers,
-            abi=ABI_VERSION, table_tag=hashlib.sha256(repr(table.values).encode()).hexdigest()[:12])
+            abi=ABI_VERSION, table_tag=hashlib.sha256(repr(table.values).encode()).hexdigest()[:12],
+            implements=implements)
 
     flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, dots)
-    layout = _layout_note(graph, kernels, table)
-    units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns)), fns, header, flags, layout)
-    return StepSource(layout + entry(cpp_units.single_source(header_text, fns)), slots, graph.meta["arena_bytes"],
+    # the compiled entry names no source line (a graph input's is where it was traced: another line
+    # for another batch size): the nodes each call implements are in its dumped note
+    units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns), False), fns, header, flags,
+                                 _layout_note(graph, kernels, table, implements=True))
+    return StepSource(_layout_note(graph, kernels, table) + entry(cpp_units.single_source(header_text, fns), True),
+                      slots, graph.meta["arena_bytes"],
                       kernels, segments if collectives else [list(range(len(kernels)))], collectives,
                       isa, flags, units, {header: header_text}, cpp_units.LINK_FLAGS, fns, table.values)
 
 
-def _layout_note(graph: Graph, kernels: list[KernelCode], table: _Table) -> str:
+def _layout_note(graph: Graph, kernels: list[KernelCode], table: _Table, implements: bool = False) -> str:
     """Comment lines on what the entry reads at run time for this step (its sizes): each call's
-    kernel and result type, and the `dims` table. For the dumped and one-file copies only: the
-    compiled entry holds no size of the step."""
+    kernel and result type (with `implements`, the graph nodes it implements), and the `dims`
+    table. For the dumped and one-file copies only: the compiled entry holds no size of the step."""
     lines = [f"// this step ({graph.name}): arena {graph.meta['arena_bytes']} bytes; the calls:"]
-    lines += [f"//   call {k.index} {k.name}: {k.kind} -> {k.out_type}" for k in kernels]
+    for k in kernels:
+        lines.append(f"//   call {k.index} {k.name}: {k.kind} -> {k.out_type}")
+        lines += [f"//     implements {line}" for line in k.implements] if implements else []
     lines += ["// the run-time table (dims):"]
     lines += [f"//   dims[{i}] = {v}  ({what})" for i, (v, what) in enumerate(zip(table.values, table.notes))]
     return "\n".join(lines) + "\n"

@@ -32,8 +32,14 @@ product is exact in float32, so both paths sum exact products in float32.
 
 The epilogue mirrors the interpreter node by node: the accumulator rounded to bfloat16, then
 `+ bias` rounded, then ReLU (or ReLU's backward mask), stored as bfloat16. Grad-weight sums its
-images in CH fixed chunks (partial sums in scratch, added in chunk order): the result does not
-depend on the thread count.
+images in min(N, 16) fixed chunks (partial sums in scratch, added in chunk order): the result does
+not depend on the thread count.
+
+The sizes that follow the batch are the kernels' arguments (`KernelSource.extents`), not constants
+of their code, in every mode: a convolution's images, a matmul's batch, rows and reduced length;
+so one compiled kernel serves every batch size, with the plan (tile, block, rows a task) of the
+batch it was chosen for. The work split that depended on them (the GEMM mode's groups of row
+tiles, the grad-weight's chunks) is computed at run time.
 """
 from __future__ import annotations
 
@@ -323,14 +329,6 @@ def _block(gm: Gemm, nw: int) -> int:
     return nb
 
 
-def _row_groups(gm: Gemm, plan: Bf16Plan) -> int:
-    """Groups of row tiles a (g, block) task is split into: enough tasks for a full team where
-    the GEMMs and blocks alone do not make them."""
-    tiles = _round_up(gm.M, plan.mr) // plan.mr
-    blocks = gm.G * math.ceil(gm.N / plan.nb)
-    return max(1, min(tiles, math.ceil(4 * MAX_THREADS / blocks)))
-
-
 def dot_serves(g: dict[str, Any]) -> bool:
     """Whether the dot mode reads this kernel: a matmul whose A rows and B^T rows (x @ W^T) are
     contiguous along k, so its pairs along k are where they lie (no packing)."""
@@ -475,7 +473,11 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
             raise ValueError(f"taps plan {plan}: expected {_taps_per_pass(taps_of(g), isa, dot)} taps a pass")
         return
     if plan.mode == "dot":
-        if (plan.mr, plan.nv) not in {(mr, nr) for _, mr, nr in _dot_tiles(g, isa)} or plan.nb != 0:
+        # not limited by M: the rows are a run-time size (past M the last row is computed again,
+        # not stored), so a plan of one batch serves another
+        per = 3 if dot == "emulated" else 1
+        if not (1 <= plan.mr <= 16 and 1 <= plan.nv <= min(g["N"], isa.lanes)) or plan.nb != 0 or \
+                plan.mr * plan.nv + per * plan.nv + per > isa.registers:
             raise ValueError(f"dot tile {plan.mr}x{plan.nv} (nb {plan.nb}) does not fit {isa.registers} registers "
                              f"({dot}) or the outputs")
         return
@@ -493,54 +495,67 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
         raise ValueError(f"column block {plan.nb} is not a multiple of the tile's {plan.nv * isa.lanes} columns")
 
 
+def _parallel(macs: str) -> str:
+    """The team's `if()`: whether a call's multiply-adds (`macs`, a C++ expression of its run-time
+    sizes) are worth a team."""
+    return f"(long){macs} >= {SERIAL_MACS}"
+
+
 def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tuple[KernelSource, list[str | None]]:
-    """The kernel and its arguments in order as roles (None: a null pointer)."""
+    """The kernel and its arguments in order as roles (None: a null pointer). The images of a
+    convolution, and a matmul's batch, rows and reduced length, are its run-time sizes
+    (`KernelSource.extents`), not constants of its code."""
     _check_name(name)
     gm, d = gemm_of(g), direct_of(g)
     dot = g["bf16_dot"]
     _check_plan(gm, plan, isa, dot, d, g)
     eps = g["epilogues"]
+    common = dict(name=name, plan=plan, dot=dot, CHUNKS=CHUNKS)
     if plan.mode == "taps":
         t = taps_of(g)
         sizes = _taps_layout(t, isa)
         lay = {"x": 0, "dy": sizes["x_words"], "x_words": sizes["x_words"] // MAX_THREADS,
                "dy_words": sizes["dy_words"] // MAX_THREADS}
-        code = _render("bf16_taps_gw.j2", isa, name=name, d=t, plan=plan, dot=dot, lay=lay, XPLANE=_taps_xplane(t, isa),
+        code = _render("bf16_taps_gw.j2", isa, d=t, lay=lay, XPLANE=_taps_xplane(t, isa), **common,
                        bias=False, relu=False, relu_mask=False, mask_in_copy=False,
-                       parallel=t.G * t.OC * t.HOUT * t.WOUT * (t.CI // t.GR) * t.KH * t.KW >= SERIAL_MACS)
-        return KernelSource(name, code, 4 * sum(sizes.values())), ["dy", "x", None, None, "out", "scratch"]
+                       PARALLEL=_parallel("G * O * HO * WO * CG * KH * KW"))
+        return KernelSource(name, code, 4 * sum(sizes.values()), (t.G,)), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "dot":
-        code = _render("bf16_dot.j2", isa, name=name, G=gm.G, M=gm.M, N=gm.N, K=gm.K, plan=plan, dot=dot,
+        code = _render("bf16_dot.j2", isa, N=gm.N, **common,
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
-                       parallel=gm.G * gm.M * gm.N * gm.K >= SERIAL_MACS)
-        return KernelSource(name, code, 0), ["a", "b", "bias" if "bias" in eps else None,
-                                             "mask" if "relu_mask" in eps else None, "out", "scratch"]
+                       PARALLEL=_parallel("G * M * N * K"))
+        return KernelSource(name, code, 0, (gm.G, gm.M, gm.K)), ["a", "b", "bias" if "bias" in eps else None,
+                                                                  "mask" if "relu_mask" in eps else None, "out", "scratch"]
     if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct_gw.j2", isa, name=name, d=d, plan=plan, dot=dot, lay={**lay, "x_words": _gw_x_words(d)},
+        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d)}, **common,
                        XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
-                       OP=_round_up(d.OC, plan.nv * isa.lanes), chunks=min(d.G, CHUNKS), bias=False, relu=False,
-                       relu_mask=False, mask_in_copy=False, parallel=d.G * d.OC * d.HOUT * d.WOUT * d.CI * d.KH * d.KW >= SERIAL_MACS)
-        return KernelSource(name, code, 4 * lay["total"]), ["dy", "x", None, None, "out", "scratch"]
+                       OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False,
+                       relu_mask=False, mask_in_copy=False, PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
+        return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct.j2", isa, name=name, d=d, plan=plan, dot=dot,
+        code = _render("bf16_direct.j2", isa, d=d, **common,
                        lay={**lay, "stage_words": _stage_words(d, plan, isa)},
                        OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
                        SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
-                       parallel=d.G * d.OC * d.HOUT * d.WOUT * (d.CI // d.GR) * d.KH * d.KW >= SERIAL_MACS)
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"))
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
-        return KernelSource(name, code, 4 * lay["total"]), roles
+        return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles
     lay = _layout(gm, plan, isa)
-    conv = {k: v for k, v in zip(("NI", "C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
-                                 _conv_sizes(g))} if gm.kind != "matmul" else {}
-    macs = gm.G * gm.M * gm.N * gm.K
-    code = _render("bf16_gemm.j2", isa, name=name, gm=gm, plan=plan, dot=dot, conv=conv, lay=lay, MG=_row_groups(gm, plan),
-                   K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr), chunks=min(gm.G, CHUNKS),
-                   bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=False,
-                   parallel=macs >= SERIAL_MACS)
+    # the images NI are no constant of a convolution's code: its G; a matmul's rows M and reduced
+    # length K are run-time sizes too (`rt`), passed to its helpers as arguments (SZ, SA)
+    conv = {k: v for k, v in zip(("C", "H", "W", "O", "KH", "KW", "SH", "SW", "PH", "PW", "HO", "WO"),
+                                 _conv_sizes(g)[1:])} if gm.kind != "matmul" else {}
+    rt = gm.kind == "matmul"
+    # where each thread's B panel starts: past A, which grows with M, K and G where A is per GEMM
+    b_at = "((long)MP * K2 * G + 15) / 16 * 16" if not (gm.a_shared or gm.reduce_groups) else str(lay["b"])
+    code = _render("bf16_gemm.j2", isa, gm=gm, conv=conv, lay=lay, K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr),
+                   rt=rt, SZ=", const int M, const int K, const int K2" if rt else "", SA=", M, K, K2" if rt else "",
+                   B_AT=b_at, MAXT=4 * MAX_THREADS, bias="bias" in eps, relu="relu" in eps,
+                   relu_mask="relu_mask" in eps, mask_in_copy=False, PARALLEL=_parallel("G * M * N * K"), **common)
     roles = [gm.a_role, gm.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
              "out", "scratch"]
-    return KernelSource(name, code, 4 * lay["total"]), roles
+    return KernelSource(name, code, 4 * lay["total"], (gm.G, gm.M, gm.K) if rt else (gm.G,)), roles

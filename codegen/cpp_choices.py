@@ -31,7 +31,7 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import conv_phase, cpp_bf16, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
-from .choices import ChoiceTable, Family, Plan
+from .choices import ChoiceTable, Family, Plan, runtime
 from .conv_phase import PhasePlan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
@@ -187,6 +187,15 @@ def _bf16_scratch(g: dict[str, Any], plan: Plan) -> int:
     return cpp_bf16.scratch_bytes(g, cpp_bf16.Bf16Plan(**dict(plan)), _isa(g))
 
 
+_BF16_RUNTIME = {"matmul": runtime("batch", "M", "K"), **{kind: runtime("N") for kind in CONVS}}
+
+
+def _bf16_code(g: dict[str, Any]) -> dict[str, Any]:
+    """What a bf16 kernel's code depends on: not a convolution's images, nor a matmul's batch, rows
+    and reduced length (run-time sizes; a matmul's N is its columns, which the code holds)."""
+    return _BF16_RUNTIME[g["kind"]](g)
+
+
 def _bf16_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
                  epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
     return cpp_bf16.render(name, g, cpp_bf16.Bf16Plan(**dict(plan)), _isa(g))
@@ -323,6 +332,14 @@ def _phase_scratch(g: dict[str, Any], plan: Plan) -> int:
     return conv_phase.scratch_bytes(g["kind"], _phase_geometry(g), PhasePlan(**dict(plan)), _isa(g))
 
 
+def _phase_code(g: dict[str, Any]) -> dict[str, Any]:
+    """What a phase kernel's code depends on: its channels a group, not the images or the groups
+    (run-time sizes)."""
+    groups = g.get("groups", 1)
+    return {**{k: v for k, v in g.items() if k not in ("N", "C", "O", "groups")},
+            "CG": g["C"] // groups, "OG": g["O"] // groups}
+
+
 def _phase_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
                   epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
     eps = g["epilogues"]
@@ -358,22 +375,24 @@ def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _float32(_dot_rejects), _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
-           accepts=_fits(_matmul_scratch(DotPlan)), runtime_extents=("batch", "M")),
+           accepts=_fits(_matmul_scratch(DotPlan)), code_geometry=runtime("batch", "M")),
     Family("matmul_axpy", ("matmul",), 1, _matmul_plans("axpy", False), _float32(_always), _plain,
            _matmul_scratch(AxpyPlan), _matmul_render(AxpyPlan), tuning_plans=_matmul_plans("axpy", True),
-           accepts=_fits(_matmul_scratch(AxpyPlan)), runtime_extents=("batch", "M", "K")),
+           accepts=_fits(_matmul_scratch(AxpyPlan)), code_geometry=runtime("batch", "M", "K")),
     *(Family(name, (kind,), 0, _conv_plans(False), _float32(_always), _plain, _conv_scratch, _conv_render,
-             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), runtime_extents=("N",))
+             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), code_geometry=runtime("N"))
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
     Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,
-           _phase_render, tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True),
+           _phase_render, tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True,
+           code_geometry=_phase_code),
     # float32 or bfloat16 operands; for bfloat16 after the bf16 family (its direct and taps modes
     # are tiled), so the generic loops serve what they do not (a strided grouped grad-input)
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _float32_only, _no_scratch, _grouped_render,
-           grouped=True),
+           grouped=True, code_geometry=runtime("N")),
     Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
-           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2, grouped=True),
+           tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2, grouped=True,
+           code_geometry=_bf16_code),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _pool_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),

@@ -234,19 +234,29 @@ class _Compiled:
     def _reuse_plans(self, forward: Graph) -> str:
         """Gives a new step (another batch size, or inference beside training) the kernel plans of
         the steps compiled so far that it may share (`Target.reusable`: kernels that take the
-        batch at run time), so its kernels are the same code and their objects are not compiled
-        again; returns them as text for the plan cache's key ("" when there are none). Not when
-        tuning: a tuned step's kernels are measured at their own sizes."""
+        batch at run time), and fusion's recompute decisions of the steps of the same graph
+        (`meta["recompute_reuse"]`: the byte rule weighs batch-sized and fixed sizes), so its
+        kernels are the same code and their objects are not compiled again; returns them as
+        text for the plan cache's key ("" when there are none). Not when tuning: a tuned step's
+        kernels are measured at their own sizes."""
         if self.target.reusable is None or self.tune_budget_s is not None:
             return ""
         plans: dict[str, Any] = {}
+        decided: dict[Any, bool] = {}
         for graph in self._compiled_graphs():
             for key, plan in self.target.reusable(graph):
                 plans.setdefault(key, plan)
-        if not plans:
-            return ""
-        forward.meta["kernel_reuse"] = tuple(plans.items())
-        return f";reuse={forward.meta['kernel_reuse']!r}"
+            if graph.name == forward.name:
+                for key, recomputed in graph.meta.get("recomputed", ()):
+                    decided.setdefault(key, recomputed)
+        text = ""
+        if plans:
+            forward.meta["kernel_reuse"] = tuple(plans.items())
+            text += f";reuse={forward.meta['kernel_reuse']!r}"
+        if decided:
+            forward.meta["recompute_reuse"] = tuple(sorted(decided.items()))
+            text += f";recompute={forward.meta['recompute_reuse']!r}"
+        return text
 
     def _executor(self, graph: Graph, dump: Path | None, source: Any, **extra: Any) -> Executor:
         if source is not None:

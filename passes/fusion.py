@@ -198,7 +198,8 @@ def _matmul_operand(graph: Graph, n: int, members: set[int], grouper: _Grouper) 
     return n, trans
 
 
-def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
+def _groups(graph: Graph, caps: FusionCaps,
+            decided: dict[tuple[int, str], bool]) -> dict[int, tuple[str, set[int], dict[str, Any]]]:
     gr = _Grouper(graph, caps)
     groups: dict[int, tuple[str, set[int], dict[str, Any]]] = {}
     region = find_loss_region(graph) if caps.loss_kernels else None
@@ -265,7 +266,7 @@ def _groups(graph: Graph, caps: FusionCaps) -> dict[int, tuple[str, set[int], di
         groups[root] = (kind, members, notes)
     _absorb_pointwise_epilogues(graph, gr, groups, caps)
     if caps.recompute:
-        recompute_cheap(graph, groups)
+        decided.update(recompute_cheap(graph, groups))
     if caps.multi_output:
         merge_multi_output(graph, groups)
     return groups
@@ -380,7 +381,8 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
     `caps` (the target's `FusionCaps`; default: everything the CPU backend can do) bounds what
     may fuse: kernel kinds and the epilogues each contraction template accepts.
     """
-    groups = _groups(graph, caps if caps is not None else FusionCaps())
+    decided: dict[tuple[int, str], bool] = {}
+    groups = _groups(graph, caps if caps is not None else FusionCaps(), decided)
     # Every kept node keeps its id, and a fused node takes its root's: `%51` and `k51_conv2d` name
     # the same thing in every dump, kernel header and error. A kernel's further outputs are
     # `fused_output` nodes that keep the ids of the values they hold.
@@ -443,6 +445,8 @@ def fuse(graph: Graph, caps: FusionCaps | None = None) -> Graph:
         out.set_output(k, mapping[n])
     for k, n in graph.updates.items():
         out.set_update(k, mapping[n])
+    # what a step of this graph at another batch size takes (fusion_recompute.py)
+    out.meta["recomputed"] = tuple(sorted(decided.items()))
     return out.verify()
 
 

@@ -19,6 +19,13 @@ Philox random numbers are never recomputed), and every reader is a pointwise or 
 kernel (reading it directly or through reshape aliases). A value the step returns (an output or
 an update) is always stored. Recomputing never changes a value: the readers evaluate the same
 ops in the same order, so the interpreter's results before and after are identical.
+
+The byte counts mix sizes that follow the batch with sizes that do not (parameters), so near
+break-even the rule can decide differently at another batch size, and the step of that batch
+would need other kernels. A step compiled after one of the same model at another batch size
+carries that step's decisions (`meta["recompute_reuse"]`, from the graph's
+`meta["recomputed"]`: each weighed candidate, by node id and op) and takes them where the
+candidate is one again, so that its kernels are the same code.
 """
 from __future__ import annotations
 
@@ -79,8 +86,12 @@ def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
     return found or None
 
 
-def recompute_cheap(graph: Graph, groups: Groups) -> None:
-    """Merges each cheap pointwise group into all its readers (see the module doc), in place."""
+def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]:
+    """Merges each cheap pointwise group into all its readers (see the module doc), in place;
+    returns the decision on each candidate the byte rule weighed (or took from
+    `meta["recompute_reuse"]`): (root id, op) -> recomputed."""
+    reuse = dict(graph.meta.get("recompute_reuse", ()))
+    decided: dict[tuple[int, str], bool] = {}
     returned = set(graph.outputs.values()) | set(graph.updates.values())
     # the group computing each node that a later kernel reads (a value's readers come after it
     # in topological order, so each is in exactly one group when its producer is considered)
@@ -96,15 +107,22 @@ def recompute_cheap(graph: Graph, groups: Groups) -> None:
         readers = _readers(graph, groups, home, root, returned)
         if readers is None or root in readers:
             continue
-        operands = external_reads(graph, members)
-        nbytes = {o: graph.type(o).nbytes for o in operands}
-        stored = sum(nbytes.values()) + graph.type(root).nbytes * (1 + len(readers))
-        recomputed = 0
-        for r in readers:
-            already = external_reads(graph, groups[r][1])
-            recomputed += sum(b for o, b in nbytes.items() if o not in already)
-        if recomputed > stored:
+        key = (root, graph.op(root))
+        decided[key] = reuse[key] if key in reuse else _saves_bytes(graph, groups, members, root, readers)
+        if not decided[key]:
             continue
         for r, chain in readers.items():
             groups[r][1].update(members | chain)
         del groups[root]
+    return decided
+
+
+def _saves_bytes(graph: Graph, groups: Groups, members: set[int], root: int, readers: dict[int, set[int]]) -> bool:
+    """Whether recomputing the group in its readers moves no more bytes than storing it."""
+    nbytes = {o: graph.type(o).nbytes for o in external_reads(graph, members)}
+    stored = sum(nbytes.values()) + graph.type(root).nbytes * (1 + len(readers))
+    recomputed = 0
+    for r in readers:
+        already = external_reads(graph, groups[r][1])
+        recomputed += sum(b for o, b in nbytes.items() if o not in already)
+    return recomputed <= stored

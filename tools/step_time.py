@@ -1,21 +1,27 @@
-"""Device time of ember's training step per model and batch (a GPU diagnostic, not a test), with the
+"""Device time of ember's training step per model and batch (a diagnostic, not a test), with the
 kernel choices it ran: how many came from the tuning database, how many from the cost model.
 Compare tuning databases by running it under different $EMBER_CACHE_DIR (the user database is
 `$EMBER_CACHE_DIR/tuning`); `--no-db` ignores every database (the cost model alone).
 
     python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32] [--torch] [--out rows.json]
+    python tools/step_time.py --device cpu --cases resnet8:64,mobilenet:64 [--bf16] [--steps 20]
 
-Any model of the zoo (`ember bench --zoo` lists them) can be a case.
+Any model of the zoo (`ember bench --zoo` lists them) can be a case. On the GPU the step is timed
+with CUDA events (the median of 5 rounds of 200 steps); on the CPU by the wall clock, each step
+alone (the median over --steps, after 3 warm-up steps), with the OpenMP team ember's kernels use.
+Two builds are compared by running this once per build, alternately (a shared machine's load
+moves between runs).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import statistics
+import time
 from collections import Counter
 
 import numpy as np
-from cuda_step_overhead import events_per_step  # a sibling script: its folder is on the path
 
 
 def main() -> None:
@@ -30,8 +36,15 @@ def main() -> None:
     ap.add_argument("--no-db", action="store_true", help="no tuning database: the cost model's choices")
     ap.add_argument("--torch", action="store_true", help="PyTorch's whole-step CUDA graph beside it")
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--bf16", action="store_true", help="precision='bf16' (the CPU's bfloat16 kernels)")
+    ap.add_argument("--steps", type=int, default=20, help="cpu: steps timed (each alone; the median is shown)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        _cpu(args)
+        return
     import cupy as cp  # after the arguments: --help works without a GPU
+    from cuda_step_overhead import events_per_step  # a sibling script: its folder is on the path
     rows = []
     for case in args.cases.split(","):
         name, batch = case.split(":")
@@ -69,6 +82,48 @@ def main() -> None:
             torch.cuda.synchronize()
             row["torch_cudagraph_us"] = round(events_per_step(cp, lambda i: replay(txs[i % 8], tys[i % 8])), 2)
             row["ratio"] = round(row["step_us"] / row["torch_cudagraph_us"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _cpu(args: argparse.Namespace) -> None:
+    from ember.codegen import cpp_choices, tuning_db
+    from ember.frontends import compile as ember_compile
+    from ember.frontends import nn, optim
+    from ember.frontends.training.zoo import ZOO, zoo_model
+
+    rows = []
+    for case in args.cases.split(","):
+        name, batch = case.split(":")
+        batch = int(batch)
+        if name not in ZOO:
+            raise SystemExit(f"step_time: unknown model {name!r} (known: {', '.join(ZOO)})")
+        rng = np.random.default_rng(0)
+        xs = rng.random((4, batch, *ZOO[name].input_shape), dtype=np.float32)
+        ys = rng.integers(0, 10, (4, batch)).astype(np.int64)
+        with tuning_db.using(None) if args.no_db else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            step = ember_compile(zoo_model(name, 0), nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
+                                 example_inputs=(xs[0], ys[0]), device="cpu",
+                                 precision="bf16" if args.bf16 else "float32")
+            compile_s = time.perf_counter() - t0
+        for i in range(3):
+            step.run(xs[i % 4], ys[i % 4])
+        times = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            step.run(xs[i % 4], ys[i % 4])
+            times.append(time.perf_counter() - t0)
+        graph = step._steps[step._example][0]
+        specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
+        row = {"model": name, "batch": batch, "device": "cpu", "bf16": args.bf16, "threads": cpp_choices.threads(),
+               "kernels": len(specs), "families": dict(Counter(s.choice[0] for s in specs if s.choice is not None)),
+               "compile_s": round(compile_s, 2), "step_ms": round(1e3 * statistics.median(times), 2),
+               "p10_ms": round(1e3 * float(np.percentile(times, 10)), 2),
+               "p90_ms": round(1e3 * float(np.percentile(times, 90)), 2)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

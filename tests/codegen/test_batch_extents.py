@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ember.codegen import cpp_kernels as ck
-from ember.codegen import grouped_conv, pool_kernels
+from ember.codegen import conv_phase, grouped_conv, pool_kernels
 from ember.codegen.compiler import compile_cpp
 from ember.codegen.cpu_vector import cxx_flags, resolve
 from ember.codegen.cpp import SPELLING
@@ -50,6 +50,23 @@ def test_matmuls_are_one_text_for_every_row_count_and_axpy_k(trans_a, trans_b, f
     for plan in ck.matmul_plans(form, M=16, batch=8, **batched)[:1]:
         big = ck.render_matmul("k", M=16, batch=8, plan=plan, **batched)
         assert big.code == ck.render_matmul("k", M=16, batch=3, plan=plan, **batched).code and big.extents[0] == 8
+
+
+@pytest.mark.parametrize("kind", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_phase_convolutions_are_one_text_for_every_batch_and_groups(kind, groups):
+    """The images and the groups are run-time sizes: a batch of 7 after 64, or a batch folded into
+    the groups (twice the groups of the same channels a group), is the same code."""
+    attrs = dict(stride=(2, 2), padding=(1, 1), groups=groups)
+    big, small = (grouped_conv.geometry((n, 8, 14, 14), (16, 8 // groups, 3, 3), attrs) for n in (64, 7))
+    wide = grouped_conv.geometry((7, 16, 14, 14), (32, 8 // groups, 3, 3), dict(attrs, groups=2 * groups))
+    isa = resolve()
+    for plan in conv_phase.plans(kind, big, isa, tune=True):  # grad-weight: images stacked past a slot's 1 at N = 7
+        a, _ = conv_phase.render("k", kind, big, plan, isa)
+        b, _ = conv_phase.render("k", kind, small, plan, isa)
+        c, _ = conv_phase.render("k", kind, wide, plan, isa)
+        assert a.code == b.code == c.code, plan
+        assert (a.extents, b.extents, c.extents) == ((64, groups), (7, groups), (7, 2 * groups)), plan
 
 
 MM_CASES = [  # (trans_a, relu_mask, plan): a 6-row tile, so most row counts leave a shorter last tile

@@ -7,13 +7,18 @@ Random geometries (seeded): odd sizes, strides 1-3 (2 most often), padding 0-3 (
 too), kernels 1x1 to 5x5 and non-square, groups 1, 2, 3 and C (depthwise, channel multipliers
 1 and 2), batches 1-5 (grad-weight: images in slots of one or more, stacked or not); each kind
 with its epilogues (forward: bias and ReLU, grad-input: the ReLU mask). Every geometry runs the
-cost model's plan; a few run every plan the tuner measures. Tolerance as test_cpp_kernels (fp32
-against float64, rtol 1e-4, atol 1e-5 sqrt(R) scaled by the outputs' size). Within a variant the
-results are bit-identical for 1, 2 and 3 threads.
+cost model's plan; a few run every plan the tuner measures (planned for 48 images: grad-weight
+plans that stack up to 3 images a pass). The kernels take the images and the groups at run time,
+so each compiled kernel runs at several batch sizes: its own, 1, 2 (fewer images than a plan's
+stack), 21 (more than the 16 image slots), and a grouped one with one group more, each against
+the interpreter, its scratch sized for that call and checked not to be written past. Tolerance as
+test_cpp_kernels (fp32 against float64, rtol 1e-4, atol 1e-5 sqrt(R) scaled by the outputs'
+size). Within a variant the results are bit-identical for 1, 2 and 3 threads.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,12 +67,24 @@ GEOMETRIES = [
     _named("grouped_1x1", 2, 12, 9, 9, 8, 1, 1, 0, 4),
     _named("patch_7x7s7", 2, 1, 28, 28, 12, 7, 7, 0, 1),
 ] + [(f"random{i}", _geometry(random.Random(f"phase{i}"))) for i in range(12)]
-#: geometries whose every tuning plan runs too
+#: geometries whose every tuning plan runs too, planned for this many images
 TUNED = ("resnet_3x3s2", "depthwise_x2_s2", "random3")
+TUNED_N = 48
 
 
 def _plans(label: str, kind: str, g: ConvGeometry, isa: cv.VectorISA) -> list[cp.PhasePlan]:
-    return cp.plans(kind, g, isa, tune=label in TUNED)
+    if label in TUNED:
+        return cp.plans(kind, dataclasses.replace(g, N=TUNED_N), isa, tune=True)
+    return cp.plans(kind, g, isa)
+
+
+def _runs(g: ConvGeometry) -> list[ConvGeometry]:
+    """The geometries one compiled kernel of `g` runs at: other batch sizes, and one group more."""
+    out = [dataclasses.replace(g, N=n) for n in dict.fromkeys((g.N, 1, 2, 21))]
+    if g.G > 1:
+        G = g.G + 1
+        out.append(dataclasses.replace(g, N=2, C=g.C // g.G * G, O=g.O // g.G * G, G=G))
+    return out
 
 
 def _epilogues(kind: str) -> dict[str, bool]:
@@ -89,24 +106,36 @@ def _kernels(variant: str) -> list[tuple[str, str, ConvGeometry, cp.PhasePlan, o
 def _unit(kernels) -> str:
     parts = ["#include <cstdint>\n#include <omp.h>"]
     for name, _, _, _, ks, order in kernels:
-        params = ", ".join(f"float* a{i}" for i in range(len(order)))
-        parts += [ks.code, f'extern "C" void call_{name}({params}) {{ {name}({", ".join(f"a{i}" for i in range(len(order)))}); }}']
+        assert len(ks.extents) == 2   # the images and the groups: run-time sizes
+        params = ", ".join([f"float* a{i}" for i in range(len(order))] + ["int64_t n", "int64_t groups"])
+        args = [f"a{i}" for i in range(len(order))] + ["n", "groups"]
+        parts += [ks.code, f'extern "C" void call_{name}({params}) {{ {name}({", ".join(args)}); }}']
     return "\n".join(parts) + "\n"
 
 
+_CANARY = 64  # floats past the scratch a call may not write
+
+
 class _Lib:
-    def __init__(self, path, kernels) -> None:
+    def __init__(self, path, kernels, isa: cv.VectorISA) -> None:
         self.dll = ctypes.CDLL(str(path))
         self.kernels = {k[0]: k for k in kernels}
+        self.isa = isa
 
-    def __call__(self, name: str, arrays: dict[str, np.ndarray]) -> None:
-        _, _, _, _, ks, order = self.kernels[name]
-        scratch = base._aligned(max(ks.scratch_bytes // 4, 1))   # NaN: no kernel may read scratch it did not write
-        ptrs = [None if r is None else (scratch if r == "scratch" else arrays[r]).ctypes.data_as(ctypes.c_void_p)
+    def __call__(self, name: str, arrays: dict[str, np.ndarray], g: ConvGeometry | None = None) -> None:
+        """Runs kernel `name` at geometry `g` (default: the one it was rendered for), with scratch
+        of the size its plan needs there (NaN: no kernel may read scratch it did not write)."""
+        _, kind, kg, plan, ks, order = self.kernels[name]
+        g = g or kg
+        words = cp.scratch_bytes(kind, g, plan, self.isa) // 4
+        block = base._aligned(words + _CANARY)
+        block[words:] = 1234.5
+        ptrs = [None if r is None else (block if r == "scratch" else arrays[r]).ctypes.data_as(ctypes.c_void_p)
                 for r in order]
         fn = getattr(self.dll, f"call_{name}")
-        fn.argtypes = [ctypes.c_void_p] * len(ptrs)
-        fn(*ptrs)
+        fn.argtypes = [ctypes.c_void_p] * len(ptrs) + [ctypes.c_int64] * 2
+        fn(*ptrs, g.N, g.G)
+        assert np.all(block[words:] == 1234.5), f"{name}: wrote past its {words} floats of scratch at {g}"
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +153,7 @@ def build(tmp_path_factory):
             libs = {}
             if variant != "avx512" or cv.host_supports(cv.AVX512):
                 for grp, art in zip(groups, arts):
-                    lib = _Lib(art.path, grp)
+                    lib = _Lib(art.path, grp, tv._isa(variant))
                     libs.update({k[0]: lib for k in grp})
             built[variant] = (kernels, libs)
         return built[variant]
@@ -161,21 +190,26 @@ def _out_shape(kind: str, g: ConvGeometry) -> tuple[int, ...]:
 @pytest.mark.parametrize("variant", tv.VARIANTS)
 @pytest.mark.parametrize("gi", range(len(GEOMETRIES)), ids=[label for label, _ in GEOMETRIES])
 def test_phase_kernels_match_the_interpreter(build, variant, gi):
+    """Each compiled kernel of the geometry, at every run of `_runs`: one kernel for all of them."""
     tv._runnable(variant)
     kernels, libs = build(variant)
     g = GEOMETRIES[gi][1]
-    d = _data(g, gi)
+    runs = _runs(g)
+    data = [_data(r, 1000 * gi + i) for i, r in enumerate(runs)]
+    wants: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
     ran = 0
     for name, kind, kg, plan, _, _ in kernels:
         if kg is not g:
             continue
-        want, terms = _reference(kind, g, d)
-        out = np.full(_out_shape(kind, g), np.nan, np.float32)
-        libs[name](name, dict(d, out=out))
-        try:
-            base.assert_close(out, want, terms)
-        except AssertionError as e:
-            raise AssertionError(f"{name} {kind} {g} plan {plan.pairs()}") from e
+        for i, r in enumerate(runs):
+            want, terms = wants.setdefault((i, kind), _reference(kind, r, data[i]))
+            out = np.full(_out_shape(kind, r), np.nan, np.float32)
+            libs[name](name, dict(data[i], out=out), r)
+            try:
+                base.assert_close(out, want, terms)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {kind} planned for {kg} run at N={r.N} G={r.G}, plan {plan.pairs()}") \
+                    from e
         ran += 1
     assert ran >= 3
 

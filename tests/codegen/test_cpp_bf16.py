@@ -8,16 +8,23 @@ taken in another order, lies next to a rounding boundary of bfloat16: allowed on
 most elements must agree bit for bit. (The native and emulated paths agree with each other bit
 for bit on this CPU: the emulation is the instruction's arithmetic.)
 Generated (pointwise, reduction) kernels and pooling round as the interpreter does: exact.
+
+The contractions take the sizes that follow the batch at run time (a convolution's images, a
+matmul's batch, rows and reduced length): one compiled kernel, planned for one batch, runs at
+several others (one image, fewer than its chunks, more) against the interpreter, with its
+scratch sized for each call and not written past.
 """
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
 import pytest
 
 from ember import ir
-from ember.codegen import cpu_vector
+from ember.codegen import cpp_bf16, cpp_units, cpu_vector
+from ember.codegen.compiler import compile_cpp
 from ember.ir import Graph, TensorType, bfloat16, float32
 from ember.ir.dtypes import bf16_bits, bf16_values
 from ember.ir.kernel import CONTRACTIONS
@@ -58,6 +65,11 @@ def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "
     want_families = {family: dot if family == "bf16" else None}
     assert families == (want_families if device == "cpu" else {"gemm": None})  # the dump shows the path
     got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
+    _assert_close(got, want, reduction)
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, reduction: int) -> None:
+    """Within one bfloat16 step and float32's accumulation error; mostly bit for bit."""
     assert got.shape == want.shape
     scale = max(float(np.max(np.abs(want))), 1e-30)
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(want), np.abs(got)), 1e-30))) - 7)  # one bfloat16 step
@@ -213,6 +225,106 @@ def test_generated_kernels_and_pooling_round_as_the_interpreter():
     want = ir.run(g, inputs).outputs["out"]
     _, got = run_compiled(g, "cpu", inputs)
     assert np.array_equal(got["out"], want)
+
+
+# --------------------------------------------------------------------------- one kernel, any batch
+
+def _conv_geometry(case, kind: str, dot: str, epilogue: bool) -> dict:
+    """The family's geometry of a CONVS case (cpp_choices.geometry's keys)."""
+    _, n, c, h, w, o, kh, kw, stride, padding = case[:10]
+    groups = case[10] if len(case) > 10 else 1
+    ho, wo = (h + 2 * padding[0] - kh) // stride[0] + 1, (w + 2 * padding[1] - kw) // stride[1] + 1
+    eps = {"conv2d": ("bias", "relu"), "conv2d_grad_input": ("relu_mask",)}.get(kind, ()) if epilogue else ()
+    return dict(kind=kind, epilogues=eps, N=n, C=c, H=h, W=w, O=o, KH=kh, KW=kw, stride=stride, padding=padding,
+                HO=ho, WO=wo, dtype="bfloat16", bf16_dot=dot, **({"groups": groups} if groups != 1 else {}))
+
+
+def _mm_geometry(case, dot: str) -> dict:
+    _, m, n, k, ta, tb, batch, bias, relu = case
+    eps = tuple(e for e, on in (("bias", bias), ("relu", relu)) if on)
+    return dict(kind="matmul", epilogues=eps, M=m, N=n, K=k, batch=batch, trans_a=ta, trans_b=tb, dtype="bfloat16",
+                bf16_dot=dot)
+
+
+#: (case, kind or "matmul", the batch it is planned for, the batches it runs at), each run with
+#: every plan the tuner may pick: convolutions in every mode (direct of stride 1 and 2, its
+#: grad-weight, gemm; grouped: direct and taps), matmuls (dot, gemm) whose rows, k and batch
+#: follow the batch. The
+#: forward runs without its bias: `_assert_close` allows a step of the result, and where the bias
+#: cancels the sum the sum's step is larger (1 of 313k outputs at 17 images, the step compiled for 17
+#: as well); grad-input keeps its ReLU mask (read at each image's offset)
+_EPILOGUE = {"conv2d_grad_input"}
+BATCH_RUNS = [
+    *((CONVS[1], kind, 24, (24, 1, 3, 17)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    *((CONVS[2], kind, 24, (24, 1, 5, 19)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    *((GROUPED[1], kind, 6, (6, 1, 3, 19)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    *((GROUPED[2], kind, 6, (6, 1, 4)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")),
+    (MATMULS[0], "matmul", 64, ((64, 300, 1), (1, 300, 1), (7, 300, 1))),       # (M, K, batch): x @ W^T's rows
+    (MATMULS[1], "matmul", 64, ((10, 64, 1), (10, 1, 1), (10, 23, 1))),         # a weight gradient's k
+    (MATMULS[3], "matmul", 3, ((7, 21, 3), (1, 21, 1), (9, 5, 2))),             # batched, transposed
+    (CPU_MATMULS[4], "matmul", 2, ((9, 45, 2), (1, 45, 1), (20, 13, 3), (5, 64, 1))),  # a @ b^T: dot, k's tail
+]
+
+
+def _with_batch(case, kind: str, run) -> tuple:
+    if kind == "matmul":
+        m, k, b = run
+        return (case[0], m, case[2], k, *case[4:6], b, *case[7:])
+    return (case[0], run, *case[2:])
+
+
+@pytest.mark.parametrize("dot", ["emulated", "avx512bf16"])
+def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
+    """Each kernel planned for one batch (every plan of the tuner's list: each mode) is the same
+    code at another, and, compiled once, computes the interpreter's result at every batch it runs
+    at, within the scratch sized for that batch."""
+    isa = cpu_vector.resolve()
+    if dot == "avx512bf16" and not (isa == cpu_vector.AVX512 and cpu_vector.native_bf16()):
+        pytest.skip("this CPU has no AVX512-BF16")
+    geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
+        _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
+    parts, kernels = [cpp_units.prelude(bf16=True)[1]], []
+    todo = []
+    for case, kind, planned, runs in BATCH_RUNS:
+        g = geo(_with_batch(case, kind, planned if kind != "matmul" else runs[0]), kind)
+        todo += [(case, kind, runs, g, plan) for plan in cpp_bf16.plans(g, isa, tune=True)]
+    assert {p.mode for *_, p in todo} == {"direct", "gemm", "dot", "taps"}
+    for i, (case, kind, runs, g, plan) in enumerate(todo):
+        ks, roles = cpp_bf16.render(f"k{i}", g, plan, isa)
+        for run in runs:  # the same text at every batch it runs at
+            assert cpp_bf16.render(f"k{i}", geo(_with_batch(case, kind, run), kind), plan, isa)[0].code == ks.code
+        sizes = ["int64_t e0", "int64_t e1", "int64_t e2"][:len(ks.extents)]
+        params = ", ".join([f"void* a{j}" for j in range(len(roles))] + sizes)
+        args = [f"static_cast<{'float' if r == 'scratch' else 'uint16_t'}*>(a{j})" for j, r in enumerate(roles)]
+        parts += [ks.code, f'extern "C" void call{i}({params}) {{ k{i}({", ".join(args + [z.split()[1] for z in sizes])}); }}']
+        kernels.append((plan, roles, len(ks.extents)))
+    flags = cpu_vector.cxx_flags(isa) + cpu_vector.bf16_flags(isa, {dot})
+    lib = ctypes.CDLL(str(compile_cpp("\n".join(parts) + "\n", flags=flags, cache=tmp_path).path))
+    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    for i, (case, kind, runs, _, _) in enumerate(todo):
+        plan, roles, nsizes = kernels[i]
+        for run in runs:
+            c = _with_batch(case, kind, run)
+            graph, inputs, reduction = matmul_graph(c) if kind == "matmul" else \
+                _conv_graph(c, kind, epilogue=kind in _EPILOGUE)
+            want = ir.run(graph, inputs).outputs["out"]
+            data = {"x": inputs.get("x"), "w": inputs.get("w"), "dy": inputs.get("dy"), "a": inputs.get("a"),
+                    "b": inputs.get("b") if kind == "matmul" else None,
+                    "bias": inputs.get("v") if kind == "matmul" else inputs.get("b"), "mask": inputs.get("m")}
+            out = np.zeros(want.shape, np.uint16)
+            words = cpp_bf16.scratch_bytes(geo(c, kind), plan, isa) // 4
+            scratch = np.full(words + 64, np.nan, np.float32)
+            scratch[words:] = 1234.5
+            fn = getattr(lib, f"call{i}")
+            fn.argtypes = [ctypes.c_void_p] * len(roles) + [ctypes.c_int64] * nsizes
+            arrays = [out if r == "out" else scratch if r == "scratch" else None if r is None else data[r] for r in roles]
+            extents = (c[6], c[1], c[3]) if kind == "matmul" else (c[1],)
+            fn(*map(ptr, arrays), *extents[:nsizes])
+            assert np.all(scratch[words:] == 1234.5), f"{kind} {case[0]} at {run}: wrote past its scratch"
+            try:
+                _assert_close(bf16_values(out), want, reduction)
+            except AssertionError as e:
+                raise AssertionError(f"{kind} {case[0]} planned {plan} run at {run}") from e
 
 
 # strided (direct in phase planes; grad-input: GEMM), cropped (grad-input of padding past the

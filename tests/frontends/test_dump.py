@@ -33,7 +33,7 @@ def test_dump_dir_holds_graphs_sources_and_a_rebuild_script(tmp_path):
     assert "storage='arena'" in memory and "offset=" in memory
     source = (d / "step.cpp").read_text()  # the entry: every call, with the nodes it implements
     assert source.startswith("// ember cache key: ")
-    assert "//   implements %" in source and "extern \"C\"" in source
+    assert "//     implements %" in source and "extern \"C\"" in source
     kernels = sorted(d.glob("step.e[kg]_*.cpp"))  # the kernels' units, each headed by the calls it serves
     assert kernels and all("//   implements %" in k.read_text() for k in kernels)
     assert len(list(d.glob("ember_prelude_*.h"))) == 1
