@@ -40,9 +40,10 @@ def test_kernels_writes_a_zoo_models_sources(tmp_path, capsys):
     assert cli.main(["kernels", "--model", "mobilenet", "--device", "cpu", "--batch-size", "2",
                      "--out", str(tmp_path)]) == 0
     train = (tmp_path / "mobilenet-train-2x1x28x28.cpp").read_text()
-    # the depthwise grad-weight, by the phase-plane family (the CPU cost model's for groups > 1;
-    # its kernels hold the batch: they are not among the families taking it at run time)
-    assert re.search(r"// conv2d_grad_weight \w+: x \(2,32,28,28\), w \(32,1,3,3\), groups 32, .*; mode phase", train)
+    # the depthwise grad-weight (32 groups of one channel at 28x28), by the phase-plane family (the
+    # CPU cost model's for groups > 1), which takes the images and the groups at run time
+    assert re.search(r"// conv2d_grad_weight \w+: x \(N,G\*1,28,28\), w \(G\*1,1,3,3\), G groups, .*"
+                     r"N and G at run time; mode phase", train)
 
 
 @pytest.mark.parametrize("argv", [["bench", "--model", "cnn,airbench", "--steps", "1"],
