@@ -56,7 +56,12 @@ class CudaMeasurer:
         from .cuda import compile_units
         cp = self.cp
         rng = np.random.default_rng(seed)
-        inputs = {name: _random(cp, rng, sub.type(n)) for name, n in sub.inputs.items()}
+        # Every buffer is made and filled on the stream the candidates run on: that stream does
+        # not wait for the legacy default stream, so a copy issued there (the NaN poison of the
+        # output, 11 MB at batch 256) could still be landing over the first launch's results.
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            inputs = {name: _random(cp, rng, sub.type(n)) for name, n in sub.inputs.items()}
         out_t = sub.type(sub.outputs["out"])
         built: list[tuple[Choice, Any, dict, int] | Trial] = []
         units = []
@@ -80,7 +85,6 @@ class CudaMeasurer:
                 except Exception as exc:
                     functions.update({f: exc for f in names})
         trials = []
-        stream = cp.cuda.Stream(non_blocking=True)
         for item in built:
             if isinstance(item, Trial):
                 trials.append(item)
@@ -95,8 +99,9 @@ class CudaMeasurer:
         failed = [functions[la.function] for la in kernel.launches if isinstance(functions.get(la.function), Exception)]
         if failed:
             return Trial(choice, error=f"compile: {str(failed[0]).splitlines()[0][:200]}")
-        out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # NaN: must be written
-        scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
+        with stream:  # ordered before the launches (see measure)
+            out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # must be written
+            scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
         buffers = {**inputs, "out": out, "scratch": scratch}
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
                   tuple(buffers[roles.get(r, r)] for r in la.args)) for la in kernel.launches]
