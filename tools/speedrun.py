@@ -91,10 +91,14 @@ class EmberRun:
         """The first two calls of every compiled step and of the evaluation's inference step,
         outside the timed runs (`restart` undoes their effect): on a GPU the first call loads the
         modules and the second captures the CUDA graph (runtime/cuda.py), which seed 0's timed
-        run paid for when the warm-up made one call (0.38 s against 0.07 s for seeds 1-9)."""
+        run paid for when the warm-up made one call (0.38 s against 0.07 s for seeds 1-9). One
+        batch is drawn from the loader too: on a device its first epoch shuffles the data by a
+        CuPy gather, whose kernel CuPy compiles on first use (seed 0 paid 0.41 s for it on a fresh
+        H200 machine, its kernel cache empty)."""
         t = self.trainer
         x, y = t.loader.x, t.loader.y
         bs, n = t.loader.batch_size, len(y)
+        next(iter(t.loader))  # the loader's state is its epoch, which iterating leaves alone
         for _ in range(2):
             for size in sorted({min(bs, n), n % bs} - {0}):
                 t.step.run(x[:size], y[:size], check_labels=False)
