@@ -68,6 +68,9 @@ def geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
         if core["groups"] != 1:  # only then: the tuning database's keys of ungrouped kernels stay as they were
             g["groups"] = core["groups"]
         *_, g["HO"], g["WO"] = cuda_kernels._conv_geometry("k", **_conv_args(g))
+    elif spec.kind in pool_kernels.POOL_KINDS:  # its gradient has two modes to choose from: the sizes key them
+        pg = pool_kernels.geometry(sub.type(sub.operands(spec.core)[0]).shape, sub.attrs(spec.core))
+        g.update(pg.context())
     elif spec.kind == "matmul":
         a_t, b_t = (sub.type(o) for o in sub.operands(spec.core))
         *batch, m, kk = a_t.shape  # the core's operands are the logical (transposed) views
@@ -400,12 +403,24 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
                                     relu_mask="relu_mask" in eps, epilogue=epilogue)
 
 
-# -- pool and the generated kinds: one family each, one plan
+# -- pool and the generated kinds: one family each
+
+def _pool_plans(g: dict[str, Any]) -> list[Plan]:
+    """The forward: one plan. The gradient: a thread an input element gathering the windows that
+    hold it (any pooling), and where windows do not overlap, first, a thread a window writing its
+    whole tile (each input read once, no window searched twice)."""
+    if g["kind"] != "max_pool2d_grad":
+        return [()]
+    gather: Plan = (("mode", "gather"),)
+    if pool_kernels.windows_disjoint(pool_kernels.PoolGeometry(**{k: g[k] for k in pool_kernels.GEOMETRY_FIELDS})):
+        return [(("mode", "tile"),), gather]
+    return [gather]
+
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     x_t = sub.type(sub.operands(spec.core)[0])
     return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)),
-                                    bf16=g.get("dtype") == "bfloat16")
+                                    bf16=g.get("dtype") == "bfloat16", tile=dict(plan).get("mode") == "tile")
 
 
 def _generated(module_function: str) -> Callable[..., CudaKernel]:
@@ -475,7 +490,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            tuning_plans=gemm_candidates, accepts=_gemm_accepts),
     Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
            grouped=True),
-    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _no_scratch, _pool_render),
+    Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
+           version=2),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
     Family("loss", ("softmax_xent", "softmax_xent_grad"), 0, _one_plan, _always, _plain, _no_scratch,

@@ -53,6 +53,9 @@ class PoolGeometry:
         return dict(self.__dict__)
 
 
+GEOMETRY_FIELDS = tuple(PoolGeometry.__dataclass_fields__)
+
+
 def geometry(x_shape: tuple[int, ...], attrs: dict[str, Any]) -> PoolGeometry:
     """The pooling of an NCHW input of `x_shape` under a max_pool2d node's attributes."""
     n, c, h, w = x_shape
@@ -93,16 +96,25 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 
-def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> CudaKernel:
+def windows_disjoint(g: PoolGeometry) -> bool:
+    """Whether no input element lies in two windows (each window inside its stride's tile)."""
+    return g.KH <= g.SH and g.KW <= g.SW and g.PH == 0 and g.PW == 0
+
+
+def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile: bool = False) -> CudaKernel:
     """The CUDA kernel of `kind` (on bfloat16 values with `bf16`): one thread an output (forward)
-    or an input element (gradient, summing in float, rounded once)."""
+    or, for the gradient, an input element (summing in float, rounded once) or, with `tile` (windows
+    that do not overlap), a window's tile of SH x SW inputs."""
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
     grad = kind == "max_pool2d_grad"
+    if tile and not (grad and windows_disjoint(g)):
+        raise ValueError(f"{name}: the tile mode is a gradient's, of windows that do not overlap; got {kind} with "
+                         f"kernel {g.KH}x{g.KW}, stride {g.SH}x{g.SW}, padding {g.PH}x{g.PW}")
     code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,
-                                                                    bf16=bf16, **g.context())
-    items = g.N * g.C * (g.H * g.W if grad else g.HO * g.WO)
+                                                                    bf16=bf16, tile=tile, **g.context())
+    items = g.N * g.C * (ceil_div(g.H, g.SH) * ceil_div(g.W, g.SW) if tile else g.H * g.W if grad else g.HO * g.WO)
     function = f"{name}_{'grad' if grad else 'fwd'}"
     roles = ("x", "dy", "out") if grad else ("x", "out")
     return CudaKernel(name, code, (Launch(function, (ceil_div(items, CUDA_THREADS), 1, 1), (CUDA_THREADS, 1, 1), 0,

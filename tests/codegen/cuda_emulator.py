@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ember.codegen import cuda
 from ember.codegen.cuda_kernels import CudaKernel
 from ember.codegen.templates_env import environment
 
@@ -58,6 +59,10 @@ inline float* shared_array(int slot) { return arena.data() + (size_t)slot * (SLO
 inline void __syncthreads() { ember_emu::block_barrier->arrive_and_wait(); }
 inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
 inline float __uint_as_float(unsigned u) { float x; std::memcpy(&x, &u, 4); return x; }
+inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+using std::max;
+using std::min;
 """.replace("SLOT", str(SLOT))
 
 #: what replaces the text of mma_tf32.j2 in a kernel
@@ -162,7 +167,8 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
 def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
     """The kernels' sources with the emulation, compiled into one shared library in `folder`."""
     src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
-    src.write_text(HEADER + RUNNER + "".join(_emulated(k, i) for i, k in enumerate(kernels)))
+    # the CUDA prelude's helpers (em_sqrt, em_max, ...), which the generated kinds' bodies call
+    src.write_text(HEADER + cuda.prelude() + RUNNER + "".join(_emulated(k, i) for i, k in enumerate(kernels)))
     r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wno-unknown-pragmas",
                         "-o", str(lib), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, f"g++ failed on {src}:\n{r.stderr[-4000:]}"
