@@ -239,8 +239,11 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
 # -- direct_tc: the direct convolutions on TF32 tensor cores (cuda_direct_tc)
 
 def _direct_tc_rejects(g: dict[str, Any]) -> str | None:
-    if not g["tf32"]:
-        return "it runs on TF32 tensor cores: precision 'tf32' only"
+    if g.get("dtype") == "bfloat16":  # exact in TF32: its mma computes bfloat16 products as they are
+        if g["kind"] == "conv2d_grad_weight":
+            return "its grad-weight stages float32 operands with cp.async (bfloat16 operands: the gemm family)"
+    elif not g["tf32"]:
+        return "it runs on TF32 tensor cores: precision 'tf32' or bfloat16 operands only"
     return _direct_rejects(g)
 
 
@@ -278,7 +281,8 @@ def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
                                                            plan=cuda_direct_tc.TcGwPlan(**p))
     return cuda_direct_tc.render_direct_tc(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
                                            bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
-                                           epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p))
+                                           epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p),
+                                           bf16_roles=bf16_roles(sub, spec))
 
 
 # -- small_window: memory-bound convolutions with a small window / few weights (cuda_small_conv)
@@ -474,9 +478,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            _small_preferred, _small_scratch, _small_render),
     Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
-    # they take (direct_tc: precision "tf32" only; gemm: its plans follow the geometry's tf32);
+    # they take (direct_tc: precision "tf32", and bfloat16 operands, exact in TF32, but for its
+    # grad-weight; gemm: its plans follow the geometry's tf32);
     # the others compute in float32 whatever the precision, which TF32 permits
-    Family("direct_tc", CONVS, 6, _direct_tc_plans, _float32(_direct_tc_rejects), _unmeasured, _direct_tc_scratch,
+    Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
            _direct_tc_render, tuning_plans=_direct_tc_candidates),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
            _float32(_thin_rejects), _plain, _no_scratch, _thin_render),

@@ -193,9 +193,12 @@ def tc_direct_problem(*, grad_input: bool, N: int, C: int, H: int, W: int, O: in
 
 def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                      stride=(1, 1), padding=(0, 0), bias: bool = False, relu: bool = False, relu_mask: bool = False,
-                     epilogue: PointwiseEpilogue | None = None, plan: TcPlan | None = None) -> CudaKernel | None:
+                     epilogue: PointwiseEpilogue | None = None, plan: TcPlan | None = None,
+                     bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """The direct forward convolution (roles x, w, [bias], out) or grad-input (roles dy, w,
-    [mask_src], out) on TF32 tensor cores; None where no plan fits. `plan`: the planner's best."""
+    [mask_src], out) on TF32 tensor cores; None where no plan fits. `plan`: the planner's best.
+    `bf16_roles`: the roles whose buffers hold bfloat16 (precision "bf16": the operands and output
+    of the convolution), read as their exact values and stored rounded."""
     found = _problem(name, grad_input, N, C, H, W, O, KH, KW, stride, padding)
     if found is None:
         return None
@@ -217,8 +220,9 @@ def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: 
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, RB=plan.RB, CC=plan.CC, FM=plan.FM,
         FN=plan.FN, WM=plan.WM, WN=plan.WN, threads=plan.threads, plane=stride_8_mod_16(RS * WS),
         cop=stride_8_mod_16(round_up(geo["CO"], 8)), roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid, flip=grad_input, src=src,
-        bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input, pw=epilogue)
+        signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles), grid=grid, flip=grad_input,
+        src=src, bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input,
+        pw=epilogue, bf16_roles=bf16_roles, bf16=bool(bf16_roles))
     return CudaKernel(name, code, (Launch(f"{name}_direct_tc", grid, (plan.threads, 1, 1), 0, roles),), 0)
 
 

@@ -63,6 +63,11 @@ inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; 
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 using std::max;
 using std::min;
+// a launch's argument: the address of a float32 or bfloat16 (uint16 bits) buffer, as the kernel takes it
+struct EmuPtr {
+  void* p;
+  template <typename T> operator T*() const { return static_cast<T*>(p); }
+};
 """.replace("SLOT", str(SLOT))
 
 #: what replaces the text of mma_tf32.j2 in a kernel
@@ -156,19 +161,19 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
                         f"float* smem = ember_emu::shared_array({slots});")
     calls = []
     for i, ln in enumerate(kernel.launches):
-        args = ", ".join(f"a[{j}]" for j in range(len(ln.args)))
+        args = ", ".join(f"EmuPtr{{a[{j}]}}" for j in range(len(ln.args)))
         (bx, by, bz), (gx, gy, gz) = ln.block, ln.grid
         assert by == bz == 1 and bx % 32 == 0, ln
         calls.append(f"  if (launch == {i}) ember_emu::run_grid([=] {{ {ln.function}({args}); }}, {gx}, {gy}, {gz}, "
                      f"{bx}, {slots}, {ln.shared_bytes});")
-    return (code + f'extern "C" void emu_launch_{index}(int launch, float** a) {{\n' + "\n".join(calls) + "\n}\n")
+    return (code + f'extern "C" void emu_launch_{index}(int launch, void** a) {{\n' + "\n".join(calls) + "\n}\n")
 
 
 def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
     """The kernels' sources with the emulation, compiled into one shared library in `folder`."""
     src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
     # the CUDA prelude's helpers (em_sqrt, em_max, ...), which the generated kinds' bodies call
-    src.write_text(HEADER + cuda.prelude() + RUNNER + "".join(_emulated(k, i) for i, k in enumerate(kernels)))
+    src.write_text(HEADER + cuda.prelude(bf16=True) + RUNNER + "".join(_emulated(k, i) for i, k in enumerate(kernels)))
     r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wno-unknown-pragmas",
                         "-o", str(lib), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, f"g++ failed on {src}:\n{r.stderr[-4000:]}"
@@ -176,16 +181,16 @@ def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
 
 
 def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.ndarray]) -> None:
-    """Makes the launches of kernel `index` of the library in order on `buffers` (float32 arrays
-    by role, written in place; "scratch" is added, filled with NaN)."""
+    """Makes the launches of kernel `index` of the library in order on `buffers` (float32 arrays,
+    or uint16 ones holding bfloat16 bits, by role, written in place; "scratch" is added, filled
+    with NaN)."""
     bufs = dict(buffers)
     bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
     entry = getattr(lib, f"emu_launch_{index}")
     for i, ln in enumerate(kernel.launches):
         arrays = [bufs[r] for r in ln.args]
-        assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
-        ptrs = (ctypes.POINTER(ctypes.c_float) * len(arrays))(
-            *[a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) for a in arrays])
+        assert all(a.dtype in (np.float32, np.uint16) and a.flags.c_contiguous for a in arrays)
+        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         entry(ctypes.c_int(i), ptrs)
 
 

@@ -1,6 +1,8 @@
 """precision="bf16" on the `cuda` target without a GPU: every contraction of the MNIST models' steps
-is served by the GEMM family's bfloat16 tensor-core path (mma.sync m16n8k16, fp32 accumulation),
-the other families refuse bfloat16 operands in one line, pooling and the generated kernels take
+is served on tensor cores: by the GEMM family's bfloat16 path (mma.sync m16n8k16, fp32
+accumulation), or a stride-1 convolution's forward or grad-input by direct_tc (bfloat16 operands
+are exact in TF32: mma m16n8k8, the value rounded to bfloat16), whichever the cost model's prior
+ranks first; the other families refuse bfloat16 operands in one line, pooling and the generated kernels take
 bfloat16 buffers (`unsigned short`), and every source compiles with `nvcc -cubin -arch=sm_90`
 warning-free (the runtime compiles the same with NVRTC). The numerics run on a GPU:
 tests/codegen/test_cuda_bf16.py and tests/e2e/test_bf16_vs_torch.py (marked cuda)."""
@@ -36,13 +38,21 @@ def test_every_contraction_runs_on_the_bfloat16_tensor_cores(model):
         assert contractions
         for sub, spec in contractions:
             g = cuda_choices.geometry(sub, spec)
-            assert g["dtype"] == "bfloat16" and spec.choice[0] == "gemm"
+            assert g["dtype"] == "bfloat16" and spec.choice[0] in ("gemm", "direct_tc")
             assert '"dtype":"bfloat16"' in cuda_choices.TABLE.key(sub, spec)  # tuned apart from float32
             code = cuda_choices.render(sub.name, sub, spec, spec.choice).code
-            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
-            # every other family that serves the kind says why it does not serve bfloat16
+            if spec.choice[0] == "gemm":
+                assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
+            else:
+                assert "m16n8k8.row.col.f32.tf32" in code and "em_bf16_round(acc" in code
+            # direct_tc takes a stride-1 forward or grad-input; every other family that serves the
+            # kind says why it does not serve bfloat16
+            stride1 = tuple(np.broadcast_to(g.get("stride", 1), 2)) == (1, 1)
             for f in cuda_choices.FAMILIES.values():
-                if f.name != "gemm" and spec.kind in f.kinds:
+                if f.name == "direct_tc" and spec.kind != "conv2d_grad_weight" and stride1 and \
+                        cuda_choices.TABLE.applies(cuda_choices.FAMILIES["direct"], dict(g, dtype=None)) is None:
+                    assert cuda_choices.TABLE.applies(f, g) is None
+                elif f.name != "gemm" and spec.kind in f.kinds:
                     assert cuda_choices.TABLE.applies(f, g) is not None, f.name
 
 

@@ -31,6 +31,7 @@ from ember.codegen import cuda, cuda_choices, family_prior, tuning_db
 from ember.codegen import cuda_direct_tc as ct
 from ember.frontends import nn, optim, plan
 from ember.ir import interpreter
+from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
 from nvcc import assert_compiles, nvcc_or_skip
 
 
@@ -246,6 +247,62 @@ def test_the_kernels_emulated_on_the_cpu_match_the_reference(idx, emulated):
         assert err <= 1e-5, (k.name, err)
 
 
+def _bf16_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
+    """The planner's best forward (+bias +relu) and grad-input (*relu-mask) with every operand and
+    the output bfloat16 (precision "bf16")."""
+    out = []
+    for kind, gi in (("conv_fwd", False), ("conv_gi", True)):
+        geo = ct.tc_direct_problem(grad_input=gi, **g)
+        plan = ct.tc_forward_plans(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], g["KH"], g["KW"])[0]
+        roles = frozenset({"dy", "w", "mask_src", "out"} if gi else {"x", "w", "bias", "out"})
+        out.append((kind, ct.render_direct_tc(f"{tag}_{kind}", grad_input=gi, bias=not gi, relu=not gi,
+                                              relu_mask=gi, plan=plan, bf16_roles=roles, **g)))
+    return out
+
+
+@pytest.mark.parametrize("idx", [0, 1])
+def test_bfloat16_operands_emulated_match_the_bfloat16_reference(idx, tmp_path):
+    """bfloat16 values are exact in TF32: the kernel's products are the bfloat16 ones, summed in
+    fp32, the convolution rounded to bfloat16, the bias add rounded again (the interpreter's ops),
+    the output stored as bfloat16 bits. Against float64 sums of the same values with the same
+    roundings: equal but for the last bit where the fp32 sum lands on a bfloat16 tie."""
+    g = EMULATED[idx]
+    kernels = _bf16_kernels(g, f"b{idx}")
+    lib = cuda_emulator.build([k for _, k in kernels], tmp_path, f"bf16_{idx}")
+    rng = np.random.default_rng(100 + idx)
+    for i, (kind, k) in enumerate(kernels):
+        bufs, _ = _case(kind, g, rng)
+        vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
+        if kind == "conv_fwd":
+            conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
+            ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
+        else:
+            ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
+        bits = {r: bf16_bits(v) for r, v in vals.items()}
+        bits["out"] = np.full(bufs["out"].shape, 0x7FC0, np.uint16)  # NaN: every output must be written
+        cuda_emulator.run(lib, i, k, bits)
+        got = bf16_values(bits["out"])
+        assert np.all(np.isfinite(got)), (k.name, int(np.isnan(got).sum()))
+        assert np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), k.name
+        assert np.mean(got == ref) >= 0.97, (k.name, np.mean(got == ref))
+
+
+def test_bfloat16_kernels_compile_with_nvcc_and_the_table_offers_them(tmp_path):
+    src = tmp_path / "bf16.cu"
+    src.write_text(cuda.prelude(bf16=True) + "\n".join(k.code for _, k in _bf16_kernels(CONV2, "nb")))
+    assert_compiles(nvcc_or_skip(), src)
+    model, shape = NETS[0]
+    kinds = set()
+    for sub, spec in _conv_kernels(model, shape, "bf16"):
+        g = cuda_choices.geometry(sub, spec)
+        assert g.get("dtype") == "bfloat16"
+        offered = any(f == "direct_tc" for f, _ in cuda_choices.candidates(sub, spec))
+        assert offered == (spec.kind != "conv2d_grad_weight" and cuda_choices.TABLE.applies(
+            cuda_choices.FAMILIES["direct"], dict(g, dtype=None)) is None), (spec.describe(), offered)
+        kinds |= {spec.kind} if offered else set()
+    assert kinds == {"conv2d", "conv2d_grad_input"}
+
+
 def test_the_emulated_mma_holds_the_ptx_fragment_layout(tmp_path):
     """A wrong fragment index fails the comparison above: a kernel with A's rows g and g + 8
     swapped (a1 read where a2 belongs) differs from the reference by O(1)."""
@@ -297,7 +354,7 @@ def test_the_family_serves_tf32_only_and_is_the_cost_models_pick_only_where_meas
         assert all(f != "direct_tc" for f, _ in cuda_choices.candidates(sub, spec))
         g = cuda_choices.geometry(sub, spec)
         assert cuda_choices.TABLE.applies(cuda_choices.FAMILIES["direct_tc"], g) == \
-            "it runs on TF32 tensor cores: precision 'tf32' only"
+            "it runs on TF32 tensor cores: precision 'tf32' or bfloat16 operands only"
     served = 0
     for sub, spec in _conv_kernels(model, shape, "tf32"):
         cands = cuda_choices.candidates(sub, spec)
