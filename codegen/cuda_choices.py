@@ -416,7 +416,7 @@ def _pool_plans(g: dict[str, Any]) -> list[Plan]:
     if g["kind"] != "max_pool2d_grad":
         return [()]
     gather: Plan = (("mode", "gather"),)
-    if pool_kernels.windows_disjoint(pool_kernels.PoolGeometry(**{k: g[k] for k in pool_kernels.GEOMETRY_FIELDS})):
+    if pool_kernels.PoolGeometry(**{k: g[k] for k in pool_kernels.GEOMETRY_FIELDS}).windows_disjoint:
         return [(("mode", "tile"),), gather]
     return [gather]
 

@@ -49,6 +49,11 @@ class PoolGeometry:
         return (self.SH, self.SW, self.PH, self.PW) == (self.KH, self.KW, 0, 0) and \
             (self.HO * self.KH, self.WO * self.KW) == (self.H, self.W)
 
+    @property
+    def windows_disjoint(self) -> bool:
+        """Whether no input element lies in two windows (each window inside its stride's tile)."""
+        return self.KH <= self.SH and self.KW <= self.SW and self.PH == 0 and self.PW == 0
+
     def context(self) -> dict[str, int]:
         return dict(self.__dict__)
 
@@ -96,11 +101,6 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 
-def windows_disjoint(g: PoolGeometry) -> bool:
-    """Whether no input element lies in two windows (each window inside its stride's tile)."""
-    return g.KH <= g.SH and g.KW <= g.SW and g.PH == 0 and g.PW == 0
-
-
 def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile: bool = False) -> CudaKernel:
     """The CUDA kernel of `kind` (on bfloat16 values with `bf16`): one thread an output (forward)
     or, for the gradient, an input element (summing in float, rounded once) or, with `tile` (windows
@@ -109,7 +109,7 @@ def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile:
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
     grad = kind == "max_pool2d_grad"
-    if tile and not (grad and windows_disjoint(g)):
+    if tile and not (grad and g.windows_disjoint):
         raise ValueError(f"{name}: the tile mode is a gradient's, of windows that do not overlap; got {kind} with "
                          f"kernel {g.KH}x{g.KW}, stride {g.SH}x{g.SW}, padding {g.PH}x{g.PW}")
     code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,

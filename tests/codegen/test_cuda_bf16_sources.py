@@ -45,11 +45,10 @@ def test_every_contraction_runs_on_the_bfloat16_tensor_cores(model):
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
             else:
                 assert "m16n8k8.row.col.f32.tf32" in code and "em_bf16_round(acc" in code
-            # direct_tc takes a stride-1 forward or grad-input; every other family that serves the
-            # kind says why it does not serve bfloat16
-            stride1 = tuple(np.broadcast_to(g.get("stride", 1), 2)) == (1, 1)
+            # direct_tc takes a forward or grad-input the direct kernels take (stride 1); every
+            # other family that serves the kind says why it does not serve bfloat16
             for f in cuda_choices.FAMILIES.values():
-                if f.name == "direct_tc" and spec.kind != "conv2d_grad_weight" and stride1 and \
+                if f.name == "direct_tc" and spec.kind != "conv2d_grad_weight" and \
                         cuda_choices.TABLE.applies(cuda_choices.FAMILIES["direct"], dict(g, dtype=None)) is None:
                     assert cuda_choices.TABLE.applies(f, g) is None
                 elif f.name != "gemm" and spec.kind in f.kinds:

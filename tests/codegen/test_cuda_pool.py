@@ -50,7 +50,7 @@ def emulated(tmp_path_factory):
     kernels = []
     for i, (shape, attrs) in enumerate(CASES):
         g = pool_kernels.geometry(shape, attrs)
-        assert pool_kernels.windows_disjoint(g)
+        assert g.windows_disjoint
         kernels += [pool_kernels.render_cuda(f"p{i}_tile", "max_pool2d_grad", g, tile=True),
                     pool_kernels.render_cuda(f"p{i}_gather", "max_pool2d_grad", g)]
     return kernels, cuda_emulator.build(kernels, folder, "pool_grad")
@@ -92,7 +92,7 @@ def _pool_grads(kernel: int, stride: int):
 
 def test_the_table_offers_the_tile_mode_first_where_windows_do_not_overlap():
     ((sub, spec),) = _pool_grads(2, 2)
-    assert [c for c in cuda_choices.candidates(sub, spec)] == [("pool", (("mode", "tile"),)),
+    assert cuda_choices.candidates(sub, spec) == [("pool", (("mode", "tile"),)),
                                                                ("pool", (("mode", "gather"),))]
     assert spec.choice == ("pool", (("mode", "tile"),)) and "choice=pool(mode=tile)" in spec.describe()
     ((sub, spec),) = _pool_grads(3, 2)  # overlapping windows: an element may take several cotangents
