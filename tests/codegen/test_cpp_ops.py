@@ -320,6 +320,18 @@ def test_float64_pointwise_and_reduction_compile():
     _compile_and_compare(g, inputs, tol={k: F64_TOL for k in ("pointwise", "sum", "max")})
 
 
+def test_float64_max_of_negative_values_starts_below_them():
+    # A float64 max's accumulator is double, as the blocked float sums' totals are; it must start at
+    # -inf, not at those totals' 0.0 (columns of negative values came back 0)
+    g = Graph("f64_max")
+    t = TensorType((6, 16), "float64")
+    a = g.add_input("a", t)
+    g.set_output("max", g.add("max", [a], axes=(0,)))
+    g.set_output("argmax", g.add("argmax", [a], axis=0))
+    inputs = {"a": -np.abs(_data(t)) - 0.5}
+    _compile_and_compare(g, inputs, tol={k: F64_TOL for k in ("max", "argmax")})
+
+
 def test_float64_matmul_compiles_or_is_refused_clearly():
     g = Graph("f64_matmul")
     a, b = g.add_input("a", TensorType((5, 16), "float64")), g.add_input("b", TensorType((16, 3), "float64"))
