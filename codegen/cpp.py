@@ -26,8 +26,8 @@ from ember.ir import Graph, KernelSpec
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
 from .cpp_kernels import PARALLEL_MIN
-from .lowering import (C_OPERATORS, Extent, Spelling, c_literal, has_narrow, hoisting_rows, lower_pointwise,
-                       lower_reduction)
+from .lowering import (C_OPERATORS, Extent, Spelling, bound, c_literal, generated_extent, has_narrow, hoisting_rows,
+                       lower_pointwise, lower_reduction)
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -54,28 +54,9 @@ def _signature(sub: Graph, restrict: bool, extent: Extent | None) -> str:
     return ", ".join(params)
 
 
-def generated_extent(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> Extent | None:
-    """The size a generated kernel takes at run time: the leading axis of its loop domain (a
-    pointwise kernel's output, a reduction's operand), which for the step's activations is the
-    batch; None for a scalar domain, or where the domain is `fixed` (a pointwise kernel that
-    writes parameters and state alone: their sizes, which no batch size changes). Its value is
-    the kernel's last argument (`extents`)."""
-    if fixed:
-        return None
-    if kind == "pointwise":
-        return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
-    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
-    return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
-
-
 def generated_extents(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> tuple[int, ...]:
     extent = generated_extent(sub, kind, core, fixed)
     return (extent.value,) if extent is not None else ()
-
-
-def _bound(count: int, extent: Extent | None) -> str:
-    """A loop bound: a multiple of the runtime extent where there is one."""
-    return extent.times(count) if extent is not None and count % extent.value == 0 else str(count)
 
 
 # The shortest row a pointwise kernel loops over with per-row values hoisted: below this an
@@ -90,9 +71,9 @@ def render_pointwise(name: str, sub: Graph, restrict: bool = True, fixed: bool =
     unless the domain is `fixed` (the kernel writes parameters and state alone)."""
     extent = generated_extent(sub, "pointwise", fixed=fixed)
     low = lower_pointwise(sub, SPELLING, rows=hoisting_rows(sub, SPELLING, MIN_ROW), extent=extent)
-    numel = _bound(low.numel, extent)
+    numel = bound(low.numel, extent)
     return ENV.get_template("pointwise.j2").render(
-        name=name, numel=numel, params=_signature(sub, restrict, extent), rows=_bound(low.rows, extent),
+        name=name, numel=numel, params=_signature(sub, restrict, extent), rows=bound(low.rows, extent),
         row_form=low.rows > 1, row=low.numel // low.rows, hoisted=low.hoisted, inner=low.inner, stores=low.stores,
         parallel=f"{numel} >= {PARALLEL_MIN}" if extent is not None else low.numel >= PARALLEL_MIN)
 
@@ -117,9 +98,9 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
     rank = len(sub.type(sub.operands(core)[0]).shape)
     kept_lead = extent is not None and 0 not in tuple(axes)
-    outputs = _bound(low.outputs, extent) if kept_lead else str(low.outputs)
+    outputs = bound(low.outputs, extent) if kept_lead else str(low.outputs)
     # the extent is the first reduced loop's when the leading axis is reduced (runs start at it)
-    loops = [(var, _bound(size, extent) if extent is not None and not kept_lead and i == 0 else str(size))
+    loops = [(var, bound(size, extent) if extent is not None and not kept_lead and i == 0 else str(size))
              for i, (var, size) in enumerate(low.loops)]
     reduced = " * ".join(b for _, b in loops) or "1"
     work = f"{outputs} * {reduced} * {len(low.passes)}"

@@ -434,8 +434,8 @@ def _generated(module_function: str) -> Callable[..., CudaKernel]:
         from . import cuda
         args = tuple(sub.inputs) + tuple(sub.outputs)
         if module_function == "pointwise":
-            code, grid, block = cuda.render_pointwise(name, sub)
-            return CudaKernel(name, code, (Launch(name, grid, block, 0, args),), 0)
+            code, grid, block, scalars = cuda.render_pointwise(name, sub)
+            return CudaKernel(name, code, (Launch(name, grid, block, 0, args, scalars),), 0)
         if module_function == "reduction":
             red = cuda.render_reduction(name, sub, spec.core)
             return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + (("scratch",) if s else ()))

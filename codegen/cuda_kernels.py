@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from .device import current
 from .shapes import ceil_div, check_positive, pair, round_up
@@ -58,6 +61,18 @@ class Launch:
     block: tuple[int, int, int]
     shared_bytes: int             # dynamic shared memory (0: static only)
     args: tuple[str, ...]         # role names in argument order ("scratch" for the scratch block)
+    #: by-value arguments after the buffers, (C type, value): the sizes a kernel takes at run time
+    #: (a generated kernel's leading extent), so its code serves every batch size
+    scalars: tuple[tuple[str, int], ...] = ()
+
+
+#: C types of by-value launch arguments -> NumPy's (CuPy passes a NumPy scalar by value, as its type)
+SCALAR_TYPES = {"int": np.int32, "int64_t": np.int64}
+
+
+def scalar_args(scalars: tuple[tuple[str, int], ...]) -> tuple[Any, ...]:
+    """A launch's by-value arguments as the NumPy scalars a CuPy kernel call takes."""
+    return tuple(SCALAR_TYPES[ctype](value) for ctype, value in scalars)
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,25 @@ class Extent:
         return None
 
 
+def bound(count: int, extent: Extent | None) -> str:
+    """A loop bound: a multiple of the runtime extent where there is one."""
+    return extent.times(count) if extent is not None and count % extent.value == 0 else str(count)
+
+
+def generated_extent(sub: Graph, kind: str, core: int | None = None, fixed: bool = False) -> Extent | None:
+    """The size a generated kernel takes at run time: the leading axis of its loop domain (a
+    pointwise kernel's output, a reduction's operand), which for the step's activations is the
+    batch; None for a scalar domain, or where the domain is `fixed` (a pointwise kernel that
+    writes parameters and state alone: their sizes, which no batch size changes). Its value is
+    an argument of the kernel (the CPU's `extents`, the last of a CUDA launch's)."""
+    if fixed:
+        return None
+    if kind == "pointwise":
+        return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
+    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
+
+
 @dataclass
 class PointwiseLowering:
     numel: int

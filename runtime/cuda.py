@@ -27,6 +27,7 @@ import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
+from ember.codegen.cuda_kernels import scalar_args
 from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
@@ -260,7 +261,8 @@ class CudaExecutor:
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
         self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
-                           tuple(self._arg(a) for a in la.args)) for la in self.source.launches]
+                           tuple(self._arg(a) for a in la.args) + scalar_args(la.scalars))
+                          for la in self.source.launches]
         # Kernels with no memory hazard between them overlap on other streams inside the graph.
         kernel_nodes = [n for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         self._placements = place(graph, kernel_nodes, STREAMS)

@@ -19,6 +19,7 @@ import numpy as np
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
 from ember.codegen.choices import Choice
+from ember.codegen.cuda_kernels import scalar_args
 from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
@@ -104,7 +105,7 @@ class CudaMeasurer:
             scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
         buffers = {**inputs, "out": out, "scratch": scratch}
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
-                  tuple(buffers[roles.get(r, r)] for r in la.args)) for la in kernel.launches]
+                  tuple(buffers[roles.get(r, r)] for r in la.args) + scalar_args(la.scalars)) for la in kernel.launches]
 
         def launch() -> None:
             for fn, grid, block, shared, args in calls:

@@ -35,6 +35,17 @@ else:
     shape, model = ((784,) if MODELS[name][1] else (1, 28, 28)), build_model(name)
 x = np.zeros((batch, *shape), np.float32)
 y = np.zeros(batch, np.int64)
+device_init = None
+if device.startswith("cuda"):  # the CUDA context, which any CUDA program pays once, timed apart
+    t = time.perf_counter()
+    import cupy
+    cupy.zeros(1).sum().get()
+    device_init = time.perf_counter() - t
+profile_to = os.environ.get("EMBER_COMPILE_TIME_PROFILE")
+if profile_to:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
 t = time.perf_counter()
 step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=device)
 first = time.perf_counter() - t
@@ -43,17 +54,27 @@ if second:
     t = time.perf_counter()
     step.precompile((second, *shape))
     again = time.perf_counter() - t
+if profile_to:
+    import io, pstats
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    with open(profile_to, "w") as f:
+        f.write(text.getvalue())
 stats = getattr(step, "compile_stats", None)
 later = [s for k, s in step.all_compile_stats.items() if second and k.startswith(f"{second}x")] \
     if hasattr(step, "all_compile_stats") else []
-print(json.dumps({"compile_s": first, "new_batch_s": again, "stats": stats if isinstance(stats, dict) else None,
+print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "stats": stats if isinstance(stats, dict) else None,
                   "new_batch_stats": later[0] if later else None}))
 """
 
 
-def _run(model: str, device: str, batch: int, cache: str, second: int = 0) -> dict:
+def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "") -> dict:
     # CuPy's NVRTC cache too: ember points it under EMBER_CACHE_DIR only where it is not set
     env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
+    if profile_to:
+        env["EMBER_COMPILE_TIME_PROFILE"] = profile_to
     out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second)], env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -70,6 +91,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64, help="the first batch size of the recipe models")
     p.add_argument("--new-batch", type=int, default=7, help="the batch size compiled after a warm start")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--cprofile", default=None, metavar="DIR",
+                   help="write a cProfile summary of each cold and warm (+ new batch) run to DIR/MODEL_{cold,warm}.txt")
     args = p.parse_args()
     if args.zoo:
         from ember.frontends.training.zoo import ZOO
@@ -80,18 +103,23 @@ def main() -> int:
     for model, batch in models:
         with tempfile.TemporaryDirectory(prefix="ember-compile-time-") as cache:
             t = time.perf_counter()
-            cold = _run(model, args.device, batch, cache)
+            profile = (lambda run: os.path.join(args.cprofile, f"{model.replace(':', '_')}_{run}.txt")) \
+                if args.cprofile else (lambda run: "")
+            cold = _run(model, args.device, batch, cache, profile_to=profile("cold"))
             cold_wall = time.perf_counter() - t
-            warm = _run(model, args.device, batch, cache, second=args.new_batch)
+            warm = _run(model, args.device, batch, cache, second=args.new_batch, profile_to=profile("warm"))
         row = {"model": model, "device": args.device, "batch": batch, "cold_s": round(cold["compile_s"], 3),
                "cold_process_s": round(cold_wall, 3), "warm_s": round(warm["compile_s"], 3),
-               "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"],
-               "new_batch_stats": warm["new_batch_stats"]}
+               "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"], "warm_stats": warm["stats"],
+               "new_batch_stats": warm["new_batch_stats"],
+               "device_init_s": warm["device_init_s"]}
         rows.append(row)
         nb = warm["new_batch_stats"] or {}
         built = f" ({nb['objects_built']} objects built)" if "objects_built" in nb else ""
         print(f"{model:12s} {args.device:5s} batch {batch:4d}: cold {row['cold_s']:7.2f} s  warm {row['warm_s']:6.2f} s  "
-              f"batch {args.new_batch} after warm {row['new_batch_s']:6.2f} s{built}", flush=True)
+              f"batch {args.new_batch} after warm {row['new_batch_s']:6.2f} s{built}"
+              + (f"  (device init {row['device_init_s']:.2f} s apart)" if row["device_init_s"] is not None else ""),
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -161,7 +161,9 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
                         f"float* smem = ember_emu::shared_array({slots});")
     calls = []
     for i, ln in enumerate(kernel.launches):
-        args = ", ".join(f"EmuPtr{{a[{j}]}}" for j in range(len(ln.args)))
+        # by-value arguments (a generated kernel's run-time extent) are the launch's own: written in
+        args = ", ".join([f"EmuPtr{{a[{j}]}}" for j in range(len(ln.args))]
+                         + [f"({ctype}){value}" for ctype, value in ln.scalars])
         (bx, by, bz), (gx, gy, gz) = ln.block, ln.grid
         assert by == bz == 1 and bx % 32 == 0, ln
         calls.append(f"  if (launch == {i}) ember_emu::run_grid([=] {{ {ln.function}({args}); }}, {gx}, {gy}, {gz}, "

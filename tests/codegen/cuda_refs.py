@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.codegen.cuda_kernels import scalar_args
+
 sliding = np.lib.stride_tricks.sliding_window_view
 
 
@@ -139,7 +141,7 @@ def run_launches(cp, module, kernel, bufs, scratch):
     """Launch ``kernel``'s launches in order with device buffers ``bufs`` (role -> cupy array)."""
     for ln in kernel.launches:
         fn = module.get_function(ln.function)
-        args = tuple(scratch if r == "scratch" else bufs[r] for r in ln.args)
+        args = tuple(scratch if r == "scratch" else bufs[r] for r in ln.args) + scalar_args(ln.scalars)
         fn(ln.grid, ln.block, args, shared_mem=ln.shared_bytes)
 
 
