@@ -97,6 +97,8 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
     low = lower_reduction(sub, core, SPELLING, extent=extent)
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
     rank = len(sub.type(sub.operands(core)[0]).shape)
+    if _by_rows(low, tuple(axes), rank):
+        return _render_columns(name, sub, core, restrict, extent)
     kept_lead = extent is not None and 0 not in tuple(axes)
     outputs = bound(low.outputs, extent) if kept_lead else str(low.outputs)
     # the extent is the first reduced loop's when the leading axis is reduced (runs start at it)
@@ -118,6 +120,37 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
         chunk_loop=not (inner.isdigit() and int(inner) <= chunk),
         blocked_passes=[bool(loops) and all(float_sum[a.acc] for a in p.accs) for p in low.passes],
         total_ctype={a.acc: "double" if float_sum[a.acc] else a.ctype for a in low.accs})
+
+
+# A reduction into this many contiguous outputs or more, over the leading axes, runs row by row
+# with the outputs vectorised (`reduction_columns.j2`): one 16-lane vector of them at least.
+# Measured on ViT's step (2 threads, Sapphire Rapids): its column sums (LayerNorm's and the
+# linear layers' parameter gradients over the batch's tokens) took 0.95 of 5.2 ms walking each
+# output's column with a stride of a row.
+COLUMN_MIN_OUTPUTS = 16
+COLUMN_BLOCK = 64  # outputs a thread sums at once: 4 vectors of 16, double totals on the stack
+
+
+def _by_rows(low: Any, axes: tuple[int, ...], rank: int) -> bool:
+    """Whether a reduction is a column sum: one pass of float sums over the leading axes into
+    the contiguous rest, enough outputs to fill a vector."""
+    return (len(low.loops) == 1 and axes == tuple(range(len(axes))) and len(axes) < rank and len(low.passes) == 1
+            and all(a.op == "sum" and a.ctype == "float" for a in low.accs) and low.outputs >= COLUMN_MIN_OUTPUTS)
+
+
+def _render_columns(name: str, sub: Graph, core: int, restrict: bool, extent: Extent | None) -> str:
+    low = lower_reduction(sub, core, SPELLING, extent=extent, columns=True)
+    (row, size), (only,) = low.loops[0], low.passes
+    rows = bound(size, extent)  # the leading axis is reduced: the rows count with the batch
+    # blocks of outputs: at least two for a team of two where the outputs allow, vectors whole
+    block = min(COLUMN_BLOCK, max(COLUMN_MIN_OUTPUTS, -(-low.outputs // 2 // 16) * 16))
+    work = f"{rows} * {low.outputs}"
+    parallel: str | bool = low.outputs > block and (f"{work} >= {PARALLEL_MIN}" if extent is not None
+                                                    else size * low.outputs >= PARALLEL_MIN)
+    return ENV.get_template("reduction_columns.j2").render(
+        name=name, ops="+".join(dict.fromkeys(a.op for a in low.accs)), rows=rows, outputs=low.outputs, block=block,
+        params=_signature(sub, restrict, extent), accs=only.accs, per_row=only.pre, per_element=only.levels[0],
+        epilogue=low.epilogue, results=low.results, parallel=parallel, chunk=SUM_CHUNK_STRIDED, row=row)
 
 
 @dataclass

@@ -460,10 +460,13 @@ def _passes(sub: Graph, cores: list[int]) -> list[list[int]]:
 
 
 def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str = "int64_t",
-                    extent: Extent | None = None) -> ReductionLowering:
+                    extent: Extent | None = None, columns: bool = False) -> ReductionLowering:
     """Loops and bodies of a reduction kernel: each reduction of the subgraph (several, in a kernel
     with several outputs, over one domain) accumulated at the input index, in as few passes as their
-    dependencies allow; the outputs computed from the results at the output index (`o`)."""
+    dependencies allow; the outputs computed from the results at the output index (`o`). With
+    `columns` (one loop over leading axes, the outputs the contiguous rest), the output loop is
+    the innermost: a pass's `pre` holds the statements of a row (the reduced loop's variable
+    alone) and its one level those of an element of the row."""
     cores = [n for n in sub.topo_order() if sub.op(n) in REDUCTIONS]
     if core not in cores:
         raise ValueError(f"%{core} is not a reduction of kernel {sub.name}")
@@ -495,7 +498,9 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
         loops.append((var, math.prod(shape)))
         red_coord.update(zip(run_axes, delinearize(var, max(1, math.prod(shape)), shape)))
     coords = [red_coord[i] if i in axes else next(kept_c) for i in range(len(in_shape))]
-    levels = {"o": 0} | {var: d + 1 for d, (var, _) in enumerate(loops)}
+    if columns and (len(loops) != 1 or tuple(axes) != tuple(range(len(axes)))):
+        raise ValueError(f"kernel {sub.name}: columns need one loop over the leading axes, not axes {tuple(axes)}")
+    levels = {loops[0][0]: 0, "o": 1} if columns else {"o": 0} | {var: d + 1 for d, (var, _) in enumerate(loops)}
     single = len(cores) == 1
     red_of = {c: "red" if single else f"red{k}" for k, c in enumerate(cores)}
     done: dict[int, tuple[str, str | None]] = {}
