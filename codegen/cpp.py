@@ -28,6 +28,7 @@ from .compiler import Unit
 from .cpp_kernels import PARALLEL_MIN
 from .lowering import (C_OPERATORS, Extent, Spelling, bound, c_literal, generated_extent, has_narrow, hoisting_rows,
                        lower_pointwise, lower_reduction)
+from .shapes import ceil_div, round_up
 from .templates_env import environment
 
 ENV = environment("cpp")  # shared with the kernel templates
@@ -143,7 +144,7 @@ def _render_columns(name: str, sub: Graph, core: int, restrict: bool, extent: Ex
     (row, size), (only,) = low.loops[0], low.passes
     rows = bound(size, extent)  # the leading axis is reduced: the rows count with the batch
     # blocks of outputs: at least two for a team of two where the outputs allow, vectors whole
-    block = min(COLUMN_BLOCK, max(COLUMN_MIN_OUTPUTS, -(-low.outputs // 2 // 16) * 16))
+    block = min(COLUMN_BLOCK, max(COLUMN_MIN_OUTPUTS, round_up(ceil_div(low.outputs, 2), 16)))
     work = f"{rows} * {low.outputs}"
     parallel: str | bool = low.outputs > block and (f"{work} >= {PARALLEL_MIN}" if extent is not None
                                                     else size * low.outputs >= PARALLEL_MIN)
