@@ -5,7 +5,8 @@ Artefacts live in a content-addressed cache (DESIGN.md, "Caching"):
     <cache>/cpp/<key[:2]>/<key>.so    the library
     <cache>/cpp/<key[:2]>/<key>.json  metadata: sha256 of the .so, command, compiler version
     <cache>/cpp/<key[:2]>/<key>.cpp   the source it was built from
-    <cache>/cubin/...                 the same for CUDA (.cubin, .json, .cu)
+    <cache>/cubin/...                 the same for nvcc checks of CUDA (.cubin, .json, .cu)
+    <cache>/nvrtc/...                 the runtime's CUDA modules (runtime/cuda_modules.py)
     <cache>/failed/<key>.cpp          sources that failed to compile, kept for the error message
 
 The key hashes the source, the flags, the compiler's identity (``--version``, plus the
@@ -66,7 +67,9 @@ def reset_cache_stats() -> None:
         _stats.clear()
 
 
-def _count(kind: str, what: str) -> None:
+def count_cache(kind: str, what: str) -> None:
+    """Adds one to a counter of `cache_stats` (also for artefacts built outside this module: the
+    runtime's NVRTC modules)."""
     with _stats_lock:
         counters = _stats.setdefault(kind, {})
         counters[what] = counters.get(what, 0) + 1
@@ -213,7 +216,7 @@ def _lookup_without_compiler(kind: str, out_ext: str, src_ext: str, argv_for: Ca
     out, meta, src = (shard / f"{key}{ext}" for ext in (out_ext, ".json", src_ext))
     if _cached(out, meta) != "hit":
         return None
-    _count(kind, "hits")
+    count_cache(kind, "hits")
     return CompiledArtifact(out, key, tuple(argv_for(src.name, out.name)), src, True, time.perf_counter() - t0)
 
 
@@ -248,7 +251,8 @@ def _atomic_write(path: Path, data: str, mode: int | None = None) -> None:
         raise
 
 
-def _trim(text: str) -> str:
+def trim_log(text: str) -> str:
+    """A compiler's output cut to what an error message should carry."""
     lines = text.strip().splitlines()
     out = "\n".join(lines[:_MAX_STDERR_LINES])[:_MAX_STDERR_CHARS]
     return out if len(out) == len("\n".join(lines)) else out + f"\n... ({len(lines)} lines in all, trimmed)"
@@ -297,7 +301,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
 
     state = _cached(out, meta)
     if state == "hit":
-        _count(kind, "hits")
+        count_cache(kind, "hits")
         try:  # a read-only cache still serves its hits
             if not src.exists():
                 _atomic_write(src, source)
@@ -309,7 +313,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
         except OSError:
             pass
         return CompiledArtifact(out, key, command, src, True, time.perf_counter() - t0)
-    _count(kind, "misses" if state == "miss" else "rebuilds")
+    count_cache(kind, "misses" if state == "miss" else "rebuilds")
 
     _check_writable(root)
     try:
@@ -334,7 +338,7 @@ def _build(kind: str, src_ext: str, out_ext: str, argv_for: Callable[[str, str],
                 f"{_WHAT.get(kind, kind)} failed (exit {proc.returncode}) for {name!r}{what}, key {key[:16]}\n"
                 f"source kept at: {kept}\n"
                 f"command: cd {shlex.quote(str(kept.parent))} && {shlex.join(kept_cmd)}\n"
-                f"--- compiler output ---\n{_trim(stderr)}",
+                f"--- compiler output ---\n{trim_log(stderr)}",
                 source_path=kept, command=kept_cmd, stderr=stderr)
         digest = _sha256_file(Path(tmp) / out.name)
         for fname in extra:  # content-named (the source includes them by name): any copy will do
@@ -512,7 +516,7 @@ def _units_without_compiler(compiler: Sequence[str], units: Sequence[Unit], head
     out, meta = shard / f"{key}.so", shard / f"{key}.json"
     if _cached(out, meta) != "hit":
         return None
-    _count("cpp", "hits")
+    count_cache("cpp", "hits")
     try:
         command = tuple(json.loads(meta.read_text())["command"])
     except (OSError, ValueError, KeyError, TypeError):

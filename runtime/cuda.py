@@ -1,5 +1,5 @@
-"""The CUDA target: its registry record, device storage, and the executor (NVRTC module through
-CuPy, the whole step captured once into a CUDA graph and replayed per batch).
+"""The CUDA target: its registry record, device storage, and the executor (NVRTC modules cached by
+ember and loaded through CuPy, the whole step captured once into a CUDA graph and replayed per batch).
 
 CuPy is imported only when a CUDA step is built, a device storage is made or kernels are planned
 (for the GPU at hand: `compile_device`), so this module (and the `cuda` record: its passes, kernel
@@ -32,6 +32,7 @@ from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, 
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
 
+from . import cuda_modules
 from .cuda_streams import place
 from .executor import Storage, check_inputs, planned_view
 
@@ -233,16 +234,12 @@ class CudaExecutor:
             out.mkdir(parents=True, exist_ok=True)
             pipeline.write_text_atomic(out / f"{name}.cu", self.source.code)
             pipeline.write_text_atomic(out / f"{name}.nvrtc_options", " ".join(options) + "\n")
-        # CuPy caches the compiled module on disk keyed by source, options, architecture and
-        # CUDA version; ember keeps that cache under its own cache directory.
-        os.environ.setdefault("CUPY_CACHE_DIR", str(Path(os.environ.get("EMBER_CACHE_DIR") or
-                                                         Path.home() / ".cache" / "ember") / "cupy"))
         collectives = [la for la in self.source.launches if la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)]
         if collectives and not getattr(communicator, "device_collectives", False):
             raise ValueError(f"the CUDA step all-reduces ({len(collectives)} collectives) and needs a device "
                              f"communicator (ember.runtime.cuda_comm: NCCL), got {type(communicator).__name__}")
         self.communicator = communicator
-        self.module = cp.RawModule(code=_RING_SOURCE, options=options)
+        self.module = cuda_modules.load_module(cp, _RING_SOURCE, options, name="ring")
         self.functions = compile_units(cp, self.source.prelude, self.source.units, options)
         self.functions.update({la.function: self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):])
                                for la in collectives})
@@ -324,8 +321,10 @@ class CudaExecutor:
                 previous = k
             for s in self._streams:  # join
                 origin.wait_event(s.record())
-        for dst, src in self._copy_updates:
-            dst[...] = src
+        if self._copy_updates:  # memcpys, not CuPy's copy kernel (whose first use compiles it with NVRTC)
+            stream = self._cp.cuda.get_current_stream().ptr
+            for dst, src in self._copy_updates:
+                self._cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, _DEVICE_TO_DEVICE, stream)
         if rings:
             for name, ring in self._rings.items():
                 ring.put(self._outputs[name])
@@ -404,15 +403,17 @@ class CudaExecutor:
 def compile_units(cp: Any, prelude: str, units: list[tuple[str, tuple[str, ...]]],
                   options: tuple[str, ...]) -> dict[str, Any]:
     """function name -> kernel, one NVRTC module per distinct kernel, compiled on a thread pool
-    (NVRTC runs without the GIL). CuPy caches each module on disk by its own source, so a step
-    that shares kernels with one compiled before (another batch size, the inference step, a
-    model changed in one layer) compiles only the kernels that are new."""
+    (NVRTC runs without the GIL). Each module is cached on disk by its own source
+    (`cuda_modules`), so a step that shares kernels with one compiled before (another batch
+    size, the inference step, a model changed in one layer) compiles only the kernels that are
+    new."""
     device = cp.cuda.Device().id  # a worker thread starts on device 0: compile and load on ours
+    cuda_modules.nvrtc_version(cp)  # once, before the threads ask for it
 
     def build(unit: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
         code, functions = unit
         with cp.cuda.Device(device):
-            module = cp.RawModule(code=prelude + code, options=options)
+            module = cuda_modules.load_module(cp, prelude + code, options, name=functions[0])
             return {f: module.get_function(f) for f in functions}
 
     out: dict[str, Any] = {}

@@ -1,8 +1,8 @@
 """Where a compile's time goes, cold, warm and for a new batch size, part by part (a diagnostic,
 not a test): the trace, the plan cache's key and load, every pass, the CUDA module builds
 (`compile_units`), and on CUDA the context start and the imports timed apart, the modules loaded
-again in the warm process (what a second load costs), and how many NVRTC modules each compile
-added to CuPy's cache. Each model runs in fresh processes on an empty cache (cold), then on that
+again in the warm process (what a second load costs), the first two steps, and how many NVRTC
+modules each compile added to ember's module cache (`<cache>/nvrtc`). Each model runs in fresh processes on an empty cache (cold), then on that
 cache (warm, then batch 7 in the same process).
 
     python tools/compile_breakdown.py mlp,cnn,resnet8,zoo:vit [out.json]     # on a GPU machine
@@ -47,26 +47,37 @@ DEV = os.environ.get("DIAG_DEVICE", "cuda")
 init = 0.0
 if DEV == "cuda":
     import cupy
-    t = time.perf_counter(); cupy.zeros(1).sum().get(); init = time.perf_counter() - t
+    # the context alone: no CuPy kernel (its first one would run NVRTC, which ember's own steps avoid)
+    t = time.perf_counter(); cupy.empty(1); cupy.cuda.runtime.deviceSynchronize(); init = time.perf_counter() - t
+    from ember.runtime import cuda_modules
+    t = time.perf_counter(); cuda_modules.nvrtc_version(cupy); nvrtc_load = time.perf_counter() - t
 if name.startswith("zoo:"):
     e = ZOO[name[4:]]; shape, model = e.input_shape, ember_zoo_model(e.name, seed=0)
 else:
     shape, model = ((784,) if MODELS[name][1] else (1, 28, 28)), build_model(name)
 x = np.zeros((batch, *shape), np.float32); y = np.zeros(batch, np.int64)
-cache = os.path.join(os.environ["CUPY_CACHE_DIR"])
-count = lambda: sum(len(f) for _, _, f in os.walk(cache)) if os.path.isdir(cache) else 0
+cache = os.path.join(os.environ["EMBER_CACHE_DIR"], "nvrtc")
+count = lambda: sum(f.endswith(".json") for _, _, fs in os.walk(cache) for f in fs) if os.path.isdir(cache) else 0
+cupy_dir = os.environ["CUPY_CACHE_DIR"]
+cupy_files = lambda: sum(len(fs) for _, _, fs in os.walk(cupy_dir)) if os.path.isdir(cupy_dir) else 0
 n0 = count()
 t = time.perf_counter()
 step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=DEV)
 first = time.perf_counter() - t
-out = {"import_s": t_import, "init_s": init, "compile_s": first, "parts": dict(times), "cupy_files_added": count() - n0,
+out = {"import_s": t_import, "init_s": init, "compile_s": first, "parts": dict(times), "modules_added": count() - n0,
        "stats": step.compile_stats}
-if DEV == "cuda":  # what loading the step's modules costs, one after another, from CuPy's warm cache
+for i in range(2):  # the first call runs the launches, the second captures the graph
+    t = time.perf_counter(); step(x, y)
+    if DEV == "cuda": cupy.cuda.runtime.deviceSynchronize()
+    out[f"step{i + 1}_s"] = time.perf_counter() - t
+if DEV == "cuda": out["nvrtc_version_s"] = nvrtc_load
+out["cupy_kernels_compiled"] = cupy_files()  # CuPy's own kernels (each one NVRTC run the first time)
+if DEV == "cuda":  # what loading the step's modules costs, one after another, from the warm cache
     ex = step._steps[step._example][1]
     opts = ("-std=c++17", f"-arch={ex.arch}")
     t = time.perf_counter(); per = []
     for code, fns in ex.source.units:
-        s0 = time.perf_counter(); m = cupy.RawModule(code=ex.source.prelude + code, options=opts)
+        s0 = time.perf_counter(); m = cuda_modules.load_module(cupy, ex.source.prelude + code, opts)
         s1 = time.perf_counter(); m.get_function(fns[0]); per.append((s1 - s0, time.perf_counter() - s1))
     out["serial_load_s"] = time.perf_counter() - t
     out["serial_load_units"] = len(per)
@@ -75,7 +86,7 @@ if DEV == "cuda":  # what loading the step's modules costs, one after another, f
 if second:
     times.clear(); n0 = count()
     t = time.perf_counter(); step.precompile((second, *shape)); out["new_batch_s"] = time.perf_counter() - t
-    out["new_parts"] = dict(times); out["new_cupy_files_added"] = count() - n0
+    out["new_parts"] = dict(times); out["new_modules_added"] = count() - n0
     out["new_stats"] = [s for k, s in step.all_compile_stats.items() if k.startswith(f"{second}x")][0]
 print("JSON" + json.dumps(out))
 '''
@@ -101,12 +112,12 @@ def main():
             warm = run(name, 64, cache, second=7)
         rows[name] = {"cold": cold, "warm": warm}
         r = lambda d: {k: round(v, 3) for k, v in d.items()} if d else d
-        print(f"== {name}: cold {cold and round(cold['compile_s'], 3)} parts {r(cold and cold['parts'])}")
+        print(f"== {name}: cold {cold and round(cold['compile_s'], 3)} steps {cold and round(cold['step1_s'], 3)} parts {r(cold and cold['parts'])}")
         if warm:
             print(f"   loads: serial {warm.get('serial_load_s', 0):.3f} s for {warm.get('serial_load_units')} units "
                   f"(get_function median {warm.get('serial_get_function_ms_median', 0):.2f} ms), parallel {warm.get('parallel_load_s', 0):.3f} s")
-            print(f"   warm {round(warm['compile_s'], 3)} import {round(warm['import_s'], 2)} init {round(warm['init_s'], 2)} parts {r(warm['parts'])} files+ {warm['cupy_files_added']}")
-            print(f"   new batch {round(warm['new_batch_s'], 3)} parts {r(warm['new_parts'])} files+ {warm['new_cupy_files_added']} stats {warm['new_stats']}")
+            print(f"   warm {round(warm['compile_s'], 3)} import {round(warm['import_s'], 2)} init {round(warm['init_s'], 2)} parts {r(warm['parts'])} modules+ {warm['modules_added']} nvrtc_version {warm.get('nvrtc_version_s', 0):.3f} steps {warm['step1_s']:.3f} {warm['step2_s']:.3f} cupy files {warm['cupy_kernels_compiled']}")
+            print(f"   new batch {round(warm['new_batch_s'], 3)} parts {r(warm['new_parts'])} modules+ {warm['new_modules_added']} stats {warm['new_stats']}")
     if len(sys.argv) > 2:
         json.dump(rows, open(sys.argv[2], "w"), indent=1)
 

@@ -71,7 +71,7 @@ print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s
 
 
 def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "") -> dict:
-    # CuPy's NVRTC cache too: ember points it under EMBER_CACHE_DIR only where it is not set
+    # CuPy's own cache too, for any CuPy kernel the run uses (ember's modules are under <cache>/nvrtc)
     env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
     if profile_to:
         env["EMBER_COMPILE_TIME_PROFILE"] = profile_to

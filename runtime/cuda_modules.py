@@ -1,0 +1,135 @@
+"""CUDA modules: generated source -> NVRTC -> cubin, cached by ember, loaded through the driver.
+
+Layout, beside the C++ cache (`codegen/compiler.py`, DESIGN.md "Caching"):
+
+    <cache>/nvrtc/<key[:2]>/<key>.cubin   the module
+    <cache>/nvrtc/<key[:2]>/<key>.json    metadata: sha256 of the cubin, options, NVRTC version
+    <cache>/nvrtc/<key[:2]>/<key>.cu      the source it was built from
+    <cache>/failed/<key>.cu               a source NVRTC rejected, kept for the error message
+
+Why not CuPy's own cache (`RawModule`): its key includes the output of NVRTC preprocessing an
+empty source, done once per process and option set, and that one compile was ~0.2 s, nearly all
+of a warm CUDA compile (docs/benchmarks.md). ember keys on what it can read without compiling:
+the source, the options, the target architecture and NVRTC's version (a library call). A hit
+reads the file, checks its sha256 and hands the image to the driver; a cubin the driver refuses
+(a newer NVRTC's output under an older driver) is rebuilt, like a corrupt entry.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ember.codegen import compiler
+from ember.passes import pipeline
+
+FORMAT_VERSION = 1
+KIND = "nvrtc"  # the artefact kind in the cache and in `compiler.cache_stats`
+
+# What CuPy's RawModule added to every NVRTC compile before this cache replaced it: flushing
+# float32 denormals to zero is part of the numerics ember's CUDA steps were verified with, and
+# the default execution space lets helpers in the prelude omit `__device__`.
+IMPLIED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+_write_warned = threading.Event()
+
+
+def nvrtc_version(cp: Any) -> tuple[int, int]:
+    """NVRTC's (major, minor): part of the key, since another NVRTC may generate other code."""
+    return _version_of(cp.cuda.nvrtc)
+
+
+@functools.lru_cache(maxsize=None)
+def _version_of(nvrtc: Any) -> tuple[int, int]:
+    return tuple(nvrtc.getVersion())
+
+
+def module_key(source: str, options: tuple[str, ...], version: tuple[int, int]) -> str:
+    blob = json.dumps({"format": FORMAT_VERSION, "source": source, "options": list(options),
+                       "nvrtc": list(version)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _nvrtc_cubin(cp: Any, source: str, options: tuple[str, ...], name: str) -> tuple[bytes, str]:
+    """(cubin, '') or (b'', NVRTC's log) for one source: `-arch=sm_XX` makes NVRTC emit SASS."""
+    nvrtc = cp.cuda.nvrtc
+    program = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError:
+            return b"", nvrtc.getProgramLog(program)
+        return nvrtc.getCUBIN(program), ""
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _read_hit(cubin: Path, meta: Path) -> bytes | None:
+    try:
+        image = cubin.read_bytes()
+        if json.loads(meta.read_text())["sha256"] == hashlib.sha256(image).hexdigest():
+            return image
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _store(root: Path, shard: Path, key: str, source: str, image: bytes, options: tuple[str, ...],
+           version: tuple[int, int]) -> None:
+    """Writes the entry (metadata last: it marks a complete one); a cache that cannot be written
+    costs the next process a rebuild, never this one its module, so it warns once and goes on."""
+    try:
+        pipeline.write_atomic(shard / f"{key}.cu", source)
+        pipeline.write_atomic(shard / f"{key}.cubin", image)
+        pipeline.write_atomic(shard / f"{key}.json", json.dumps({
+            "format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(image).hexdigest(),
+            "options": list(options), "nvrtc": list(version), "created": time.time()}, indent=1) + "\n")
+    except OSError as exc:
+        if not _write_warned.is_set():
+            _write_warned.set()
+            warnings.warn(f"ember's compile cache {root} cannot be written ({exc.strerror or exc}): CUDA modules are "
+                          "rebuilt in every process; set EMBER_CACHE_DIR to a writable folder", stacklevel=3)
+
+
+def load_module(cp: Any, source: str, options: tuple[str, ...], *, name: str = "kernels",
+                cache: Path | None = None) -> Any:
+    """A loaded `cupy.cuda.function.Module` for `source`, built by NVRTC only on a cache miss.
+    `options` are the caller's (`-std`, `-arch=sm_XX`); `IMPLIED_OPTIONS` are added. Raises
+    `compiler.CompileError` (NVRTC's log, the source kept) when NVRTC rejects the source."""
+    options = tuple(options) + IMPLIED_OPTIONS
+    version = nvrtc_version(cp)
+    key = module_key(source, options, version)
+    root = Path(cache) if cache is not None else compiler.cache_dir()
+    shard = root / KIND / key[:2]
+    image = _read_hit(shard / f"{key}.cubin", shard / f"{key}.json")
+    if image is not None:
+        module = cp.cuda.function.Module()
+        try:
+            module.load(image)
+        except cp.cuda.driver.CUDADriverError:  # e.g. built by a newer NVRTC than this driver runs
+            compiler.count_cache(KIND, "rebuilds")
+        else:
+            compiler.count_cache(KIND, "hits")
+            return module
+    else:
+        compiler.count_cache(KIND, "rebuilds" if (shard / f"{key}.json").exists() else "misses")
+    image, log = _nvrtc_cubin(cp, source, options, f"{name}.cu")
+    if not image:
+        kept = root / "failed" / f"{key}.cu"
+        try:
+            pipeline.write_atomic(kept, source)
+        except OSError:
+            kept = Path("(not kept: the cache cannot be written)")
+        raise compiler.CompileError(
+            f"NVRTC compilation failed for {name!r}, key {key[:16]}\nsource kept at: {kept}\n"
+            f"options: {' '.join(options)}\n--- NVRTC log ---\n{compiler.trim_log(log)}",
+            source_path=kept, command=("nvrtc", *options), stderr=log)
+    _store(root, shard, key, source, image, options, version)
+    module = cp.cuda.function.Module()
+    module.load(image)
+    return module

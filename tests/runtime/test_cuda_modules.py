@@ -1,0 +1,183 @@
+"""The CUDA module cache (`runtime/cuda_modules.py`): NVRTC runs only on a miss, a hit loads the
+stored cubin, and a corrupt entry, a cubin the driver refuses, a rejected source and an
+unwritable cache each end the way the module promises. CuPy is faked without a GPU (what the
+cache reads of it: `cuda.nvrtc`, `cuda.function.Module`, `cuda.driver.CUDADriverError`); the
+`cuda` test builds and loads real modules."""
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ember.codegen import compiler
+from ember.runtime import cuda_modules
+
+SOURCE = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+OPTIONS = ("-std=c++17", "-arch=sm_90")
+
+
+class FakeNVRTC:
+    class NVRTCError(Exception):
+        pass
+
+    def __init__(self, version=(13, 0)):
+        self.version, self.compiles, self.options = version, 0, []
+
+    def getVersion(self):
+        return self.version
+
+    def createProgram(self, source, name, headers, include_names):
+        return {"source": source, "name": name}
+
+    def compileProgram(self, program, options):
+        self.compiles += 1
+        self.options.append(tuple(options))
+        if "syntax error" in program["source"]:
+            program["log"] = f"{program['name']}(1): error: expected a declaration"
+            raise self.NVRTCError("NVRTC_ERROR_COMPILATION")
+
+    def getCUBIN(self, program):
+        return b"\x7fELF" + program["source"].encode()
+
+    def getProgramLog(self, program):
+        return program.get("log", "")
+
+    def destroyProgram(self, program):
+        pass
+
+
+class DriverError(Exception):
+    pass
+
+
+def fake_cupy(version=(13, 0), refuse: bytes | None = None) -> SimpleNamespace:
+    """`refuse`: an image the fake driver will not load (a stale cubin)."""
+    nvrtc = FakeNVRTC(version)
+    loaded: list[bytes] = []
+
+    class Module:
+        def load(self, image: bytes) -> None:
+            if image == refuse:
+                raise DriverError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+            loaded.append(image)
+            self.image = image
+
+        def get_function(self, name: str):
+            return (name, self.image)
+
+    return SimpleNamespace(cuda=SimpleNamespace(nvrtc=nvrtc, function=SimpleNamespace(Module=Module),
+                                                driver=SimpleNamespace(CUDADriverError=DriverError)),
+                           loaded=loaded)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    compiler.reset_cache_stats()
+    cuda_modules._version_of.cache_clear()
+    cuda_modules._write_warned.clear()
+    yield
+    cuda_modules._version_of.cache_clear()
+
+
+def entry(cache: Path) -> dict[str, Path]:
+    (meta,) = (cache / "nvrtc").glob("*/*.json")
+    return {ext: meta.with_suffix(ext) for ext in (".json", ".cubin", ".cu")}
+
+
+def test_a_miss_builds_and_stores_then_a_hit_loads_without_nvrtc(tmp_path):
+    cp = fake_cupy()
+    first = cuda_modules.load_module(cp, SOURCE, OPTIONS, cache=tmp_path)
+    assert cp.cuda.nvrtc.compiles == 1 and compiler.cache_stats("nvrtc") == {"hits": 0, "misses": 1, "rebuilds": 0}
+    # the options CuPy's RawModule used to add are still passed: the same code as before the cache
+    assert cp.cuda.nvrtc.options[0] == OPTIONS + cuda_modules.IMPLIED_OPTIONS
+    files = entry(tmp_path)
+    meta = json.loads(files[".json"].read_text())
+    assert files[".cu"].read_text() == SOURCE and meta["nvrtc"] == [13, 0]
+    assert meta["options"] == list(OPTIONS + cuda_modules.IMPLIED_OPTIONS)
+
+    cp2 = fake_cupy()  # another process: its own NVRTC, never asked to compile
+    second = cuda_modules.load_module(cp2, SOURCE, OPTIONS, cache=tmp_path)
+    assert cp2.cuda.nvrtc.compiles == 0 and second.image == first.image
+    assert compiler.cache_stats("nvrtc")["hits"] == 1
+    assert not [p for p in (tmp_path / "nvrtc").rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("change", ["source", "options", "nvrtc"])
+def test_the_key_holds_source_options_and_nvrtc_version(tmp_path, change):
+    cuda_modules.load_module(fake_cupy(), SOURCE, OPTIONS, cache=tmp_path)
+    cuda_modules._version_of.cache_clear()
+    cp = fake_cupy(version=(13, 1) if change == "nvrtc" else (13, 0))
+    source = SOURCE + "// v2\n" if change == "source" else SOURCE
+    options = OPTIONS + ("-lineinfo",) if change == "options" else OPTIONS
+    cuda_modules.load_module(cp, source, options, cache=tmp_path)
+    assert cp.cuda.nvrtc.compiles == 1 and len(list((tmp_path / "nvrtc").glob("*/*.cubin"))) == 2
+
+
+def test_a_corrupt_cubin_is_rebuilt(tmp_path):
+    cuda_modules.load_module(fake_cupy(), SOURCE, OPTIONS, cache=tmp_path)
+    cubin = entry(tmp_path)[".cubin"]
+    cubin.write_bytes(cubin.read_bytes()[:5])  # a crash mid-copy, a full disk
+    cp = fake_cupy()
+    module = cuda_modules.load_module(cp, SOURCE, OPTIONS, cache=tmp_path)
+    assert cp.cuda.nvrtc.compiles == 1 and compiler.cache_stats("nvrtc")["rebuilds"] == 1
+    assert module.image == b"\x7fELF" + SOURCE.encode() and cubin.read_bytes() == module.image
+
+
+def test_a_cubin_the_driver_refuses_is_rebuilt(tmp_path):
+    cuda_modules.load_module(fake_cupy(), SOURCE, OPTIONS, cache=tmp_path)
+    stale = entry(tmp_path)[".cubin"].read_bytes()
+    cp = fake_cupy(refuse=stale)  # e.g. built by a newer NVRTC, now under an older driver
+    cp.cuda.nvrtc.getCUBIN = lambda program: b"\x7fELF rebuilt"
+    module = cuda_modules.load_module(cp, SOURCE, OPTIONS, cache=tmp_path)
+    assert module.image == b"\x7fELF rebuilt" and compiler.cache_stats("nvrtc")["rebuilds"] == 1
+    assert entry(tmp_path)[".cubin"].read_bytes() == b"\x7fELF rebuilt"
+
+
+def test_a_rejected_source_names_the_log_and_keeps_the_source(tmp_path):
+    bad = SOURCE + "syntax error here\n"
+    with pytest.raises(compiler.CompileError) as info:
+        cuda_modules.load_module(fake_cupy(), bad, OPTIONS, name="ember_k3", cache=tmp_path)
+    message = str(info.value)
+    assert "NVRTC compilation failed for 'ember_k3'" in message and "expected a declaration" in message
+    assert info.value.source_path.read_text() == bad and info.value.source_path.parent == tmp_path / "failed"
+    assert not list((tmp_path / "nvrtc").glob("*/*.cubin")), "nothing cached for a failed build"
+
+
+def test_a_full_cache_disk_costs_a_warning_not_the_module(tmp_path, monkeypatch):
+    cuda_modules.load_module(fake_cupy(), SOURCE, OPTIONS, cache=tmp_path)
+
+    def full_disk(path, data, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(cuda_modules.pipeline, "write_atomic", full_disk)
+    hit = fake_cupy()
+    cuda_modules.load_module(hit, SOURCE, OPTIONS, cache=tmp_path)  # a hit writes nothing
+    assert hit.cuda.nvrtc.compiles == 0
+    miss = fake_cupy()
+    with pytest.warns(UserWarning, match="cannot be written.*No space left.*EMBER_CACHE_DIR"):
+        module = cuda_modules.load_module(miss, SOURCE + "// new\n", OPTIONS, cache=tmp_path)
+    assert miss.cuda.nvrtc.compiles == 1 and module.image.startswith(b"\x7fELF")
+    assert len(list((tmp_path / "nvrtc").glob("*/*.json"))) == 1, "no entry for the module that could not be stored"
+
+
+@pytest.mark.cuda
+def test_real_modules_hit_the_cache_in_a_new_process(tmp_path):
+    import subprocess
+    import sys
+    script = (
+        "import sys, numpy as np, cupy as cp\n"
+        "from ember.codegen import compiler\n"
+        "from ember.runtime import cuda_modules\n"
+        f"m = cuda_modules.load_module(cp, {SOURCE!r}, ('-std=c++17', "
+        "f'-arch=sm_{cp.cuda.Device().compute_capability}'), cache=sys.argv[1])\n"
+        "x = cp.arange(32, dtype=cp.float32)\n"
+        "m.get_function('twice')((1,), (32,), (x,))\n"
+        "assert np.array_equal(x.get(), 2 * np.arange(32, dtype=np.float32))\n"
+        "print(compiler.cache_stats('nvrtc'))\n")
+    runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "'misses': 1" in runs[0].stdout and "'hits': 1" in runs[1].stdout, [r.stdout for r in runs]
+    assert np.frombuffer(entry(tmp_path)[".cubin"].read_bytes()[:4], np.uint8).tolist() == [0x7F, 0x45, 0x4C, 0x46]
