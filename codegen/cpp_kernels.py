@@ -143,10 +143,12 @@ class ConvPlan:
     `_direct_ctx`); the grad-input also ``scatter`` (any stride); the grad-weight ``row``,
     ``flat`` or ``generic``. ``VB`` x ``OB``: the register tile of the tiled modes (VB vectors of
     output pixels x OB output channels; the grad-weight's is OB channels x KW taps, VB unused),
-    0 in the modes without one."""
+    0 in the modes without one. ``IB``: the flat grad-weight's images per block, summed by each
+    tile before its lanes are reduced (0: one image, as plans stamped before it existed)."""
     mode: str
     VB: int = 0
     OB: int = 0
+    IB: int = 0
 
 
 @dataclass(frozen=True)
@@ -392,6 +394,49 @@ def _gw_max_ob(O: int, KW: int, isa: VectorISA) -> int:
     return min(O, max(1, (isa.registers - KW - 1) // KW))
 
 
+#: The flat grad-weight's image blocks: a tile sums at least this many vectors of pixels before
+#: its lanes are reduced (a 16-wide lane reduction of OB*KW accumulators costs about as much as
+#: one vector of FMAs for each), and what a channel block's pass re-reads (the block's x copies)
+#: stays within a core's L2 (1-2 MiB on the x86 CPUs ember runs on).
+_GW_MIN_VECTORS = 16
+_GW_BLOCK_BYTES = 1024 * 1024
+_GW_IMAGE_BLOCKS = (1, 2, 4, 8)
+_GW_PARTIAL_BYTES = 4 * 1024 * 1024
+
+
+def _gw_slots(NOB: int, slot_floats: int) -> int:
+    """Image slots of the tiled grad-weight: _GW_SLOTS, fewer where the partials would pass over
+    more than _GW_PARTIAL_BYTES (zeroing and adding SLOTS copies of a large dw cost more than
+    its FMAs on a small plane: airbench's 256x256 7x7 grad-weight), but never so few that the
+    largest team lacks two tasks a thread (slots x channel blocks)."""
+    by_bytes = max(1, _GW_PARTIAL_BYTES // (4 * slot_floats))
+    return min(_GW_SLOTS, max(by_bytes, ceil_div(2 * MAX_THREADS, NOB)))
+
+
+def _gw_flat(C: int, W: int, O: int, KH: int, KW: int, pw: int, HO: int, WO: int, OB: int,
+             isa: VectorISA) -> dict[str, int]:
+    """The flat grad-weight's padded layout (per image): pitch, positions, channel strides."""
+    VL = isa.lanes
+    P = _flat_pitch(WO, W, KW, pw)
+    HP = HO + KH - 1
+    Q = (HO - 1) * P + WO
+    QP = round_up(Q, VL)
+    CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
+    OBG = ceil_div(O, OB) * OB                        # channels per group (a team of one: every block)
+    QPA = round_up(QP, _ALIGN)
+    return dict(P=P, HP=HP, Q=Q, QP=QP, QPA=QPA, CSP=CSP, OBG=OBG, XIMG=round_up(C * CSP, _ALIGN))
+
+
+def _gw_blocks(f: dict[str, int], ob: int, isa: VectorISA) -> list[int]:
+    """Image-block sizes that fit the L2 budget (at least 1), the cost model's first: the
+    smallest that gives a tile _GW_MIN_VECTORS vectors."""
+    # what one channel block's pass reads again and again: the block's x copies and its OB dy channels
+    fits = [ib for ib in _GW_IMAGE_BLOCKS if ib == 1 or ib * (f["XIMG"] + ob * f["QPA"]) * 4 <= _GW_BLOCK_BYTES]
+    nv = f["QP"] // isa.lanes
+    best = next((ib for ib in fits if ib * nv >= _GW_MIN_VECTORS), fits[-1])
+    return [best] + [ib for ib in fits if ib != best]
+
+
 def _conv_plans(kind: str, name: str, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride, padding,
                 isa: VectorISA, tune: bool) -> list[ConvPlan]:
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
@@ -412,7 +457,12 @@ def _conv_plans(kind: str, name: str, N: int, C: int, H: int, W: int, O: int, KH
         obs = [min(8, top)]
         if tune:
             obs += [top, ceil_div(O, ceil_div(O, top)), max(1, top // 2), max(1, top // 4)]
-        plans += [ConvPlan(mode, 0, ob) for ob in obs]
+        if mode != "flat":
+            plans += [ConvPlan(mode, 0, ob) for ob in obs]
+            continue
+        for i, ob in enumerate(obs):  # each tile at the model's block; the first tile at the others too
+            blocks = _gw_blocks(_gw_flat(C, W, O, KH, KW, pw, HO, WO, ob, isa), ob, isa)
+            plans += [ConvPlan(mode, 0, ob, 0 if ib == 1 else ib) for ib in (blocks if i == 0 else blocks[:1])]
     plans = list(dict.fromkeys(plans))
     return plans if tune else plans[:1]
 
@@ -432,6 +482,8 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if plan is None:
         plan = _conv_plans(kind, name, N, C, H, W, O, KH, KW, stride, padding, isa, False)[0]
+    if plan.IB and kind != "conv2d_grad_weight":
+        raise _plan_error(name, plan, "image blocks (IB) are the flat grad-weight's")
     if kind == "conv2d":
         d = _forward_direct(N, C, H, W, O, KH, KW, sh, sw, ph, pw, HO, WO)
         ctx, sc = _direct_ctx(name, d, plan, bias=bias, relu=relu, isa=isa)
@@ -460,25 +512,23 @@ def _conv_ctx(kind: str, name: str, *, N, C, H, W, O, KH, KW, stride, padding, i
             raise _plan_error(name, plan, f"its tile needs 1 <= OB <= {O}")
         NOB = ceil_div(O, OB)
         # The kernel splits the images into min(N, SLOTS) slots and each slot's channel blocks
-        # into G >= G_MIN groups (at N >= SLOTS, G_MIN), all at run time: the scratch holds SLOTS
-        # partials and a group's channels at G_MIN, whatever N is, so the code does not depend on N.
-        G_MIN = min(NOB, ceil_div(2 * MAX_THREADS, _GW_SLOTS))
+        # into groups, at run time: the scratch holds SLOTS partials and the largest group's
+        # channels (`_gw_flat`), whatever N is, so the code does not depend on N.
         CKK = C * KH * KW
-        ctx.update(OB=OB, NOB=NOB, SLOTS=_GW_SLOTS, CKK=CKK)
-        sc.add("dw", _GW_SLOTS * NOB * OB * CKK)
-        sc.add("db", _GW_SLOTS * O)
+        slots = _gw_slots(NOB, NOB * OB * CKK)
+        ctx.update(OB=OB, NOB=NOB, SLOTS=slots, CKK=CKK)
+        sc.add("dw", slots * NOB * OB * CKK)
+        sc.add("db", slots * O)
         if mode == "flat":
-            VL = isa.lanes
-            P = _flat_pitch(WO, W, KW, pw)
-            HP = HO + KH - 1
-            Q = (HO - 1) * P + WO
-            QP = round_up(Q, VL)
-            CSP = round_up(max(HP * P, QP + (KH - 1) * P + KW - 1), _ALIGN)
-            OBG = ceil_div(NOB, G_MIN) * OB                   # channels per group (max)
-            QPA = round_up(QP, _ALIGN)
-            per_thread = round_up(C * CSP, _ALIGN) + OBG * QPA
-            ctx.update(P=P, HP=HP, Q=Q, QP=QP, QPA=QPA, CSP=CSP, OBG=OBG, PER_THREAD=per_thread)
+            f = _gw_flat(C, W, O, KH, KW, pw, HO, WO, OB, isa)
+            IB = max(1, plan.IB)
+            if IB not in _GW_IMAGE_BLOCKS:
+                raise _plan_error(name, plan, f"its image block IB must be one of {_GW_IMAGE_BLOCKS}")
+            per_thread = IB * (f["XIMG"] + f["OBG"] * f["QPA"])
+            ctx.update(f, IB=IB, PER_THREAD=per_thread)
             sc.add("thr", MAX_THREADS * per_thread)
+        elif plan.IB:
+            raise _plan_error(name, plan, "image blocks (IB) are the flat mode's")
     ctx["off"] = sc.offsets
     return "conv2d_grad_weight.j2", ctx, sc
 

@@ -507,3 +507,71 @@ def test_matmul_relu_passes_nan_and_inf(libs, case):
         ref = matmul_ref(A, B, b, ta, tb, relu)
     assert np.isnan(ref).any()
     _assert_nonfinite_close(C, ref, K)
+
+
+# --------------------------------------------------------------------------- grad-weight image blocks
+
+# (id, C, H, W, O, KH, KW, padding, bias): small planes, where the flat grad-weight sums IB images
+# per tile before reducing its lanes; the blocks' last one is partial at most of these batch sizes
+GW_BLOCK_CASES = [
+    ("p7_pad1", 5, 7, 7, 11, 3, 3, (1, 1), True),
+    ("p5x6_pad0", 3, 5, 6, 7, 3, 2, (0, 0), False),
+    ("p4_k1", 6, 4, 4, 9, 1, 1, (0, 0), True),
+]
+GW_BLOCKS = (0, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def gw_block_lib(tmp_path_factory):
+    kernels = {}
+    for cid, C, H, W, O, KH, KW, pd, bias in GW_BLOCK_CASES:
+        for ib in GW_BLOCKS:
+            for ob in (1, 3):
+                plan = ck.ConvPlan("flat", 0, ob, ib)
+                kernels[(cid, ib, ob)] = ck.render_conv2d_grad_weight(
+                    f"gwb_{cid}_{ib}_{ob}", N=64, C=C, H=H, W=W, O=O, KH=KH, KW=KW, padding=pd, bias=bias, plan=plan)
+    unit = "\n".join(k.code + f'extern "C" void call_{k.name}(float* x, float* dy, float* dw, float* db, float* s, '
+                     f'long n) {{ {k.name}(x, dy, dw, db, s, n); }}\n' for k in kernels.values())
+    art = compile_cpp(unit, flags=FLAGS, cache=tmp_path_factory.mktemp("gw_blocks"), name="gw_blocks")
+    return ctypes.CDLL(str(art.path)), kernels
+
+
+@pytest.mark.parametrize("case", GW_BLOCK_CASES, ids=[c[0] for c in GW_BLOCK_CASES])
+def test_grad_weight_image_blocks_match_the_reference_at_any_batch(gw_block_lib, case):
+    dll, kernels = gw_block_lib
+    cid, C, H, W, O, KH, KW, pd, bias = case
+    HO, WO = _out_hw(H, W, KH, KW, (1, 1), pd)
+    rng = _rng(7)
+    for n in (1, 3, 9, 21):  # one image; fewer images than a block; blocks with a remainder per slot
+        x, dy = _f32(rng, n, C, H, W), _f32(rng, n, O, HO, WO)
+        ref_dw, ref_db = conv_grad_weight_ref(x, dy, (O, C, KH, KW), (1, 1), pd)
+        for (kid, ib, ob), k in kernels.items():
+            if kid != cid:
+                continue
+            dw = np.full((O, C, KH, KW), np.nan, np.float32)
+            db = np.full((O,), np.nan, np.float32) if bias else None
+            scratch = _aligned(max(k.scratch_bytes // 4, 1))
+            fn = getattr(dll, f"call_{k.name}")
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long]
+            fn(x.ctypes.data, dy.ctypes.data, dw.ctypes.data, None if db is None else db.ctypes.data,
+               scratch.ctypes.data, n)
+            assert_close(dw, ref_dw, n * HO * WO)
+            if bias:
+                assert_close(db, ref_db, n * HO * WO)
+
+
+def test_grad_weight_image_blocks_are_the_flat_modes_and_chosen_for_small_planes():
+    from ember.codegen.cpu_vector import AVX512
+    small = ck.conv_plans("conv2d_grad_weight", N=64, C=256, H=7, W=7, O=256, KH=3, KW=3, padding=(1, 1), isa=AVX512)
+    large = ck.conv_plans("conv2d_grad_weight", N=64, C=64, H=28, W=28, O=64, KH=3, KW=3, padding=(1, 1), isa=AVX512)
+    assert small[0].mode == "flat" and small[0].IB == 4, small  # 4 vectors an image -> 16 a tile
+    assert large[0].IB == 0, large  # 52 vectors an image: one image a tile already amortises the reduction
+    tuned = ck.conv_plans("conv2d_grad_weight", N=64, C=256, H=7, W=7, O=256, KH=3, KW=3, padding=(1, 1),
+                          isa=AVX512, tune=True)
+    assert {p.IB for p in tuned if p.mode == "flat"} >= {0, 2, 4}, tuned
+    with pytest.raises(ValueError, match="image blocks"):
+        ck.render_conv2d_forward("f", N=2, C=1, H=5, W=5, O=1, KH=3, KW=3, bias=False, relu=False,
+                                 plan=ck.ConvPlan("flat", 1, 1, 2))
+    with pytest.raises(ValueError, match="IB must be one of"):
+        ck.render_conv2d_grad_weight("g", N=2, C=1, H=5, W=5, O=1, KH=3, KW=3, bias=False,
+                                     plan=ck.ConvPlan("flat", 0, 1, 3))
