@@ -225,6 +225,8 @@ class _Compiled:
                                       extra=f"{extra};precision={self.precision}")
             if key is not None and (found := plan_cache.load(key, forward)) is not None:
                 return found[0], found[1], None
+        if self.target.prepare_build is not None:
+            self.target.prepare_build()
         return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
 
     def _compiled_graphs(self) -> list[Graph]:

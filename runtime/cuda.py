@@ -15,7 +15,6 @@ in place are copied into it inside the graph.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import time
@@ -32,7 +31,7 @@ from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, 
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
 
-from . import cuda_modules
+from . import cuda_modules, nvrtc_workers
 from .cuda_streams import place
 from .executor import Storage, check_inputs, planned_view
 
@@ -402,26 +401,14 @@ class CudaExecutor:
 # the old chunk lives as long as any returned view of it.
 def compile_units(cp: Any, prelude: str, units: list[tuple[str, tuple[str, ...]]],
                   options: tuple[str, ...]) -> dict[str, Any]:
-    """function name -> kernel, one NVRTC module per distinct kernel, compiled on a thread pool
-    (NVRTC runs without the GIL). Each module is cached on disk by its own source
-    (`cuda_modules`), so a step that shares kernels with one compiled before (another batch
-    size, the inference step, a model changed in one layer) compiles only the kernels that are
-    new."""
-    device = cp.cuda.Device().id  # a worker thread starts on device 0: compile and load on ours
-    cuda_modules.nvrtc_version(cp)  # once, before the threads ask for it
-
-    def build(unit: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
-        code, functions = unit
-        with cp.cuda.Device(device):
-            module = cuda_modules.load_module(cp, prelude + code, options, name=functions[0])
-            return {f: module.get_function(f) for f in functions}
-
-    out: dict[str, Any] = {}
-    workers = max(1, min(len(units), os.cpu_count() or 1, 32))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        for found in pool.map(build, units):
-            out.update(found)
-    return out
+    """function name -> kernel, one NVRTC module per distinct kernel. Each module is cached on
+    disk by its own source (`cuda_modules`), so a step that shares kernels with one compiled
+    before (another batch size, the inference step, a model changed in one layer) compiles only
+    the kernels that are new, on two threads (`nvrtc_workers`: NVRTC runs one compile at a time
+    per process; worker processes where EMBER_NVRTC_WORKERS asks for them)."""
+    modules = cuda_modules.load_modules(cp, [prelude + code for code, _ in units], options,
+                                        names=[functions[0] for _, functions in units])
+    return {f: module.get_function(f) for module, (_, functions) in zip(modules, units) for f in functions}
 
 
 _RING_SOURCE = r"""
@@ -500,6 +487,7 @@ TARGET = targets.register(targets.Target(
     executor=CudaExecutor,
     storage=DeviceStorage,
     available=check_available,
+    prepare_build=nvrtc_workers.prestart,  # the workers start while the passes run
     select_device=select_device,
     to_device=to_device,
     precisions=frozenset({"float32", "tf32", "bf16"}),  # bf16: the GEMM family's mma.sync bfloat16 path

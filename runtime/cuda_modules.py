@@ -28,6 +28,8 @@ from typing import Any
 from ember.codegen import compiler
 from ember.passes import pipeline
 
+from . import nvrtc_workers
+
 FORMAT_VERSION = 1
 KIND = "nvrtc"  # the artefact kind in the cache and in `compiler.cache_stats`
 
@@ -101,35 +103,57 @@ def load_module(cp: Any, source: str, options: tuple[str, ...], *, name: str = "
     """A loaded `cupy.cuda.function.Module` for `source`, built by NVRTC only on a cache miss.
     `options` are the caller's (`-std`, `-arch=sm_XX`); `IMPLIED_OPTIONS` are added. Raises
     `compiler.CompileError` (NVRTC's log, the source kept) when NVRTC rejects the source."""
+    return load_modules(cp, [source], options, names=[name], cache=cache, workers=False)[0]
+
+
+def load_modules(cp: Any, sources: list[str], options: tuple[str, ...], *, names: list[str],
+                 cache: Path | None = None, workers: bool = True) -> list[Any]:
+    """`load_module` of each source; the misses compiled together, with `workers` through
+    `nvrtc_workers` (two threads, and worker processes where asked for), else one by one here.
+    Every miss is built before the first rejected source raises."""
     options = tuple(options) + IMPLIED_OPTIONS
     version = nvrtc_version(cp)
-    key = module_key(source, options, version)
     root = Path(cache) if cache is not None else compiler.cache_dir()
-    shard = root / KIND / key[:2]
-    image = _read_hit(shard / f"{key}.cubin", shard / f"{key}.json")
-    if image is not None:
-        module = cp.cuda.function.Module()
-        try:
-            module.load(image)
-        except cp.cuda.driver.CUDADriverError:  # e.g. built by a newer NVRTC than this driver runs
-            compiler.count_cache(KIND, "rebuilds")
+    keys = [module_key(source, options, version) for source in sources]
+    modules: list[Any] = [None] * len(sources)
+    misses = []
+    for i, key in enumerate(keys):
+        shard = root / KIND / key[:2]
+        image = _read_hit(shard / f"{key}.cubin", shard / f"{key}.json")
+        if image is not None:
+            module = cp.cuda.function.Module()
+            try:
+                module.load(image)
+            except cp.cuda.driver.CUDADriverError:  # e.g. built by a newer NVRTC than this driver runs
+                compiler.count_cache(KIND, "rebuilds")
+            else:
+                compiler.count_cache(KIND, "hits")
+                modules[i] = module
+                continue
         else:
-            compiler.count_cache(KIND, "hits")
-            return module
-    else:
-        compiler.count_cache(KIND, "rebuilds" if (shard / f"{key}.json").exists() else "misses")
-    image, log = _nvrtc_cubin(cp, source, options, f"{name}.cu")
-    if not image:
-        kept = root / "failed" / f"{key}.cu"
+            compiler.count_cache(KIND, "rebuilds" if (shard / f"{key}.json").exists() else "misses")
+        misses.append(i)
+    jobs = [(sources[i], options, f"{names[i]}.cu") for i in misses]
+    local = lambda job: _nvrtc_cubin(cp, *job)  # noqa: E731
+    results = nvrtc_workers.compile_all(jobs, version, local) if workers else [local(job) for job in jobs]
+    failed = None
+    for i, (image, log) in zip(misses, results):
+        key, shard = keys[i], root / KIND / keys[i][:2]
+        if not image:
+            failed = failed or (i, log)
+            continue
+        _store(root, shard, key, sources[i], image, options, version)
+        modules[i] = cp.cuda.function.Module()
+        modules[i].load(image)
+    if failed is not None:
+        i, log = failed
+        kept = root / "failed" / f"{keys[i]}.cu"
         try:
-            pipeline.write_atomic(kept, source)
+            pipeline.write_atomic(kept, sources[i])
         except OSError:
             kept = Path("(not kept: the cache cannot be written)")
         raise compiler.CompileError(
-            f"NVRTC compilation failed for {name!r}, key {key[:16]}\nsource kept at: {kept}\n"
+            f"NVRTC compilation failed for {names[i]!r}, key {keys[i][:16]}\nsource kept at: {kept}\n"
             f"options: {' '.join(options)}\n--- NVRTC log ---\n{compiler.trim_log(log)}",
             source_path=kept, command=("nvrtc", *options), stderr=log)
-    _store(root, shard, key, source, image, options, version)
-    module = cp.cuda.function.Module()
-    module.load(image)
-    return module
+    return modules

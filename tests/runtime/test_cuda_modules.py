@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,7 +76,8 @@ def fake_cupy(version=(13, 0), refuse: bytes | None = None) -> SimpleNamespace:
 
 
 @pytest.fixture(autouse=True)
-def fresh_state():
+def fresh_state(monkeypatch):
+    monkeypatch.setenv("EMBER_NVRTC_WORKERS", "0")  # the fake NVRTC lives in this process only
     compiler.reset_cache_stats()
     cuda_modules._version_of.cache_clear()
     cuda_modules._write_warned.clear()
@@ -181,3 +183,25 @@ def test_real_modules_hit_the_cache_in_a_new_process(tmp_path):
             for _ in range(2)]
     assert "'misses': 1" in runs[0].stdout and "'hits': 1" in runs[1].stdout, [r.stdout for r in runs]
     assert np.frombuffer(entry(tmp_path)[".cubin"].read_bytes()[:4], np.uint8).tolist() == [0x7F, 0x45, 0x4C, 0x46]
+
+
+@pytest.mark.cuda
+def test_real_modules_built_on_worker_processes_run(tmp_path):
+    import subprocess
+    import sys
+    script = (
+        "import sys, numpy as np, cupy as cp\n"
+        "from ember.codegen import compiler\n"
+        "from ember.runtime import cuda_modules, nvrtc_workers\n"
+        "nvrtc_workers.prestart()\n"
+        "srcs = ['extern \"C\" __global__ void add%d(float* x) { x[threadIdx.x] += %d.0f; }' % (i, i) for i in range(12)]\n"
+        "arch = f'-arch=sm_{cp.cuda.Device().compute_capability}'\n"
+        "mods = cuda_modules.load_modules(cp, srcs, ('-std=c++17', arch), names=[f'add{i}' for i in range(12)], "
+        "cache=sys.argv[1])\n"
+        "x = cp.zeros(32, dtype=cp.float32)\n"
+        "for i, m in enumerate(mods): m.get_function(f'add{i}')((1,), (32,), (x,))\n"
+        "assert np.array_equal(x.get(), np.full(32, 66.0, np.float32)), x.get()\n"
+        "print(compiler.cache_stats('nvrtc'))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, EMBER_NVRTC_WORKERS="3"))
+    assert "'misses': 12" in out.stdout, out.stdout

@@ -1,0 +1,218 @@
+"""NVRTC in worker processes, beside the compiling process's own threads: opt-in.
+
+NVRTC compiles one program at a time per process: on the H200's 16-core host, 57 ResNet-8 units
+took 1.05 s on 2, 4 or 8 threads alike, and 0.21 s in 8 worker processes that were already up
+and warm. But a worker takes ~0.8 s to start and its first compiles are slow, so in a compile
+they made every model slower (CNN cold 1.40 s against 0.67 s on two threads, ResNet-8 2.44 s
+against 1.82 s; docs/benchmarks.md, session 12): the default is no workers, and a build's misses
+go to LOCAL_THREADS threads (more threads were slower: 16 gave the CNN 0.92 s cold). They remain
+for runs that compile many modules in a long-lived process (`EMBER_NVRTC_WORKERS=N`).
+
+With workers, the misses go to a queue that the threads and the workers drain together: the
+threads start at once, each worker joins when its interpreter is up, which is why `prestart` is
+called before the passes run (`Target.prepare_build`). A worker is `python -c` of a short loop
+that imports only CuPy's NVRTC binding (never `__main__`, never CUDA), reads pickled (source,
+options, name) frames on stdin and answers (cubin, log) frames on stdout. A worker that dies or
+answers another NVRTC version is dropped and its job goes back to the queue; the threads alone
+always finish the work.
+
+``EMBER_NVRTC_WORKERS``: the worker count (default 0: none).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+ENV_VAR = "EMBER_NVRTC_WORKERS"
+LOCAL_THREADS = 2  # NVRTC's own lock: more in-process threads were slower
+MIN_JOBS = 4       # fewer misses than this never start workers (the threads finish first)
+
+_WORKER = r'''
+import pickle, struct, sys
+from cupy_backends.cuda.libs import nvrtc
+pipe_in, pipe_out = sys.stdin.buffer, sys.stdout.buffer
+sys.stdout = sys.stderr  # nothing but frames on the pipe
+def send(obj):
+    data = pickle.dumps(obj, protocol=4)
+    pipe_out.write(struct.pack("<Q", len(data)) + data)
+    pipe_out.flush()
+send(("ready", tuple(nvrtc.getVersion())))
+while True:
+    head = pipe_in.read(8)
+    if len(head) < 8:
+        break
+    source, options, name = pickle.loads(pipe_in.read(struct.unpack("<Q", head)[0]))
+    program = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError:
+            send((b"", nvrtc.getProgramLog(program)))
+        else:
+            send((nvrtc.getCUBIN(program), ""))
+    finally:
+        nvrtc.destroyProgram(program)
+'''
+
+Job = tuple[str, tuple[str, ...], str]  # source, options, program name
+Result = tuple[bytes, str]               # cubin (empty on failure), NVRTC's log
+
+
+def workers_wanted() -> int:
+    env = os.environ.get(ENV_VAR, "").strip()
+    try:
+        return max(0, int(env)) if env else 0
+    except ValueError:
+        raise ValueError(f"${ENV_VAR} must be a whole number of worker processes, got {env!r}") from None
+
+
+def _read_frame(stream) -> object:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("worker closed its pipe")
+    size = struct.unpack("<Q", head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("worker closed its pipe mid-frame")
+    return pickle.loads(data)
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self.ready = threading.Event()
+        self.dead = False
+        self.version: tuple[int, int] | None = None
+        threading.Thread(target=self._handshake, daemon=True).start()
+
+    def _handshake(self) -> None:
+        try:
+            tag, version = _read_frame(self.proc.stdout)
+            self.version = tuple(version) if tag == "ready" else None
+        except Exception:
+            self.dead = True
+        self.ready.set()
+
+    def compile(self, job: Job) -> Result:
+        data = pickle.dumps(job, protocol=4)
+        self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
+        self.proc.stdin.flush()
+        image, log = _read_frame(self.proc.stdout)
+        return bytes(image), str(log)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the worker's loop ends at end of input
+            self.proc.wait(timeout=0.1 if self.dead else 2)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+class WorkerPool:
+    def __init__(self, size: int) -> None:
+        self._workers = [_Worker() for _ in range(size)]
+        self._lock = threading.Lock()
+
+    def compile(self, jobs: list[Job], version: tuple[int, int], local: Callable[[Job], Result]) -> list[Result]:
+        """Every job's result, in order: `local` (an in-process NVRTC call) on LOCAL_THREADS
+        threads, and each live worker of NVRTC `version` once it is up."""
+        with self._lock:
+            todo: queue.Queue[int] = queue.Queue()
+            for i in range(len(jobs)):
+                todo.put(i)
+            results: list[Result | None] = [None] * len(jobs)
+            remaining = threading.Semaphore(0)
+
+            def drain(compile_one: Callable[[Job], Result], in_process: bool = False) -> bool:
+                while True:
+                    try:
+                        i = todo.get_nowait()
+                    except queue.Empty:
+                        return True
+                    try:
+                        results[i] = compile_one(jobs[i])
+                    except Exception as exc:
+                        if in_process:  # this process's own NVRTC failed: the caller sees why
+                            results[i] = exc
+                        else:
+                            todo.put(i)  # a dead worker: another consumer takes the job
+                            return False
+                    remaining.release()
+
+            def by_worker(worker: _Worker) -> None:
+                while not worker.ready.wait(0.005):
+                    if todo.empty():
+                        return
+                if worker.dead or worker.version != tuple(version):
+                    worker.dead = True
+                    return
+                if not drain(worker.compile):
+                    worker.dead = True
+
+            threads = [threading.Thread(target=drain, args=(local, True), daemon=True) for _ in range(LOCAL_THREADS)]
+            threads += [threading.Thread(target=by_worker, args=(w,), daemon=True) for w in self._workers if not w.dead]
+            for t in threads:
+                t.start()
+            for _ in jobs:
+                remaining.acquire()
+            for w in self._workers:
+                if w.dead:
+                    w.close()
+            self._workers = [w for w in self._workers if not w.dead]
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.close()
+        self._workers = []
+
+
+_pool: WorkerPool | None = None
+_pool_lock = threading.Lock()
+
+
+def prestart() -> None:
+    """Starts the workers (if any are wanted and none run yet), without waiting for them."""
+    global _pool
+    with _pool_lock:
+        if _pool is None and (n := workers_wanted()) > 0:
+            _pool = WorkerPool(n)
+
+
+def compile_all(jobs: list[Job], version: tuple[int, int], local: Callable[[Job], Result]) -> list[Result]:
+    """Results of `jobs`: on the workers (started now, for MIN_JOBS or more, if `prestart` was
+    not called) and this process's threads; with no workers, on the threads alone."""
+    if len(jobs) >= MIN_JOBS:
+        prestart()
+    pool = _pool
+    if pool is None:
+        return _threads_only(jobs, local)
+    return pool.compile(jobs, version, local)
+
+
+def _threads_only(jobs: list[Job], local: Callable[[Job], Result]) -> list[Result]:
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(LOCAL_THREADS, len(jobs)))) as pool:
+        return list(pool.map(local, jobs))
+
+
+@atexit.register
+def _shutdown() -> None:
+    global _pool
+    with _pool_lock:
+        if _pool is not None:
+            _pool.close()
+            _pool = None

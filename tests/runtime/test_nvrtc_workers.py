@@ -1,0 +1,128 @@
+"""NVRTC worker processes (`runtime/nvrtc_workers.py`) without a GPU: the workers run their real
+loop against a fake `cupy_backends.cuda.libs.nvrtc` put first on their PYTHONPATH, so the
+protocol, the sharing of jobs with this process's threads, a worker that dies mid-job, a worker
+of another NVRTC version and the results' order are all exercised as on a GPU machine."""
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+
+import pytest
+
+from ember.runtime import nvrtc_workers
+
+FAKE_NVRTC = textwrap.dedent('''
+    import os, time
+    class NVRTCError(Exception):
+        pass
+    def getVersion():
+        return tuple(int(v) for v in os.environ.get("FAKE_NVRTC_VERSION", "13.0").split("."))
+    def createProgram(source, name, headers, include_names):
+        return {"source": source, "name": name}
+    def compileProgram(program, options):
+        if "crash" in program["source"]:
+            os._exit(3)  # a worker killed mid-job
+        time.sleep(0.01)
+        if "syntax error" in program["source"]:
+            program["log"] = program["name"] + ": error: expected a declaration"
+            raise NVRTCError("NVRTC_ERROR_COMPILATION")
+    def getCUBIN(program):
+        return ("ELF|worker %d|" % os.getpid() + program["source"]).encode()
+    def getProgramLog(program):
+        return program.get("log", "")
+    def destroyProgram(program):
+        pass
+''')
+
+
+@pytest.fixture
+def fake_nvrtc_path(tmp_path, monkeypatch):
+    libs = tmp_path / "cupy_backends" / "cuda" / "libs"
+    libs.mkdir(parents=True)
+    for d in (tmp_path / "cupy_backends", tmp_path / "cupy_backends" / "cuda", libs):
+        (d / "__init__.py").write_text("")
+    (libs / "nvrtc.py").write_text(FAKE_NVRTC)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return tmp_path
+
+
+def slow_local(job):
+    time.sleep(0.05)  # this process's NVRTC, slower than the workers: they must take jobs too
+    return ("ELF|local|" + job[0]).encode(), ""
+
+
+def wait_until_up(pool: nvrtc_workers.WorkerPool) -> None:
+    for w in pool._workers:
+        assert w.ready.wait(30), "a worker did not start"
+
+
+def test_jobs_are_shared_between_threads_and_workers_and_come_back_in_order(fake_nvrtc_path):
+    pool = nvrtc_workers.WorkerPool(2)
+    try:
+        wait_until_up(pool)
+        jobs = [(f"source {i}", ("-arch=sm_90",), f"u{i}.cu") for i in range(40)]
+        results = pool.compile(jobs, (13, 0), slow_local)
+    finally:
+        pool.close()
+    assert [r[0].decode().split("|")[2] for r in results] == [j[0] for j in jobs]
+    by = {r[0].decode().split("|")[1] for r in results}
+    assert "local" in by and len(by - {"local"}) == 2, by  # both workers and the threads compiled
+
+
+def test_a_rejected_source_comes_back_from_a_worker_as_its_log(fake_nvrtc_path):
+    pool = nvrtc_workers.WorkerPool(1)
+    try:
+        wait_until_up(pool)
+        worker = pool._workers[0]
+        assert worker.compile(("syntax error here", (), "bad.cu")) == (b"", "bad.cu: error: expected a declaration")
+        assert worker.compile(("fine", (), "ok.cu"))[0].endswith(b"|fine"), "the worker goes on after a rejection"
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_dies_mid_job_costs_nothing_but_itself(fake_nvrtc_path):
+    pool = nvrtc_workers.WorkerPool(2)
+    try:
+        wait_until_up(pool)
+        jobs = [(f"source {i}" + (" crash" if i == 3 else ""), (), f"u{i}.cu") for i in range(12)]
+        local = lambda job: (("ELF|local|" + job[0]).encode(), "")  # noqa: E731
+        results = pool.compile(jobs, (13, 0), lambda job: (time.sleep(0.05), local(job))[1])
+        assert [r[0].decode().split("|")[2] for r in results] == [j[0] for j in jobs]
+        assert results[3][0].startswith(b"ELF|local|"), "the crashing job finished on this process's threads"
+        assert len(pool._workers) <= 1, "the dead worker is dropped"
+    finally:
+        pool.close()
+
+
+def test_workers_of_another_nvrtc_are_not_used(fake_nvrtc_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NVRTC_VERSION", "12.9")
+    pool = nvrtc_workers.WorkerPool(2)
+    try:
+        wait_until_up(pool)
+        results = pool.compile([(f"s{i}", (), "u.cu") for i in range(6)], (13, 0), slow_local)
+    finally:
+        pool.close()
+    assert all(r[0].startswith(b"ELF|local|") for r in results) and pool._workers == []
+
+
+def test_a_failing_local_compile_raises_instead_of_hanging(fake_nvrtc_path, monkeypatch):
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "0")
+
+    def broken(job):
+        raise MemoryError("out of memory in NVRTC")
+    with pytest.raises(MemoryError):
+        nvrtc_workers.compile_all([("s", (), "u.cu")] * 5, (13, 0), broken)
+    pool = nvrtc_workers.WorkerPool(0)
+    with pytest.raises(MemoryError):
+        pool.compile([("s", (), "u.cu")] * 3, (13, 0), broken)
+
+
+def test_the_worker_count_setting(monkeypatch):
+    monkeypatch.delenv(nvrtc_workers.ENV_VAR, raising=False)
+    assert nvrtc_workers.workers_wanted() == 0  # opt-in: measured slower than two threads in a compile
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "3")
+    assert nvrtc_workers.workers_wanted() == 3
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "many")
+    with pytest.raises(ValueError, match="EMBER_NVRTC_WORKERS must be a whole number"):
+        nvrtc_workers.workers_wanted()
