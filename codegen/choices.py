@@ -229,12 +229,16 @@ class ChoiceTable:
         db = tuning_db.active() if db is ... else db
         ranked, prior = self._ranked(g, db)
         if reuse:
+            # this kernel's own plan first, whichever family it is (so it stays the same code),
+            # then any kernel's of the same code geometry (inference beside training)
             shared = dict(reuse)
-            for f in ranked:
-                key = self.reuse_key(f, g) if f.code_geometry is not None else None
-                plan = shared.get(f"{sub.name}@{key}", shared.get(key)) if key is not None else None
-                if plan is not None and f.fits(g, plan):
-                    return Decision((f.name, plan), "reused: the plan of this kernel at another batch size")
+            keys = [(f, self.reuse_key(f, g)) for f in ranked if f.code_geometry is not None]
+            for own in (True, False):
+                for f, key in keys:
+                    plan = shared.get(f"{sub.name}@{key}" if own else key)
+                    if plan is not None and f.fits(g, plan):
+                        return Decision((f.name, plan), "reused: the plan of this kernel at another batch size"
+                                        if own else "reused: the plan of a kernel of the same code")
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
             rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))
             if rec is not None:

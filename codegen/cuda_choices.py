@@ -158,7 +158,10 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
 
 
 def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
-    """A stored GEMM plan fits when the cost model finds it feasible as it is (the same splits)."""
+    """A GEMM plan (from the database, or a step of another batch size) fits when its tile is
+    feasible (registers, shared memory, the tensor cores' warp grid) and its grid within CUDA's
+    limits: the kernels take M, K and the split chunk at run time, so its split count serves any
+    K (at a shorter one trailing splits add zeros)."""
     p, fields = _gemm_problem(g), dict(plan)
     try:
         gp = GemmPlan(**fields)
@@ -167,9 +170,18 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
     mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
+    if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
+        return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
                                 p["a_kfast"], p["b_kfast"])
-    return q is not None and _pairs(q) == plan
+    return q is not None and (q.BM, q.BN, q.BK, q.TM, q.TN) == (gp.BM, gp.BN, gp.BK, gp.TM, gp.TN)
+
+
+def _gemm_code(g: dict[str, Any]) -> dict[str, Any]:
+    """What a GEMM kernel's code depends on: not a convolution's images, nor a matmul's batch,
+    rows and reduced length (run-time sizes: `cuda_kernels.render_*(runtime_batch=True)`)."""
+    dropped = ("M", "K", "batch", "operands") if g["kind"] == "matmul" else ("N",)
+    return {k: v for k, v in g.items() if k not in dropped}
 
 
 def _gemm_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -184,21 +196,31 @@ def bf16_roles(sub: Graph, spec: KernelSpec) -> frozenset[str]:
     return frozenset(r for r, n in roles.items() if sub.type(n).dtype.name == "bfloat16")
 
 
+def runtime_sizes(spec: KernelSpec) -> bool:
+    """Whether a GEMM kernel takes its batch-dependent sizes at run time: where its plan was
+    reused from a step of another batch size (select's `why`), so every later batch size (the
+    last partial batch, inference at any size) is the same module. A step's own kernels hold
+    their sizes: on the H200 the run-time variant ran ResNet-8's and the CNN's steps 8-16% slower
+    (docs/benchmarks.md), which the step a model trains with would pay on every call."""
+    return spec.why.startswith("reused")
+
+
 def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     gp, tf32, eps = GemmPlan(**dict(plan)), g["tf32"], spec.epilogues
     low = bf16_roles(sub, spec)
+    rt = runtime_sizes(spec)
     if g["kind"] == "matmul":
         return cuda_kernels.render_matmul(name, M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"],
                                           trans_b=g["trans_b"], batch=g["batch"], bias="bias" in eps,
-                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
+                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
     if g["kind"] == "conv2d":
         return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
-                                                  epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
+                                                  epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
     if g["kind"] == "conv2d_grad_input":
         return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps,
-                                                     epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low)
+                                                     epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
     return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, epilogue=epilogue, tf32=tf32,
-                                                  plan=gp, bf16_roles=low)
+                                                  plan=gp, bf16_roles=low, runtime_batch=rt)
 
 
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
@@ -218,6 +240,28 @@ def _direct_plans(g: dict[str, Any]) -> list[Plan]:
         return [] if gw is None else [(("OT", gw[0]), ("RB", gw[1]), ("blocks", gw[2]))]
     plan = cuda_direct.direct_plan(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
     return [] if plan is None else [_pairs(plan)]
+
+
+def _direct_accepts(g: dict[str, Any], plan: Plan) -> bool | None:
+    """A forward or grad-input plan fits where it tiles the geometry (its code takes the images
+    at run time, so a plan of another batch size serves); a grad-weight plan must be the cost
+    model's (None: ask `plans`)."""
+    if g["kind"] == "conv2d_grad_weight" or _direct_rejects(g) is not None:
+        return None
+    try:
+        p = cuda_direct.DirectPlan(**dict(plan), score=0.0)
+    except TypeError:
+        return False
+    ph, pw_ = pair(g["padding"], "padding")
+    geo = cuda_direct._direct_geometry(g["kind"] == "conv2d_grad_input", g["N"], g["C"], g["H"], g["W"], g["O"],
+                                       g["KH"], g["KW"], g["HO"], g["WO"], ph, pw_)
+    return g["N"] <= 65535 and cuda_direct.direct_plan_fits(p, geo["CI"], geo["WO_"], geo["CO"], g["KH"], g["KW"])
+
+
+def _direct_code(g: dict[str, Any]) -> dict[str, Any]:
+    """What a direct kernel's code depends on: not the images of a forward or grad-input (the
+    grid's y); a grad-weight's code holds them."""
+    return g if g["kind"] == "conv2d_grad_weight" else {k: v for k, v in g.items() if k != "N"}
 
 
 def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -476,7 +520,8 @@ def features(g: dict[str, Any]) -> tuple[float, ...]:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _float32(_small_rejects),
            _small_preferred, _small_scratch, _small_render),
-    Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render),
+    Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render,
+           accepts=_direct_accepts, code_geometry=_direct_code),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
     # they take (direct_tc: precision "tf32", and bfloat16 operands, exact in TF32, but for its
     # grad-weight; gemm: its plans follow the geometry's tf32);
@@ -492,7 +537,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
     # its mma.sync bfloat16 path, the only one serving them
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
-           tuning_plans=gemm_candidates, accepts=_gemm_accepts),
+           tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code),
     Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
            grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
@@ -527,3 +572,4 @@ choose = TABLE.choose
 scratch_bytes = TABLE.scratch_bytes
 stamp = TABLE.stamp
 render = TABLE.render
+reusable = TABLE.reusable

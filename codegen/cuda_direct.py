@@ -60,6 +60,14 @@ def direct_channels_per_step(CI: int, RB: int, cols: int, KH: int, KW: int, CO: 
     return None
 
 
+def direct_plan_fits(plan: DirectPlan, CI: int, WO: int, CO: int, KH: int, KW: int) -> bool:
+    """Whether a plan (of another batch size: the images only rank plans) tiles this geometry as
+    `direct_forward_plan` would build it."""
+    ncg = ceil_div(WO, plan.PT)
+    return (CO % plan.OT == 0 and plan.NCG == ncg and plan.threads == (CO // plan.OT) * plan.RB * ncg
+            and 64 <= plan.threads <= 512 and plan.CC == direct_channels_per_step(CI, plan.RB, ncg * plan.PT, KH, KW, CO))
+
+
 def direct_forward_plan(N: int, CI: int, HI: int, WI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> DirectPlan | None:
     """Tiling of a stride-1 direct convolution producing CO x HO x WO per image, or None."""
     best = None
@@ -105,11 +113,13 @@ def _direct_geometry(grad_input: bool, N: int, C: int, H: int, W: int, O: int, K
     return dict(CI=C, H_IN=H, W_IN=W, CO=O, HO_=HO, WO_=WO, PH=ph, PW=pw_)
 
 
-def direct_roles(grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, HO: int, WO: int,
+def direct_roles(grad_input: bool, N: int | None, C: int, H: int, W: int, O: int, KH: int, KW: int, HO: int, WO: int,
                  ph: int, pw_: int, *, bias: bool, relu: bool, relu_mask: bool
                  ) -> tuple[tuple[str, ...], tuple[str, ...], str, str]:
     """(roles, inputs, the role of the staged input, description) of a direct forward (x, w,
-    [bias], out) or grad-input (dy, w, [mask_src], out) kernel, before a generated epilogue's roles."""
+    [bias], out) or grad-input (dy, w, [mask_src], out) kernel, before a generated epilogue's roles.
+    N None: the description names no batch (a kernel whose code serves every batch size)."""
+    N = "N" if N is None else N
     if grad_input:
         roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
         return roles, ("dy", "w", "mask_src"), "dy", (
@@ -146,7 +156,8 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
     geo = _direct_geometry(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_)
-    roles, inputs, src, description = direct_roles(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
+    # the images are the grid's y alone: the code is the same text at every batch size
+    roles, inputs, src, description = direct_roles(grad_input, None, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
                                                    relu=relu, relu_mask=relu_mask)
     if plan is None:
         plan = direct_forward_plan(N, geo["CI"], geo["H_IN"], geo["W_IN"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
@@ -157,7 +168,7 @@ def render_direct(name: str, *, grad_input: bool, N: int, C: int, H: int, W: int
     if row_pad is None:
         row_pad = -(plan.NCG * plan.PT + KW - 1) % 4
     code = _env.get_template("conv2d_direct.j2").render(
-        name=name, description=description, N=N, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
+        name=name, description=description, KH=KH, KW=KW, **geo, OT=plan.OT, PT=plan.PT, RB=plan.RB,
         CC=plan.CC, NCG=plan.NCG, threads=plan.threads, min_blocks=min_blocks, roles=roles, inputs=inputs,
         unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, False), grid=grid,
         flip=grad_input, src=src, bias=bias and not grad_input, relu=relu and not grad_input,

@@ -352,11 +352,20 @@ def kernel_signature(roles: tuple[str, ...], inputs: tuple[str, ...], unrestrict
     return sig + (", float* __restrict__ scratch" if scratch else "")
 
 
+#: the run-time sizes of the GEMM skeleton, as Params members and by-value arguments, in argument order
+_RUNTIME_SIZES = (("M", "rM"), ("K", "rK"), ("BATCH", "rB"))
+
+
 def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, K: int,
                  batch: int, roles: tuple[str, ...], inputs: tuple[str, ...], a_kfast: bool,
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
                  c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                 bf16_roles: frozenset[str] = frozenset(), **ctx) -> CudaKernel:
+                 bf16_roles: frozenset[str] = frozenset(), runtime: frozenset[str] = frozenset(),
+                 **ctx) -> CudaKernel:
+    """`runtime`: the sizes among M, K, BATCH the code takes as by-value arguments (the ones a
+    batch size changes), so one text serves every batch size; with K, the split chunk too (the
+    plan's split count is kept: at a shorter K trailing splits add zeros). `description` must
+    then hold none of their values."""
     # bfloat16 operands (their roles in `bf16_roles`, as any other bfloat16 buffer's): read as
     # floats, multiplied on the bfloat16 tensor cores (mma.m16n8k16), accumulated in fp32,
     # rounded before the epilogue
@@ -382,6 +391,14 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
         raise ValueError("rowsum needs at least BM threads per block")
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     splits = plan.splits
+    kchunk = round_up(ceil_div(K, splits), plan.BK) if "K" in runtime else plan.kchunk
+    values = {"M": M, "K": K, "BATCH": batch}
+    members = [(size, member) for size, member in _RUNTIME_SIZES if size in runtime]
+    if "K" in runtime:
+        members.append(("KCHUNK", "rKC"))
+        values["KCHUNK"] = kchunk
+    spelled = {size: size for size in ("M", "K", "BATCH", "KCHUNK")} | {size: f"p.{m}" for size, m in members}
+    scalars = tuple(("int", values[size]) for size, _ in members)
     part_off = 0
     part_floats = splits * batch * M * N if splits > 1 else 0
     rsum_off = round_up(part_floats, SCRATCH_ALIGN // 4)
@@ -395,16 +412,19 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     sig = kernel_signature(roles, inputs, unrestricted, splits > 1, bf16_roles)
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
                    BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
-                   threads=plan.threads, splits=splits, kchunk=plan.kchunk,
+                   threads=plan.threads, splits=splits, kchunk=kchunk,
+                   rt=frozenset(runtime), sz=spelled, rt_members=[m for _, m in members],
+                   rt_params="".join(f", const int {m}" for _, m in members),
+                   rt_init="".join(f", {m}" for _, m in members), align=SCRATCH_ALIGN // 4,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
                    a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
                    signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32, bf16=bf16,
                    bf16_roles=bf16_roles,
                    wgm=warp_grid[0] if warp_grid else 0, wgn=warp_grid[1] if warp_grid else 0,
                    a_pad=a_pad, b_pad=b_pad, **ctx)
-    launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args)]
+    launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args, scalars)]
     if splits > 1:
-        launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args))
+        launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args, scalars))
     return CudaKernel(name, code, tuple(launches), gemm_scratch_bytes(plan, M, N, batch, rowsum))
 
 
@@ -413,14 +433,15 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                           stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None,
                           epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                          bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+                          bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
     """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
-    out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW."""
+    out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW. `runtime_batch`: the
+    images N (so M) are a by-value argument, the code the same for every batch size."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     roles = ("x", "w") + (("bias",) if bias else ()) + ("out",)
     return _render_gemm(
-        "conv2d_forward.j2", name,
-        description=f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
+        "conv2d_forward.j2", name, runtime=frozenset({"M"} if runtime_batch else ()),
+        description=f"conv2d forward x({'N' if runtime_batch else N},{C},{H},{W}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
         a_kfast=False, b_kfast=True, plan=plan,
@@ -432,14 +453,15 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
                              KW: int, stride=(1, 1), padding=(0, 0),
                              relu_mask: bool = False, plan: GemmPlan | None = None,
                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                             bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+                             bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
-    [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW."""
+    [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW;
+    `runtime_batch` as `render_conv2d_forward`'s."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
     return _render_gemm(
-        "conv2d_grad_input.j2", name,
-        description=f"conv2d grad-input dy({N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
+        "conv2d_grad_input.j2", name, runtime=frozenset({"M"} if runtime_batch else ()),
+        description=f"conv2d grad-input dy({'N' if runtime_batch else N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' *relu-mask' if relu_mask else ''}",
         M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
         a_kfast=False, b_kfast=True, plan=plan,
@@ -450,15 +472,17 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                               KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None,
                               epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                              bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+                              bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
     """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
     dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
-    K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused."""
+    K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused.
+    `runtime_batch`: K (and the split chunk) a by-value argument, one text for every batch size."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     roles = ("x", "dy", "out") + (("db",) if bias else ())
+    n = "N" if runtime_batch else N
     return _render_gemm(
-        "conv2d_grad_weight.j2", name,
-        description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
+        "conv2d_grad_weight.j2", name, runtime=frozenset({"K"} if runtime_batch else ()),
+        description=f"conv2d grad-weight x({n},{C},{H},{W}) dy({n},{O},{HO},{WO}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
         a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32,
@@ -471,19 +495,22 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
                   batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None,
                   epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                  bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+                  bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
     """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
-    trans_b; all row-major contiguous."""
+    trans_b; all row-major contiguous. `runtime_batch`: batch, M and K (any of which a batch
+    size may set: the rows of a layer's input, the reduced length of its weight gradient, the
+    heads of an attention) are by-value arguments; the code holds N alone."""
     _check_name(name)
     check_positive(M=M, N=N, K=K, batch=batch)
     if max(batch * M * K, batch * K * N, batch * M * N) >= 2**40:
         raise ValueError("matmul too large")
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
+    b_, m_, k_ = ("batch", "M", "K") if runtime_batch else (batch, M, K)
     return _render_gemm(
-        "matmul.j2", name,
-        description=f"matmul batch {batch} ({M}x{K}{'^T' if trans_a else ''}) @ "
-                    f"({K}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
+        "matmul.j2", name, runtime=frozenset({"M", "K", "BATCH"} if runtime_batch else ()),
+        description=f"matmul batch {b_} ({m_}x{k_}{'^T' if trans_a else ''}) @ "
+                    f"({k_}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
         a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
         bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)

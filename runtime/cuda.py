@@ -185,9 +185,14 @@ def compile_device() -> Device:
     return _AT_HAND[index]
 
 
-def _choose_kernel(sub: Graph, spec: KernelSpec) -> tuple[str, tuple, int, str] | None:
+def _choose_kernel(sub: Graph, spec: KernelSpec, reuse: Any = ()) -> tuple[str, tuple, int, str] | None:
     with using(compile_device()):
-        return cuda_choices.stamp(sub, spec)
+        return cuda_choices.stamp(sub, spec, reuse=reuse)
+
+
+def _reusable(graph: Graph) -> tuple:
+    with using(compile_device()):
+        return cuda_choices.reusable(graph)
 
 
 def render_step(graph: Graph) -> cuda_codegen.CudaStepSource:
@@ -480,6 +485,8 @@ TARGET = targets.register(targets.Target(
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
     choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel
+    # the GEMM family takes the batch-dependent sizes at run time: a new batch size reuses its plans
+    reusable=_reusable,
     tune=_tune,
     device_model=lambda: compile_device().name,
     language="cuda",

@@ -38,6 +38,8 @@ HEADER = r"""
 #include <vector>
 
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
+struct alignas(16) float4 { float x, y, z, w; };  // the GEMM skeleton's vector reads of shared memory
+struct alignas(8) float2 { float x, y; };
 namespace ember_emu {
 thread_local dim3 thread_idx, block_idx;
 std::barrier<>* block_barrier = nullptr;
@@ -156,7 +158,16 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
         slots += 1
         return f"float* {m.group(1)} = ember_emu::shared_array({slots - 1});"
 
+    def to_arena_2d(m: re.Match) -> str:  # a tile `float As[BK][SA]`: a reference to an array in the arena
+        nonlocal slots
+        slots += 1
+        return f"auto& {m.group(1)} = *reinterpret_cast<float(*){m.group(2)}>(ember_emu::shared_array({slots - 1}));"
+
     code = re.sub(r"__shared__ __align__\(16\) float (\w+)\[[^\]]+\];", to_arena, code)
+    code = re.sub(r"__shared__ __align__\(16\) float (\w+)((?:\[[^\]]+\]){2});", to_arena_2d, code)
+    # namespace-scope tables (`static __shared__ int koff_[K]`): one static array, which every
+    # block (run one after another) fills in its prologue before reading
+    code = code.replace("static __shared__ ", "static ")
     code = code.replace("extern __shared__ __align__(16) float smem[];",
                         f"float* smem = ember_emu::shared_array({slots});")
     calls = []

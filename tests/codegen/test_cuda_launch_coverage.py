@@ -23,6 +23,19 @@ def _consts(code: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b([A-Z_][A-Z0-9_]*) = (\d+)\b", code)}
 
 
+#: the GEMM skeleton's run-time sizes (by-value arguments, `cuda_kernels._RUNTIME_SIZES`) by name
+_RUNTIME = {"rM": "M", "rK": "K", "rB": "BATCH", "rKC": "KCHUNK"}
+
+
+def _sizes(kernel, ln) -> dict[str, int]:
+    """The kernel's constants and, for a launch taking sizes at run time, their values for it."""
+    c = _consts(kernel.code)
+    (params,) = re.findall(rf"{ln.function}\(([^)]*)\)", kernel.code)
+    names = re.findall(r"const int (r[A-Z]+)\b", params)
+    assert len(names) == len(ln.scalars), (names, ln.scalars)
+    return c | {_RUNTIME[name]: value for name, (_, value) in zip(names, ln.scalars)}
+
+
 def _main(kernel, suffix: str):
     (ln,) = [ln for ln in kernel.launches if ln.function.endswith(suffix)]
     return ln
@@ -57,8 +70,8 @@ def test_direct_grid_covers_every_row_of_every_image(idx):
                          ids=lambda i: CASES[i][0].name)
 def test_gemm_grid_covers_every_output_tile(idx):
     kernel, (kind, g, extra) = CASES[idx]
-    c = _consts(kernel.code)
     ln = _main(kernel, "_gemm")
+    c = _sizes(kernel, ln)
     if kind == "matmul":
         m, n, batch = g["M"], g["N"], g.get("batch", 1)
         assert (c["M"], c["N"], c["BATCH"]) == (m, n, batch)
