@@ -137,7 +137,16 @@ _INSTALL_GXX = ("install it (Debian/Ubuntu: apt-get install g++; Fedora: dnf ins
 
 
 def _found(argv: Sequence[str]) -> bool:
-    return bool(argv) and shutil.which(argv[0]) is not None
+    return bool(argv) and _which(shutil.which, argv[0], os.environ.get("PATH")) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _which(which: Callable[[str], str | None], name: str, path: str | None) -> str | None:
+    # Planning asks for the compiler once per kernel (the vector variant decides its geometry);
+    # a PATH walk each time cost ViT 30 ms per compile (380 kernels' geometries). Keyed on PATH
+    # and on the lookup function itself, so a changed PATH (or a test's stand-in for `which`)
+    # looks again.
+    return which(name)
 
 
 def _require(argv: Sequence[str], why: str) -> None:
@@ -166,7 +175,14 @@ def native_target_enables(option: str) -> bool | None:
     report = _native_target(tuple(compiler)) if _found(compiler) else None
     if not report:
         return None
-    return any(line.split()[:2] == [option, "[enabled]"] for line in report.splitlines())
+    return option in _enabled_options(report)
+
+
+@functools.lru_cache(maxsize=8)
+def _enabled_options(report: str) -> frozenset[str]:
+    """The options a ``--help=target`` report lists as ``[enabled]``."""
+    return frozenset(words[0] for line in report.splitlines()
+                     if len(words := line.split()) >= 2 and words[1] == "[enabled]")
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,7 +67,7 @@ class KernelFunction:
 def name_by_content(code: str, name: str) -> tuple[str, str, str]:
     """(function name, code, declaration) of a kernel rendered as `static void <name>(...)`:
     the name becomes `ek_<hash>` of the code without it, and the function external."""
-    normal = re.sub(rf"\b(ember_k_)?{re.escape(name)}\b", lambda m: (m.group(1) or "") + _PLACEHOLDER, code)
+    normal = _mark_name(code, name)
     fname = "ek_" + hashlib.sha256(normal.encode()).hexdigest()[:12]
     head = f"static void {_PLACEHOLDER}("
     if normal.count(head) != 1:
@@ -80,6 +80,38 @@ def name_by_content(code: str, name: str) -> tuple[str, str, str]:
     params = normal[start:end - 1]
     code = normal.replace(head, f"EMBER_KERNEL void {_PLACEHOLDER}(").replace(_PLACEHOLDER, fname)
     return fname, code, f"EMBER_KERNEL void {fname}({params.replace(_PLACEHOLDER, fname)});"
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PREFIX = "ember_k_"
+
+
+def _is_word(c: str) -> bool:
+    return c.isalnum() or c == "_"  # what `\w` matches
+
+
+def _mark_name(code: str, name: str) -> str:
+    """`code` with every whole word `name` or `ember_k_<name>` turned into the placeholder (the
+    prefix kept): `re.sub(r"\b(ember_k_)?<name>\b", ...)`, found with `str.find`, because
+    the regex, which cannot skip ahead to a literal, cost more than the rest of naming."""
+    if not _IDENT.fullmatch(name):
+        return re.sub(rf"\b({_PREFIX})?{re.escape(name)}\b", lambda m: (m.group(1) or "") + _PLACEHOLDER, code)
+    parts: list[str] = []
+    done = 0  # code[:done] is in parts
+    at = code.find(name)
+    while at >= 0:
+        end = at + len(name)
+        if end == len(code) or not _is_word(code[end]):
+            begin = at - len(_PREFIX)
+            if begin >= done and code.startswith(_PREFIX, begin) and (begin == 0 or not _is_word(code[begin - 1])):
+                parts += [code[done:begin], _PREFIX + _PLACEHOLDER]
+                done = end
+            elif at >= done and (at == 0 or not _is_word(code[at - 1])):
+                parts += [code[done:at], _PLACEHOLDER]
+                done = end
+        at = code.find(name, max(at + 1, done))
+    parts.append(code[done:])
+    return "".join(parts)
 
 
 def prelude(bf16: bool = False) -> tuple[str, str]:

@@ -16,11 +16,13 @@ size) is compiled on first use, cached by input types, and shares that storage.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,28 @@ def _array(a: Any) -> Any:
         _DEVICE_ARRAY_TYPES.add(t)
         return a
     return a if isinstance(a, np.ndarray) else np.asarray(a)
+
+
+@contextlib.contextmanager
+def _collector_paused(pause: bool = True) -> Iterator[None]:
+    """Runs a step's compile with Python's cyclic garbage collector off (as it was, after);
+    not with `pause` false (tuning: minutes of measurements would keep all their cycles).
+
+    With the collector on, a compile (ViT's at a new batch size: 66 young collections) promotes
+    whatever is alive at each collection, the graphs of the passes in flight among it, and that
+    regularly set off a full collection, which walks every object of the process: 0.2-0.3 s
+    once PyTorch is imported (345k objects), more than the passes themselves. Off, only what the
+    compile keeps (about 10k objects) meets the collector, young, after it; its few thousand
+    objects in cycles wait until then.
+    """
+    enabled = pause and gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _note_compile_stats(executor: Any, passes_seconds: float, dump: Path | None, cached: bool = False) -> None:
@@ -287,19 +311,21 @@ class _Compiled:
         key = (types, self.model.training)  # train/eval mode changes the graph (BatchNorm)
         hit = self._inference.get(key)
         if hit is None:
-            forward = trace(self.model, *types, name="inference")
-            forward.meta["precision"] = self.precision
-            if list(forward.outputs) != ["out"]:
-                raise TypeError(f"inference() needs a model returning one tensor, got outputs {list(forward.outputs)}")
-            dump = self._dump_subdir("inference", types)
-            t0 = time.perf_counter()
-            passes = precision_passes(self.precision) + self.target.passes()
-            graph, source, cache_key = self._planned(forward, passes, dump, extra=self._reuse_plans(forward))
-            passes_seconds = time.perf_counter() - t0
-            self._bind(forward)
-            hit = self._inference[key] = (graph, self._executor(graph, dump, source))
-            self._keep_plan(cache_key, graph, hit[1])
-            _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
+            with _collector_paused(self.tune_budget_s is None):
+                forward = trace(self.model, *types, name="inference")
+                forward.meta["precision"] = self.precision
+                if list(forward.outputs) != ["out"]:
+                    raise TypeError(f"inference() needs a model returning one tensor, "
+                                    f"got outputs {list(forward.outputs)}")
+                dump = self._dump_subdir("inference", types)
+                t0 = time.perf_counter()
+                passes = precision_passes(self.precision) + self.target.passes()
+                graph, source, cache_key = self._planned(forward, passes, dump, extra=self._reuse_plans(forward))
+                passes_seconds = time.perf_counter() - t0
+                self._bind(forward)
+                hit = self._inference[key] = (graph, self._executor(graph, dump, source))
+                self._keep_plan(cache_key, graph, hit[1])
+                _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
         return hit[1]
 
     def _sync(self) -> None:
@@ -446,31 +472,32 @@ class TrainStep(_Compiled):
     def _train_executor(self, types: tuple[TensorType, ...]) -> Executor:
         hit = self._steps.get(types)
         if hit is None:
-            model, loss_fn = self.model, self.loss_fn
-            forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
-            forward.meta["precision"] = self.precision
-            dump = self._dump_subdir("train", types)
-            passes = precision_passes(self.precision) + train_passes(self.config) + self.target.passes()
-            extra = {}
-            if self.comm is not None:
-                passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
-                extra = {"communicator": self.comm}
-            t0 = time.perf_counter()
-            reuse = self._reuse_plans(forward)
-            graph, source, cache_key = self._planned(forward, passes, dump,
-                                                     extra=f"optimizer={self.config!r}{reuse}" if self.comm is None else None)
-            passes_seconds = time.perf_counter() - t0
-            self._bind(forward)
-            self._bind(graph)
-            # Every shape traces the same loss, so one graph fixes which inputs are labels.
-            self._classes = class_inputs(forward)
-            hit = self._steps[types] = (graph, self._executor(graph, dump, source, **extra))
-            self._keep_plan(cache_key, graph, hit[1])
-            _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
-            if self.comm is not None:
-                # every rank must have compiled the same step (same code, model and settings):
-                # checked before the parameters are broadcast, which a different model would hang
-                agree_on_step(self.comm, hit[1], graph)
+            with _collector_paused(self.tune_budget_s is None):
+                model, loss_fn = self.model, self.loss_fn
+                forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+                forward.meta["precision"] = self.precision
+                dump = self._dump_subdir("train", types)
+                passes = precision_passes(self.precision) + train_passes(self.config) + self.target.passes()
+                extra = {}
+                if self.comm is not None:
+                    passes = with_data_parallel(passes, self.comm.size, self.bucket_bytes)
+                    extra = {"communicator": self.comm}
+                t0 = time.perf_counter()
+                reuse = self._reuse_plans(forward)
+                extra_key = f"optimizer={self.config!r}{reuse}" if self.comm is None else None
+                graph, source, cache_key = self._planned(forward, passes, dump, extra=extra_key)
+                passes_seconds = time.perf_counter() - t0
+                self._bind(forward)
+                self._bind(graph)
+                # Every shape traces the same loss, so one graph fixes which inputs are labels.
+                self._classes = class_inputs(forward)
+                hit = self._steps[types] = (graph, self._executor(graph, dump, source, **extra))
+                self._keep_plan(cache_key, graph, hit[1])
+                _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
+                if self.comm is not None:
+                    # every rank must have compiled the same step (same code, model and settings):
+                    # checked before the parameters are broadcast, which a different model would hang
+                    agree_on_step(self.comm, hit[1], graph)
         return hit[1]
 
     def precompile(self, shape: Sequence[int]) -> None:
@@ -631,14 +658,15 @@ def plan(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any, exam
     check_precision(precision, target)
     types = tuple(example_type(a) for a in example_inputs)
     root = Path(dump_dir) if dump_dir is not None else None
-    forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
-    forward.meta["precision"] = precision
-    train = run_passes(forward, precision_passes(precision) + train_passes(as_config(optimizer)) + target.passes(),
-                       dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
-    inference_forward = trace(model, types[0], name="inference")
-    inference_forward.meta["precision"] = precision
-    inference = run_passes(inference_forward, precision_passes(precision) + target.passes(),
-                           dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
+    with _collector_paused():
+        forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
+        forward.meta["precision"] = precision
+        passes = precision_passes(precision) + train_passes(as_config(optimizer)) + target.passes()
+        train = run_passes(forward, passes, dump_dir=root / f"train-{_shape_tag(types)}" if root else None)
+        inference_forward = trace(model, types[0], name="inference")
+        inference_forward.meta["precision"] = precision
+        inference = run_passes(inference_forward, precision_passes(precision) + target.passes(),
+                               dump_dir=root / f"inference-{_shape_tag(types)}" if root else None)
     return {f"train-{_shape_tag(types)}": train, f"inference-{_shape_tag(types)}": inference}
 
 

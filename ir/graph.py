@@ -15,6 +15,7 @@ parameter or state, written back at the end of a step).
 from __future__ import annotations
 
 import copy as _copy
+import heapq
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -149,29 +150,32 @@ class Graph:
         self.updates[name] = node
 
     # ---- reading -----------------------------------------------------------------------------
+    # The readers below go to networkx's node and adjacency dicts (`_node`, `_pred`, `_succ`)
+    # rather than its views: they are called tens of thousands of times per compile, and a view
+    # object per call was the largest single cost of the passes.
     def op(self, n: int) -> str:
-        return self.g.nodes[n]["op"]
+        return self.g._node[n]["op"]
 
     def attrs(self, n: int) -> dict[str, Any]:
-        return self.g.nodes[n]["attrs"]
+        return self.g._node[n]["attrs"]
 
     def type(self, n: int) -> TensorType:
-        return self.g.nodes[n]["type"]
+        return self.g._node[n]["type"]
 
     def loc(self, n: int) -> str | None:
-        return self.g.nodes[n]["loc"]
+        return self.g._node[n]["loc"]
 
     def scope(self, n: int) -> str:
         """The module path that made node n ("" for the root model or a plain function)."""
-        return self.g.nodes[n].get("scope", "")
+        return self.g._node[n].get("scope", "")
 
     def is_backward(self, n: int) -> bool:
         """Whether node n belongs to the gradient of the node whose scope and loc it carries."""
-        return self.g.nodes[n].get("backward", False)
+        return self.g._node[n].get("backward", False)
 
     def provenance(self, n: int) -> dict[str, Any]:
         """{loc, scope, backward} of node n, to pass on as `add(..., **g.provenance(n))`."""
-        d = self.g.nodes[n]
+        d = self.g._node[n]
         return {"loc": d["loc"], "scope": d.get("scope", ""), "backward": d.get("backward", False)}
 
     def where(self, n: int) -> str:
@@ -186,12 +190,16 @@ class Graph:
         return self._next
 
     def operands(self, n: int) -> list[int]:
-        edges = sorted(((k, u) for u, _, k in self.g.in_edges(n, keys=True)))
+        pred = self.g._pred[n]
+        if len(pred) == 1:  # one operand node (perhaps used several times): no sort across nodes
+            ((u, keys),) = pred.items()
+            return [u] * len(keys)
+        edges = sorted([(k, u) for u, keys in pred.items() for k in keys])
         return [u for _, u in edges]
 
     def users(self, n: int) -> list[tuple[int, int]]:
         """(user, operand index) pairs, sorted."""
-        return sorted((v, k) for _, v, k in self.g.out_edges(n, keys=True))
+        return sorted([(v, k) for v, keys in self.g._succ[n].items() for k in keys])
 
     def nodes(self) -> list[int]:
         return self.topo_order()
@@ -219,8 +227,30 @@ class Graph:
         return list(seen)
 
     def topo_order(self) -> list[int]:
-        """A deterministic topological order: among ready nodes, the smallest id first."""
-        return list(nx.lexicographical_topological_sort(self.g, key=lambda n: n))
+        """A deterministic topological order: among ready nodes, the smallest id first (the
+        order of `nx.lexicographical_topological_sort(g, key=lambda n: n)`, which cost several
+        times this on the graphs' int ids). Raises `nx.NetworkXUnfeasible` on a cycle."""
+        pred, succ = self.g._pred, self.g._succ
+        waiting: dict[int, int] = {}
+        ready: list[int] = []
+        for v, ins in pred.items():
+            if ins:
+                waiting[v] = sum(map(len, ins.values()))  # parallel edges count, as in networkx
+            else:
+                ready.append(v)
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            n = heapq.heappop(ready)
+            order.append(n)
+            for child, keys in succ[n].items():
+                left = waiting[child] - len(keys)
+                waiting[child] = left
+                if not left:
+                    heapq.heappush(ready, child)
+        if len(order) != len(pred):
+            raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
+        return order
 
     def count(self, op: str | None = None) -> int:
         return sum(1 for n in self.g if op is None or self.op(n) == op)
@@ -255,10 +285,10 @@ class Graph:
         """A copy whose structure can be edited freely; attributes are shared read-only values."""
         new = _copy.copy(self)
         new.name = name or self.name
-        new.g = self.g.copy()
-        for n in new.g:
-            new.g.nodes[n]["attrs"] = dict(new.g.nodes[n]["attrs"])
-            new.g.nodes[n]["notes"] = dict(new.g.nodes[n]["notes"])
+        new.g = _copy_multidigraph(self.g)
+        for d in new.g._node.values():
+            d["attrs"] = dict(d["attrs"])
+            d["notes"] = dict(d["notes"])
         for table in ("inputs", "parameters", "states", "outputs", "updates", "meta"):
             setattr(new, table, dict(getattr(self, table)))
         return new
@@ -360,6 +390,30 @@ class Graph:
     def to_dot(self) -> str:
         from .printer import to_dot
         return to_dot(self)
+
+
+def _copy_multidigraph(g: nx.MultiDiGraph) -> nx.MultiDiGraph:
+    """`g.copy()` built on networkx's dicts directly, with the same contents and the same
+    iteration orders (nodes, successors, predecessors in the order `add_edges_from` gives them,
+    keys), a shallow copy of every node and edge attribute dict; `MultiDiGraph.copy` spent most
+    of its time in per-edge `add_edge` calls, and passes copy their input graph."""
+    new = g.__class__()
+    new.graph.update(g.graph)
+    node = {n: d.copy() for n, d in g._node.items()}
+    succ: dict[Any, dict] = {n: {} for n in node}
+    pred: dict[Any, dict] = {n: {} for n in node}
+    for u, nbrs in g._succ.items():
+        su = succ[u]
+        for v, keys in nbrs.items():
+            kd = {k: d.copy() for k, d in keys.items()}
+            su[v] = kd
+            pred[v][u] = kd  # one key dict for both directions, as networkx keeps it
+    new._node = node
+    new._adj = succ  # also sets _succ (networkx's descriptor); set below where a version does not
+    new._pred = pred
+    if new._succ is not succ:
+        new._succ = succ
+    return new
 
 
 def subgraph_of(graph: Graph, nodes: Iterable[int], output: int | Sequence[int], name: str = "group", *,

@@ -519,7 +519,6 @@ def infer_type(name: str, types: Sequence[TensorType], attrs: dict[str, Any]) ->
     op = OPS.get(name)
     if op is None:
         raise ShapeError(f"unknown op {name!r}")
-    shown = ", ".join(str(t) for t in types)
     try:
         if op.arity is not None and len(types) != op.arity:
             raise ShapeError(f"{name} takes {op.arity} operand(s), got {len(types)}")
@@ -532,4 +531,5 @@ def infer_type(name: str, types: Sequence[TensorType], attrs: dict[str, Any]) ->
         msg = str(e)
         if not msg.startswith(name):
             msg = f"{name}: {msg}"
+        shown = ", ".join(str(t) for t in types)  # only on failure: formatting every type was a cost per node
         raise ShapeError(f"{msg} (operands: {shown or 'none'})") from None

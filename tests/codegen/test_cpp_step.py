@@ -200,3 +200,17 @@ def test_whole_cnn_step_is_bit_identical_with_1_and_2_threads():
         assert r.returncode == 0, r.stderr
         out[n] = r.stdout
     assert out["1"] == out["2"]
+
+
+def test_kernel_naming_marks_the_same_words_as_the_regex():
+    """`cpp_units._mark_name` finds the kernel's name with str.find: it must mark exactly the
+    whole words `<name>` and `ember_k_<name>` that `\\b(ember_k_)?<name>\\b` matches."""
+    import random
+    from ember.codegen.cpp_units import _PLACEHOLDER, _mark_name
+    rng = random.Random(0)
+    pieces = ["k1", "k1_x", "_", "ember_k_", "ember_", " ", "(", ")", "1", "a", "é", "x"]
+    for _ in range(20000):
+        name = rng.choice(["k1", "k1_x", "_k1", "ember_k_k1", "k1_"])
+        code = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        want = re.sub(rf"\b(ember_k_)?{re.escape(name)}\b", lambda m: (m.group(1) or "") + _PLACEHOLDER, code)
+        assert _mark_name(code, name) == want, (code, name)

@@ -234,6 +234,50 @@ def test_topo_order_after_edits_puts_a_late_node_before_its_user():
     np.testing.assert_allclose(evaluate(g, np.array([0, 1, 2], np.float32)), np.exp(-np.arange(3)), rtol=1e-6)
 
 
+def _random_dag(seed: int) -> Graph:
+    """A graph of adds and negs over random earlier nodes, some rewired after the fact (so ids and
+    edge insertion orders disagree with the topological order), with repeated operands."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    nodes = [g.add_input(f"x{i}", f32(2)) for i in range(3)]
+    for _ in range(40):
+        if rng.random() < 0.3:
+            nodes.append(g.add("neg", [nodes[rng.integers(len(nodes))]]))
+        else:
+            a, b = rng.integers(len(nodes), size=2)
+            nodes.append(g.add("add", [nodes[a], nodes[b]]))
+    for _ in range(10):  # point an operand at a later node that does not depend on the user
+        v = nodes[rng.integers(3, len(nodes))]
+        free = [n for n in nodes if n != v and v not in nx.ancestors(g.g, n)]
+        g.set_operand(v, int(rng.integers(len(g.operands(v)))), free[rng.integers(len(free))])
+    g.set_output("y", nodes[-1])
+    return g.verify(full=True)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_topo_order_copy_and_edges_match_networkx(seed):
+    """topo_order, operands, users and copy read networkx's dicts directly: the same results
+    and iteration orders as its own algorithms and views."""
+    g = _random_dag(seed)
+    assert g.topo_order() == list(nx.lexicographical_topological_sort(g.g, key=lambda n: n))
+    for n in g.g:
+        assert g.operands(n) == [u for _, u in sorted((k, u) for u, _, k in g.g.in_edges(n, keys=True))]
+        assert g.users(n) == sorted((v, k) for _, v, k in g.g.out_edges(n, keys=True))
+    ours, theirs = g.copy().g, g.g.copy()
+    assert list(ours.nodes(data=True)) == list(theirs.nodes(data=True))
+    assert list(ours.edges(keys=True, data=True)) == list(theirs.edges(keys=True, data=True))
+    for n in theirs:
+        assert list(ours.pred[n]) == list(theirs.pred[n])
+        assert [list(k) for k in ours.pred[n].values()] == [list(k) for k in theirs.pred[n].values()]
+        for u in ours.pred[n]:
+            assert ours._pred[n][u] is ours._succ[u][n]  # one key dict per node pair, as networkx keeps it
+    cyclic = g.copy()
+    u, v = next(iter(cyclic.g.edges()))
+    cyclic.g.add_edge(v, u, key=9)
+    with pytest.raises(nx.NetworkXUnfeasible):
+        cyclic.topo_order()
+
+
 def test_replace_uses_moves_operands_outputs_and_updates():
     g = Graph()
     x = g.add_input("x", f32(3))
