@@ -78,6 +78,10 @@ class Family:
     #: serves any geometry with the same part, so a step of another batch size may take it
     #: (`reusable`, `decide(reuse=)`) and share the kernel. None: the code holds every size
     code_geometry: Callable[[Geometry], Geometry] | None = None
+    #: (geometry, plan) -> whether a plan of a step of another batch size fits this geometry, as
+    #: the kernel renders a reused plan (its run-time sizes may let it take plans `accepts`
+    #: refuses, e.g. a split count made for another length); None: `fits`
+    accepts_reused: Callable[[Geometry, Plan], bool] | None = None
 
     def all_plans(self, g: Geometry) -> list[Plan]:
         return (self.tuning_plans or self.plans)(g)
@@ -85,6 +89,9 @@ class Family:
     def fits(self, g: Geometry, plan: Plan) -> bool:
         ok = self.accepts(g, plan)
         return plan in self.all_plans(g) if ok is None else ok
+
+    def fits_reused(self, g: Geometry, plan: Plan) -> bool:
+        return self.accepts_reused(g, plan) if self.accepts_reused is not None else self.fits(g, plan)
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,7 @@ class ChoiceTable:
             for own in (True, False):
                 for f, key in keys:
                     plan = shared.get(f"{sub.name}@{key}" if own else key)
-                    if plan is not None and f.fits(g, plan):
+                    if plan is not None and f.fits_reused(g, plan):
                         return Decision((f.name, plan), "reused: the plan of this kernel at another batch size"
                                         if own else "reused: the plan of a kernel of the same code")
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):

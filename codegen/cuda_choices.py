@@ -158,10 +158,8 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
 
 
 def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
-    """A GEMM plan (from the database, or a step of another batch size) fits when its tile is
-    feasible (registers, shared memory, the tensor cores' warp grid) and its grid within CUDA's
-    limits: the kernels take M, K and the split chunk at run time, so its split count serves any
-    K (at a shorter one trailing splits add zeros)."""
+    """A stored GEMM plan fits when the cost model finds it feasible as it is (the same splits):
+    a step's own kernels hold K and the split chunk in their code."""
     p, fields = _gemm_problem(g), dict(plan)
     try:
         gp = GemmPlan(**fields)
@@ -170,11 +168,33 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
     mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
-    if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
-        return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
                                 p["a_kfast"], p["b_kfast"])
-    return q is not None and (q.BM, q.BN, q.BK, q.TM, q.TN) == (gp.BM, gp.BN, gp.BK, gp.TM, gp.TN)
+    return q is not None and _pairs(q) == plan
+
+
+_TILES = frozenset(cuda_kernels._tile_candidates())
+
+
+def _gemm_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A GEMM plan of another batch size fits where its tile is one the templates build and is
+    feasible (registers, shared memory, the tensor cores' warp grid) and its grid within CUDA's
+    limits: a reused plan's kernel takes M, K and the split chunk at run time, so its split count
+    serves any K (at a shorter one trailing splits add zeros)."""
+    p, fields = _gemm_problem(g), dict(plan)
+    try:
+        gp = GemmPlan(**fields)
+    except TypeError:
+        return False
+    if (gp.BM, gp.BN, gp.TM, gp.TN) not in _TILES or gp.BK < 1 or gp.splits < 1:
+        return False
+    mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
+    if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
+        return False
+    if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
+        return False
+    return cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
+                                   p["a_kfast"], p["b_kfast"]) is not None
 
 
 def _gemm_code(g: dict[str, Any]) -> dict[str, Any]:
@@ -242,12 +262,11 @@ def _direct_plans(g: dict[str, Any]) -> list[Plan]:
     return [] if plan is None else [_pairs(plan)]
 
 
-def _direct_accepts(g: dict[str, Any], plan: Plan) -> bool | None:
-    """A forward or grad-input plan fits where it tiles the geometry (its code takes the images
-    at run time, so a plan of another batch size serves); a grad-weight plan must be the cost
-    model's (None: ask `plans`)."""
+def _direct_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A forward or grad-input plan of another batch size fits where it tiles the geometry (the
+    images are the grid's y alone); a grad-weight's must be the cost model's here."""
     if g["kind"] == "conv2d_grad_weight" or _direct_rejects(g) is not None:
-        return None
+        return plan in _direct_plans(g)
     try:
         p = cuda_direct.DirectPlan(**dict(plan), score=0.0)
     except TypeError:
@@ -521,7 +540,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _float32(_small_rejects),
            _small_preferred, _small_scratch, _small_render),
     Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render,
-           accepts=_direct_accepts, code_geometry=_direct_code),
+           accepts_reused=_direct_accepts_reused, code_geometry=_direct_code),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
     # they take (direct_tc: precision "tf32", and bfloat16 operands, exact in TF32, but for its
     # grad-weight; gemm: its plans follow the geometry's tf32);
@@ -537,7 +556,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
     # its mma.sync bfloat16 path, the only one serving them
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
-           tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code),
+           tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code,
+           accepts_reused=_gemm_accepts_reused),
     Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
            grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,

@@ -5,6 +5,11 @@ their start timed apart). This is what chose two threads and opt-in workers for
 `runtime/cuda_modules.load_modules` (docs/benchmarks.md, session 12).
 
     python tools/nvrtc_throughput.py [resnet8|cnn|mlp|zoo:NAME] [batch]
+    python tools/nvrtc_throughput.py resnet8 7 --groups     # the units one a module, or G a module
+
+With --groups: NVRTC's cost of a module with the prelude alone (its fixed cost), then the units
+compiled one after another as one module each and concatenated into G modules (G = 1, 2, 4, 8),
+so whether building fewer, larger modules would pay.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ def up(_: int) -> tuple[int, int]:
     return nvrtc.getVersion()
 
 
-def units(model: str, batch: int) -> list[str]:
+def units(model: str, batch: int) -> tuple[list[str], str]:
     import numpy as np
     from ember.frontends import nn, optim
     from ember.frontends.compile import plan
@@ -46,14 +51,34 @@ def units(model: str, batch: int) -> list[str]:
     example = (np.zeros((batch, *shape), np.float32), np.zeros(batch, np.int64))
     graph = next(iter(plan(m, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda").values()))
     source = render_step(graph)
-    return [source.prelude + code for code, _ in source.units]
+    return [source.prelude + code for code, _ in source.units], source.prelude
+
+
+def groups(sources: list[str], prelude: str) -> None:
+    bodies = [s[len(prelude):] for s in sources]
+    for job in [(i, s, "warm") for i, s in enumerate(sources)][:8]:
+        build(job)
+    fixed = sorted(build((i, prelude, "prelude")) for i in range(5))[2]
+    print(f"prelude alone  median {fixed * 1e3:.1f} ms")
+    t = time.perf_counter()
+    per = [build((i, s, "one")) for i, s in enumerate(sources)]
+    print(f"one a module   wall {time.perf_counter() - t:.3f} s, {len(sources)} modules, median {sorted(per)[len(per) // 2] * 1e3:.1f} ms")
+    for g in (1, 2, 4, 8):
+        chunks = [prelude + "".join(bodies[i::g]) for i in range(g)]
+        t = time.perf_counter()
+        per = [build((i, c, f"g{g}")) for i, c in enumerate(chunks)]
+        print(f"{g} modules      wall {time.perf_counter() - t:.3f} s, largest {max(per) * 1e3:.1f} ms")
 
 
 def main() -> None:
     import cupy as cp
     cp.cuda.runtime.free(0)  # a CUDA context, as a compiling step has
     OPTS[1] = f"-arch=sm_{cp.cuda.Device().compute_capability}"
-    sources = units(sys.argv[1] if len(sys.argv) > 1 else "resnet8", int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+    args = [a for a in sys.argv[1:] if a != "--groups"]
+    sources, prelude = units(args[0] if args else "resnet8", int(args[1]) if len(args) > 1 else 64)
+    if "--groups" in sys.argv:
+        groups(sources, prelude)
+        return
     jobs = lambda tag: [(i, s, tag) for i, s in enumerate(sources)]  # noqa: E731
     for job in jobs("warm")[:8]:
         build(job)  # NVRTC's first compiles in a process are slow: keep them out of the figures

@@ -5,6 +5,7 @@ Compare tuning databases by running it under different $EMBER_CACHE_DIR (the use
 
     python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32] [--torch] [--out rows.json]
     python tools/step_time.py --device cpu --cases resnet8:64,mobilenet:64 [--bf16] [--steps 20]
+    python tools/step_time.py --cases resnet8:64 --runtime-sizes   # every GEMM as a reused plan renders it
 
 Any model of the zoo (`ember bench --zoo` lists them) can be a case. On the GPU the step is timed
 with CUDA events (the median of 5 rounds of 200 steps); on the CPU by the wall clock, each step
@@ -39,7 +40,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--bf16", action="store_true", help="precision='bf16' (the CPU's bfloat16 kernels)")
     ap.add_argument("--steps", type=int, default=20, help="cpu: steps timed (each alone; the median is shown)")
+    ap.add_argument("--runtime-sizes", action="store_true",
+                    help="cuda: every GEMM kernel on run-time sizes (what a reused plan renders), not specialised")
     args = ap.parse_args()
+    if args.runtime_sizes:
+        from ember.codegen import cuda_choices
+        cuda_choices.runtime_sizes = lambda spec: True
     if args.device == "cpu":
         _cpu(args)
         return

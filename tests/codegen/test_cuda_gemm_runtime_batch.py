@@ -185,3 +185,21 @@ def test_later_batch_sizes_of_a_step_reuse_its_plans_and_share_their_texts():
             units8[k] for k in gemms), name
     for name in directs:
         assert units8[name] == units5[name], name
+
+
+def test_a_reused_gemm_plan_fits_by_its_tile_and_a_stored_one_only_as_the_cost_model_has_it():
+    """A plan from a step of another batch size (rendered on run-time sizes) fits a grad-weight
+    whose K it was not made for, where a database record with that split chunk would not (the
+    specialised kernel holds its K and chunk); a tile the templates do not build fits neither."""
+    from ember.codegen import cuda_choices
+    gemm = cuda_choices.FAMILIES["gemm"]
+    g = dict(kind="conv2d_grad_weight", epilogues=frozenset(), tf32=False, N=64, C=16, H=14, W=14, O=32, KH=3, KW=3,
+             stride=1, padding=(1, 1), HO=14, WO=14)
+    plan = cuda_choices._gemm_plans(g)[0]
+    assert gemm.fits(g, plan) and gemm.fits_reused(g, plan)
+    smaller = dict(g, N=3)
+    assert gemm.fits_reused(smaller, plan)
+    if dict(plan)["splits"] > 1:
+        assert not gemm.fits(smaller, plan)
+    nonsense = (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5))
+    assert not gemm.fits(g, nonsense) and not gemm.fits_reused(g, nonsense)
