@@ -224,7 +224,9 @@ class ChoiceTable:
         (default: the active one; None: none). `reuse`: `reusable` of a step of this model at
         another batch size, whose plan for this kernel (where it has one that fits) comes before
         the database and the cost model."""
-        g = self._geometry(sub, spec)
+        return self._decide(sub, spec, self._geometry(sub, spec), db, reuse)
+
+    def _decide(self, sub: Graph, spec: KernelSpec, g: Geometry, db: Any, reuse: Any) -> Decision:
         forced = self._forced.get().get(spec.kind)
         if forced is not None:
             f = self.families[forced]
@@ -268,8 +270,9 @@ class ChoiceTable:
         """`Target.choose_kernel`: (family, plan, scratch bytes, why); None for a kind that is no kernel."""
         if spec.kind in self.no_kernel:
             return None
-        d = self.decide(sub, spec, reuse=reuse)
-        return d.choice[0], d.choice[1], self.scratch_bytes(sub, spec, d.choice), d.why
+        g = self._geometry(sub, spec)  # once: a CUDA reduction's lowers the kernel
+        d = self._decide(sub, spec, g, ..., reuse)
+        return d.choice[0], d.choice[1], self.families[d.choice[0]].scratch(g, d.choice[1]), d.why
 
     def render(self, name: str, sub: Graph, spec: KernelSpec, choice: Choice, epilogue: Any = None) -> Any:
         """The kernel of `choice` for this spec: exactly the stamped family and plan."""
