@@ -348,3 +348,30 @@ def render_step(graph: Graph) -> CudaStepSource:
             parts.append(header + code)
         kernels.append((name, spec.describe(), implements))
     return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels, shared, units)
+
+
+#: the why a step at another batch size stamps on a kernel whose plan it took from this one
+#: (`choices.ChoiceTable.decide`): `cuda_choices.runtime_sizes` renders such a GEMM on run-time sizes
+REUSED_WHY = "reused: the plan of this kernel at another batch size"
+
+
+def reused_variants(graph: Graph) -> list[tuple[str, tuple[str, ...]]]:
+    """The units (code, functions) of this step's GEMM-family kernels as a step of another batch
+    size that takes their plans renders them (on run-time sizes, kernels whose code is the same
+    up to their name one function, as `render_step` makes them): what a later batch size of the
+    model will look for in the module cache, so a build can make them ahead."""
+    units: list[tuple[str, tuple[str, ...]]] = []
+    defined: set[str] = set()
+    for n in graph.meta["schedule"]:
+        if graph.op(n) != "fused":
+            continue
+        spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+        if spec.choice is None or spec.choice[0] != "gemm" or cuda_choices.runtime_sizes(spec):
+            continue
+        kernel, _ = render_contraction(sub.name, sub, dataclasses.replace(spec, why=REUSED_WHY))
+        functions = tuple(dict.fromkeys(la.function for la in kernel.launches))
+        canonical = kernel.code.replace(sub.name, "\0")
+        if canonical not in defined:
+            defined.add(canonical)
+            units.append((kernel.code, functions))
+    return units

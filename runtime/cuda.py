@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -217,6 +218,43 @@ def _arch(cp: Any) -> str:
     return f"sm_{cp.cuda.Device().compute_capability}"  # CuPy gives "90" for compute capability 9.0
 
 
+def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ...]) -> threading.Thread | None:
+    """Starts building, on a thread of its own, the modules a step of this model at another batch
+    size will ask for that this one did not build (its GEMMs on run-time sizes,
+    `cuda_codegen.reused_variants`), so the last partial batch or an inference at another size
+    finds them: NVRTC runs without the GIL, so the steps this process launches meanwhile wait on
+    nothing but its second compile slot. Only for a step that took no plan of another (the
+    first of a model). Opt-in (`EMBER_PREFETCH=1`) until it is measured on a GPU: written and
+    tested without one (session 13), no device time was left to run it. A failure here costs
+    nothing: the later build compiles what it misses (and raises what NVRTC rejects)."""
+    if graph.meta.get("kernel_reuse") or os.environ.get("EMBER_PREFETCH", "0") != "1":
+        return None
+    device = compile_device()
+
+    def build() -> None:
+        try:
+            with using(device):
+                units = cuda_codegen.reused_variants(graph)
+            for code, functions in units:
+                if _exiting.is_set():
+                    return
+                cuda_modules.prefetch(cp, [prelude + code], options, names=[functions[0]])
+        except Exception:  # noqa: BLE001 (ahead-of-time work: the build that needs a module makes it)
+            pass
+
+    # Not a daemon: the interpreter's exit waits for the module in NVRTC, then the thread stops
+    # (`_exiting`), rather than unloading libraries under it.
+    thread = threading.Thread(target=build, name="ember-cuda-prefetch")
+    thread.start()
+    return thread
+
+
+#: set when the interpreter starts to exit (before it joins threads): builds ahead stop
+_exiting = threading.Event()
+if hasattr(threading, "_register_atexit"):  # CPython's hook for this (concurrent.futures uses it)
+    threading._register_atexit(_exiting.set)
+
+
 class CudaExecutor:
     """One compiled CUDA step of a fused, memory-planned graph, bound to a `DeviceStorage`."""
 
@@ -248,6 +286,7 @@ class CudaExecutor:
         self.functions.update({la.function: self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):])
                                for la in collectives})
         self.compile_seconds = time.perf_counter() - t0
+        self.prefetch = _prefetch_reused(cp, graph, self.source.prelude, options)
         # where the time went (the frontend adds its passes' seconds; `ember mnist --verbose`)
         self.compile_stats: dict[str, float | int] = {
             "render_s": round(rendered - t0, 4), "compiler_s": round(time.perf_counter() - rendered, 4),

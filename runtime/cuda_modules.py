@@ -82,9 +82,10 @@ def _read_hit(cubin: Path, meta: Path) -> bytes | None:
 
 
 def _store(root: Path, shard: Path, key: str, source: str, image: bytes, options: tuple[str, ...],
-           version: tuple[int, int]) -> None:
+           version: tuple[int, int], warn: bool = True) -> None:
     """Writes the entry (metadata last: it marks a complete one); a cache that cannot be written
-    costs the next process a rebuild, never this one its module, so it warns once and goes on."""
+    costs the next process a rebuild, never this one its module, so it warns once and goes on
+    (`warn` False: silently, for modules built ahead that no one asked for yet)."""
     try:
         pipeline.write_atomic(shard / f"{key}.cu", source)
         pipeline.write_atomic(shard / f"{key}.cubin", image)
@@ -92,10 +93,32 @@ def _store(root: Path, shard: Path, key: str, source: str, image: bytes, options
             "format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(image).hexdigest(),
             "options": list(options), "nvrtc": list(version), "created": time.time()}, indent=1) + "\n")
     except OSError as exc:
-        if not _write_warned.is_set():
+        if warn and not _write_warned.is_set():
             _write_warned.set()
             warnings.warn(f"ember's compile cache {root} cannot be written ({exc.strerror or exc}): CUDA modules are "
                           "rebuilt in every process; set EMBER_CACHE_DIR to a writable folder", stacklevel=3)
+
+
+def prefetch(cp: Any, sources: list[str], options: tuple[str, ...], *, names: list[str],
+             cache: Path | None = None) -> int:
+    """Builds into the cache the sources it does not hold, one after another, loading nothing:
+    modules a later build is expected to ask for (`runtime/cuda.py`: a step's GEMMs as a step of
+    another batch size renders them), made while this process does other work. A source NVRTC
+    rejects is left out (the build that needs it raises). Returns how many were built."""
+    options = tuple(options) + IMPLIED_OPTIONS
+    version = nvrtc_version(cp)
+    root = Path(cache) if cache is not None else compiler.cache_dir()
+    built = 0
+    for source, name in zip(sources, names):
+        key = module_key(source, options, version)
+        shard = root / KIND / key[:2]
+        if _read_hit(shard / f"{key}.cubin", shard / f"{key}.json") is not None:
+            continue
+        image, _ = _nvrtc_cubin(cp, source, options, f"{name}.cu")
+        if image:
+            _store(root, shard, key, source, image, options, version, warn=False)
+            built += 1
+    return built
 
 
 def load_module(cp: Any, source: str, options: tuple[str, ...], *, name: str = "kernels",

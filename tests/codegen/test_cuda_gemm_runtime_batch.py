@@ -203,3 +203,52 @@ def test_a_reused_gemm_plan_fits_by_its_tile_and_a_stored_one_only_as_the_cost_m
         assert not gemm.fits(smaller, plan)
     nonsense = (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5))
     assert not gemm.fits(g, nonsense) and not gemm.fits_reused(g, nonsense)
+
+
+def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders():
+    """`cuda.reused_variants` of ResNet-8's step at 8 (what its executor builds ahead) are exactly
+    the GEMM units of its step at 5 given 8's plans: a later batch size finds every one of them."""
+    import ember.runtime
+    from ember.codegen import cuda
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    from models import train_graph
+
+    target = ember.runtime.target("cuda")
+    first = run_passes(train_graph(build_model("resnet8"), (8, 1, 28, 28)), target.passes())
+    later_graph = train_graph(build_model("resnet8"), (5, 1, 28, 28))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    later = run_passes(later_graph, target.passes())
+    ahead = cuda.reused_variants(first)
+    gemm_units = {code for code, functions in cuda.render_step(later).units if any(f.endswith("_gemm") for f in functions)}
+    assert len(ahead) >= 12 and {code for code, _ in ahead} == gemm_units
+    assert cuda.reused_variants(later) == []  # a later step's GEMMs are the variants already
+
+
+def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_does_not(monkeypatch):
+    """The CUDA executor's build ahead (`runtime/cuda._prefetch_reused`), with NVRTC faked: the
+    first step of a model hands `cuda_modules.prefetch` its GEMMs' run-time-size units, one at a
+    time, on a thread that ends, where EMBER_PREFETCH=1 asks for it; a step that took another's
+    plans, and the default (off until measured on a GPU), start nothing."""
+    import ember.runtime
+    from ember.codegen import cuda
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    from ember.runtime import cuda as runtime_cuda
+    from models import train_graph
+
+    target = ember.runtime.target("cuda")
+    first = run_passes(train_graph(build_model("resnet8"), (8, 1, 28, 28)), target.passes())
+    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None  # off by default
+    monkeypatch.setenv("EMBER_PREFETCH", "1")
+    asked = []
+    monkeypatch.setattr(runtime_cuda.cuda_modules, "prefetch",
+                        lambda cp, sources, options, names: asked.extend(zip(names, sources)) or len(sources))
+    thread = runtime_cuda._prefetch_reused(object(), first, "// prelude\n", ("-arch=sm_90",))
+    thread.join(timeout=120)
+    assert not thread.is_alive() and not thread.daemon
+    want = cuda.reused_variants(first)
+    assert [source for _, source in asked] == ["// prelude\n" + code for code, _ in want]
+    assert [name for name, _ in asked] == [functions[0] for _, functions in want]
+    first.meta["kernel_reuse"] = target.reusable(first)
+    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None

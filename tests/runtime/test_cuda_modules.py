@@ -205,3 +205,29 @@ def test_real_modules_built_on_worker_processes_run(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True,
                          env=dict(os.environ, EMBER_NVRTC_WORKERS="3"))
     assert "'misses': 12" in out.stdout, out.stdout
+
+
+def test_prefetch_builds_what_the_cache_lacks_and_a_later_load_finds_it(tmp_path):
+    """Modules built ahead (a step's GEMMs as a later batch size renders them) are stored and
+    nothing is loaded; what the cache holds is not built again; a source NVRTC rejects is left
+    out; the later load is a hit, NVRTC not asked."""
+    cuda_modules.load_module(fake_cupy(), SOURCE, OPTIONS, cache=tmp_path)
+    other = SOURCE.replace("twice", "thrice")
+    cp = fake_cupy()
+    built = cuda_modules.prefetch(cp, [SOURCE, other, "syntax error"], OPTIONS, names=["a", "b", "c"], cache=tmp_path)
+    assert built == 1 and cp.cuda.nvrtc.compiles == 2 and cp.loaded == []
+    assert compiler.cache_stats("nvrtc")["misses"] == 1  # the first load's; prefetching counts nothing
+    later = fake_cupy()
+    module = cuda_modules.load_module(later, other, OPTIONS, cache=tmp_path)
+    assert later.cuda.nvrtc.compiles == 0 and module.image == b"\x7fELF" + other.encode()
+
+
+def test_prefetch_into_a_cache_that_cannot_be_written_is_silent(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(cuda_modules.pipeline, "write_atomic", refuse)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda_modules.prefetch(fake_cupy(), [SOURCE], OPTIONS, names=["a"], cache=tmp_path) == 1
+    assert not cuda_modules._write_warned.is_set()
