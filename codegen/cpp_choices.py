@@ -5,6 +5,7 @@ x @ W^T vectorised along k; `axpy`: any matmul, vectorised along n), the three c
 kernels (forward, grad-input, grad-weight), each with its modes (row, flat, generic; the
 grad-input's scatter) and register tiles as plans, the phase-plane convolutions (`conv_phase`: any
 stride and groups, register-tiled; the cost model's for strided and grouped convolutions), the
+3x3 stride-1 convolutions by Winograd's F(2x2, 3x3) (`conv_winograd`: taken where measured), the
 generic grouped convolutions (`grouped_conv`), pooling and the generated kinds (pointwise,
 reductions: one plan each). Each entry (a `choices.Family`) says which kinds it serves, when it
 applies (a reason when not), when the cost model prefers it, its plans (the cost model's best
@@ -30,9 +31,10 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import conv_phase, cpp_bf16, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
+from . import conv_phase, conv_winograd, cpp_bf16, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan, runtime
 from .conv_phase import PhasePlan
+from .conv_winograd import WinogradPlan
 from .cpp_kernels import AxpyPlan, ConvPlan, DotPlan, KernelSource
 from .cpu_vector import VectorISA
 from .shapes import pair
@@ -230,7 +232,8 @@ def _dot_rejects(g: dict[str, Any]) -> str | None:
 
 
 def _never(g: dict[str, Any]) -> bool:
-    """The dot form is picked over the general axpy form only where measurements say so."""
+    """A family taken only where measurements say so (the dot matmul over the general axpy form,
+    Winograd over the direct convolutions)."""
     return False
 
 
@@ -347,6 +350,29 @@ def _phase_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
                              bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps)
 
 
+# -- winograd: 3x3 stride-1 forward and grad-input convolutions by F(2x2, 3x3) (conv_winograd)
+
+def _winograd_rejects(g: dict[str, Any]) -> str | None:
+    return conv_winograd.serves(g["kind"], _phase_geometry(g))
+
+
+def _winograd_plans(tune: bool):
+    def plans(g: dict[str, Any]) -> list[Plan]:
+        return [p.pairs() for p in conv_winograd.plans(g["kind"], _phase_geometry(g), _isa(g), tune)]
+    return plans
+
+
+def _winograd_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return conv_winograd.scratch_bytes(g["kind"], _phase_geometry(g), WinogradPlan(**dict(plan)), _isa(g))
+
+
+def _winograd_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                     epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
+    eps = g["epilogues"]
+    return conv_winograd.render(name, g["kind"], _phase_geometry(g), WinogradPlan(**dict(plan)), _isa(g),
+                                bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps)
+
+
 # -- pooling and the generated kinds: one family each, one plan
 
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
@@ -386,6 +412,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,
            _phase_render, tuning_plans=_phase_plans(True), accepts=_fits(_phase_scratch), grouped=True,
            code_geometry=_phase_code),
+    # fewer multiplications than the direct kernels, more transforms: taken where measured (the
+    # tuning database, or the prior its records give kernels of similar sizes), never by default
+    Family("winograd", conv_winograd.KINDS, 1, _winograd_plans(False), _float32(_winograd_rejects), _never,
+           _winograd_scratch, _winograd_render, tuning_plans=_winograd_plans(True), accepts=_fits(_winograd_scratch),
+           code_geometry=runtime("N")),
     # float32 or bfloat16 operands; for bfloat16 after the bf16 family (its direct and taps modes
     # are tiled), so the generic loops serve what they do not (a strided grouped grad-input)
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _float32_only, _no_scratch, _grouped_render,

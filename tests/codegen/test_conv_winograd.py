@@ -1,0 +1,247 @@
+"""The Winograd F(2x2, 3x3) convolutions (codegen/conv_winograd.py: the CPU table's `winograd`
+family) against the interpreter, for both vector variants whatever CPU runs this (as
+test_conv_phase.py: avx2 built and run everywhere, avx512 built everywhere and run where the CPU
+has AVX-512F, the 16-lane source also run emulated on AVX2).
+
+Geometries: the zoo's 3x3 layers at a small batch, and random ones (seeded): odd and even planes
+from 1x1 to 30 wide, padding 0-3 (past the kernel too, where the grad-input's correlation crops),
+channel counts past a register tile; forward with bias and ReLU, grad-input with the ReLU mask.
+Every geometry runs the cost model's plan, a few every plan the tuner measures. The kernels take
+the images at run time, so each runs at its own batch, 1, 2 and 21 against the interpreter, with
+scratch sized for that call and checked not to be written past. Tolerance as test_cpp_kernels
+(fp32 against float64, rtol 1e-4, atol 1e-5 sqrt(R) scaled by the outputs' size). The results
+are bit-identical for 1, 2 and 3 threads, and no less accurate than the direct kernels' on a
+layer of the zoo's size.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import test_conv_phase as tp
+import test_cpp_kernels as base
+import test_cpu_vector as tv
+from ember.codegen import conv_winograd as cw
+from ember.codegen import cpp_kernels as ck
+from ember.codegen import cpu_vector as cv
+from ember.codegen.compiler import compile_cpp
+from ember.codegen.grouped_conv import ConvGeometry
+
+KINDS = cw.KINDS
+_SHORT = {"conv2d": "fwd", "conv2d_grad_input": "gin"}
+
+
+def _named(label: str, n, c, h, w, o, p) -> tuple[str, ConvGeometry]:
+    ho, wo = h + 2 * p - 2, w + 2 * p - 2
+    return label, ConvGeometry(n, c, h, w, o, 3, 3, 1, 1, p, p, ho, wo, 1)
+
+
+def _geometry(rng: random.Random) -> ConvGeometry:
+    ph, pw = rng.choice([0, 1, 1, 2, 3]), rng.choice([0, 1, 1, 2])
+    h, w = rng.choice([1, 2, 3, 5, 7, 8, 14, 15]), rng.choice([1, 2, 4, 7, 11, 16, 30])
+    h, w = max(h, 3 - 2 * ph), max(w, 3 - 2 * pw)
+    c, o = rng.choice([1, 3, 8, 17, 33]), rng.choice([1, 5, 16, 19, 40])
+    return ConvGeometry(rng.choice([1, 2, 3, 5]), c, h, w, o, 3, 3, 1, 1, ph, pw, h + 2 * ph - 2, w + 2 * pw - 2, 1)
+
+
+GEOMETRIES = [
+    _named("airbench_7x7", 2, 32, 7, 7, 24, 1),
+    _named("airbench_14x14", 3, 16, 14, 14, 40, 1),
+    _named("mnist_conv2", 2, 16, 26, 26, 32, 0),
+    _named("resnet_28x28", 2, 16, 28, 28, 16, 1),
+] + [(f"random{i}", _geometry(random.Random(f"winograd{i}"))) for i in range(10)]
+TUNED = ("airbench_7x7", "random2")
+TUNED_N = 48
+
+
+def _plans(label: str, kind: str, g: ConvGeometry, isa: cv.VectorISA) -> list[cw.WinogradPlan]:
+    if label in TUNED:
+        return cw.plans(kind, dataclasses.replace(g, N=TUNED_N), isa, tune=True)
+    return cw.plans(kind, g, isa)
+
+
+def _runs(g: ConvGeometry) -> list[ConvGeometry]:
+    return [dataclasses.replace(g, N=n) for n in dict.fromkeys((g.N, 1, 2, 21))]
+
+
+def _epilogues(kind: str) -> dict[str, bool]:
+    return dict(bias=True, relu=True) if kind == "conv2d" else dict(relu_mask=True)
+
+
+def _kernels(variant: str) -> list[tuple]:
+    isa = tv._isa(variant)
+    out = []
+    for gi, (label, g) in enumerate(GEOMETRIES):
+        for kind in KINDS:
+            for pi, plan in enumerate(_plans(label, kind, g, isa)):
+                name = f"{_SHORT[kind]}_{gi}_{pi}"
+                ks, order = cw.render(name, kind, g, plan, isa, **_epilogues(kind))
+                out.append((name, kind, g, plan, ks, order))
+    return out
+
+
+def _unit(kernels) -> str:
+    parts = ["#include <cstdint>\n#include <omp.h>"]
+    for name, _, _, _, ks, order in kernels:
+        assert len(ks.extents) == 1   # the images: a run-time size
+        params = ", ".join([f"float* a{i}" for i in range(len(order))] + ["int64_t n"])
+        args = [f"a{i}" for i in range(len(order))] + ["n"]
+        parts += [ks.code, f'extern "C" void call_{name}({params}) {{ {name}({", ".join(args)}); }}']
+    return "\n".join(parts) + "\n"
+
+
+class _Lib:
+    def __init__(self, path, kernels, isa: cv.VectorISA) -> None:
+        self.dll = ctypes.CDLL(str(path))
+        self.kernels = {k[0]: k for k in kernels}
+        self.isa = isa
+
+    def __call__(self, name: str, arrays: dict[str, np.ndarray], g: ConvGeometry | None = None) -> None:
+        _, kind, kg, plan, ks, order = self.kernels[name]
+        g = g or kg
+        words = cw.scratch_bytes(kind, g, plan, self.isa) // 4
+        block = base._aligned(words + tp._CANARY)
+        block[words:] = 1234.5
+        ptrs = [None if r is None else (block if r == "scratch" else arrays[r]).ctypes.data_as(ctypes.c_void_p)
+                for r in order]
+        fn = getattr(self.dll, f"call_{name}")
+        fn.argtypes = [ctypes.c_void_p] * len(ptrs) + [ctypes.c_int64]
+        fn(*ptrs, g.N)
+        assert np.all(block[words:] == 1234.5), f"{name}: wrote past its {words} floats of scratch at {g}"
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory):
+    """variant -> (kernels, {name: library}), compiled once per variant on first use."""
+    cache, built = tmp_path_factory.mktemp("ember_winograd_cache"), {}
+
+    def get(variant: str):
+        if variant not in built:
+            kernels = _kernels(variant)
+            groups = [kernels[i::2] for i in range(2)]
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                arts = list(pool.map(lambda grp: compile_cpp(_unit(grp), flags=tv._flags(variant), cache=cache,
+                                                             name=f"winograd_{variant}"), groups))
+            libs = {}
+            if variant != "avx512" or cv.host_supports(cv.AVX512):
+                for grp, art in zip(groups, arts):
+                    lib = _Lib(art.path, grp, tv._isa(variant))
+                    libs.update({k[0]: lib for k in grp})
+            built[variant] = (kernels, libs)
+        return built[variant]
+    return get
+
+
+@pytest.mark.parametrize("variant", tv.VARIANTS)
+@pytest.mark.parametrize("gi", range(len(GEOMETRIES)), ids=[label for label, _ in GEOMETRIES])
+def test_winograd_kernels_match_the_interpreter(build, variant, gi):
+    """Each compiled kernel of the geometry, at every run of `_runs`: one kernel for all of them."""
+    tv._runnable(variant)
+    kernels, libs = build(variant)
+    g = GEOMETRIES[gi][1]
+    runs = _runs(g)
+    data = [tp._data(r, 1000 * gi + i) for i, r in enumerate(runs)]
+    wants: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
+    ran = 0
+    for name, kind, kg, plan, _, _ in kernels:
+        if kg is not g:
+            continue
+        for i, r in enumerate(runs):
+            want, terms = wants.setdefault((i, kind), tp._reference(kind, r, data[i]))
+            out = np.full(tp._out_shape(kind, r), np.nan, np.float32)
+            libs[name](name, dict(data[i], out=out), r)
+            try:
+                base.assert_close(out, want, terms)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {kind} planned for {kg} run at N={r.N}, plan {plan.pairs()}") from e
+        ran += 1
+    assert ran >= 2
+
+
+@pytest.mark.parametrize("variant", tv.VARIANTS)
+def test_bit_identical_across_threads(build, variant):
+    """Tasks own whole output tiles: 1, 2 and 3 threads give the same bits."""
+    tv._runnable(variant)
+    kernels, libs = build(variant)
+    picks = {label: g for label, g in GEOMETRIES if label in ("airbench_14x14", "random4")}
+    try:
+        for name, kind, g, plan, _, _ in kernels:
+            if g not in picks.values() or not name.endswith("_0"):
+                continue
+            d = tp._data(dataclasses.replace(g, N=7), 1)
+            got = []
+            for t in (2, 1, 3):
+                base._set_threads(t)
+                out = np.full(tp._out_shape(kind, dataclasses.replace(g, N=7)), np.nan, np.float32)
+                libs[name](name, dict(d, out=out), dataclasses.replace(g, N=7))
+                got.append(out.tobytes())
+            assert got[0] == got[1] == got[2], f"{name}: thread counts give different bits"
+    finally:
+        base._set_threads(2)
+
+
+def test_the_family_serves_3x3_stride_1_ungrouped_forward_and_grad_input_only():
+    g = GEOMETRIES[0][1]
+    assert cw.serves("conv2d", g) is None and cw.serves("conv2d_grad_input", g) is None
+    assert "forward and grad-input" in cw.serves("conv2d_grad_weight", g)
+    for other in (dataclasses.replace(g, SH=2, SW=2), dataclasses.replace(g, KH=5, KW=5),
+                  dataclasses.replace(g, G=2, O=24)):
+        assert "ungrouped 3x3 convolutions at stride 1" in cw.serves("conv2d", other)
+    with pytest.raises(ValueError, match="ungrouped 3x3"):
+        cw.plans("conv2d", dataclasses.replace(g, KH=5, KW=5), cv.AVX2)
+
+
+def test_plans_fit_the_register_file_and_refuse_what_does_not():
+    g = GEOMETRIES[1][1]
+    for isa in (cv.AVX2, cv.AVX512):
+        for kind in KINDS:
+            for plan in cw.plans(kind, dataclasses.replace(g, N=64), isa, tune=True):
+                assert plan.OB * plan.VB + plan.VB + 1 <= isa.registers, plan
+                assert cw.scratch_bytes(kind, g, plan, isa) > 0
+    with pytest.raises(ValueError, match="vector registers"):
+        cw.scratch_bytes("conv2d", g, cw.WinogradPlan(OB=16, VB=6, RB=1), cv.AVX2)
+    with pytest.raises(ValueError, match="1 <= RB"):
+        cw.scratch_bytes("conv2d", g, cw.WinogradPlan(OB=4, VB=2, RB=0), cv.AVX2)
+    with pytest.raises(ValueError, match="no relu_mask epilogue"):
+        cw.render("k", "conv2d", g, cw.plans("conv2d", g, cv.AVX2)[0], cv.AVX2, relu_mask=True)
+
+
+def test_winograd_is_no_less_accurate_than_the_direct_kernel(build, tmp_path):
+    """On a layer of the zoo's proportions (32 channels in, a 14x14 plane) the Winograd forward
+    and grad-input land as close to float64 as the direct kernels do (RMS over the outputs):
+    each output sums C products of transformed values instead of 9C products."""
+    variant = "avx2"
+    tv._runnable(variant)
+    kernels, libs = build(variant)
+    label, g = GEOMETRIES[1]
+    isa = tv._isa(variant)
+    d = tp._data(g, 7)
+    direct = {"conv2d": ck.render_conv2d_forward("dfwd", N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=3, KW=3,
+                                                  padding=(g.PH, g.PW), bias=True, relu=True, isa=isa),
+              "conv2d_grad_input": ck.render_conv2d_grad_input("dgin", N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=3,
+                                                               KW=3, padding=(g.PH, g.PW), relu_mask=True, isa=isa)}
+    src = "#include <cstdint>\n#include <omp.h>\n" + "\n".join(k.code for k in direct.values()) + \
+        '\nextern "C" void call_dfwd(float* x, float* w, float* b, float* y, float* s, int64_t n) ' \
+        '{ dfwd(x, w, b, y, s, n); }\nextern "C" void call_dgin(float* dy, float* w, float* m, float* dx, float* s, ' \
+        'int64_t n) { dgin(dy, w, m, dx, s, n); }\n'
+    art = compile_cpp(src, flags=tv._flags(variant), cache=tmp_path, name="winograd_direct")
+    dll = ctypes.CDLL(str(art.path))
+    for kind, dname, args in (("conv2d", "dfwd", ("x", "w", "bias")), ("conv2d_grad_input", "dgin", ("dy", "w", "mask"))):
+        want, _ = tp._reference(kind, g, d)
+        ks = direct[kind]
+        out_direct = np.full(tp._out_shape(kind, g), np.nan, np.float32)
+        scratch = base._aligned(max(ks.scratch_bytes // 4, 1))
+        fn = getattr(dll, f"call_{dname}")
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
+        fn(*(d[a].ctypes.data_as(ctypes.c_void_p) for a in args), out_direct.ctypes.data_as(ctypes.c_void_p),
+           scratch.ctypes.data_as(ctypes.c_void_p), g.N)
+        name = next(k[0] for k in kernels if k[2] is g and k[1] == kind)
+        out_wino = np.full(tp._out_shape(kind, g), np.nan, np.float32)
+        libs[name](name, dict(d, out=out_wino))
+        rms = lambda a: float(np.sqrt(np.mean((a.astype(np.float64) - want) ** 2)))  # noqa: E731
+        assert rms(out_wino) <= 1.5 * rms(out_direct), (kind, rms(out_wino), rms(out_direct))
