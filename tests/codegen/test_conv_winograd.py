@@ -33,7 +33,7 @@ from ember.codegen.compiler import compile_cpp
 from ember.codegen.grouped_conv import ConvGeometry
 
 KINDS = cw.KINDS
-_SHORT = {"conv2d": "fwd", "conv2d_grad_input": "gin"}
+_SHORT = {"conv2d": "fwd", "conv2d_grad_input": "gin", "conv2d_grad_weight": "gwt"}
 
 
 def _named(label: str, n, c, h, w, o, p) -> tuple[str, ConvGeometry]:
@@ -70,7 +70,7 @@ def _runs(g: ConvGeometry) -> list[ConvGeometry]:
 
 
 def _epilogues(kind: str) -> dict[str, bool]:
-    return dict(bias=True, relu=True) if kind == "conv2d" else dict(relu_mask=True)
+    return {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True)}.get(kind, {})
 
 
 def _kernels(variant: str) -> list[tuple]:
@@ -185,10 +185,10 @@ def test_bit_identical_across_threads(build, variant):
         base._set_threads(2)
 
 
-def test_the_family_serves_3x3_stride_1_ungrouped_forward_and_grad_input_only():
+def test_the_family_serves_ungrouped_3x3_stride_1_convolutions_only():
     g = GEOMETRIES[0][1]
-    assert cw.serves("conv2d", g) is None and cw.serves("conv2d_grad_input", g) is None
-    assert "forward and grad-input" in cw.serves("conv2d_grad_weight", g)
+    assert all(cw.serves(kind, g) is None for kind in KINDS)
+    assert "it serves convolutions" in cw.serves("matmul", g)
     for other in (dataclasses.replace(g, SH=2, SW=2), dataclasses.replace(g, KH=5, KW=5),
                   dataclasses.replace(g, G=2, O=24)):
         assert "ungrouped 3x3 convolutions at stride 1" in cw.serves("conv2d", other)
@@ -201,7 +201,8 @@ def test_plans_fit_the_register_file_and_refuse_what_does_not():
     for isa in (cv.AVX2, cv.AVX512):
         for kind in KINDS:
             for plan in cw.plans(kind, dataclasses.replace(g, N=64), isa, tune=True):
-                assert plan.OB * plan.VB + plan.VB + 1 <= isa.registers, plan
+                loads = plan.OB + plan.VB if kind == "conv2d_grad_weight" else plan.VB + 1
+                assert plan.OB * plan.VB + loads <= isa.registers, plan
                 assert cw.scratch_bytes(kind, g, plan, isa) > 0
     with pytest.raises(ValueError, match="vector registers"):
         cw.scratch_bytes("conv2d", g, cw.WinogradPlan(OB=16, VB=6, RB=1), cv.AVX2)
@@ -209,39 +210,49 @@ def test_plans_fit_the_register_file_and_refuse_what_does_not():
         cw.scratch_bytes("conv2d", g, cw.WinogradPlan(OB=4, VB=2, RB=0), cv.AVX2)
     with pytest.raises(ValueError, match="no relu_mask epilogue"):
         cw.render("k", "conv2d", g, cw.plans("conv2d", g, cv.AVX2)[0], cv.AVX2, relu_mask=True)
+    with pytest.raises(ValueError, match="no bias/relu epilogue"):
+        cw.render("k", "conv2d_grad_weight", g, cw.plans("conv2d_grad_weight", g, cv.AVX2)[0], cv.AVX2, bias=True)
 
 
-def test_winograd_is_no_less_accurate_than_the_direct_kernel(build, tmp_path):
-    """On a layer of the zoo's proportions (32 channels in, a 14x14 plane) the Winograd forward
-    and grad-input land as close to float64 as the direct kernels do (RMS over the outputs):
-    each output sums C products of transformed values instead of 9C products."""
+#: RMS error against float64 of the Winograd kernels over the direct ones', at most. The forward
+#: and grad-input sum C (or O) products of transformed values where the direct kernels sum 9C:
+#: measured 0.77x and 0.68x. The grad-weight's 16 sums (a block's tiles a lane in float, then the lanes,
+#: then the blocks in double) are combined by G^T m G, whose cancellation alone, on exact sums,
+#: leaves 1.0-1.1x of the direct kernel's error on this layer (a float32 simulation): measured
+#: 1.7x with its float lane sums.
+ERROR_BOUND = {"conv2d": 1.0, "conv2d_grad_input": 1.0, "conv2d_grad_weight": 2.0}
+
+
+def test_winograd_is_as_accurate_as_the_direct_kernels(build, tmp_path):
+    """On a layer of the zoo's proportions (16 channels in, 40 out, a 14x14 plane, 3 images) the
+    Winograd kernels land as close to float64 as the direct kernels do (RMS over the outputs), the
+    grad-weight within ERROR_BOUND."""
     variant = "avx2"
     tv._runnable(variant)
     kernels, libs = build(variant)
-    label, g = GEOMETRIES[1]
+    _, g = GEOMETRIES[1]
     isa = tv._isa(variant)
     d = tp._data(g, 7)
-    direct = {"conv2d": ck.render_conv2d_forward("dfwd", N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=3, KW=3,
-                                                  padding=(g.PH, g.PW), bias=True, relu=True, isa=isa),
-              "conv2d_grad_input": ck.render_conv2d_grad_input("dgin", N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=3,
-                                                               KW=3, padding=(g.PH, g.PW), relu_mask=True, isa=isa)}
-    src = "#include <cstdint>\n#include <omp.h>\n" + "\n".join(k.code for k in direct.values()) + \
-        '\nextern "C" void call_dfwd(float* x, float* w, float* b, float* y, float* s, int64_t n) ' \
-        '{ dfwd(x, w, b, y, s, n); }\nextern "C" void call_dgin(float* dy, float* w, float* m, float* dx, float* s, ' \
-        'int64_t n) { dgin(dy, w, m, dx, s, n); }\n'
-    art = compile_cpp(src, flags=tv._flags(variant), cache=tmp_path, name="winograd_direct")
-    dll = ctypes.CDLL(str(art.path))
-    for kind, dname, args in (("conv2d", "dfwd", ("x", "w", "bias")), ("conv2d_grad_input", "dgin", ("dy", "w", "mask"))):
+    shape = dict(N=g.N, C=g.C, H=g.H, W=g.W, O=g.O, KH=3, KW=3, padding=(g.PH, g.PW), isa=isa)
+    direct = {"conv2d": (ck.render_conv2d_forward("dfwd", bias=True, relu=True, **shape), ("x", "w", "bias")),
+              "conv2d_grad_input": (ck.render_conv2d_grad_input("dgin", relu_mask=True, **shape), ("dy", "w", "mask")),
+              "conv2d_grad_weight": (ck.render_conv2d_grad_weight("dgwt", bias=False, **shape), ("x", "dy", None))}
+    src = ["#include <cstdint>\n#include <omp.h>"]
+    for ks, _ in direct.values():
+        src += [ks.code, f'extern "C" void call_{ks.name}(float* a, float* b, float* c, float* out, float* s, '
+                         f'int64_t n) {{ {ks.name}(a, b, {"out, c" if ks.name == "dgwt" else "c, out"}, s, n); }}']
+    dll = ctypes.CDLL(str(compile_cpp("\n".join(src) + "\n", flags=tv._flags(variant), cache=tmp_path,
+                                      name="winograd_direct").path))
+    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    for kind, (ks, args) in direct.items():
         want, _ = tp._reference(kind, g, d)
-        ks = direct[kind]
         out_direct = np.full(tp._out_shape(kind, g), np.nan, np.float32)
-        scratch = base._aligned(max(ks.scratch_bytes // 4, 1))
-        fn = getattr(dll, f"call_{dname}")
+        fn = getattr(dll, f"call_{ks.name}")
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
-        fn(*(d[a].ctypes.data_as(ctypes.c_void_p) for a in args), out_direct.ctypes.data_as(ctypes.c_void_p),
-           scratch.ctypes.data_as(ctypes.c_void_p), g.N)
+        fn(*(ptr(d[a] if a else None) for a in args), ptr(out_direct), ptr(base._aligned(max(ks.scratch_bytes // 4, 1))),
+           g.N)
         name = next(k[0] for k in kernels if k[2] is g and k[1] == kind)
         out_wino = np.full(tp._out_shape(kind, g), np.nan, np.float32)
         libs[name](name, dict(d, out=out_wino))
         rms = lambda a: float(np.sqrt(np.mean((a.astype(np.float64) - want) ** 2)))  # noqa: E731
-        assert rms(out_wino) <= 1.5 * rms(out_direct), (kind, rms(out_wino), rms(out_direct))
+        assert rms(out_wino) <= ERROR_BOUND[kind] * rms(out_direct), (kind, rms(out_wino), rms(out_direct))
