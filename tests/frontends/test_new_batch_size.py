@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.codegen import compiler
+from ember.codegen import compiler, cpp_choices, tuning_db
 from ember.frontends import compile, compile_inference, nn, optim
 from ember.frontends.training.zoo import ZOO, ember_zoo_model, zoo_model
 
@@ -52,12 +52,28 @@ def _objects_built() -> int:
     return compiler.cache_stats("obj")["misses"] + compiler.cache_stats("obj")["rebuilds"]
 
 
-def test_a_new_batch_size_runs_no_compiler_and_trains_as_the_interpreter(cache):
+def _winograd_model(seed: int = 0) -> nn.Module:
+    """3x3 stride-1 convolutions (the winograd family's), BatchNorm, pooling, a linear head."""
+    nn.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 12 * 12, 10))
+
+
+@pytest.mark.parametrize("families", [("phase", "conv_forward", "pool"), ("winograd", "pool")],
+                         ids=["cost_model", "winograd"])
+def test_a_new_batch_size_runs_no_compiler_and_trains_as_the_interpreter(cache, families):
+    """The cost model's families (no tuning database: the stride-1 convolutions conv_forward's),
+    and a model whose convolutions are all the winograd family's (forced), whose three kinds take
+    the images at run time."""
     rng = np.random.default_rng(0)
     first = _batch(rng, 12)
-    step = compile(_model(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05, momentum=0.9), example_inputs=first,
-                   device="cpu")
-    reference = compile(_model(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05, momentum=0.9), example_inputs=first,
+    model = _model if "phase" in families else _winograd_model
+    forced = {} if "phase" in families else dict.fromkeys(("conv2d", "conv2d_grad_input", "conv2d_grad_weight"),
+                                                          "winograd")
+    with tuning_db.using(None), cpp_choices.force(**forced):
+        step = compile(model(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05, momentum=0.9), example_inputs=first,
+                       device="cpu")
+    reference = compile(model(), nn.CrossEntropyLoss(), optim.SGD(lr=0.05, momentum=0.9), example_inputs=first,
                         device="reference")
     built = _objects_built()
     assert built > 0 and step.compile_stats["objects_built"] == built
@@ -69,7 +85,7 @@ def test_a_new_batch_size_runs_no_compiler_and_trains_as_the_interpreter(cache):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=name)
     shapes = {t[0].shape[0]: (g, ex) for t, (g, ex) in step._steps.items()}
     first = [k.function for k in shapes[12][1].source.kernels]
-    assert {_family(shapes[12][0], k) for k in shapes[12][1].source.kernels} >= {"phase", "conv_forward", "pool"}
+    assert {_family(shapes[12][0], k) for k in shapes[12][1].source.kernels} >= set(families)
     for n in (7, 20):
         stats = shapes[n][1].compile_stats
         assert stats["objects_built"] == 0 and stats["objects_cached"] == stats["objects"], (n, stats)
