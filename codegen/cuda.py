@@ -49,7 +49,8 @@ SPELLING = Spelling("CUDA", {
 @dataclass(frozen=True)
 class LaunchArgs:
     """One launch of the step: a function of the module, its geometry, and its arguments as
-    buffer references: ("node", id) for a graph value, ("scratch", id) for a kernel's scratch."""
+    buffer references: ("node", id) for a graph value, ("scratch", id) for a kernel's scratch,
+    ("scratch@OFF", id) for the region of it at OFF bytes."""
     function: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -330,7 +331,8 @@ def render_step(graph: Graph) -> CudaStepSource:
                                      f"the plan reserved {spec.scratch_bytes}")
             code = kernel.code
             for launch in kernel.launches:
-                args = tuple(("scratch", n) if roles.get(r, r) == "scratch" else node_of[roles[r]] for r in launch.args)
+                args = tuple((roles.get(r, r), n) if cuda_kernels.scratch_offset(roles.get(r, r)) is not None else node_of[roles[r]]
+                             for r in launch.args)
                 launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
                                            launch.scalars))
         mine = [i for i, la in enumerate(launches) if la.kernel == name]

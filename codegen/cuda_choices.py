@@ -3,8 +3,9 @@
 A family is a set of kernel templates with one tiling scheme: the implicit GEMM (`cuda_kernels`),
 the direct stride-1 convolutions and the short-contraction matmul (`cuda_direct`), the same
 direct convolutions on TF32 tensor cores (`cuda_direct_tc`), the small-window convolutions
-(`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), the grouped convolutions
-(`grouped_conv`: the only family serving groups > 1), pooling and the generated kinds. Each entry
+(`cuda_small_conv`), the skinny matmuls (`cuda_skinny`), 3x3 convolutions by Winograd's minimal
+filtering around batched GEMMs (`cuda_winograd`), the grouped convolutions (`grouped_conv`: the
+only family serving groups > 1), pooling and the generated kinds. Each entry
 (a `choices.Family`) says which kernel kinds it serves, when it applies to a kernel's geometry (a
 reason when it does not: precision included, so a family with a tensor-core path says so), when
 the cost model prefers it, its plans (the cost model's best first; the tuner list of the GEMM
@@ -28,7 +29,8 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, family_prior, grouped_conv
+from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, cuda_winograd, family_prior
+from . import grouped_conv
 from . import pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
 from .device import current
@@ -456,6 +458,37 @@ def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
                                              **_matmul_args(g, spec, epilogue))
 
 
+# -- winograd: 3x3 stride-1 convolutions by Winograd's minimal filtering, around batched GEMMs (cuda_winograd)
+
+def _winograd_gemm(g: dict[str, Any]) -> dict[str, Any]:
+    """The kernel's batched product as a matmul geometry (what the GEMM family's planner and
+    checks read)."""
+    return dict(kind="matmul", epilogues=(), tf32=False, **cuda_winograd.problem(g))
+
+
+def _winograd_plans(g: dict[str, Any]) -> list[Plan]:
+    return [_pairs(cuda_winograd.plans(g)[0])]
+
+
+def _winograd_tuning(g: dict[str, Any]) -> list[Plan]:
+    return gemm_candidates(_winograd_gemm(g))
+
+
+def _winograd_accepts(g: dict[str, Any], plan: Plan) -> bool:
+    return _gemm_accepts(_winograd_gemm(g), plan)
+
+
+def _winograd_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return cuda_winograd.scratch_bytes(g, GemmPlan(**dict(plan)))
+
+
+def _winograd_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
+                     epilogue: Any) -> CudaKernel:
+    eps = spec.epilogues
+    return cuda_winograd.render(name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
+                                relu_mask="relu_mask" in eps, epilogue=epilogue)
+
+
 # -- grouped: convolutions with groups > 1, depthwise included (generic kernels, grouped_conv)
 
 def _grouped_rejects(g: dict[str, Any]) -> str | None:
@@ -558,6 +591,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code,
            accepts_reused=_gemm_accepts_reused),
+    # fewer multiply-adds, transforms through memory: taken where measured, never by default
+    Family("winograd", CONVS, 7, _winograd_plans, cuda_winograd.serves, _never, _winograd_scratch, _winograd_render,
+           tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
     Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
            grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,

@@ -18,7 +18,9 @@ Contract shared by every kernel here:
   named ``<NAME>_<suffix>``;
 * launch arguments are device pointers, one per role, in the order of ``Launch.args``; the
   runtime passes the base of one scratch block (at least ``scratch_bytes``, 256-byte aligned)
-  for every ``"scratch"``. The loss's ``labels`` role is an int64 pointer.
+  for every ``"scratch"``, and that base plus OFF bytes for a role ``"scratch@OFF"`` (a region
+  of the block: a kernel made of other kernels' launches hands them their operands there,
+  `scratch_role`). The loss's ``labels`` role is an int64 pointer.
 
 The contractions share one implicit-GEMM skeleton (``gemm.j2``): C[b,m,n] = sum_k A(b,m,k) *
 B(b,k,n) where each kernel template defines how A and B elements are gathered (convolution
@@ -43,7 +45,8 @@ from .shapes import ceil_div, check_positive, pair, round_up
 from .templates_env import environment
 
 __all__ = [
-    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "plan_gemm", "plan_candidates",
+    "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "plan_gemm", "plan_candidates", "scratch_role",
+    "scratch_offset",
     "gemm_scratch_bytes",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
@@ -64,6 +67,23 @@ class Launch:
     #: by-value arguments after the buffers, (C type, value): the sizes a kernel takes at run time
     #: (a generated kernel's leading extent), so its code serves every batch size
     scalars: tuple[tuple[str, int], ...] = ()
+
+
+def scratch_role(offset: int) -> str:
+    """The launch role of the scratch block's region at `offset` bytes (256-byte aligned)."""
+    if offset < 0 or offset % SCRATCH_ALIGN:
+        raise ValueError(f"scratch region at {offset} bytes: not a multiple of {SCRATCH_ALIGN}")
+    return "scratch" if offset == 0 else f"scratch@{offset}"
+
+
+def scratch_offset(role: str) -> int | None:
+    """The byte offset in the scratch block a launch role names (0 for "scratch"); None for a
+    role that is not the scratch block's."""
+    if role == "scratch":
+        return 0
+    if role.startswith("scratch@"):
+        return int(role[len("scratch@"):])
+    return None
 
 
 #: C types of by-value launch arguments -> NumPy's (CuPy passes a NumPy scalar by value, as its type)

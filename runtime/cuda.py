@@ -27,7 +27,7 @@ import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
-from ember.codegen.cuda_kernels import scalar_args
+from ember.codegen.cuda_kernels import scalar_args, scratch_offset
 from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
@@ -329,9 +329,10 @@ class CudaExecutor:
 
     def _arg(self, ref: tuple[str, int]) -> Any:
         kind, n = ref
-        if kind == "scratch":
+        region = scratch_offset(kind)
+        if region is not None:  # the kernel's scratch block, or its region at `region` bytes
             off = self.graph.notes(n)["scratch_offset"]
-            return self.arena[off:off + self.graph.attrs(n)["kernel"].scratch_bytes]
+            return self.arena[off + region:off + self.graph.attrs(n)["kernel"].scratch_bytes]
         return self._view(n)
 
     def _launch_all(self, concurrent: bool = True, rings: bool = False) -> None:

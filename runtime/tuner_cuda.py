@@ -19,7 +19,7 @@ import numpy as np
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
 from ember.codegen.choices import Choice
-from ember.codegen.cuda_kernels import scalar_args
+from ember.codegen.cuda_kernels import scalar_args, scratch_offset
 from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
@@ -103,9 +103,13 @@ class CudaMeasurer:
         with stream:  # ordered before the launches (see measure)
             out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # must be written
             scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
-        buffers = {**inputs, "out": out, "scratch": scratch}
+        buffers = {**inputs, "out": out}
+
+        def buffer(role: str) -> Any:
+            region = scratch_offset(role)
+            return buffers[roles.get(role, role)] if region is None else scratch[region:]
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
-                  tuple(buffers[roles.get(r, r)] for r in la.args) + scalar_args(la.scalars)) for la in kernel.launches]
+                  tuple(buffer(r) for r in la.args) + scalar_args(la.scalars)) for la in kernel.launches]
 
         def launch() -> None:
             for fn, grid, block, shared, args in calls:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cuda_kernels as ck
-from ember.codegen.cuda_kernels import CudaKernel, GemmPlan, scalar_args
+from ember.codegen.cuda_kernels import CudaKernel, GemmPlan, scalar_args, scratch_offset
 from ember.ir import Graph, TensorType, conv_out_dim, int64, run
 
 #: Assumed fp32 (non-tensor-core) peak of an H200, for "% of peak" columns.
@@ -217,7 +217,8 @@ def compile_module(cp, kernels: list[CudaKernel]):
 def launch(module, kernel: CudaKernel, bufs: dict, scratch) -> None:
     """`kernel`'s launches in order, with device buffers `bufs` (role -> array)."""
     for ln in kernel.launches:
-        args = tuple(scratch if r == "scratch" else bufs[r] for r in ln.args) + scalar_args(ln.scalars)
+        args = tuple(bufs[r] if scratch_offset(r) is None else scratch[scratch_offset(r) // 4:]
+                     for r in ln.args) + scalar_args(ln.scalars)
         module.get_function(ln.function)(ln.grid, ln.block, args, shared_mem=ln.shared_bytes)
 
 

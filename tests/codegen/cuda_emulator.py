@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ember.codegen import cuda
-from ember.codegen.cuda_kernels import CudaKernel
+from ember.codegen.cuda_kernels import CudaKernel, scratch_offset
 from ember.codegen.templates_env import environment
 
 #: bytes a static shared array may take (a block's static limit)
@@ -201,7 +201,7 @@ def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.
     bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
     entry = getattr(lib, f"emu_launch_{index}")
     for i, ln in enumerate(kernel.launches):
-        arrays = [bufs[r] for r in ln.args]
+        arrays = [bufs[r] if scratch_offset(r) is None else bufs["scratch"][scratch_offset(r) // 4:] for r in ln.args]
         assert all(a.dtype in (np.float32, np.uint16) and a.flags.c_contiguous for a in arrays)
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         entry(ctypes.c_int(i), ptrs)

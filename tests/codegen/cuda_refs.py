@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.codegen.cuda_kernels import scalar_args
+from ember.codegen.cuda_kernels import scalar_args, scratch_offset
 
 sliding = np.lib.stride_tricks.sliding_window_view
 
@@ -141,7 +141,8 @@ def run_launches(cp, module, kernel, bufs, scratch):
     """Launch ``kernel``'s launches in order with device buffers ``bufs`` (role -> cupy array)."""
     for ln in kernel.launches:
         fn = module.get_function(ln.function)
-        args = tuple(scratch if r == "scratch" else bufs[r] for r in ln.args) + scalar_args(ln.scalars)
+        args = tuple(bufs[r] if scratch_offset(r) is None else scratch[scratch_offset(r) // 4:]
+                     for r in ln.args) + scalar_args(ln.scalars)
         fn(ln.grid, ln.block, args, shared_mem=ln.shared_bytes)
 
 

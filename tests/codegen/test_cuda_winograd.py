@@ -1,0 +1,101 @@
+"""The CUDA `winograd` family (codegen/cuda_winograd.py) without a GPU: its kernels (the transforms
+and the GEMM skeleton's batched matmul on regions of the scratch block) run in the CPU emulation of
+their own source (cuda_emulator.py) against float64 references, for the three kinds with their
+epilogues (the forward's bias and ReLU, the grad-input's ReLU mask, a generated pointwise
+epilogue), odd and even planes, padding 0-2, channels past the GEMM's tiles, with and without
+split-K; nvcc compiles them for sm_90; the choice table offers the family for 3x3 stride-1
+ungrouped float32 convolutions only and never picks it without a measurement. On a GPU the
+kernels run in tests/codegen/test_cuda_winograd_gpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuda_emulator
+import cuda_refs
+import nvcc as nvcc_tool
+from ember.codegen import cuda_choices, cuda_winograd
+from ember.codegen.cuda_kernels import PointwiseEpilogue, scratch_offset
+
+rng = np.random.default_rng(11)
+KIND = {"conv2d": "conv_fwd", "conv2d_grad_input": "conv_gi", "conv2d_grad_weight": "conv_gw"}
+
+
+def _geometry(kind: str, N: int, C: int, H: int, W: int, O: int, p: int) -> dict:
+    return dict(kind=kind, N=N, C=C, H=H, W=W, O=O, KH=3, KW=3, stride=(1, 1), padding=(p, p),
+                HO=H + 2 * p - 2, WO=W + 2 * p - 2, tf32=False, epilogues=())
+
+
+CASES = [(kind, _geometry(kind, *sizes)) for kind in KIND for sizes in (
+    (2, 5, 7, 9, 6, 1),      # odd planes: tiles past the output
+    (3, 17, 8, 6, 20, 0),    # no padding; channels past a tile
+    (1, 4, 5, 5, 3, 2),      # padding 2 (the grad-input's correlation crops)
+)]
+
+
+def _plan(g: dict, split: bool | None = None):
+    """The planner's best plan, or its best with (or without) split-K."""
+    plans = cuda_winograd.plans(g, top=400)
+    if split is not None:
+        plans = [p for p in plans if (p.splits > 1) == split]
+    return plans[0]
+
+
+def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None = None) -> None:
+    kind = g["kind"]
+    extra = {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True),
+             "conv2d_grad_weight": dict(bias=False)}[kind]
+    kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, **{k: v for k, v in extra.items() if v})
+    assert kernel.scratch_bytes == cuda_winograd.scratch_bytes(g, plan)
+    assert all(scratch_offset(r) is None or scratch_offset(r) < kernel.scratch_bytes
+               for la in kernel.launches for r in la.args)
+    lib = cuda_emulator.build([kernel], tmp_path, tag)
+    spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
+    ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, extra, rng)
+    bufs = dict(ins, out=np.full(np.shape(refs["out"]), np.nan, np.float32))
+    cuda_emulator.run(lib, 0, kernel, bufs)
+    want = refs["out"] * (0.5 if epilogue is not None else 1.0)
+    np.testing.assert_allclose(bufs["out"], want, rtol=1e-5, atol=4e-6 * lengths["out"] + 1e-6,
+                               err_msg=f"{kind} {g} {plan}")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{k}_{i % 3}" for i, (k, _) in enumerate(CASES)])
+def test_winograd_kernels_match_float64_in_the_emulation(case, tmp_path):
+    kind, g = CASES[case]
+    _run(g, _plan(g), tmp_path, f"w{case}")
+
+
+@pytest.mark.parametrize("kind", list(KIND))
+def test_split_k_and_a_generated_epilogue(kind, tmp_path):
+    """The grad-weight's product sums over the tiles: with split-K its partials are summed in
+    split order by the GEMM's second launch, on another region of the scratch; a generated
+    pointwise epilogue (here red * 0.5) is applied where each output is stored."""
+    g = _geometry(kind, 4, 6, 9, 9, 8, 1)
+    half = PointwiseEpilogue(body=(), result="red * 0.5f", inputs=())
+    split = kind == "conv2d_grad_weight"
+    _run(g, _plan(g, split=split if split else None), tmp_path, f"s{kind}", epilogue=half)
+
+
+def test_the_kernels_compile_for_sm_90(tmp_path):
+    nvcc = nvcc_tool.nvcc_or_skip()
+    for i, (kind, g) in enumerate(CASES[::3] + [("big", _geometry("conv2d", 64, 256, 14, 14, 256, 1))]):
+        g = dict(g, kind="conv2d") if kind == "big" else g
+        kernel = cuda_winograd.render(f"k{i}", g, _plan(g), bias=g["kind"] == "conv2d", relu=g["kind"] == "conv2d",
+                                      relu_mask=g["kind"] == "conv2d_grad_input")
+        src = tmp_path / f"k{i}.cu"
+        src.write_text(kernel.code)
+        nvcc_tool.assert_compiles(nvcc, src)
+
+
+def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only():
+    g = dict(_geometry("conv2d", 64, 256, 14, 14, 256, 1), epilogues=("bias",))
+    fam = cuda_choices.FAMILIES["winograd"]
+    assert cuda_choices.TABLE.applies(fam, g) is None
+    assert fam.preferred(g) is False  # taken where measured only
+    assert fam.all_plans(g) and fam.fits(g, fam.plans(g)[0]) and len(fam.all_plans(g)) > 1
+    assert fam.scratch(g, fam.plans(g)[0]) > 2 * 16 * 256 * 64 * 49 * 4   # V and M for the whole batch
+    for other, why in ((dict(g, stride=(2, 2)), "ungrouped 3x3"), (dict(g, KH=5, KW=5), "ungrouped 3x3"),
+                       (dict(g, groups=2), "ungrouped"), (dict(g, dtype="bfloat16"), "float32")):
+        assert why in (cuda_choices.TABLE.applies(fam, other) or ""), other
+    huge = dict(g, N=4096)
+    assert "GB of scratch" in cuda_choices.TABLE.applies(fam, huge)
