@@ -116,11 +116,19 @@ def _close(out: np.ndarray, ref: np.ndarray, tolerance: float) -> str | None:
     return None if err <= tolerance else f"differs from the reference by {err:.1e} of its magnitude (> {tolerance:g})"
 
 
+def _unmeasured_families(record: tuning_db.Record, candidates: Sequence[Choice]) -> set[str]:
+    """The families among a kernel's candidates now that its record never measured (a family
+    added since, or one that serves the kernel since): the record is then measured again, without
+    `retune`, so a new family is compared where the database had settled a kernel without it."""
+    return {family for family, _ in candidates} - set(record.versions)
+
+
 def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callable[[], Measurer],
                db: tuning_db.TuningDB | None = None, budget_s: float = DEFAULT_BUDGET_S, retune: bool = False,
                progress: Callable[[KernelReport, int, int], None] | None = None, seed: int = 0) -> TuneReport:
     """Measures the kernels of a selected graph (`select` ran) whose keys `db` (default: the active
-    database) does not hold, storing each winner as it is found. `retune` measures held keys again.
+    database) does not hold, or holds from a measurement that lacks a family now serving the
+    kernel, storing each winner as it is found. `retune` measures every held key again.
     `budget_s` bounds the wall time: a kernel is started only while time is left. `progress(report,
     done, total)` is called after each kernel with more than one candidate."""
     db = tuning_db.active() if db is None else db
@@ -145,7 +153,8 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         versions = table.versions(sub, spec)
         if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
-        elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None:
+        elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None \
+                and not _unmeasured_families(rec, cands):
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
         elif time.perf_counter() - t0 >= budget_s:
             rep = KernelReport(sub.name, spec.kind, key, "budget", candidates=len(cands))

@@ -96,6 +96,25 @@ def test_a_second_run_reuses_the_database_and_measures_nothing(tmp_path):
         assert third.calls > 0
 
 
+def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measured_again(tmp_path):
+    """A family added after a kernel was tuned (its record's versions lack it) is compared by the
+    next `ember tune` without --retune; the other kernels' records are reused."""
+    db = TuningDB(tmp_path)
+    with tuning_db.using(db):
+        graph = _graph()
+        tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
+        path = tmp_path / "cuda-nvidia-h200.json"
+        data = json.loads(path.read_text())
+        conv = next(k for k in data["records"] if json.loads(k)["kind"] == "conv2d")
+        assert "gemm" in data["records"][conv]["versions"]
+        del data["records"][conv]["versions"]["gemm"]   # as if gemm had come after the record
+        path.write_text(json.dumps(data))
+        again = FakeMeasurer()
+        report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=again, db=TuningDB(tmp_path))
+        assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
+        assert "gemm" in json.loads(path.read_text())["records"][conv]["versions"]
+
+
 def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(tmp_path):
     db = TuningDB(tmp_path)
     with tuning_db.using(db):
