@@ -17,7 +17,10 @@ plane). Unfused, in launches on regions of the kernel's scratch block:
   blocks where the planner says so, partials summed in split order); `_sums` dw = G^T s G with
   the epilogue.
 
-Its plan is the GEMM's plan for that batched product (the tuner measures the GEMM planner's
+A NaN or an infinity among the operands (seen by the transforms, which set a flag in the scratch
+that a first launch clears) makes the last launch compute its outputs by the direct sums, as the
+interpreter has them: the transforms would add an infinity to its opposite and spread NaN over a
+tile. Its plan is the GEMM's plan for that batched product (the tuner measures the GEMM planner's
 spread, as for the `gemm` family). Every output is one thread's, every sum has a fixed order: the
 bits do not depend on the launch. The scratch holds the transformed operands of the whole batch
 (16 floats a tile and channel each): 51 MB each for a 256-channel 14x14 layer at batch 64.
@@ -86,23 +89,23 @@ def plans(g: dict[str, Any], top: int = 1) -> list[GemmPlan]:
                            b_kfast=p["trans_b"])[:top]
 
 
-def _regions(g: dict[str, Any], plan: GemmPlan) -> tuple[int, int, int, int, int]:
-    """Byte offsets of the scratch regions (A: U or W, B: V, M: the products, the GEMM's own
-    scratch) and the total."""
+def _regions(g: dict[str, Any], plan: GemmPlan) -> tuple[int, int, int, int, int, int]:
+    """Byte offsets of the scratch regions (A: U or W, B: V, M: the products, the non-finite flag,
+    the GEMM's own scratch) and the total."""
     k, p = _correlation(g), problem(g)
     a = _POSITIONS * (k["CO"] * k["T"] if g["kind"] == "conv2d_grad_weight" else k["CI"] * k["CO"])
     b = _POSITIONS * k["CI"] * k["T"]
     m = p["batch"] * p["M"] * p["N"]
     offs, at = [], 0
-    for floats in (a, b, m):
+    for floats in (a, b, m, 1):
         offs.append(at)
         at += round_up(4 * floats, SCRATCH_ALIGN)
     gemm = gemm_scratch_bytes(plan, p["M"], p["N"], p["batch"])
-    return offs[0], offs[1], offs[2], at, at + gemm
+    return offs[0], offs[1], offs[2], offs[3], at, at + gemm
 
 
 def scratch_bytes(g: dict[str, Any], plan: GemmPlan) -> int:
-    return _regions(g, plan)[4]
+    return _regions(g, plan)[5]
 
 
 def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, relu: bool = False,
@@ -113,7 +116,7 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
     k, p = _correlation(g), problem(g)
-    off_a, off_b, off_m, off_gemm, total = _regions(g, plan)
+    off_a, off_b, off_m, off_flag, off_gemm, total = _regions(g, plan)
     if kind == "conv2d":
         roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
     elif kind == "conv2d_grad_input":
@@ -130,7 +133,7 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
                                          f"dy({g['N']},{g['O']},{g['HO']},{g['WO']}) padding ({ph},{pw})"}[kind]
     code = _env.get_template("conv_winograd.j2").render(
         name=name, description=description + f", Winograd: 16 GEMMs {p['M']}x{p['N']}x{p['K']}", kind=kind, **k,
-        off_a=off_a // 4, off_b=off_b // 4, off_m=off_m // 4, roles=roles, inputs=inputs, unrestricted=unrestricted,
+        off_a=off_a // 4, off_b=off_b // 4, off_m=off_m // 4, off_flag=off_flag // 4, roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, True), src=src, flip=kind == "conv2d_grad_input",
         bias=bias, relu=relu, relu_mask=relu_mask, pw=epilogue)
     mm = render_matmul(f"{name}_mm", M=p["M"], N=p["N"], K=p["K"], trans_a=p["trans_a"], trans_b=p["trans_b"],
@@ -144,12 +147,13 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
 
     def over(n: int) -> tuple[int, int, int]:
         return (ceil_div(n, _THREADS), 1, 1)
+    clear = Launch(f"{name}_clear", (1, 1, 1), (32, 1, 1), 0, args)
     if kind == "conv2d_grad_weight":
-        launches = (Launch(f"{name}_in", over(k["CI"] * k["T"]), (_THREADS, 1, 1), 0, args),
+        launches = (clear, Launch(f"{name}_in", over(k["CI"] * k["T"]), (_THREADS, 1, 1), 0, args),
                     Launch(f"{name}_dy", over(k["CO"] * k["T"]), (_THREADS, 1, 1), 0, args), *gemm,
                     Launch(f"{name}_sums", over(k["CO"] * k["CI"]), (_THREADS, 1, 1), 0, args))
     else:
-        launches = (Launch(f"{name}_wt", over(k["CI"] * k["CO"]), (_THREADS, 1, 1), 0, args),
+        launches = (clear, Launch(f"{name}_wt", over(k["CI"] * k["CO"]), (_THREADS, 1, 1), 0, args),
                     Launch(f"{name}_in", over(k["CI"] * k["T"]), (_THREADS, 1, 1), 0, args), *gemm,
                     Launch(f"{name}_out", over(k["CO"] * k["T"]), (_THREADS, 1, 1), 0, args))
     if any(la.grid[0] > 2**31 - 1 for la in launches):

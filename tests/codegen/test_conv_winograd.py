@@ -256,3 +256,33 @@ def test_winograd_is_as_accurate_as_the_direct_kernels(build, tmp_path):
         libs[name](name, dict(d, out=out_wino))
         rms = lambda a: float(np.sqrt(np.mean((a.astype(np.float64) - want) ** 2)))  # noqa: E731
         assert rms(out_wino) <= ERROR_BOUND[kind] * rms(out_direct), (kind, rms(out_wino), rms(out_direct))
+
+
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_nan_and_inf_give_the_direct_sums_non_finite_values(build, variant):
+    """A NaN or an infinity in a block's inputs (or in the weights) makes Winograd's transforms add
+    an infinity to its opposite and spread NaN over the tile; such a block (or, for the
+    grad-weight, the whole call) is computed by the direct sums instead: NaN, +inf and -inf where
+    the interpreter has them, the other values as close as ever."""
+    tv._runnable(variant)
+    kernels, libs = build(variant)
+    label, g = GEOMETRIES[1]
+    d = tp._data(g, 5)
+    for key in ("x", "dy"):
+        d[key][1, 0, 3, 2] = np.nan
+        d[key][2, 1, 4, 3] = np.inf
+        d[key][0, 2, 1, 1] = -np.inf
+    weights = dict(d, x=tp._data(g, 5)["x"], w=d["w"].copy())
+    weights["w"][3, 1, 1, 2] = np.inf
+    for data in (d, weights):
+        for name, kind, kg, plan, _, _ in kernels:
+            if kg is not g or not name.endswith("_0"):
+                continue
+            with np.errstate(invalid="ignore", over="ignore"):
+                want, terms = tp._reference(kind, g, data)
+            out = np.full(tp._out_shape(kind, g), 7.0, np.float32)
+            libs[name](name, dict(data, out=out))
+            for test in (np.isnan, np.isposinf, np.isneginf):
+                np.testing.assert_array_equal(test(out), test(want), err_msg=f"{name}: {test.__name__}")
+            finite = np.isfinite(want)
+            base.assert_close(out[finite], want[finite], terms)

@@ -99,3 +99,37 @@ def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only():
         assert why in (cuda_choices.TABLE.applies(fam, other) or ""), other
     huge = dict(g, N=4096)
     assert "GB of scratch" in cuda_choices.TABLE.applies(fam, huge)
+
+
+@pytest.mark.parametrize("kind", list(KIND))
+def test_nan_and_inf_give_the_direct_sums_non_finite_values(kind, tmp_path):
+    """A NaN or an infinity among the operands sets the kernel's flag and its last launch computes
+    its outputs by the direct sums: NaN, +inf and -inf where the float64 reference has them (not the
+    NaN Winograd's transforms would spread over a tile), the other values as close as ever."""
+    g = _geometry(kind, 3, 5, 7, 8, 6, 1)
+    extra = {"conv2d": dict(bias=True, relu=False), "conv2d_grad_input": dict(relu_mask=False),
+             "conv2d_grad_weight": dict(bias=False)}[kind]
+    kernel = cuda_winograd.render("k", g, _plan(g), bias=kind == "conv2d")
+    lib = cuda_emulator.build([kernel], tmp_path, f"nf{kind}")
+    spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
+    ins, _, lengths = cuda_refs.make_case(KIND[kind], spec, extra, rng)
+    src = "x" if kind != "conv2d_grad_input" else "dy"
+    ins[src][1, 0, 3, 2] = np.nan
+    ins[src][2, 1, 4, 3] = np.inf
+    ins[src][0, 2, 1, 1] = -np.inf
+    if kind == "conv2d_grad_weight":
+        ins["dy"][0, 1, 2, 5] = np.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        if kind == "conv2d":
+            want = cuda_refs.conv_fwd_ref(ins["x"], ins["w"], ins["bias"], spec, False)
+        elif kind == "conv2d_grad_input":
+            want = cuda_refs.conv_grad_input_ref(ins["dy"], ins["w"], spec)
+        else:
+            want = cuda_refs.conv_grad_weight_ref(ins["x"], ins["dy"], spec)[0]
+    bufs = dict(ins, out=np.full(np.shape(want), 7.0, np.float32))
+    cuda_emulator.run(lib, 0, kernel, bufs)
+    got = bufs["out"].reshape(np.shape(want))
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(want), err_msg=f"{kind}: {test.__name__}")
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=4e-6 * lengths["out"] + 1e-6)
