@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ember.frontends.training import torch_twins as twins
+
 LR = 0.05
 
 
@@ -34,17 +36,7 @@ def torch_model(name: str) -> torch.nn.Module:
 def torch_sgd_step(model: torch.nn.Module, weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                    dtype: torch.dtype, lr: float = LR) -> tuple[float, dict[str, np.ndarray]]:
     """Loads `weights` into `model` (cast to `dtype`), takes one SGD step; (loss, new weights in float64)."""
-    model.to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.from_numpy(np.asarray(weights[name])).to(dtype))
-    model.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x).to(dtype)), torch.from_numpy(y))
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= lr * p.grad
-    return loss.item(), {k: p.detach().double().numpy().copy() for k, p in model.named_parameters()}
+    return twins.torch_sgd_step(model, weights, x, y, dtype, lr)
 
 
 @dataclass

@@ -36,21 +36,6 @@ def _args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _torch_step(torch, model, weights: dict[str, np.ndarray], x, y, dtype, lr: float):
-    """Loads `weights` into `model` as `dtype`, takes one SGD step: (loss, new weights in float64)."""
-    model.to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.from_numpy(np.asarray(weights[name])).to(dtype))
-    model.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x).to(dtype)), torch.from_numpy(y))
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= lr * p.grad
-    return loss.item(), {k: p.detach().double().numpy().copy() for k, p in model.named_parameters()}
-
-
 def _error(new, exact, old, keys) -> float:
     num = sum(float(np.sum((np.asarray(new[k], np.float64) - exact[k]) ** 2)) for k in keys)
     den = sum(float(np.sum((exact[k] - np.asarray(old[k], np.float64)) ** 2)) for k in keys)
@@ -64,6 +49,7 @@ def main() -> None:
 
     from ember.codegen import cpp_choices, cuda_choices, tuning_db
     from ember.frontends import compile, nn, optim
+    from ember.frontends.training.torch_twins import torch_sgd_step
     from ember.frontends.training.zoo import ZOO, ember_zoo_model, torch_zoo_model
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -81,8 +67,8 @@ def main() -> None:
     ratios = []
     for i, (x, y) in enumerate(batches):
         before = {k: np.array(v) for k, v in step.state_dict().items()}
-        loss32, after32 = _torch_step(torch, t32, before, x, y, torch.float32, args.lr)
-        _, after64 = _torch_step(torch, t64, before, x, y, torch.float64, args.lr)
+        loss32, after32 = torch_sgd_step(t32, before, x, y, torch.float32, args.lr)
+        _, after64 = torch_sgd_step(t64, before, x, y, torch.float64, args.lr)
         loss = step(x, y)
         after = {k: np.array(v) for k, v in step.state_dict().items()}
         e, t = _error(after, after64, before, after64), _error(after32, after64, before, after64)

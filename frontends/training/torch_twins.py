@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TWINS", "torch_model"]
+__all__ = ["TWINS", "torch_model", "torch_sgd_step"]
 
 TWINS = ("cnn", "mlp", "lenet5", "resnet8", "speednet")
 
@@ -89,3 +89,23 @@ def torch_model(name: str) -> Any:
     if name == "speednet":
         return _speednet(tnn, torch)
     raise ValueError(f"no PyTorch twin for model {name!r}; expected one of {', '.join(TWINS)}")
+
+
+def torch_sgd_step(model: Any, weights: Any, x: Any, y: Any, dtype: Any, lr: float) -> tuple[float, dict[str, Any]]:
+    """Loads `weights` (name -> array) into the PyTorch `model` as `dtype`, takes one plain SGD step
+    of cross-entropy on (x, y): (the loss, the new weights in float64). What the per-step
+    comparisons of ember with PyTorch float32 and float64 run (tests/alignment.py,
+    tools/zoo_alignment.py)."""
+    import numpy as np
+    import torch
+    model.to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.asarray(weights[name])).to(dtype))
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x).to(dtype)), torch.from_numpy(y))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return loss.item(), {k: p.detach().double().numpy().copy() for k, p in model.named_parameters()}

@@ -117,25 +117,46 @@ _CANARY = 64  # floats past the scratch a call may not write
 
 
 class _Lib:
-    def __init__(self, path, kernels, isa: cv.VectorISA) -> None:
+    """A compiled library of kernels `(name, kind, geometry, plan, source, roles)`, each called as
+    `call_<name>(roles..., extents...)`: `scratch(kind, g, plan, isa)` sizes a call's scratch and
+    `extents(g)` gives its run-time sizes (the phase family's: the images and the groups)."""
+
+    def __init__(self, path, kernels, isa: cv.VectorISA, scratch=cp.scratch_bytes,
+                 extents=lambda g: (g.N, g.G)) -> None:
         self.dll = ctypes.CDLL(str(path))
         self.kernels = {k[0]: k for k in kernels}
-        self.isa = isa
+        self.isa, self.scratch, self.extents = isa, scratch, extents
 
     def __call__(self, name: str, arrays: dict[str, np.ndarray], g: ConvGeometry | None = None) -> None:
         """Runs kernel `name` at geometry `g` (default: the one it was rendered for), with scratch
         of the size its plan needs there (NaN: no kernel may read scratch it did not write)."""
         _, kind, kg, plan, ks, order = self.kernels[name]
         g = g or kg
-        words = cp.scratch_bytes(kind, g, plan, self.isa) // 4
+        words = self.scratch(kind, g, plan, self.isa) // 4
         block = base._aligned(words + _CANARY)
         block[words:] = 1234.5
         ptrs = [None if r is None else (block if r == "scratch" else arrays[r]).ctypes.data_as(ctypes.c_void_p)
                 for r in order]
+        extents = self.extents(g)
         fn = getattr(self.dll, f"call_{name}")
-        fn.argtypes = [ctypes.c_void_p] * len(ptrs) + [ctypes.c_int64] * 2
-        fn(*ptrs, g.N, g.G)
+        fn.argtypes = [ctypes.c_void_p] * len(ptrs) + [ctypes.c_int64] * len(extents)
+        fn(*ptrs, *extents)
         assert np.all(block[words:] == 1234.5), f"{name}: wrote past its {words} floats of scratch at {g}"
+
+
+def compiled(variant: str, kernels: list, unit, cache, tag: str, units: int, **lib) -> dict[str, _Lib]:
+    """{name: library} of `kernels` in `units` translation units (`unit(group)` their source), two
+    compiles at a time; none where the CPU cannot run the variant (it is still compiled)."""
+    groups = [kernels[i::units] for i in range(units)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        arts = list(pool.map(lambda grp: compile_cpp(unit(grp), flags=tv._flags(variant), cache=cache,
+                                                     name=f"{tag}_{variant}"), groups))
+    libs = {}
+    if variant != "avx512" or cv.host_supports(cv.AVX512):
+        for grp, art in zip(groups, arts):
+            one = _Lib(art.path, grp, tv._isa(variant), **lib)
+            libs.update({k[0]: one for k in grp})
+    return libs
 
 
 @pytest.fixture(scope="session")
@@ -146,16 +167,7 @@ def build(tmp_path_factory):
     def get(variant: str):
         if variant not in built:
             kernels = _kernels(variant)
-            groups = [kernels[i::4] for i in range(4)]
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                arts = list(pool.map(lambda grp: compile_cpp(_unit(grp), flags=tv._flags(variant), cache=cache,
-                                                             name=f"phase_{variant}"), groups))
-            libs = {}
-            if variant != "avx512" or cv.host_supports(cv.AVX512):
-                for grp, art in zip(groups, arts):
-                    lib = _Lib(art.path, grp, tv._isa(variant))
-                    libs.update({k[0]: lib for k in grp})
-            built[variant] = (kernels, libs)
+            built[variant] = (kernels, compiled(variant, kernels, _unit, cache, "phase", 4))
         return built[variant]
     return get
 

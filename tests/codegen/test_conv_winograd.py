@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -95,26 +94,6 @@ def _unit(kernels) -> str:
     return "\n".join(parts) + "\n"
 
 
-class _Lib:
-    def __init__(self, path, kernels, isa: cv.VectorISA) -> None:
-        self.dll = ctypes.CDLL(str(path))
-        self.kernels = {k[0]: k for k in kernels}
-        self.isa = isa
-
-    def __call__(self, name: str, arrays: dict[str, np.ndarray], g: ConvGeometry | None = None) -> None:
-        _, kind, kg, plan, ks, order = self.kernels[name]
-        g = g or kg
-        words = cw.scratch_bytes(kind, g, plan, self.isa) // 4
-        block = base._aligned(words + tp._CANARY)
-        block[words:] = 1234.5
-        ptrs = [None if r is None else (block if r == "scratch" else arrays[r]).ctypes.data_as(ctypes.c_void_p)
-                for r in order]
-        fn = getattr(self.dll, f"call_{name}")
-        fn.argtypes = [ctypes.c_void_p] * len(ptrs) + [ctypes.c_int64]
-        fn(*ptrs, g.N)
-        assert np.all(block[words:] == 1234.5), f"{name}: wrote past its {words} floats of scratch at {g}"
-
-
 @pytest.fixture(scope="session")
 def build(tmp_path_factory):
     """variant -> (kernels, {name: library}), compiled once per variant on first use."""
@@ -123,16 +102,8 @@ def build(tmp_path_factory):
     def get(variant: str):
         if variant not in built:
             kernels = _kernels(variant)
-            groups = [kernels[i::2] for i in range(2)]
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                arts = list(pool.map(lambda grp: compile_cpp(_unit(grp), flags=tv._flags(variant), cache=cache,
-                                                             name=f"winograd_{variant}"), groups))
-            libs = {}
-            if variant != "avx512" or cv.host_supports(cv.AVX512):
-                for grp, art in zip(groups, arts):
-                    lib = _Lib(art.path, grp, tv._isa(variant))
-                    libs.update({k[0]: lib for k in grp})
-            built[variant] = (kernels, libs)
+            built[variant] = (kernels, tp.compiled(variant, kernels, _unit, cache, "winograd", 2,
+                                                   scratch=cw.scratch_bytes, extents=lambda g: (g.N,)))
         return built[variant]
     return get
 
