@@ -91,26 +91,37 @@ def _epilogues(kind: str) -> dict[str, bool]:
     return {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True)}.get(kind, {})
 
 
-def _kernels(variant: str) -> list[tuple[str, str, ConvGeometry, cp.PhasePlan, object, list]]:
+def kernels_of(variant: str, geometries, kinds, plans, render) -> list[tuple]:
+    """(name, kind, geometry, plan, source, roles) of every plan `plans(label, kind, g, isa)` of
+    every geometry and kind, rendered by `render` with the kind's epilogues."""
     isa = tv._isa(variant)
     out = []
-    for gi, (label, g) in enumerate(GEOMETRIES):
-        for kind in KINDS:
-            for pi, plan in enumerate(_plans(label, kind, g, isa)):
+    for gi, (label, g) in enumerate(geometries):
+        for kind in kinds:
+            for pi, plan in enumerate(plans(label, kind, g, isa)):
                 name = f"{_SHORT[kind]}_{gi}_{pi}"
-                ks, order = cp.render(name, kind, g, plan, isa, **_epilogues(kind))
+                ks, order = render(name, kind, g, plan, isa, **_epilogues(kind))
                 out.append((name, kind, g, plan, ks, order))
     return out
 
 
-def _unit(kernels) -> str:
+def unit_of(kernels, extents: tuple[str, ...]) -> str:
+    """A translation unit of `kernels`, each called as `call_<name>(roles..., extents...)`."""
     parts = ["#include <cstdint>\n#include <omp.h>"]
     for name, _, _, _, ks, order in kernels:
-        assert len(ks.extents) == 2   # the images and the groups: run-time sizes
-        params = ", ".join([f"float* a{i}" for i in range(len(order))] + ["int64_t n", "int64_t groups"])
-        args = [f"a{i}" for i in range(len(order))] + ["n", "groups"]
+        assert len(ks.extents) == len(extents)   # the run-time sizes
+        params = ", ".join([f"float* a{i}" for i in range(len(order))] + [f"int64_t {e}" for e in extents])
+        args = [f"a{i}" for i in range(len(order))] + list(extents)
         parts += [ks.code, f'extern "C" void call_{name}({params}) {{ {name}({", ".join(args)}); }}']
     return "\n".join(parts) + "\n"
+
+
+def _kernels(variant: str) -> list[tuple]:
+    return kernels_of(variant, GEOMETRIES, KINDS, _plans, cp.render)
+
+
+def _unit(kernels) -> str:
+    return unit_of(kernels, ("n", "groups"))   # the images and the groups: run-time sizes
 
 
 _CANARY = 64  # floats past the scratch a call may not write
@@ -199,15 +210,10 @@ def _out_shape(kind: str, g: ConvGeometry) -> tuple[int, ...]:
             "conv2d_grad_weight": (g.O, g.C // g.G, g.KH, g.KW)}[kind]
 
 
-@pytest.mark.parametrize("variant", tv.VARIANTS)
-@pytest.mark.parametrize("gi", range(len(GEOMETRIES)), ids=[label for label, _ in GEOMETRIES])
-def test_phase_kernels_match_the_interpreter(build, variant, gi):
-    """Each compiled kernel of the geometry, at every run of `_runs`: one kernel for all of them."""
-    tv._runnable(variant)
-    kernels, libs = build(variant)
-    g = GEOMETRIES[gi][1]
-    runs = _runs(g)
-    data = [_data(r, 1000 * gi + i) for i, r in enumerate(runs)]
+def check_against_the_interpreter(kernels, libs, g: ConvGeometry, runs: list[ConvGeometry], seed: int) -> int:
+    """Runs each compiled kernel of geometry `g` at every geometry of `runs` (one kernel for all of
+    them) against the interpreter; how many kernels ran."""
+    data = [_data(r, seed + i) for i, r in enumerate(runs)]
     wants: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
     ran = 0
     for name, kind, kg, plan, _, _ in kernels:
@@ -223,7 +229,37 @@ def test_phase_kernels_match_the_interpreter(build, variant, gi):
                 raise AssertionError(f"{name} {kind} planned for {kg} run at N={r.N} G={r.G}, plan {plan.pairs()}") \
                     from e
         ran += 1
-    assert ran >= 3
+    return ran
+
+
+def check_threads(kernels, libs, picks: list[ConvGeometry], at=lambda g: g) -> None:
+    """The first plan's kernel of each geometry of `picks`, run at `at(g)` on 2, 1 and 3 threads,
+    gives the same bits."""
+    try:
+        for name, kind, g, plan, _, _ in kernels:
+            if not any(g is p for p in picks) or not name.endswith("_0"):
+                continue
+            r = at(g)
+            d = _data(r, 1)
+            got = []
+            for t in (2, 1, 3):
+                base._set_threads(t)
+                out = np.full(_out_shape(kind, r), np.nan, np.float32)
+                libs[name](name, dict(d, out=out), r)
+                got.append(out.tobytes())
+            assert got[0] == got[1] == got[2], f"{name}: thread counts give different bits"
+    finally:
+        base._set_threads(2)
+
+
+@pytest.mark.parametrize("variant", tv.VARIANTS)
+@pytest.mark.parametrize("gi", range(len(GEOMETRIES)), ids=[label for label, _ in GEOMETRIES])
+def test_phase_kernels_match_the_interpreter(build, variant, gi):
+    """Each compiled kernel of the geometry, at every run of `_runs`: one kernel for all of them."""
+    tv._runnable(variant)
+    kernels, libs = build(variant)
+    g = GEOMETRIES[gi][1]
+    assert check_against_the_interpreter(kernels, libs, g, _runs(g), 1000 * gi) >= 3
 
 
 @pytest.mark.parametrize("variant", tv.VARIANTS)
@@ -231,21 +267,7 @@ def test_bit_identical_across_threads(build, variant):
     """Tasks own whole outputs or fixed image slots: 1, 2 and 3 threads give the same bits."""
     tv._runnable(variant)
     kernels, libs = build(variant)
-    picks = {label: g for label, g in GEOMETRIES if label in ("resnet_3x3s2", "depthwise_s2", "random5")}
-    try:
-        for name, kind, g, plan, _, _ in kernels:
-            if g not in picks.values() or not name.endswith("_0"):
-                continue
-            d = _data(g, 1)
-            got = []
-            for t in (2, 1, 3):
-                base._set_threads(t)
-                out = np.full(_out_shape(kind, g), np.nan, np.float32)
-                libs[name](name, dict(d, out=out))
-                got.append(out.tobytes())
-            assert got[0] == got[1] == got[2], f"{name}: thread counts give different bits"
-    finally:
-        base._set_threads(2)
+    check_threads(kernels, libs, [g for label, g in GEOMETRIES if label in ("resnet_3x3s2", "depthwise_s2", "random5")])
 
 
 def test_plans_fit_the_register_file_and_refuse_what_does_not():

@@ -32,7 +32,6 @@ from ember.codegen.compiler import compile_cpp
 from ember.codegen.grouped_conv import ConvGeometry
 
 KINDS = cw.KINDS
-_SHORT = {"conv2d": "fwd", "conv2d_grad_input": "gin", "conv2d_grad_weight": "gwt"}
 
 
 def _named(label: str, n, c, h, w, o, p) -> tuple[str, ConvGeometry]:
@@ -68,30 +67,12 @@ def _runs(g: ConvGeometry) -> list[ConvGeometry]:
     return [dataclasses.replace(g, N=n) for n in dict.fromkeys((g.N, 1, 2, 21))]
 
 
-def _epilogues(kind: str) -> dict[str, bool]:
-    return {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True)}.get(kind, {})
-
-
 def _kernels(variant: str) -> list[tuple]:
-    isa = tv._isa(variant)
-    out = []
-    for gi, (label, g) in enumerate(GEOMETRIES):
-        for kind in KINDS:
-            for pi, plan in enumerate(_plans(label, kind, g, isa)):
-                name = f"{_SHORT[kind]}_{gi}_{pi}"
-                ks, order = cw.render(name, kind, g, plan, isa, **_epilogues(kind))
-                out.append((name, kind, g, plan, ks, order))
-    return out
+    return tp.kernels_of(variant, GEOMETRIES, KINDS, _plans, cw.render)
 
 
 def _unit(kernels) -> str:
-    parts = ["#include <cstdint>\n#include <omp.h>"]
-    for name, _, _, _, ks, order in kernels:
-        assert len(ks.extents) == 1   # the images: a run-time size
-        params = ", ".join([f"float* a{i}" for i in range(len(order))] + ["int64_t n"])
-        args = [f"a{i}" for i in range(len(order))] + ["n"]
-        parts += [ks.code, f'extern "C" void call_{name}({params}) {{ {name}({", ".join(args)}); }}']
-    return "\n".join(parts) + "\n"
+    return tp.unit_of(kernels, ("n",))   # the images: a run-time size
 
 
 @pytest.fixture(scope="session")
@@ -115,45 +96,17 @@ def test_winograd_kernels_match_the_interpreter(build, variant, gi):
     tv._runnable(variant)
     kernels, libs = build(variant)
     g = GEOMETRIES[gi][1]
-    runs = _runs(g)
-    data = [tp._data(r, 1000 * gi + i) for i, r in enumerate(runs)]
-    wants: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
-    ran = 0
-    for name, kind, kg, plan, _, _ in kernels:
-        if kg is not g:
-            continue
-        for i, r in enumerate(runs):
-            want, terms = wants.setdefault((i, kind), tp._reference(kind, r, data[i]))
-            out = np.full(tp._out_shape(kind, r), np.nan, np.float32)
-            libs[name](name, dict(data[i], out=out), r)
-            try:
-                base.assert_close(out, want, terms)
-            except AssertionError as e:
-                raise AssertionError(f"{name} {kind} planned for {kg} run at N={r.N}, plan {plan.pairs()}") from e
-        ran += 1
-    assert ran >= 2
+    assert tp.check_against_the_interpreter(kernels, libs, g, _runs(g), 1000 * gi) >= 2
 
 
 @pytest.mark.parametrize("variant", tv.VARIANTS)
 def test_bit_identical_across_threads(build, variant):
-    """Tasks own whole output tiles: 1, 2 and 3 threads give the same bits."""
+    """Tasks own whole output tiles (the grad-weight: its sums have the blocks' order): 1, 2 and 3
+    threads give the same bits, at 7 images (several blocks)."""
     tv._runnable(variant)
     kernels, libs = build(variant)
-    picks = {label: g for label, g in GEOMETRIES if label in ("airbench_14x14", "random4")}
-    try:
-        for name, kind, g, plan, _, _ in kernels:
-            if g not in picks.values() or not name.endswith("_0"):
-                continue
-            d = tp._data(dataclasses.replace(g, N=7), 1)
-            got = []
-            for t in (2, 1, 3):
-                base._set_threads(t)
-                out = np.full(tp._out_shape(kind, dataclasses.replace(g, N=7)), np.nan, np.float32)
-                libs[name](name, dict(d, out=out), dataclasses.replace(g, N=7))
-                got.append(out.tobytes())
-            assert got[0] == got[1] == got[2], f"{name}: thread counts give different bits"
-    finally:
-        base._set_threads(2)
+    tp.check_threads(kernels, libs, [g for label, g in GEOMETRIES if label in ("airbench_14x14", "random4")],
+                     at=lambda g: dataclasses.replace(g, N=7))
 
 
 def test_the_family_serves_ungrouped_3x3_stride_1_convolutions_only():
