@@ -25,11 +25,13 @@ and the transforms (adds and subtracts, the weights' halves) cost a few operatio
   fixed tree and the block's sums to running sums in double; G^T m G at the end, in double.
 
 Accuracy (tests/codegen/test_conv_winograd.py, against float64): a forward or grad-input output
-sums C products of transformed values where the direct kernel sums 9C, so it is more accurate
-(0.68-0.77x the direct kernels' RMS error on a 16 -> 40 channel 14x14 layer); the grad-weight's
-output transform cancels (G^T m G of sums larger than the result): 1.7x the direct kernel's error
-there. On full-width airbench (`tools/zoo_alignment.py`, docs/benchmarks.md) the step's update
-error against float64 over PyTorch float32's was 2.08 with the direct kernels, 1.09 with these.
+sums C products of transformed values, CK channels a float chain (then the chains), where the
+direct kernel sums 9C in one chain, so it is more accurate (0.61-0.77x the direct kernels' RMS
+error on a 16 -> 40 channel 14x14 layer); the grad-weight's output transform cancels (G^T m G of
+sums larger than the result): 1.7x the direct kernel's error there. On full-width airbench
+(`tools/zoo_alignment.py`, docs/benchmarks.md) the step's update error against float64 over
+PyTorch float32's was 2.08 with the direct kernels, 1.09 with these summing all C in one chain,
+0.75 with chains of 32.
 
 A NaN or an infinity among the operands would meet its opposite in the transforms and spread NaN
 over a tile (and the tiles sharing its patch): the transforms notice it (0 * value summed) and such
@@ -64,6 +66,12 @@ _POSITIONS = 16      # the 4x4 transformed points of F(2x2, 3x3)
 _V_BUDGET = 256 * 1024
 #: tile rows a block may hold (the tuner's spread included)
 _MAX_RB = 64
+#: input channels the forward's register tile sums before adding to its point's sums (float
+#: chains of CK, then CI / CK): in a float32 simulation of a 256-channel layer the error against
+#: float64 halves (4.5e-7 with one chain, 2.2e-7 with 32, 2.6e-7 with 64; 1.2e-7 with exact
+#: sums), and full-width airbench's eval logits went from 1.5x PyTorch float32's error to 0.78x
+#: (64: 0.88x), for a load, an add and a store a register every 32 channels (~3% of the kernel)
+_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,7 @@ def _ctx(name: str, kind: str, g: ConvGeometry, plan: WinogradPlan, isa: VectorI
     u_pos = k.CI * ucs + _ALIGN
     sc.add("u", _POSITIONS * u_pos)
     sc.add("thr", MAX_THREADS * per_thread)
-    return dict(common, **b, V_FLOATS=v, V_POS=v_pos, UCS=ucs, U_POS=u_pos, PER_THREAD=per_thread,
+    return dict(common, **b, V_FLOATS=v, V_POS=v_pos, UCS=ucs, U_POS=u_pos, PER_THREAD=per_thread, CK=_CHUNK,
                 off=sc.offsets), sc
 
 
