@@ -346,6 +346,7 @@ def render_step(graph: Graph) -> CudaStepSource:
         else:
             if canonical is not None:
                 defined[canonical] = name
+            code = cuda_kernels.with_grid_dependency(code)
             units.append((code, functions))
             parts.append(header + code)
         kernels.append((name, spec.describe(), implements))
@@ -375,5 +376,5 @@ def reused_variants(graph: Graph) -> list[tuple[str, tuple[str, ...]]]:
         canonical = kernel.code.replace(sub.name, "\0")
         if canonical not in defined:
             defined.add(canonical)
-            units.append((kernel.code, functions))
+            units.append((cuda_kernels.with_grid_dependency(kernel.code), functions))
     return units

@@ -35,6 +35,7 @@ count are chosen per shape by a small cost model of the active device (`device.c
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,18 @@ def scratch_offset(role: str) -> int | None:
 
 #: C types of by-value launch arguments -> NumPy's (CuPy passes a NumPy scalar by value, as its type)
 SCALAR_TYPES = {"int": np.int32, "int64_t": np.int64}
+
+#: the statement every generated kernel body starts with (the prelude's macro: wait for the grid
+#: before on the stream, then let the next one launch); the runtime launches a kernel as its
+#: predecessor's programmatic dependent only because of it
+GRID_DEPENDENCY = "EM_GRID_DEPENDENCY();"
+_KERNEL_BODY = re.compile(r'(extern "C" __global__ [^;{]*\)\s*\{)')
+
+
+def with_grid_dependency(code: str) -> str:
+    """`code` with GRID_DEPENDENCY first in the body of each of its kernels (templates stay
+    unaware of it: one rule for every family, present and future)."""
+    return _KERNEL_BODY.sub(lambda m: m.group(1) + " " + GRID_DEPENDENCY, code)
 
 
 def scalar_args(scalars: tuple[tuple[str, int], ...]) -> tuple[Any, ...]:

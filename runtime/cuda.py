@@ -32,7 +32,7 @@ from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, 
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
 
-from . import cuda_modules, nvrtc_workers
+from . import cuda_modules, cuda_pdl, nvrtc_workers
 from .cuda_streams import place
 from .executor import Storage, check_inputs, planned_view
 
@@ -303,6 +303,11 @@ class CudaExecutor:
         self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
                            tuple(self._arg(a) for a in la.args) + scalar_args(la.scalars))
                           for la in self.source.launches]
+        # with EMBER_CUDA_PDL=1, a generated kernel right after another on its stream is launched
+        # as its programmatic dependent (`cuda_pdl`); collectives are NCCL's and stay plain launches
+        pdl = cuda_pdl.enabled(self.arch)
+        self._dependent = [cuda_pdl.DependentLaunch(*launch) if pdl and not la.function.startswith(cuda_codegen.COLLECTIVE_PREFIX)
+                           else None for launch, la in zip(self._launches, self.source.launches)]
         # Kernels with no memory hazard between them overlap on other streams inside the graph.
         kernel_nodes = [n for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         self._placements = place(graph, kernel_nodes, STREAMS)
@@ -353,14 +358,23 @@ class CudaExecutor:
                 s.wait_event(start)
             done: dict[int, Any] = {}
             previous = None
-            for (fn, grid, block, shared, args), k in zip(self._launches, self._kernel_of_launch):
+            # per stream: whether the last thing issued on it in this step is a generated kernel
+            # (the one a dependent launch waits for) with no event wait since
+            after_kernel = [False] * len(streams)
+            for (fn, grid, block, shared, args), k, dependent in zip(self._launches, self._kernel_of_launch,
+                                                                      self._dependent):
                 placement = self._placements[k]
                 stream = streams[placement.stream]
                 if k != previous:
                     for j in placement.waits:
                         stream.wait_event(done[j])
-                with stream:
-                    fn(grid, block, args, shared_mem=shared)
+                        after_kernel[placement.stream] = False
+                if dependent is not None and after_kernel[placement.stream]:
+                    dependent(stream.ptr)
+                else:
+                    with stream:
+                        fn(grid, block, args, shared_mem=shared)
+                after_kernel[placement.stream] = dependent is not None
                 done[k] = stream.record()
                 previous = k
             for s in self._streams:  # join

@@ -208,7 +208,7 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
     arena's values are garbage afterwards (kernels were skipped); only the timing is kept."""
     import cupy as cp
     names = [la.kernel for la in executor.source.launches]
-    saved = list(executor._launches)
+    saved, dependent = list(executor._launches), list(executor._dependent)
 
     def skip(grid: Any, block: Any, args: Any, shared_mem: int = 0) -> None:
         return None
@@ -236,9 +236,10 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
     try:
         for kernel in dict.fromkeys(names):
             executor._launches = [(skip, *launch[1:]) if name == kernel else launch for launch, name in zip(saved, names)]
+            executor._dependent = [None if name == kernel else d for d, name in zip(dependent, names)]
             out[kernel] = timed()
     finally:
-        executor._launches = saved
+        executor._launches, executor._dependent = saved, dependent
     return out
 
 

@@ -24,7 +24,7 @@ from ember.frontends.training import build_model
 
 pytestmark = pytest.mark.cuda
 
-SHAPES = {"cnn": (1, 28, 28), "mlp": (784,)}
+SHAPES = {"cnn": (1, 28, 28), "resnet8": (1, 28, 28), "mlp": (784,)}
 
 
 def _batches(name: str, steps: int, batch: int = 64, seed: int = 0):
@@ -40,10 +40,16 @@ def _step(name: str, device: str = "cuda", lr: float = 0.05):
     return compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=lr), example_inputs=(xs[0], ys[0]), device=device)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_graph_replay_equals_plain_launches_bit_for_bit(name):
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet8"])
+def test_graph_replay_equals_plain_launches_bit_for_bit(name, pdl, monkeypatch):
+    """With EMBER_CUDA_PDL=1 the replayed graph's kernels are programmatic dependents of the ones
+    before them on their streams (runtime/cuda_pdl.py): the same values, bit for bit."""
+    monkeypatch.setenv("EMBER_CUDA_PDL", pdl)
     xs, ys = _batches(name, 6)
     replayed, plain = _step(name), _step(name)
+    dependent = replayed._steps[replayed._example][1]._dependent
+    assert any(d is not None for d in dependent) == (pdl == "1")
     executor = plain._steps[plain._example][1]
     for x, y in zip(xs, ys):
         a = float(replayed.run(x, y))
