@@ -4,8 +4,9 @@ pairs with float32 accumulation, in four modes (the plan's `mode`, best first wh
 - `direct` (`Direct`, `templates/cpp/bf16_direct.j2`): convolutions of any stride and groups over
   a grid of their outputs, the input packed once per image in phase planes (a vector of output
   positions is one load); finished outputs staged and copied out a row at a time. Grad-input is
-  the forward of dy (placed stride apart); an ungrouped grad-weight reads the same grid with the
-  roles turned (`bf16_direct_gw.j2`);
+  the forward of dy; a strided one runs as its SH x SW output phases, each a stride-1 correlation
+  of dy with its phase's taps (`grad_input_phases`); an ungrouped grad-weight reads the same grid
+  with the roles turned (`bf16_direct_gw.j2`);
 - `taps` (`bf16_taps_gw.j2`): a grouped grad-weight, one (o, c) pair a task, vectors along the
   positions;
 - `dot` (`bf16_dot.j2`): x @ W^T, A's and B's rows read where they lie (pairs along k);
@@ -43,11 +44,12 @@ tiles, the grad-weight's chunks) is computed at run time.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from .cpp_kernels import MAX_THREADS, KernelSource, _check_name, _render
+from .cpp_kernels import MAX_THREADS, KernelSource, _check_name, _render, vec_prelude
 from .cpu_vector import VectorISA
 
 __all__ = ["Bf16Plan", "Gemm", "Direct", "gemm_of", "direct_of", "taps_of", "dot_serves", "plans", "scratch_bytes",
@@ -170,12 +172,47 @@ def direct_of(g: dict[str, Any]) -> Direct | None:
         return Direct("conv2d", NI, C, O, H, W, KH, KW, PH, PW, HO, WO, "w", "x",
                       "((long)(oc * CIG + cl) * KH + kh) * KW + kw",
                       "out[n,o] = sum_(c,kh,kw) w[o,c,kh,kw] x[n,c] at the window", SH, SW, GR)
-    # grad-input: the forward of dy with its rows (columns) placed SH (SW) apart, so a strided
-    # convolution's too (at SH * SW times the products: the zeros between are multiplied)
+    # grad-input: the forward of dy with its rows (columns) placed SH (SW) apart; the direct mode
+    # renders a strided one as its output phases (`grad_input_phases`), the GEMM mode reads it so
     return Direct("conv2d_grad_input", NI, O, C, HO, WO, KH, KW, KH - 1 - PH, KW - 1 - PW, H, W, "w", "dy",
                   "((long)(c * OCG + ocl) * KH + (KH - 1 - kh)) * KW + (KW - 1 - kw)",
                   "dx[n,c] = sum_(o,kh,kw) w[o,c,KH-1-kh,KW-1-kw] dy[n,o] padded and shifted" +
                   (f", dy's rows {SH} and columns {SW} apart" if (SH, SW) != (1, 1) else ""), 1, 1, GR, SH, SW)
+
+
+def _phase_axis(alpha: int, s: int, k: int, pad: int, out: int) -> tuple[int, int, int, int]:
+    """(first tap, taps, padding, outputs) along one axis of output phase `alpha` of a stride-s
+    grad-input: the taps k0, k0 + s, ... reach dx positions u * s + alpha, from dy at u + t - padding."""
+    k0 = (alpha + pad) % s
+    taps = len(range(k0, k, s))
+    return k0, taps, taps - 1 - (alpha + pad) // s, (out - alpha + s - 1) // s
+
+
+def grad_input_phases(d: Direct) -> list[tuple[int, int, Direct | None]]:
+    """The output phases (a, b) of a strided grad-input (`d`: dy placed DH x DW apart), each a
+    stride-1 correlation of dy itself with the taps of its phase (None: a phase no tap reaches,
+    zero): dx[u * DH + a][v * DW + b] = sum_(o,t,t') dy[o][u + t - PT'][v + t' - PL']
+    w[o][c][kh0 + DH (T - 1 - t)][kw0 + DW (T' - 1 - t')], so no product reads the zeros that
+    placing dy apart would put between its rows and columns."""
+    ph, pw = d.KH - 1 - d.PT, d.KW - 1 - d.PL  # the forward's padding
+    out = []
+    for a in range(d.DH):
+        kh0, th, pt, hout = _phase_axis(a, d.DH, d.KH, ph, d.HOUT)
+        for b in range(d.DW):
+            kw0, tw, pl, wout = _phase_axis(b, d.DW, d.KW, pw, d.WOUT)
+            if th == 0 or tw == 0 or hout <= 0 or wout <= 0:
+                out.append((a, b, None))
+                continue
+            w_index = (f"((long)(c * OCG + ocl) * {d.KH} + ({kh0} + {d.DH} * ({th - 1} - kh))) * {d.KW} + "
+                       f"({kw0} + {d.DW} * ({tw - 1} - kw))")
+            out.append((a, b, Direct(d.kind, d.G, d.CI, d.OC, d.HIN, d.WIN, th, tw, pt, pl, hout, wout, d.a_role,
+                                     d.b_role, w_index, f"{d.what}: output phase ({a}, {b})", 1, 1, d.GR)))
+    return out
+
+
+def _phased(d: Direct | None) -> bool:
+    """Whether the direct mode computes this kernel phase by phase (a strided grad-input)."""
+    return d is not None and d.kind == "conv2d_grad_input" and (d.DH, d.DW) != (1, 1)
 
 
 def _direct_rows(d: Direct, mp: int, nw: int) -> int:
@@ -455,7 +492,10 @@ def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
         return 0
     if plan.mode == "taps":
         return 4 * sum(_taps_layout(taps_of(g), isa).values())
-    return 4 * _layout(gm, plan, isa, direct_of(g) if plan.mode == "direct" else None)["total"]
+    d = direct_of(g) if plan.mode == "direct" else None
+    if _phased(d):
+        return 4 * _phased_scratch_words(gm, d, plan, isa)
+    return 4 * _layout(gm, plan, isa, d)["total"]
 
 
 def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | None = None,
@@ -493,6 +533,57 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
     if plan.nb % (plan.nv * isa.lanes) or plan.nb < 1 or (gm.reduce_groups and plan.nb < gm.N):
         raise ValueError(f"column block {plan.nb} is not a multiple of the tile's {plan.nv * isa.lanes} columns")
+
+
+def _phase_plan(plan: Bf16Plan, dp: Direct) -> Bf16Plan:
+    return dataclasses.replace(plan, nb=min(plan.nb, dp.HOUT))
+
+
+def _render_phased(name: str, gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorISA, dot: str,
+                   relu_mask: bool) -> tuple[KernelSource, list[str | None]]:
+    """A strided grad-input as its output phases (`grad_input_phases`), each the direct mode's
+    stride-1 kernel in a namespace of its own storing its rows and columns into dx, run one after
+    the other on the same scratch; phases no tap reaches are zeroed."""
+    nw = plan.nv * isa.lanes
+    parts, calls, zeros, total = [], [], [], 0
+    for a, b, dp in grad_input_phases(d):
+        if dp is None:
+            zeros.append((a, b))
+            continue
+        pplan = _phase_plan(plan, dp)
+        lay = _layout(gm, pplan, isa, dp)
+        total = max(total, lay["total"])
+        code = _render("bf16_direct.j2", isa, d=dp, name=name, plan=pplan, dot=dot, CHUNKS=CHUNKS,
+                       lay={**lay, "stage_words": _stage_words(dp, pplan, isa)},
+                       OGP=_round_up(dp.OC // dp.GR, pplan.mr), PLANE=_plane(dp, nw), RB=pplan.nb,
+                       SP=_stage_pitch(dp, pplan.nb, nw), bias=False, relu=False, relu_mask=relu_mask,
+                       mask_in_copy=True, PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"),
+                       phase={"a": a, "b": b, "sh": d.DH, "sw": d.DW, "h": d.HOUT, "w": d.WOUT})
+        parts.append(code if not parts else code.replace(vec_prelude(isa), "", 1))
+        calls.append(f"  ember_k_{name}::p{a}{b}::run(pa, pb, bias, mask, out, scratch, images);")
+    zero = ""
+    if zeros:
+        cond = " || ".join(f"(a == {a} && b == {b})" for a, b in zeros)
+        zero = f"""  // the phases no tap reaches
+#pragma omp parallel for schedule(static) if(images * {d.OC * d.HOUT} >= 4096)
+  for (long gr = 0; gr < images * {d.OC * d.HOUT}; ++gr) {{
+    const int a = static_cast<int>(gr % {d.HOUT}) % {d.DH};
+    uint16_t* __restrict__ row = out + gr * {d.WOUT};
+    for (int j = 0; j < {d.WOUT}; ++j) {{
+      const int b = j % {d.DW};
+      if ({cond}) row[j] = 0;
+    }}
+  }}
+"""
+    wrapper = (f"static void {name}(const uint16_t* __restrict__ pa, const uint16_t* __restrict__ pb, "
+               f"const uint16_t* __restrict__ bias, const uint16_t* __restrict__ mask, uint16_t* __restrict__ out, "
+               f"float* __restrict__ scratch, const int64_t images) {{\n" + "\n".join(calls) + "\n" + zero + "}\n")
+    roles = [d.a_role, d.b_role, None, "mask" if relu_mask else None, "out", "scratch"]
+    return KernelSource(name, "\n".join(parts) + "\n" + wrapper, 4 * total, (d.G,)), roles
+
+
+def _phased_scratch_words(gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
+    return max(_layout(gm, _phase_plan(plan, dp), isa, dp)["total"] for _, _, dp in grad_input_phases(d) if dp)
 
 
 def _parallel(macs: str) -> str:
@@ -533,6 +624,8 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
                        OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False,
                        relu_mask=False, mask_in_copy=False, PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
+    if plan.mode == "direct" and _phased(d):
+        return _render_phased(name, gm, d, plan, isa, dot, "relu_mask" in eps)
     if plan.mode == "direct":
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct.j2", isa, d=d, **common,
@@ -540,7 +633,7 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
                        OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
                        SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
-                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"))
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"), phase=None)
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles

@@ -93,6 +93,7 @@ CONVS = [  # name, N, C, H, W, O, KH, KW, stride, padding
     ("pad1_odd_c", 2, 3, 7, 9, 5, 3, 3, (1, 1), (1, 1)),     # stride 1, padded: the direct mode
     ("k5_pad2", 1, 5, 8, 6, 4, 5, 5, (1, 1), (2, 2)),
     ("k1_pad1", 1, 2, 4, 5, 3, 1, 1, (1, 1), (1, 1)),        # grad-input: padding past the kernel
+    ("k1_s2", 2, 4, 7, 8, 6, 1, 1, (2, 2), (0, 0)),           # grad-input: three phases no tap reaches
 ]
 
 
@@ -336,7 +337,8 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
 # strided (direct in phase planes; grad-input: GEMM), cropped (grad-input of padding past the
 # kernel), a rectangular stride; matmuls of every layout, odd and partial k, batched (dot, GEMM)
 EVERY_PLAN = [("conv", c, k) for c in CONVS for k in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
-              if c[0] == "stride2_pad1" or (c[0], k) in {("k1_pad1", "conv2d_grad_input"), ("k5_pad2_rect", "conv2d")}] + \
+              if c[0] == "stride2_pad1" or (c[0], k) in {("k1_pad1", "conv2d_grad_input"), ("k5_pad2_rect", "conv2d"),
+                                                          ("k1_s2", "conv2d_grad_input")}] + \
     [("matmul", c, None) for c in CPU_MATMULS if c[0] in ("hidden_relu", "batched_tt", "batched_abt_tail", "odd_k_ta")]
 
 
@@ -364,3 +366,24 @@ def test_every_plan_matches_the_interpreter(what, case, kind):
         got = trial.output.astype(np.float64)
         step = 2.0 ** (np.floor(np.log2(np.maximum(np.maximum(np.abs(want), np.abs(got)), 1e-30))) - 7)
         assert np.all(np.abs(got - want) <= step + 1e-6 * scale), choice_text(trial.choice)
+
+
+@pytest.mark.parametrize("k,s,p,size,taps", [
+    (3, 2, 1, 11, [(1, 1), (1, 2), (2, 1), (2, 2)]),  # rows a = 0: kh 1; a = 1: kh 0, 2
+    (1, 2, 0, 7, [(1, 1), None, None, None]),
+    (5, 3, 2, 10, [(1, 1), (1, 2), (1, 2), (2, 1), (2, 2), (2, 2), (2, 1), (2, 2), (2, 2)]),
+])
+def test_a_strided_grad_input_runs_as_its_output_phases(k, s, p, size, taps):
+    """Each output phase (a, b) of a stride-s grad-input reads the taps kh = (a + p) mod s, + s, ...
+    of the window: its (rows, columns) of taps, and its outputs the dx positions of the phase."""
+    from ember.codegen import cpp_bf16
+    ho = (size + 2 * p - k) // s + 1
+    g = dict(kind="conv2d_grad_input", N=2, C=3, H=size, W=size, O=4, KH=k, KW=k, stride=(s, s), padding=(p, p),
+             HO=ho, WO=ho, epilogues=[])
+    phases = cpp_bf16.grad_input_phases(cpp_bf16.direct_of(g))
+    assert [(dp.KH, dp.KW) if dp else None for _, _, dp in phases] == taps
+    for a, b, dp in phases:
+        reach = [len([kh for kh in range(k) if (e + p - kh) % s == 0]) for e in (a, b)]
+        assert (dp.KH, dp.KW) == tuple(reach) if dp else 0 in reach
+        if dp is not None:
+            assert (dp.HOUT, dp.WOUT, dp.SH, dp.DH) == (len(range(a, size, s)), len(range(b, size, s)), 1, 1)
