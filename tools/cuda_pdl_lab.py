@@ -14,27 +14,13 @@ import os
 import numpy as np
 
 
-def graph_time(cp, executor, mask, replays: int = 50, rounds: int = 3) -> float:
+def graph_time(executor, mask, replays: int = 50, rounds: int = 3) -> float:
+    """The step's device time with only the launches `mask` keeps made dependents."""
+    from ember.frontends.cli.bench_cuda import captured_step_time
     saved = list(executor._dependent)
     executor._dependent = [d if keep else None for d, keep in zip(saved, mask)]
     try:
-        with executor.stream:
-            executor.stream.begin_capture()
-            try:
-                executor._launch_all()
-            finally:
-                graph = executor.stream.end_capture()
-            graph.launch(executor.stream)
-            best = float("inf")
-            for _ in range(rounds):
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                for _ in range(replays):
-                    graph.launch(executor.stream)
-                stop.record()
-                stop.synchronize()
-                best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
-        return best
+        return captured_step_time(executor, replays, rounds)
     finally:
         executor._dependent = saved
 
@@ -45,8 +31,6 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ["EMBER_CUDA_PDL"] = "1"  # the executor makes the dependent launches this times
-    import cupy as cp
-
     from ember.frontends import compile as ember_compile
     from ember.frontends import nn, optim
     from ember.frontends.training.zoo import ZOO, zoo_model
@@ -65,14 +49,14 @@ def main() -> None:
         graph = executor.graph
         spec_of = {graph.attrs(n)["graph"].name: graph.attrs(n)["kernel"] for n in graph.g if graph.op(n) == "fused"}
         names = [la.kernel for la in executor.source.launches]
-        plain = graph_time(cp, executor, [False] * len(names))
-        every = graph_time(cp, executor, [True] * len(names))
+        plain = graph_time(executor, [False] * len(names))
+        every = graph_time(executor, [True] * len(names))
         rows = []
         for kernel in dict.fromkeys(names):
             mask = [n == kernel for n in names]
             if not any(d is not None for d, m in zip(executor._dependent, mask) if m):
                 continue
-            t = graph_time(cp, executor, mask)
+            t = graph_time(executor, mask)
             spec = spec_of[kernel]
             launches = [(la.function, la.grid, la.block, la.shared_bytes) for la in executor.source.launches if la.kernel == kernel]
             rows.append({"kernel": kernel, "delta_us": round(t - plain, 2), "kind": spec.kind,

@@ -200,13 +200,35 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     return out
 
 
+def captured_step_time(executor: Any, replays: int = 100, rounds: int = 3) -> float:
+    """Device time (us) of one step: the executor's launches as they stand, captured into a CUDA
+    graph and replayed `replays` times a round (the best round)."""
+    import cupy as cp
+    with executor.stream:
+        executor.stream.begin_capture()
+        try:
+            executor._launch_all()
+        finally:
+            graph = executor.stream.end_capture()
+        graph.launch(executor.stream)
+        best = float("inf")
+        for _ in range(rounds):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(replays):
+                graph.launch(executor.stream)
+            stop.record()
+            stop.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
+    return best
+
+
 def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int = 3) -> dict[str, float]:
     """Device time (us) of the step's launches captured into one CUDA graph ("full"), and of the
     same graph with each kernel's launches left out (keyed by kernel). The difference is what the
     kernel adds to the step where it overlaps others on the step's streams: the time a faster
     kernel can save, which its time alone overstates for kernels off the critical path. The
     arena's values are garbage afterwards (kernels were skipped); only the timing is kept."""
-    import cupy as cp
     names = [la.kernel for la in executor.source.launches]
     saved, dependent = list(executor._launches), list(executor._dependent)
 
@@ -214,23 +236,7 @@ def step_time_without_each_kernel(executor: Any, replays: int = 100, rounds: int
         return None
 
     def timed() -> float:
-        with executor.stream:
-            executor.stream.begin_capture()
-            try:
-                executor._launch_all()
-            finally:
-                graph = executor.stream.end_capture()
-            graph.launch(executor.stream)
-            best = float("inf")
-            for _ in range(rounds):
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                for _ in range(replays):
-                    graph.launch(executor.stream)
-                stop.record()
-                stop.synchronize()
-                best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
-        return best
+        return captured_step_time(executor, replays, rounds)
 
     out = {"full": timed()}
     try:

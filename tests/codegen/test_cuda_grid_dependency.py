@@ -4,6 +4,7 @@ the step's source assembles to sm_90 code that has the wait, and the ctypes laun
 runtime hands cuLaunchKernelEx has the layout of the CUDA headers' structs."""
 from __future__ import annotations
 
+import ctypes
 import re
 import subprocess
 from pathlib import Path
@@ -74,7 +75,6 @@ def test_the_launch_config_has_the_cuda_headers_layout(tmp_path):
     subprocess.run(["g++", "-I", str(include), "-o", str(exe), str(probe)], check=True, capture_output=True)
     want = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     config, attribute = cuda_pdl._LaunchConfig, cuda_pdl._Attribute
-    import ctypes
     assert want == [ctypes.sizeof(config), config.stream.offset, config.attrs.offset, config.num_attrs.offset,
                     ctypes.sizeof(attribute), attribute.value.offset, cuda_pdl._PROGRAMMATIC_STREAM_SERIALIZATION]
 
