@@ -545,14 +545,13 @@ def _render_phased(name: str, gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorIS
     stride-1 kernel in a namespace of its own storing its rows and columns into dx, run one after
     the other on the same scratch; phases no tap reaches are zeroed."""
     nw = plan.nv * isa.lanes
-    parts, calls, zeros, total = [], [], [], 0
+    parts, calls, zeros = [], [], []
     for a, b, dp in grad_input_phases(d):
         if dp is None:
             zeros.append((a, b))
             continue
         pplan = _phase_plan(plan, dp)
         lay = _layout(gm, pplan, isa, dp)
-        total = max(total, lay["total"])
         code = _render("bf16_direct.j2", isa, d=dp, name=name, plan=pplan, dot=dot, CHUNKS=CHUNKS,
                        lay={**lay, "stage_words": _stage_words(dp, pplan, isa)},
                        OGP=_round_up(dp.OC // dp.GR, pplan.mr), PLANE=_plane(dp, nw), RB=pplan.nb,
@@ -579,7 +578,8 @@ def _render_phased(name: str, gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorIS
                f"const uint16_t* __restrict__ bias, const uint16_t* __restrict__ mask, uint16_t* __restrict__ out, "
                f"float* __restrict__ scratch, const int64_t images) {{\n" + "\n".join(calls) + "\n" + zero + "}\n")
     roles = [d.a_role, d.b_role, None, "mask" if relu_mask else None, "out", "scratch"]
-    return KernelSource(name, "\n".join(parts) + "\n" + wrapper, 4 * total, (d.G,)), roles
+    return KernelSource(name, "\n".join(parts) + "\n" + wrapper, 4 * _phased_scratch_words(gm, d, plan, isa),
+                        (d.G,)), roles
 
 
 def _phased_scratch_words(gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
