@@ -357,7 +357,9 @@ def add_arguments(p: Any) -> None:
                                                        "(torch.autocast) alike")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: all cores)")
     p.add_argument("--data", default=None, help="MNIST folder: time on its first batches (default: seeded random data)")
-    p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile (its compile takes a while)")
+    p.add_argument("--no-torch-compile", action="store_true", help="cpu: skip torch.compile (its compile takes a while)")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="cuda: also time torch.compile(mode='max-autotune') (minutes of tuning per model and batch size)")
     p.add_argument("--profile", action="store_true",
                    help="time every ember kernel and list them (cpu: a build with timers around each kernel; cuda: "
                         "each kernel alone and the step's graph without it)")
@@ -375,11 +377,14 @@ def main(args: Any) -> int:
         raise UsageError(f"--model {args.model}: expected model names from {', '.join(ZOO)} "
                          f"(comma-separated) or all")
     check_torch_for(models)
+    if args.max_autotune and args.device.partition(":")[0] != "cuda":
+        raise UsageError(f"--max-autotune: expected --device cuda (on {args.device} the bench times "
+                         "torch.compile's default mode, unless --no-torch-compile)")
     if args.device.partition(":")[0] == "cuda":
         from .bench_cuda import format_cuda_report, run_cuda_bench
         batches = [args.batch_size] if args.batch_size else [64, 1024]
         report = run_cuda_bench(models, batches, steps=args.steps, tf32=args.tf32, bf16=precision == "bf16",
-                                profile=args.profile,
+                                profile=args.profile, max_autotune=args.max_autotune,
                                 log=lambda s: print(s, file=sys.stderr))
         print(json.dumps(report, indent=1) if args.json else format_cuda_report(report))
         return 0

@@ -1,6 +1,8 @@
 """`ember bench --device cuda`: ember's compiled CUDA step against PyTorch on the same GPU, in one
 process and one run: PyTorch eager and PyTorch with the whole step captured in one CUDA graph
-(the fastest PyTorch we know; `torch_mnist.py --mode cudagraph` does the same), float32 with TF32
+(`torch_mnist.py --mode cudagraph` does the same), and with `--max-autotune`
+`torch.compile(mode="max-autotune")` of the loss and of the optimizer's step (Inductor's tuned
+kernels, replayed as CUDA graphs: minutes of tuning per model and batch size); float32 with TF32
 off unless asked. Data lives on the device for every system (a batch is a slice, no host copy).
 
 Each system runs blocks of steps in turn (interleaved rounds, so drift hits all alike); a block's
@@ -28,11 +30,12 @@ def _torch_model(name: str):
 
 
 def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
-                   bf16: bool = False) -> list[tuple[str, Callable]]:
+                   bf16: bool = False, max_autotune: bool = False,
+                   log: Callable[[str], None] = print) -> list[tuple[str, Callable]]:
     import torch
     import torch.nn.functional as tF
     systems = []
-    for mode in ("torch-eager", "torch-cudagraph"):
+    for mode in ("torch-eager", "torch-cudagraph") + (("torch-max-autotune",) if max_autotune else ()):
         model = _torch_model(name)
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in init.items()})
         model = model.cuda()
@@ -48,6 +51,12 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
 
         if mode == "torch-eager":
             systems.append((mode, eager))
+            continue
+        if mode == "torch-max-autotune":
+            try:
+                systems.append((mode, _max_autotune_step(name, model, opt, x0, y0, bf16, log)))
+            except Exception as e:  # noqa: BLE001 (Inductor's failures are many; the row is left out, said why)
+                log(f"[{name}] torch.compile(mode='max-autotune') failed, left out: {type(e).__name__}: {e}")
             continue
         static_x, static_y = x0.clone(), y0.clone()
         saved = [p.detach().clone() for p in model.parameters()]
@@ -78,9 +87,47 @@ def _torch_systems(name: str, init: dict[str, np.ndarray], lr: float, x0, y0,
     return systems
 
 
+def _max_autotune_step(name: str, model: Any, opt: Any, x0: Any, y0: Any, bf16: bool,
+                       log: Callable[[str], None]) -> Callable:
+    """The step as `torch_mnist.py --mode compile` builds it, in max-autotune mode: the loss and
+    `opt.step` compiled (static shapes), each compiled region replayed as a CUDA graph (Inductor's
+    cudagraph trees, so every step marks its beginning). Compiled and tuned here, on the first
+    batch, so the tuning stays out of the timed blocks; the weights are put back afterwards."""
+    import time
+
+    import torch
+    import torch.nn.functional as tF
+
+    def loss_fn(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            return tF.cross_entropy(model(x), y)
+
+    fwd = torch.compile(loss_fn, mode="max-autotune", dynamic=False)
+    opt_step = torch.compile(opt.step, mode="max-autotune", dynamic=False)
+
+    def step(x, y):
+        torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(x, y)
+        loss.backward()
+        opt_step()
+        return loss
+
+    saved = [p.detach().clone() for p in model.parameters()]
+    t0 = time.perf_counter()
+    for _ in range(3):  # compile and tune; then the cudagraph trees record and replay
+        step(x0, y0)
+    torch.cuda.synchronize()
+    log(f"[{name}] torch.compile(mode='max-autotune'): {time.perf_counter() - t0:.1f} s to compile and tune")
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved):
+            p.copy_(v)
+    return step
+
+
 def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, rounds: int = 5, lr: float = 0.05,
                    tf32: bool = False, bf16: bool = False, seed: int = 0, profile: bool = False,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
+                   max_autotune: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     import cupy as cp
     try:
         import torch
@@ -113,7 +160,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             if have_torch:
                 txs, tys = torch.from_numpy(xs_host).cuda(), torch.from_numpy(ys_host).cuda()
                 txb, tyb = [txs[i] for i in range(nb)], [tys[i] for i in range(nb)]
-                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0], bf16):
+                for mode, fn in _torch_systems(name, init, lr, txs[0], tys[0], bf16, max_autotune, log):
                     systems.append((mode, lambda i, fn=fn: fn(txb[i % nb], tyb[i % nb])))
             times: dict[str, list[float]] = {s: [] for s, _ in systems}
             per_block = max(1, steps // rounds)

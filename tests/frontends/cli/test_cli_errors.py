@@ -315,3 +315,10 @@ def test_bench_models_are_a_list_or_all(capsys):
     assert main(["bench", "--model", "cnn,lenett", "--steps", "1"]) == 2
     assert "--model cnn,lenett: expected model names from cnn, mlp, lenet5, resnet8, speednet, airbench, mobilenet, vit, " \
            "vit_sdpa (comma-separated) or all" in capsys.readouterr().err
+
+
+def test_bench_max_autotune_is_for_cuda(capsys):
+    from ember.frontends.cli import main
+    assert main(["bench", "--device", "cpu", "--model", "mlp", "--max-autotune", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-autotune: expected --device cuda" in err and len(err.strip().splitlines()) == 1
