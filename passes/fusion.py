@@ -31,7 +31,7 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
   kernel kind: on CUDA one communicator call over that buffer.
 
 After grouping, two cost rules rewrite the groups: a cheap pointwise group whose readers are all
-generated kernels is recomputed in each of them instead of stored (`fusion_recompute.py`, when
+generated kernels (or contractions' generated epilogues) is recomputed in each of them instead of stored (`fusion_recompute.py`, when
 `FusionCaps.recompute`), and, on targets whose kernels may write several outputs
 (`FusionCaps.multi_output`), reductions over one domain share a kernel and pointwise work at a
 reduction's output index becomes that kernel's further outputs (`fusion_multi.py`). A group then
@@ -325,7 +325,7 @@ def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tu
             if not _adds_no_wait(graph, root, merged, cnotes["core"]):
                 break
             del groups[value]
-            groups[root] = (kind, merged, {**cnotes, "pointwise_from": value,
+            groups[root] = (kind, merged, {**cnotes, "pointwise_from": value, "epilogue": set(members),
                                            "pointwise_inputs": sorted(external - {value})})
             gr.claim(root, merged)
             break

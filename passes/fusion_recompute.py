@@ -16,7 +16,11 @@ recomputed into its readers can make those readers cheap enough to be recomputed
 A candidate is recomputed when that moves no more bytes than storing it, its arithmetic per
 element is at most `MAX_COST` (`OP_COST` units, so an `exp` counts as several additions and
 Philox random numbers are never recomputed), and every reader is a pointwise or reduction
-kernel (reading it directly or through reshape aliases). A value the step returns (an output or
+kernel, or a contraction that reads it in its generated `pointwise` epilogue only (evaluated at
+each output element like a pointwise kernel; never as an operand its template loads), reading it
+directly or through reshape aliases. So GELU's forward parts (0.5x, x/sqrt(2), erf(.)+1), which
+its backward reads inside the next layer's grad-input matmul on CUDA, are one forward kernel and
+recomputed in that epilogue, not four stored tensors. A value the step returns (an output or
 an update) is always stored. Recomputing never changes a value: the readers evaluate the same
 ops in the same order, so the interpreter's results before and after are identical.
 
@@ -66,19 +70,36 @@ def _cost(graph: Graph, members: set[int], numel: int) -> int | None:
     return total
 
 
+def _generated_epilogue(groups: Groups, reader: int) -> set[int]:
+    """The members of a contraction kernel that its generated (`pointwise`) epilogue evaluates at
+    each output element (`notes["epilogue"]`, from `fusion._absorb_pointwise_epilogues`); empty
+    for a kernel without one. A value read there is not one of the template's operands."""
+    return groups[reader][2].get("epilogue", set())
+
+
+def _float_reads(graph: Graph, members: set[int]) -> bool:
+    """Whether every value the group reads is float32 (a contraction's epilogue takes float
+    operands only)."""
+    return all(graph.type(o).dtype.name == "float32" for o in external_reads(graph, members))
+
+
 def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
-             returned: set[int]) -> dict[int, set[int]] | None:
+             returned: set[int], members: set[int]) -> dict[int, set[int]] | None:
     """Reader kernel -> the reshape aliases between `value` and it; None when something else
-    reads `value` (a template, an output, the step's result)."""
+    reads `value` (a template's operand, an output, the step's result). A contraction kernel
+    reads it as a reader may where only its generated epilogue does (`_generated_epilogue`)."""
     found: dict[int, set[int]] = {}
     stack: list[tuple[int, frozenset[int]]] = [(value, frozenset())]
     while stack:
         n, chain = stack.pop()
         for u, _ in graph.users(n):
             if u in home:
-                if groups[home[u]][0] not in READER_KINDS:
-                    return None
-                found.setdefault(home[u], set()).update(chain)
+                reader = home[u]
+                if groups[reader][0] not in READER_KINDS:
+                    if u not in _generated_epilogue(groups, reader) or graph.type(value).dtype.name != "float32" \
+                            or not _float_reads(graph, members):
+                        return None
+                found.setdefault(reader, set()).update(chain)
             elif graph.op(u) == "reshape" and u not in returned:
                 stack.append((u, chain | {u}))
             else:
@@ -104,7 +125,7 @@ def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]
         cost = _cost(graph, members, numel)
         if cost is None or cost > MAX_COST:
             continue
-        readers = _readers(graph, groups, home, root, returned)
+        readers = _readers(graph, groups, home, root, returned, members)
         if readers is None or root in readers:
             continue
         key = (root, graph.op(root))
@@ -112,7 +133,12 @@ def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]
         if not decided[key]:
             continue
         for r, chain in readers.items():
-            groups[r][1].update(members | chain)
+            _, rmembers, rnotes = groups[r]
+            rmembers.update(members | chain)
+            if "epilogue" in rnotes:  # a contraction's generated epilogue: its members and operands now
+                rnotes["epilogue"] |= members | chain
+                rnotes["pointwise_inputs"] = sorted((set(rnotes["pointwise_inputs"]) | external_reads(graph, members))
+                                                    - rmembers)
         del groups[root]
     return decided
 

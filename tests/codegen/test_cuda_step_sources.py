@@ -39,6 +39,18 @@ def test_every_generated_cuda_source_compiles_with_nvcc(model, tf32, tmp_path, c
         assert "max_pool2d_fwd(" in text and "max_pool2d_grad_grad(" in text
 
 
+# zoo models (PyTorch definitions, as `from_torch` imports them): GELU and LayerNorm, whose
+# elementwise values the contractions' generated epilogues recompute (passes/fusion_recompute.py)
+@pytest.mark.parametrize("model", ["vit", "airbench"])
+def test_zoo_training_sources_compile_with_nvcc(model, tmp_path):
+    nvcc = nvcc_or_skip()
+    pytest.importorskip("torch")
+    assert ember_main(["kernels", "--model", model, "--device", "cuda", "--out", str(tmp_path)]) == 0
+    (train,) = sorted(tmp_path.glob(f"{model}-train-*.cu"))
+    assert "erf" in train.read_text()
+    _compile_all(nvcc, [train])
+
+
 def test_dropout_and_overlapping_ceil_mode_pooling_compile_with_nvcc(tmp_path):
     """What the recipes lack: Dropout's Philox masks, and pooling with overlapping windows,
     padding and ceil_mode, in a training and an inference step."""

@@ -120,3 +120,58 @@ def test_epilogue_roles_name_their_operands():
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal(fused.type(fused.inputs[k]).shape).astype(np.float32) for k in "abs"}
     np.testing.assert_allclose(ir.run(fused, inputs).outputs["y"], ir.run(g, inputs).outputs["y"], rtol=1e-6)
+
+
+def _gelu_mlp():
+    from ember.frontends import nn
+    nn.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 10))
+
+
+def _holding_op(graph: ir.Graph, op: str) -> list[ir.KernelSpec]:
+    return [graph.attrs(n)["kernel"] for n in graph.g if graph.op(n) == "fused"
+            and any(s.op(m) == op for s in [graph.attrs(n)["graph"]] for m in s.g)]
+
+
+def test_gelu_is_recomputed_in_the_grad_input_epilogue():
+    """GELU's forward is 0.5*x, x/sqrt(2), erf(.)+1 and their product; the backward reads the
+    first three. A generated epilogue evaluates elementwise subgraphs at its output element, so it
+    recomputes them from x like a pointwise reader does: the forward is one kernel, not four, and
+    the grad-input matmul of the second layer evaluates erf itself."""
+    g = train_graph(_gelu_mlp(), (16, 20))
+    fused = fuse(g, CAPS)
+    # the forward GELU's nodes live in two kernels: the forward one and the recomputing epilogue
+    gelu_forward = [fused.attrs(n)["kernel"].kind for n in fused.g if fused.op(n) == "fused" and any(
+        s.scope(m) == "1" and not s.is_backward(m) for s in [fused.attrs(n)["graph"]] for m in s.g)]
+    assert sorted(gelu_forward) == ["matmul", "pointwise"], gelu_forward
+    holders = _holding_op(fused, "erf")
+    assert sorted(s.kind for s in holders) == ["matmul", "pointwise"]
+    (grad_input,) = [s for s in holders if s.kind == "matmul"]
+    assert "pointwise" in grad_input.epilogues
+    # every operand the epilogue reads is a role of the kernel (the template passes it in)
+    for n in fused.g:
+        if fused.op(n) == "fused" and fused.attrs(n)["kernel"] is grad_input:
+            sub = fused.attrs(n)["graph"]
+            roles = {i for _, i in grad_input.roles}
+            assert roles == set(range(len(fused.operands(n)))), (grad_input.roles, len(fused.operands(n)))
+            assert any(sub.op(m) == "erf" for m in sub.g)
+    before, after = run_both(g, fused, _gelu_mlp(), (16, 20), seed=4)
+    np.testing.assert_allclose(after.outputs["loss"], before.outputs["loss"], rtol=1e-6)
+    for k in before.updates:
+        np.testing.assert_allclose(after.updates[k], before.updates[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_a_template_operand_is_not_recomputed():
+    """A cheap value that a contraction reads as its operand (the template loads it from memory)
+    stays stored, though its other reader is a generated epilogue."""
+    g = ir.Graph("operand")
+    a = g.add_input("a", ir.TensorType((4, 3)))
+    b = g.add_input("b", ir.TensorType((3, 3)))
+    half = g.add("mul", [a, g.add("constant", [], value=np.float32(0.5))])
+    c = g.add("matmul", [half, b])
+    g.set_output("y", g.add("add", [c, half]))
+    fused = fuse(g, CAPS)
+    assert kernel_counts(fused) == {"matmul": 1, "pointwise": 1}
+    rng = np.random.default_rng(1)
+    inputs = {"a": rng.standard_normal((4, 3)).astype(np.float32), "b": rng.standard_normal((3, 3)).astype(np.float32)}
+    np.testing.assert_allclose(ir.run(fused, inputs).outputs["y"], ir.run(g, inputs).outputs["y"], rtol=1e-6)
