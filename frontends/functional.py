@@ -530,7 +530,8 @@ def layer_norm(x: Operand, normalized_shape: int | Sequence[int], weight: Operan
         raise ShapeError(f"layer_norm: normalized_shape {dims} does not match the trailing axes of {t.type}{_at()}")
     axes = tuple(range(len(t.shape) - len(dims), len(t.shape)))
     centred = sub(t, mean(t, axes, keepdims=True))
-    y = div(centred, sqrt(add(mean(mul(centred, centred), axes, keepdims=True), float(eps))))
+    # times the reciprocal deviation, as PyTorch computes it (rstd): no division per element
+    y = mul(centred, reciprocal(sqrt(add(mean(mul(centred, centred), axes, keepdims=True), float(eps)))))
     if weight is not None:
         y = mul(y, weight)
     return add(y, bias) if bias is not None else y

@@ -491,7 +491,9 @@ class BatchNorm2d(Module):
             mean = F.reshape(self.running_mean, (1, c, 1, 1))
             centred = F.sub(x, mean)
             var = F.reshape(self.running_var, (1, c, 1, 1))
-        y = F.div(centred, F.sqrt(F.add(var, float(self.eps))))
+        # times 1/sqrt(var + eps), as PyTorch computes it (invstd): per element a multiply, in the
+        # backward too, where a division by the deviation cost two divisions per element
+        y = F.mul(centred, F.reciprocal(F.sqrt(F.add(var, float(self.eps)))))
         if self.weight is not None:
             y = F.add(F.mul(y, F.reshape(self.weight, (1, c, 1, 1))), F.reshape(self.bias, (1, c, 1, 1)))
         return y

@@ -56,7 +56,10 @@ def test_the_model_reads_the_trained_values(device):
     got = model.state_dict()
     assert list(got) == list(want)
     for k in want:
-        assert not np.array_equal(got[k], before[k]), f"{k} still holds its initial value"
+        # conv.bias feeds the BatchNorm, whose mean subtraction cancels it: its gradient is zero
+        # up to rounding (exactly zero where the sums round alike), so it may keep its value
+        if k != "conv.bias":
+            assert not np.array_equal(got[k], before[k]), f"{k} still holds its initial value"
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
     # every way of reading: a parameter's and a buffer's .data, the step's state_dict
     np.testing.assert_array_equal(model.fc.weight.data, got["fc.weight"])
