@@ -192,8 +192,12 @@ class ChoiceTable:
         return tuning_db.kernel_key(self._geometry(sub, spec))
 
     def versions(self, sub: Graph, spec: KernelSpec) -> dict[str, int]:
-        """The version of every family that serves this kind (what a record must match)."""
-        return {f.name: f.version for f in self.families.values() if spec.kind in f.kinds}
+        """The version of every family that applies to this kernel (its candidates' families):
+        what a record must match, and what the tuner writes in one. Not every family of the kind:
+        a float32 kernel's record must not go stale when the bfloat16 family (which serves the
+        same kinds but never a float32 kernel) changes."""
+        g = self._geometry(sub, spec)
+        return {f.name: f.version for f in self.families.values() if self.applies(f, g) is None}
 
     def reuse_key(self, f: Family, g: Geometry) -> str:
         """A kernel's key among the plans a step shares with steps of other batch sizes: its

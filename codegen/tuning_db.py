@@ -150,13 +150,16 @@ class TuningDB:
 
     def lookup(self, target: str, device: str, key: str, versions: Mapping[str, int]) -> Record | None:
         """The record of this kernel, the user's before the shipped one; None when there is none
-        or its families' versions differ from `versions` (the families as they are now)."""
+        or a family of `versions` (the families that apply to the kernel, as they are now) was
+        measured at another version. Families a record lists that no longer apply (records once
+        listed every family of the kernel's kind, the bfloat16 one in a float32 record) are not
+        compared: their code never ran for this kernel."""
         slug = device_slug(target, device)
         folders = ([(self.user_dir, "user")] if self.user_dir is not None else []) + \
             [(d, "shipped") for d in self.shipped_dirs]
         for folder, source in folders:
             rec = self._load(folder, slug, source).get(key)
-            if rec is not None and all(versions.get(f) == v for f, v in rec.versions.items()):
+            if rec is not None and all(versions[f] == v for f, v in rec.versions.items() if f in versions):
                 return rec
         return None
 

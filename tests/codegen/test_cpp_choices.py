@@ -244,6 +244,27 @@ def test_a_stale_or_unfit_record_leaves_the_cost_models_choice(tmp_path):
             assert _conv_choices(next(iter(_graphs(cnn(), (64, 1, 28, 28)).values()))) == no_record
 
 
+def test_a_record_lists_and_is_checked_against_the_families_that_apply_to_its_kernel(tmp_path):
+    """A float32 convolution's versions name the families that can serve it, not the bfloat16
+    family that serves the same kinds; a record that lists another family (as records once did)
+    at another version stays valid, while one of its own families at another version is stale."""
+    from models import cnn
+    untuned = next(iter(_graphs(cnn(), (64, 1, 28, 28)).values()))
+    sub, spec = [(s, k) for s, k in _kernels(untuned) if k.kind == "conv2d"][-1]
+    versions = cpp_choices.TABLE.versions(sub, spec)
+    assert "bf16" in cpp_choices.TABLE.families and "bf16" not in versions
+    assert {f for f, _ in cpp_choices.candidates(sub, spec)} == set(versions)
+    bf16_version = cpp_choices.TABLE.families["bf16"].version
+    other = TuningDB(tmp_path / "other")
+    _, _, choice = _conv2_record(untuned, other, versions={**versions, "bf16": bf16_version + 1})
+    with tuning_db.using(other):
+        assert _conv_choices(next(iter(_graphs(cnn(), (64, 1, 28, 28)).values())))[1] == choice
+    own = next(iter(versions))
+    stale = TuningDB(tmp_path / "stale")
+    _conv2_record(untuned, stale, versions={**versions, own: versions[own] + 1})
+    assert stale.lookup("cpu", cpp_choices.device_name(), cpp_choices.TABLE.key(sub, spec), versions) is None
+
+
 # --------------------------------------------------------------------------- forcing, the device
 
 def test_forcing_a_family_serves_every_kernel_it_applies_to_or_is_refused_in_one_line():
