@@ -422,9 +422,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # are tiled), so the generic loops serve what they do not (a strided grouped grad-input)
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _float32_only, _no_scratch, _grouped_render,
            grouped=True, code_geometry=runtime("N")),
-    # still version 2 when a strided grad-input became its output phases (its records were tuned
-    # again and shipped): every float32 convolution record lists this family's version too, so a
-    # bump would have made all of them stale
     Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
            tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2, grouped=True,
            code_geometry=_bf16_code),

@@ -325,8 +325,7 @@ def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tu
             if not _adds_no_wait(graph, root, merged, cnotes["core"]):
                 break
             del groups[value]
-            groups[root] = (kind, merged, {**cnotes, "pointwise_from": value, "epilogue": set(members),
-                                           "pointwise_inputs": sorted(external - {value})})
+            groups[root] = (kind, merged, {**cnotes, "pointwise_from": value, "epilogue": set(members)})
             gr.claim(root, merged)
             break
 
@@ -368,7 +367,10 @@ def _spec(graph: Graph, root: int, kind: str, notes: dict[str, Any], index_of: d
         roles.append(("mask", index_of[notes["relu_mask"]]))
         epilogues.append("relu_mask")
     if notes.get("pointwise_from") is not None:
-        roles += [(f"in{index_of[o]}", index_of[o]) for o in notes["pointwise_inputs"] if o in index_of]
+        # the epilogue's operands: what its members read from outside it, but the contraction's value
+        epilogue = notes["epilogue"]
+        reads = {o for m in epilogue for o in graph.operands(m) if o not in epilogue} - {notes["pointwise_from"]}
+        roles += [(f"in{index_of[o]}", index_of[o]) for o in sorted(reads) if o in index_of]
         epilogues.append("pointwise")
         params += (("epilogue_from", submap[notes["pointwise_from"]]),)
     return KernelSpec(kind, core=submap[core], template=kind, roles=tuple(roles), epilogues=tuple(epilogues),

@@ -89,6 +89,7 @@ def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
     reads `value` (a template's operand, an output, the step's result). A contraction kernel
     reads it as a reader may where only its generated epilogue does (`_generated_epilogue`)."""
     found: dict[int, set[int]] = {}
+    epilogue_may_read: bool | None = None  # float32 alone in and out: asked once, at the first epilogue
     stack: list[tuple[int, frozenset[int]]] = [(value, frozenset())]
     while stack:
         n, chain = stack.pop()
@@ -96,8 +97,9 @@ def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
             if u in home:
                 reader = home[u]
                 if groups[reader][0] not in READER_KINDS:
-                    if u not in _generated_epilogue(groups, reader) or graph.type(value).dtype.name != "float32" \
-                            or not _float_reads(graph, members):
+                    if epilogue_may_read is None:
+                        epilogue_may_read = graph.type(value).dtype.name == "float32" and _float_reads(graph, members)
+                    if not epilogue_may_read or u not in _generated_epilogue(groups, reader):
                         return None
                 found.setdefault(reader, set()).update(chain)
             elif graph.op(u) == "reshape" and u not in returned:
@@ -135,10 +137,8 @@ def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]
         for r, chain in readers.items():
             _, rmembers, rnotes = groups[r]
             rmembers.update(members | chain)
-            if "epilogue" in rnotes:  # a contraction's generated epilogue: its members and operands now
+            if "epilogue" in rnotes:  # a contraction's generated epilogue evaluates them too
                 rnotes["epilogue"] |= members | chain
-                rnotes["pointwise_inputs"] = sorted((set(rnotes["pointwise_inputs"]) | external_reads(graph, members))
-                                                    - rmembers)
         del groups[root]
     return decided
 
