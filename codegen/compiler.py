@@ -465,58 +465,102 @@ def compile_units(units: Sequence[Unit], *, link_flags: Sequence[str], name: str
     content. With `dump_dir`, writes every unit as ``<name>.<unit>.cpp`` (the first unit, the
     entry, as ``<name>.cpp``), the headers, ``<name>.compile.sh`` (all the commands: it rebuilds
     ``<name>.so`` there) and ``<name>.cache_key`` (the library's key). A unit that fails raises
-    its CompileError (the first failing unit in unit order, once all have finished)."""
+    its CompileError (the first failing unit in unit order, once all have finished).
+    `UnitBuilds` does the same with units handed over one by one while the rest are generated."""
+    with UnitBuilds(name=name, cache=cache, dump_dir=dump_dir, jobs=jobs) as builds:
+        return builds.finish(units, link_flags=link_flags, headers=headers)
 
-    t0 = time.perf_counter()
-    compiler = _cxx()
-    headers = dict(headers or {})
-    link_flags = tuple(link_flags)
-    root = Path(cache) if cache is not None else None
-    if not _found(compiler):
-        # a library built earlier loads without any compiler
-        hit = _units_without_compiler(compiler, units, headers, link_flags, root)
-        if hit is not None:
-            return hit
-        _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
-    root = root or cache_dir()
-    jobs = max(1, jobs or _cores())
-    stems = [name if i == 0 else f"{name}.{u.name}" for i, u in enumerate(units)]
-    dump = Path(dump_dir) if dump_dir is not None else None
 
-    def one(i: int) -> CompiledArtifact:
-        u = units[i]
-        return _build("obj", ".cpp", ".o", lambda s, o: [*compiler, *u.flags, "-c", s, "-o", o], compiler,
-                      u.flags, u.source, root, stems[i], dump, extra=headers, dump_note=u.note,
-                      what=f" ({u.what})" if u.what else "", dump_script=False)
+class UnitBuilds:
+    """`compile_units` in two steps, so that compiling starts before the last unit exists:
+    `start(unit, headers)` compiles a unit that is final as soon as it is generated (a kernel in a
+    unit of its own), `finish(units, ...)` compiles the others (largest first) and links all of
+    them. A started unit is matched by name and must have the same source, flags and headers in
+    `finish` (its notes may have grown: more calls of the kernel). With a dump, `start` leaves
+    the unit to `finish`, so that the dumped copies carry the final notes."""
 
-    # largest first: the long compiles start at once and the short ones fill in around them
-    order = sorted(range(len(units)), key=lambda i: -len(units[i].source))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {i: pool.submit(one, i) for i in order}
+    def __init__(self, *, name: str = "step", cache: Path | None = None, dump_dir: Path | None = None,
+                 jobs: int | None = None) -> None:
+        self.t0 = time.perf_counter()
+        self.compiler = _cxx()
+        self.root = Path(cache) if cache is not None else None
+        self.name = name
+        self.jobs = max(1, jobs or _cores())
+        self.dump = Path(dump_dir) if dump_dir is not None else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs)
+        self.started: dict[str, tuple[Unit, dict[str, str], concurrent.futures.Future]] = {}
+
+    def __enter__(self) -> "UnitBuilds":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the compiles under way and drops those not begun (after `finish`, none)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _one(self, unit: Unit, stem: str, headers: dict[str, str]) -> CompiledArtifact:
+        return _build("obj", ".cpp", ".o", lambda s, o: [*self.compiler, *unit.flags, "-c", s, "-o", o], self.compiler,
+                      unit.flags, unit.source, self.root or cache_dir(), stem, self.dump, extra=headers,
+                      dump_note=unit.note, what=f" ({unit.what})" if unit.what else "", dump_script=False)
+
+    def start(self, unit: Unit, headers: Mapping[str, str]) -> None:
+        """Begins compiling `unit` (not the entry: it is dumped as `<name>.<unit>.cpp`) with the
+        headers it includes; without a compiler this does nothing (`finish` may still find the
+        whole library in the cache)."""
+        if self.dump is None and unit.name not in self.started and _found(self.compiler):
+            headers = dict(headers)
+            self.started[unit.name] = (unit, headers, self.pool.submit(self._one, unit, f"{self.name}.{unit.name}", headers))
+
+    def finish(self, units: Sequence[Unit], *, link_flags: Sequence[str],
+               headers: Mapping[str, str] | None = None) -> UnitsArtifact:
+        """Compiles the units not started yet and links all of `units` (in their order)."""
+        compiler, name = self.compiler, self.name
+        headers, link_flags = dict(headers or {}), tuple(link_flags)
+        if not _found(compiler):
+            # a library built earlier loads without any compiler
+            hit = _units_without_compiler(compiler, units, headers, link_flags, self.root)
+            if hit is not None:
+                return hit
+            _require(compiler, "a C++ compiler with OpenMP (g++) is needed for device='cpu'")
+        root = self.root = self.root or cache_dir()
+        stems = [name if i == 0 else f"{name}.{u.name}" for i, u in enumerate(units)]
+        futures: dict[int, concurrent.futures.Future] = {}
+        for i, u in enumerate(units):
+            if i > 0 and u.name in self.started:
+                first, first_headers, future = self.started[u.name]
+                if (first.source, first.flags, first_headers) != (u.source, u.flags, headers):
+                    raise AssertionError(f"unit {u.name!r} was started with other contents than it finished with")
+                futures[i] = future
+        # largest first: the long compiles start at once and the short ones fill in around them
+        for i in sorted((i for i in range(len(units)) if i not in futures), key=lambda i: -len(units[i].source)):
+            futures[i] = self.pool.submit(self._one, units[i], stems[i], headers)
         concurrent.futures.wait(futures.values())
-    for i in range(len(units)):
-        if futures[i].exception() is not None:
-            raise futures[i].exception()
-    objects = tuple(futures[i].result() for i in range(len(units)))
+        for i in range(len(units)):
+            if futures[i].exception() is not None:
+                raise futures[i].exception()
+        objects = tuple(futures[i].result() for i in range(len(units)))
 
-    manifest = json.dumps({"objects": [o.key for o in objects]}, indent=1) + "\n"
-    obj_paths = [str(o.path) for o in objects]
-    link = _build("cpp", ".link", ".so", lambda s, o: [*compiler, *link_flags, *obj_paths, "-o", o], compiler,
-                  link_flags, manifest, root, name, None)
-    try:
-        _atomic_write(root / "cpp" / "alias" / f"{_step_alias(compiler, units, headers, link_flags)}.json",
-                      json.dumps({"key": link.key}) + "\n")
-    except OSError:
-        pass  # a read-only cache still serves its hits
-    if dump is not None:
-        cmds = [shlex.join([*compiler, *u.flags, "-c", f"{s}.cpp", "-o", f"{s}.o"]) for u, s in zip(units, stems)]
-        cmds.append(shlex.join([*compiler, *link_flags, *[f"{s}.o" for s in stems], "-o", f"{name}.so"]))
-        _atomic_write(dump / f"{name}.cache_key", link.key + "\n")
-        _atomic_write(dump / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
-                      f"# ember: rebuild {name}.so from its {len(units)} translation units (cache key {link.key}); "
-                      f"ember runs the compiles {jobs} at a time\n"
-                      'set -euo pipefail\ncd "$(dirname "$0")"\n' + "\n".join(cmds) + "\n", 0o755)
-    return UnitsArtifact(link.path, link.key, objects, link, time.perf_counter() - t0, jobs)
+        manifest = json.dumps({"objects": [o.key for o in objects]}, indent=1) + "\n"
+        obj_paths = [str(o.path) for o in objects]
+        link = _build("cpp", ".link", ".so", lambda s, o: [*compiler, *link_flags, *obj_paths, "-o", o], compiler,
+                      link_flags, manifest, root, name, None)
+        try:
+            _atomic_write(root / "cpp" / "alias" / f"{_step_alias(compiler, units, headers, link_flags)}.json",
+                          json.dumps({"key": link.key}) + "\n")
+        except OSError:
+            pass  # a read-only cache still serves its hits
+        dump = self.dump
+        if dump is not None:
+            cmds = [shlex.join([*compiler, *u.flags, "-c", f"{s}.cpp", "-o", f"{s}.o"]) for u, s in zip(units, stems)]
+            cmds.append(shlex.join([*compiler, *link_flags, *[f"{s}.o" for s in stems], "-o", f"{name}.so"]))
+            _atomic_write(dump / f"{name}.cache_key", link.key + "\n")
+            _atomic_write(dump / f"{name}.compile.sh", "#!/usr/bin/env bash\n"
+                          f"# ember: rebuild {name}.so from its {len(units)} translation units (cache key {link.key}); "
+                          f"ember runs the compiles {self.jobs} at a time\n"
+                          'set -euo pipefail\ncd "$(dirname "$0")"\n' + "\n".join(cmds) + "\n", 0o755)
+        return UnitsArtifact(link.path, link.key, objects, link, time.perf_counter() - self.t0, self.jobs)
 
 
 def _units_without_compiler(compiler: Sequence[str], units: Sequence[Unit], headers: Mapping[str, str],

@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ember.ir import Graph, KernelSpec
 
@@ -36,11 +36,12 @@ ABI_VERSION = 3  # 3: the entry takes the run-time table (dims), kernels their e
 
 SPELLING = Spelling("C++", {
     **C_OPERATORS,
-    "exp": "em_exp({0})", "log": "std::log({0})", "sqrt": "std::sqrt({0})", "sigmoid": "em_sigmoid({0})",
-    "tanh": "std::tanh({0})", "abs": "std::abs({0})", "erf": "em_erf({0})",
-    "sin": "std::sin({0})", "cos": "std::cos({0})", "floor": "std::floor({0})",
+    # the math functions and limits are the prelude's (compiler builtins: no <cmath> to parse)
+    "exp": "em_exp({0})", "log": "em_log({0})", "sqrt": "em_sqrt({0})", "sigmoid": "em_sigmoid({0})",
+    "tanh": "em_tanh({0})", "abs": "em_abs({0})", "erf": "em_erf({0})",
+    "sin": "em_sin({0})", "cos": "em_cos({0})", "floor": "em_floor({0})",
     "random_uniform": "em_philox_uniform({0}, {1}, {2}, {3})",  # (seed, stream, step, index): prelude
-    "lowest": "std::numeric_limits<{ctype}>::lowest()",
+    "lowest": "em_limits<{ctype}>::lowest",
     # bfloat16 (templates/cpp/bf16.j2)
     "load:bfloat16": "em_bf16_load({0})", "round:bfloat16": "em_bf16_round({0})",
     "store:bfloat16": "em_bf16_store({0})",
@@ -256,10 +257,17 @@ def _attr_text(attrs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in sorted(attrs.items()))
 
 
-def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA | None = None) -> StepSource:
+def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA | None = None,
+                on_unit: Callable[[Unit, dict[str, str]], None] | None = None) -> StepSource:
     """The whole step's C++ source for a fused, memory-planned graph (with per-kernel timers if
-    `profile`), its contraction kernels generated for `isa` (default: `cpu_vector.resolve()`)."""
+    `profile`), its contraction kernels generated for `isa` (default: `cpu_vector.resolve()`).
+    `on_unit` is handed each contraction's unit and the headers it includes as soon as it is
+    generated (to start compiling it while the rest are), where the step's flags are known then:
+    not for a step with bfloat16 values (its flags depend on how all its contractions multiply)."""
     isa = isa or cpu_vector.resolve()
+    early = on_unit if not has_narrow(graph) else None
+    early_flags = cpu_vector.cxx_flags(isa)
+    early_header = dict([cpp_units.prelude(bf16=False)]) if early else {}
     slots = _slots(graph)
     slot_of = {s: i for i, s in enumerate(slots)}
     kernels: list[KernelCode] = []
@@ -319,12 +327,15 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
                 dots.add(dict(spec.choice[1])["dot"])
         call_args += [table.add(e, f"{name}: extent") for e in extents]
         fname, code, declaration = cpp_units.name_by_content(code, name)
+        first = fname not in functions
         fn = functions.setdefault(fname, cpp_units.KernelFunction(fname, spec.kind, code, declaration))
         segments[-1].append(len(kernels))
         kernels.append(KernelCode(len(kernels), name, spec.describe(), str(graph.type(n)), notes.get("implements", []),
                                   code, f"{fname}({', '.join(call_args)})", n, fname,
                                   dataclasses.replace(spec, scratch_bytes=0).describe()))
         fn.calls.append(kernels[-1])
+        if early is not None and first and cpp_units.alone(fn):
+            early(cpp_units.alone_unit(next(iter(early_header)), fn, early_flags), early_header)
     seg_kernels = [[kernels[i] for i in seg] for seg in segments] if collectives else [kernels]
     header, header_text = cpp_units.prelude(bf16=has_narrow(graph))
     fns = list(functions.values())

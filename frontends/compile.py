@@ -250,7 +250,7 @@ class _Compiled:
             if key is not None and (found := plan_cache.load(key, forward)) is not None:
                 return found[0], found[1], None
         if self.target.prepare_build is not None:
-            self.target.prepare_build()
+            self.target.prepare_build(forward)
         return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
 
     def _compiled_graphs(self) -> list[Graph]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cpp, cpp_choices, cpu_vector
-from ember.codegen.compiler import compile_units
+from ember.codegen.compiler import UnitBuilds
 from ember.ir import Graph, TensorType
 
 # Threading between steps: GOMP's workers busy-wait ~300k spins (a fraction of a millisecond to
@@ -74,19 +74,21 @@ class CpuExecutor:
         self.signature: dict[str, TensorType] = {k: graph.type(n) for k, n in graph.inputs.items()}
         t0 = time.perf_counter()
         self.profile = bool(os.environ.get("EMBER_PROFILE")) if profile is None else profile
-        # given: from the plan cache (frontends/plan_cache.py), rendered with the same profile setting
-        self.source = source if source is not None else cpp.render_step(graph, profile=self.profile)
-        t_render = time.perf_counter()
+        # the step's units compile in parallel, each through the cache (codegen/cpp_units.py); a
+        # contraction's unit starts compiling as soon as it is generated
+        builds = UnitBuilds(name=name, dump_dir=Path(dump_dir) if dump_dir else None)
+        try:
+            isa = source.isa if source is not None else cpu_vector.resolve()
+            self._check_isa(isa)
+            # given: from the plan cache (frontends/plan_cache.py), rendered with the same profile setting
+            self.source = source if source is not None else cpp.render_step(graph, profile=self.profile, isa=isa,
+                                                                            on_unit=builds.start)
+            t_render = time.perf_counter()
+            self.artifact = builds.finish(self.source.units, link_flags=self.source.link_flags,
+                                          headers=self.source.headers)
+        finally:
+            builds.close()
         self.isa = self.source.isa
-        if not cpu_vector.host_supports(self.isa):
-            # a forced variant this CPU cannot run would die of SIGILL inside the first step
-            raise RuntimeError(f"the CPU step was generated for {self.isa.name} (${cpu_vector.ENV_VAR}="
-                               f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
-                               f"(no {self.isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
-                               f"{cpu_vector.native_isa().name}")
-        # the step's units compile in parallel, each through the cache (codegen/cpp_units.py)
-        self.artifact = compile_units(self.source.units, link_flags=self.source.link_flags, name=name,
-                                      headers=self.source.headers, dump_dir=Path(dump_dir) if dump_dir else None)
         self.compile_seconds = time.perf_counter() - t0
         # where the time went (the frontend adds its passes' seconds and writes compile_stats.json in a dump)
         self.compile_stats: dict[str, float | int | bool] = {
@@ -138,6 +140,15 @@ class CpuExecutor:
                                          overlap_default() if overlap is None else overlap)
             self._segment = lambda s: self.lib.ember_segment(*self._args, s)
 
+
+    @staticmethod
+    def _check_isa(isa: cpu_vector.VectorISA) -> None:
+        if not cpu_vector.host_supports(isa):
+            # a forced variant this CPU cannot run would die of SIGILL inside the first step
+            raise RuntimeError(f"the CPU step was generated for {isa.name} (${cpu_vector.ENV_VAR}="
+                               f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
+                               f"(no {isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
+                               f"{cpu_vector.native_isa().name}")
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
         if not self.profile:

@@ -1,22 +1,24 @@
-"""NVRTC in worker processes, beside the compiling process's own threads: opt-in.
+"""NVRTC in worker processes, beside the compiling process's own threads.
 
-NVRTC compiles one program at a time per process: on the H200's 16-core host, 57 ResNet-8 units
-took 1.05 s on 2, 4 or 8 threads alike, and 0.21 s in 8 worker processes that were already up
-and warm. But a worker takes ~0.8 s to start and its first compiles are slow, so in a compile
-they made every model slower (CNN cold 1.40 s against 0.67 s on two threads, ResNet-8 2.44 s
-against 1.82 s; docs/benchmarks.md, session 12): the default is no workers, and a build's misses
-go to LOCAL_THREADS threads (more threads were slower: 16 gave the CNN 0.92 s cold). They remain
-for runs that compile many modules in a long-lived process (`EMBER_NVRTC_WORKERS=N`).
+NVRTC compiles one program at a time per process (two threads compiled 40 ResNet-8 units in
+0.76 s, one in 0.74 s on the H200's 16-core host; ~20 ms a unit), so a step's modules are built
+in worker processes as well: with 8 of them, ResNet-8's 57 units took 0.21-0.23 s instead of
+1.1 s. Session 12 measured the workers making cold compiles slower (a worker takes ~0.8 s to
+start and its first NVRTC call costs another ~0.5 s); session 17 measured them on a warm host and
+kept them on by default (docs/benchmarks.md, "NVRTC in worker processes by default"). A worker
+now makes its first NVRTC call (a tiny program) before it says it is ready, so that cost is
+paid while the passes run: the workers are started before them (`Target.prepare_build`), and
+this process's threads take jobs until the workers are up.
 
 With workers, the misses go to a queue that the threads and the workers drain together: the
-threads start at once, each worker joins when its interpreter is up, which is why `prestart` is
-called before the passes run (`Target.prepare_build`). A worker is `python -c` of a short loop
-that imports only CuPy's NVRTC binding (never `__main__`, never CUDA), reads pickled (source,
-options, name) frames on stdin and answers (cubin, log) frames on stdout. A worker that dies or
-answers another NVRTC version is dropped and its job goes back to the queue; the threads alone
-always finish the work.
+threads start at once, each worker joins when its interpreter is up. A worker is `python -c` of
+a short loop that imports only CuPy's NVRTC binding (never `__main__`, never CUDA), reads pickled
+(source, options, name) frames on stdin and answers (cubin, log) frames on stdout. A worker that
+dies or answers another NVRTC version is dropped and its job goes back to the queue; the threads
+alone always finish the work.
 
-``EMBER_NVRTC_WORKERS``: the worker count (default 0: none).
+``EMBER_NVRTC_WORKERS``: the worker count (default: `default_workers()`, half the cores this
+process may use, at most 8, and none below 8 cores; 0 turns them off).
 """
 from __future__ import annotations
 
@@ -33,9 +35,18 @@ from typing import Callable
 ENV_VAR = "EMBER_NVRTC_WORKERS"
 LOCAL_THREADS = 2  # NVRTC's own lock: more in-process threads were slower
 MIN_JOBS = 4       # fewer misses than this never start workers (the threads finish first)
+#: Without EMBER_NVRTC_WORKERS, workers start only for a build of at least this many modules
+#: (expected before the passes, `prestart(expected)`, or counted after them): starting 8 slowed
+#: the MNIST CNN's 12 modules (cold 0.55 -> 0.76-0.82 s, a new batch 0.30 -> 0.46-0.50 s on the
+#: H200's host) while ResNet-8's 57 and ViT's ~50 went faster (cold 2.1 -> 1.1 s, 1.5 -> 1.0 s).
+MIN_DEFAULT_JOBS = 24
 
 _WORKER = r'''
-import pickle, struct, sys
+import os, pickle, struct, sys
+try:  # a helper: the compiling process's passes (and a training step's host work) go first
+    os.nice(NICE)
+except OSError:
+    pass
 from cupy_backends.cuda.libs import nvrtc
 pipe_in, pipe_out = sys.stdin.buffer, sys.stdout.buffer
 sys.stdout = sys.stderr  # nothing but frames on the pipe
@@ -43,6 +54,12 @@ def send(obj):
     data = pickle.dumps(obj, protocol=4)
     pipe_out.write(struct.pack("<Q", len(data)) + data)
     pipe_out.flush()
+try:  # NVRTC's first call in a process loads its builtins (~0.5 s): paid before the first job
+    _p = nvrtc.createProgram('extern "C" __global__ void ember_warm() {}', "warm.cu", (), ())
+    nvrtc.compileProgram(_p, [])
+    nvrtc.destroyProgram(_p)
+except Exception:
+    pass  # a real job reports what is wrong
 send(("ready", tuple(nvrtc.getVersion())))
 while True:
     head = pipe_in.read(8)
@@ -65,10 +82,26 @@ Job = tuple[str, tuple[str, ...], str]  # source, options, program name
 Result = tuple[bytes, str]               # cubin (empty on failure), NVRTC's log
 
 
+NICE = 10  # the workers' niceness (see _WORKER)
+MAX_DEFAULT_WORKERS = 8
+MIN_CORES = 8  # fewer cores: no workers by default (they would take the cores the passes run on)
+
+
+def default_workers(cores: int | None = None) -> int:
+    """The worker count without ``EMBER_NVRTC_WORKERS``: half the cores, at most 8, none below 8
+    cores (the compiling process keeps a core for its passes, the GPU's feeding for its own)."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return min(MAX_DEFAULT_WORKERS, cores // 2) if cores >= MIN_CORES else 0
+
+
 def workers_wanted() -> int:
     env = os.environ.get(ENV_VAR, "").strip()
     try:
-        return max(0, int(env)) if env else 0
+        return max(0, int(env)) if env else default_workers()
     except ValueError:
         raise ValueError(f"${ENV_VAR} must be a whole number of worker processes, got {env!r}") from None
 
@@ -86,8 +119,8 @@ def _read_frame(stream) -> object:
 
 class _Worker:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER.replace("NICE", str(NICE))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.ready = threading.Event()
         self.dead = False
         self.version: tuple[int, int] | None = None
@@ -184,18 +217,26 @@ _pool: WorkerPool | None = None
 _pool_lock = threading.Lock()
 
 
-def prestart() -> None:
-    """Starts the workers (if any are wanted and none run yet), without waiting for them."""
+def _explicit() -> bool:
+    return bool(os.environ.get(ENV_VAR, "").strip())
+
+
+def prestart(expected_jobs: int | None = None) -> None:
+    """Starts the workers (if any are wanted and none run yet), without waiting for them; by
+    default only for a build expected to compile at least MIN_DEFAULT_JOBS modules."""
     global _pool
+    if not _explicit() and expected_jobs is not None and expected_jobs < MIN_DEFAULT_JOBS:
+        return
     with _pool_lock:
         if _pool is None and (n := workers_wanted()) > 0:
             _pool = WorkerPool(n)
 
 
 def compile_all(jobs: list[Job], version: tuple[int, int], local: Callable[[Job], Result]) -> list[Result]:
-    """Results of `jobs`: on the workers (started now, for MIN_JOBS or more, if `prestart` was
-    not called) and this process's threads; with no workers, on the threads alone."""
-    if len(jobs) >= MIN_JOBS:
+    """Results of `jobs`: on the workers (started now, for MIN_JOBS or more with
+    EMBER_NVRTC_WORKERS, MIN_DEFAULT_JOBS without, if `prestart` did not) and this process's
+    threads; with no workers, on the threads alone."""
+    if len(jobs) >= (MIN_JOBS if _explicit() else MIN_DEFAULT_JOBS):
         prestart()
     pool = _pool
     if pool is None:

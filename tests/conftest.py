@@ -23,6 +23,10 @@ os.environ.setdefault("EMBER_VERIFY", "1")
 # Tests patch passes, targets and code generators: every compile runs them (the plan cache's own
 # tests turn it on, tests/frontends/test_plan_cache.py).
 os.environ.setdefault("EMBER_PLAN_CACHE", "0")
+# Under pytest-xdist every test process would start its own NVRTC workers (half the cores each):
+# the processes are the parallelism there. tests/runtime/test_nvrtc_workers.py tests the workers.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("EMBER_NVRTC_WORKERS", "0")
 
 
 def _has_cuda() -> bool:

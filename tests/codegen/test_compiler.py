@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -360,3 +361,25 @@ def test_units_load_without_a_compiler_once_built(tmp_path, monkeypatch):
     assert C.compile_units(_units(), link_flags=("-shared",), headers=_HEADER, cache=tmp_path).path == first.path
     with pytest.raises(C.CompilerNotFoundError):
         C.compile_units(_units("return 0;"), link_flags=("-shared",), headers=_HEADER, cache=tmp_path)
+
+
+@needs_gxx
+def test_units_started_early_are_compiled_once_and_must_finish_unchanged(tmp_path):
+    units = _units()
+    with C.UnitBuilds(cache=tmp_path, jobs=2) as builds:
+        builds.start(units[1], _HEADER)
+        started = builds.started["k1"][2]
+        # the kernel's notes may grow (another call of it) without a second compile
+        grown = dataclasses.replace(units[1], note=units[1].note + "// k1 implements %7 add\n", what="k7_add, k8_add")
+        art = builds.finish([units[0], grown, units[2]], link_flags=("-shared",), headers=_HEADER)
+    assert art.objects[1] is started.result() and _add(art.path) == 42
+    assert cache_stats("obj") == {"hits": 0, "misses": 3, "rebuilds": 0}
+    with C.UnitBuilds(cache=tmp_path / "other") as builds:
+        builds.start(units[2], _HEADER)
+        changed = dataclasses.replace(units[2], source=units[2].source + "// edited\n")
+        with pytest.raises(AssertionError, match="'k2' was started with other contents"):
+            builds.finish([units[0], units[1], changed], link_flags=("-shared",), headers=_HEADER)
+    # with a dump, the dumped copies carry the final notes: nothing starts before finish
+    with C.UnitBuilds(cache=tmp_path / "dumped", dump_dir=tmp_path / "dump") as builds:
+        builds.start(units[1], _HEADER)
+        assert builds.started == {}

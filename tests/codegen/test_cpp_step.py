@@ -218,3 +218,22 @@ def test_kernel_naming_marks_the_same_words_as_the_regex():
         code = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         want = re.sub(rf"\b(ember_k_)?{re.escape(name)}\b", lambda m: (m.group(1) or "") + _PLACEHOLDER, code)
         assert _mark_name(code, name) == want, (code, name)
+
+
+def test_contraction_units_are_handed_over_as_generated_and_no_unit_parses_cmath(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10), nn.LogSoftmax(dim=1))
+    step = _compile_cnn(model)
+    executor = step._steps[step._example][1]
+    units = executor.source.units
+    # BatchNorm's sqrt and the rest are the prelude's builtins: <cmath> (0.1 s of parsing) in no unit
+    assert not any("std::" in u.source or "<cmath>" in u.source for u in units)
+    handed: list = []
+    again = cpp_codegen.render_step(executor.graph, on_unit=lambda unit, headers: handed.append((unit, headers)))
+    alone = {u.name: u for u in units if u.name.startswith("ek_")}
+    assert alone and sorted(u.name for u, _ in handed) == sorted(alone)  # each contraction, once
+    for unit, headers in handed:
+        final = alone[unit.name]
+        assert (unit.source, unit.flags) == (final.source, final.flags) and headers == again.headers

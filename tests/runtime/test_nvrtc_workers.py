@@ -126,3 +126,50 @@ def test_the_worker_count_setting(monkeypatch):
     monkeypatch.setenv(nvrtc_workers.ENV_VAR, "many")
     with pytest.raises(ValueError, match="EMBER_NVRTC_WORKERS must be a whole number"):
         nvrtc_workers.workers_wanted()
+
+
+def test_default_worker_count_follows_the_cores(monkeypatch):
+    assert [nvrtc_workers.default_workers(c) for c in (1, 2, 4, 7, 8, 12, 16, 64)] == [0, 0, 0, 0, 4, 6, 8, 8]
+    monkeypatch.delenv(nvrtc_workers.ENV_VAR, raising=False)
+    assert nvrtc_workers.workers_wanted() == nvrtc_workers.default_workers()
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "0")
+    assert nvrtc_workers.workers_wanted() == 0
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "3")
+    assert nvrtc_workers.workers_wanted() == 3
+
+
+def test_default_workers_start_only_for_large_builds(monkeypatch):
+    started = []
+    monkeypatch.setattr(nvrtc_workers, "WorkerPool", lambda n: started.append(n) or object())
+    monkeypatch.setattr(nvrtc_workers, "_pool", None)
+    monkeypatch.setattr(nvrtc_workers, "default_workers", lambda cores=None: 8)
+    monkeypatch.delenv(nvrtc_workers.ENV_VAR, raising=False)
+    nvrtc_workers.prestart(nvrtc_workers.MIN_DEFAULT_JOBS - 1)  # a small model: the threads alone
+    assert started == []
+    local = lambda job: (b"ELF", "")  # noqa: E731
+    assert nvrtc_workers.compile_all([("s", (), "u.cu")] * 5, (13, 0), local) == [(b"ELF", "")] * 5
+    assert started == []
+    nvrtc_workers.prestart(nvrtc_workers.MIN_DEFAULT_JOBS)
+    assert started == [8]
+    # asked for explicitly, workers start for any build
+    monkeypatch.setattr(nvrtc_workers, "_pool", None)
+    monkeypatch.setenv(nvrtc_workers.ENV_VAR, "2")
+    nvrtc_workers.prestart(1)
+    assert started == [8, 2]
+
+
+def test_expected_modules_of_a_traced_step_tell_small_models_from_large():
+    import numpy as np
+    from ember.frontends import nn
+    from ember.frontends.compile import example_type
+    from ember.frontends.tracing import trace
+    from ember.frontends.training.recipes import build_model
+    from ember.runtime.cuda import expected_modules
+
+    def traced(name):
+        model, loss = build_model(name), nn.CrossEntropyLoss()
+        x = np.zeros((8, 1, 28, 28), np.float32)
+        return trace(lambda a, b: loss(model(a), b), example_type(x), example_type(np.zeros(8, np.int64)),
+                     name="train_step", modules={"": model})
+
+    assert expected_modules(traced("cnn")) < nvrtc_workers.MIN_DEFAULT_JOBS <= expected_modules(traced("resnet8"))
