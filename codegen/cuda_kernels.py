@@ -294,13 +294,32 @@ def mma_k(tf32: bool, bf16: bool) -> int:
     return 16 if bf16 else 8 if tf32 else 0
 
 
+#: plan_candidates' answers by their arguments and the device: the same product is asked for
+#: several times a compile (whether Winograd serves a convolution, then its plans; a step and
+#: the steps of other batch sizes), and one answer costs ~4 ms of the cost model
+_CANDIDATES: dict[tuple, tuple[GemmPlan, ...]] = {}
+
+
 def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
                     min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
-                    bf16: bool = False, _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
+                    bf16: bool = False) -> list[GemmPlan]:
     """Every feasible plan for C (batch, M, N) = A (M, K) @ B (K, N), best estimate first (for
     tf32 and bf16: tiles the tensor-core warp grid can split, k-tiles a multiple of the
     instruction's k; ranked by the fp32 model, which over-weights the FMAs but orders the gathers
     and waves alike)."""
+    key = (M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows, allow_split, tf32, bf16, current())
+    if key not in _CANDIDATES:
+        if len(_CANDIDATES) > 4096:
+            _CANDIDATES.clear()
+        _CANDIDATES[key] = tuple(_plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
+                                                  min_threads_for_rows=min_threads_for_rows,
+                                                  allow_split=allow_split, tf32=tf32, bf16=bf16))
+    return list(_CANDIDATES[key])
+
+
+def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
+                     min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
+                     bf16: bool = False, _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
     mk = mma_k(tf32, bf16)
     BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
     plans = {}
@@ -334,8 +353,9 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
                     plans[key] = plan
     out = sorted(plans.values(), key=lambda p: p.est_us)
     if not out and mk and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
-        return plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, min_threads_for_rows=min_threads_for_rows,
-                               allow_split=allow_split, tf32=tf32, bf16=bf16, _min_tile=(32, 32))
+        return _plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
+                                min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32,
+                                bf16=bf16, _min_tile=(32, 32))
     assert out
     return out
 

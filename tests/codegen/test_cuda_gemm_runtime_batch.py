@@ -261,3 +261,17 @@ def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_doe
     assert [name for name, _ in asked] == [functions[0] for _, functions in want]
     first.meta["kernel_reuse"] = target.reusable(first)
     assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
+
+
+def test_plan_candidates_are_remembered_per_problem_and_device():
+    from ember.codegen import device
+    args = dict(M=64, N=3136, K=144, batch=16, a_kfast=False, b_kfast=True)
+    first = ck.plan_candidates(**args)
+    entries = len(ck._CANDIDATES)
+    first.pop()  # the caller's list: changing it changes no later answer
+    again = ck.plan_candidates(**args)
+    assert len(ck._CANDIDATES) == entries and again[:-1] == first and len(again) == len(first) + 1
+    with device.using(device.L4):  # another GPU: its own answer (58 multiprocessors: other waves)
+        l4 = ck.plan_candidates(**args)
+        fresh = ck._plan_candidates(**args)
+    assert len(ck._CANDIDATES) == entries + 1 and l4 == fresh != again
