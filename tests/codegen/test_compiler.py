@@ -383,3 +383,19 @@ def test_units_started_early_are_compiled_once_and_must_finish_unchanged(tmp_pat
     with C.UnitBuilds(cache=tmp_path / "dumped", dump_dir=tmp_path / "dump") as builds:
         builds.start(units[1], _HEADER)
         assert builds.started == {}
+
+
+@needs_gxx
+def test_a_failing_unit_started_early_raises_at_finish_and_close_drops_queued_units(tmp_path):
+    units = _units("return a * ;")
+    with C.UnitBuilds(cache=tmp_path, jobs=1) as builds:
+        builds.start(units[2], _HEADER)  # fails to compile, on the pool's one thread
+        with pytest.raises(CompileError, match="'step.k2' \\(k9_mul\\)"):
+            builds.finish(units, link_flags=("-shared",), headers=_HEADER)
+    # generation that stops half-way (an exception while rendering): the units not begun are dropped
+    builds = C.UnitBuilds(cache=tmp_path / "dropped", jobs=1)
+    for i in range(6):
+        builds.start(dataclasses.replace(units[1], name=f"k1_{i}", source=units[1].source + f"// {i}\n"), _HEADER)
+    builds.close()
+    done = [f for _, _, f in builds.started.values() if not f.cancelled()]
+    assert 1 <= len(done) < 6 and all(f.done() for _, _, f in builds.started.values())
