@@ -1,6 +1,8 @@
 """Graph clean-up: dead code, common subexpressions, constant folding and algebraic identities.
 
-`simplify` runs the four to a fixed point. Each is also a pure Graph -> Graph function of its
+`simplify` runs the four to a fixed point, with `linear_sums.distribute_sums` (a sum's term
+`a - mean(a)` over the mean's own axes, whose sum is zero, dropped, so that BatchNorm's mean
+gradient waits for no other sum; the one rewrite here that is not exact). Each is also a pure Graph -> Graph function of its
 own (`dce`, `cse`, `fold_constants`, `algebraic`), which tests and debugging dumps use. Internally
 each has an in-place form on a private copy that reports whether it changed anything, so the
 fixed point costs one graph copy in all.
@@ -23,6 +25,7 @@ from ember.ir import IMPLS, OPS, Graph, TensorType
 from ember.ir.dtypes import as_array, as_values
 
 from .autodiff import carry_gradient_tags
+from .linear_sums import _distribute_sums
 
 SOURCES = ("input", "parameter", "state")
 
@@ -235,11 +238,11 @@ algebraic = _pure(_algebraic, "x*1, x+0, x-0, x/1, neg(neg x), reshape/transpose
 
 
 def simplify(graph: Graph, max_rounds: int = 100) -> Graph:
-    """dce, cse, fold_constants and algebraic, repeated until none changes the graph."""
+    """dce, cse, fold_constants, algebraic and distribute_sums, repeated until none changes the graph."""
     g = graph.copy()
     for _ in range(max_rounds):
         changed = False
-        for step in (_dce, _cse, _fold_constants, _algebraic):
+        for step in (_dce, _cse, _fold_constants, _algebraic, _distribute_sums):
             changed |= step(g)
         if not changed:
             return g.verify()
