@@ -140,7 +140,6 @@ class CpuExecutor:
                                          overlap_default() if overlap is None else overlap)
             self._segment = lambda s: self.lib.ember_segment(*self._args, s)
 
-
     @staticmethod
     def _check_isa(isa: cpu_vector.VectorISA) -> None:
         if not cpu_vector.host_supports(isa):
@@ -149,6 +148,7 @@ class CpuExecutor:
                                f"{os.environ.get(cpu_vector.ENV_VAR, '')!r}), which this CPU does not have "
                                f"(no {isa.cpu_flag!r} in /proc/cpuinfo); unset {cpu_vector.ENV_VAR} or set it to "
                                f"{cpu_vector.native_isa().name}")
+
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls); needs profile=True (or EMBER_PROFILE=1)."""
         if not self.profile:
