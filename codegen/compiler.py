@@ -437,7 +437,7 @@ class UnitsArtifact:
                 "jobs": self.jobs}
 
 
-def _cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on (taskset, cgroups' cpusets), else os.cpu_count()."""
     try:
         return len(os.sched_getaffinity(0)) or 1
@@ -485,7 +485,7 @@ class UnitBuilds:
         self.compiler = _cxx()
         self.root = Path(cache) if cache is not None else None
         self.name = name
-        self.jobs = max(1, jobs or _cores())
+        self.jobs = max(1, jobs or usable_cores())
         self.dump = Path(dump_dir) if dump_dir is not None else None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs)
         self.started: dict[str, tuple[Unit, dict[str, str], concurrent.futures.Future]] = {}

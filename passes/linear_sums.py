@@ -117,9 +117,9 @@ def _rewrite(g: Graph, s: int, memo: dict[int, bool]) -> int | None:
         value = g.add("sum", [base], **where, axes=axes, keepdims=keepdims)
         for f in factors:
             full = (1,) * (t.rank - g.type(f).rank) + tuple(g.type(f).shape)
-            kept = full if keepdims else tuple(d for i, d in enumerate(full) if i not in axes)
-            if g.type(f).shape != kept:
-                f = g.add("reshape", [f], **where, shape=kept)
+            like_sum = full if keepdims else tuple(d for i, d in enumerate(full) if i not in axes)
+            if g.type(f).shape != like_sum:
+                f = g.add("reshape", [f], **where, shape=like_sum)
             value = g.add("mul", [value, f], **where)
         if g.type(value).shape != out_shape:  # a factor of size 1 everywhere left a smaller rank
             value = g.add("broadcast_to", [value], **where, shape=out_shape)
@@ -144,8 +144,8 @@ def _distribute_sums(g: Graph) -> bool:
 
 
 def distribute_sums(graph: Graph) -> Graph:
-    """Sums of linear combinations whose per-row factors come from reductions, summed term by
-    term with the factors outside (see the module doc)."""
+    """Sums holding a centred term `a - mean(a)` over their own axes, without it, the other terms
+    summed one by one with factors computed from reductions outside (see the module doc)."""
     g = graph.copy()
     _distribute_sums(g)
     return g.verify()

@@ -91,10 +91,8 @@ def default_workers(cores: int | None = None) -> int:
     """The worker count without ``EMBER_NVRTC_WORKERS``: half the cores, at most 8, none below 8
     cores (the compiling process keeps a core for its passes, the GPU's feeding for its own)."""
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        from ember.codegen.compiler import usable_cores
+        cores = usable_cores()
     return min(MAX_DEFAULT_WORKERS, cores // 2) if cores >= MIN_CORES else 0
 
 
