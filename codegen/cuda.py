@@ -29,7 +29,9 @@ from .templates_env import environment
 ENV = environment("cuda")  # shared with the kernel templates
 THREADS = 256
 COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator carries out
-PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output
+PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output, or in
+#: a few lanes an output where its elements are contiguous and more than this many (`_lanes_per_output`)
+LANES_MIN = 8
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 SPELLING = Spelling("CUDA", {
@@ -139,8 +141,12 @@ def _flat_loop_vars(loops: list[tuple[str, int]], index: str) -> list[str]:
 
 # A split reduction is bandwidth-bound: it needs enough warps in flight on each multiprocessor to
 # hide memory latency (measured on an H200: 2 blocks of 256 per SM read a bias gradient's 75 MB at
-# 0.7 TB/s), so it is cut into about 8 blocks per multiprocessor.
+# 0.7 TB/s), so it is cut into at most about 8 blocks per multiprocessor; but a block also needs
+# work enough to pay for its tree and its partial: at least about 12 elements a thread. On an
+# H200, BatchNorm's statistics of 64 x 16 x 28 x 28 took 10.8 us in 64 splits an output, 7.2 us in
+# 16; 64 x 32 x 14 x 14 8.7 us in 32, 6.5 us in 5-8; at batch 1024 the 64 splits stayed fastest.
 REDUCTION_BLOCKS_PER_SM = 8
+REDUCTION_MIN_PER_BLOCK = 12 * THREADS
 
 
 @dataclass(frozen=True)
@@ -151,16 +157,33 @@ class ReductionKernel:
 
 
 def _split_count(low: Any) -> int:
-    """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU
-    and the outermost reduced loop (the batch, for a bias gradient) can be cut into chunks. The split
+    """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU,
+    each output has elements enough for several blocks (REDUCTION_MIN_PER_BLOCK each), and the
+    outermost reduced loop (the batch, for a bias gradient) can be cut into chunks. The split
     kernels walk one flat counter, so a short innermost loop splits too (BatchNorm's backward over
     5x5 planes of 512 images: 32 blocks of one output each took 52 us of a 505 us step on an H200)."""
     target_blocks = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
     if low.op not in ("sum", "max", "mixed") or any(a.op == "argmax" for a in low.accs) or not low.acc_type \
-            or len(low.loops) < 2 or low.outputs >= target_blocks or low.reduced < 2 * THREADS:
+            or len(low.loops) < 2 or low.outputs >= target_blocks:
         return 1
     outer = low.loops[0][1]
-    return max(1, min(outer, math.ceil(target_blocks / low.outputs)))
+    return max(1, min(outer, math.ceil(target_blocks / low.outputs), low.reduced // REDUCTION_MIN_PER_BLOCK))
+
+
+def _lanes_per_output(sub: Graph, core: int, low: Any) -> int:
+    """How many lanes of a warp share an output of a short reduction (at most PER_THREAD_MAX elements
+    an output): 16 or 32 (the power of two that covers its elements, at most a warp) where its
+    innermost reduced axis is the input's contiguous last axis, else 0 (one thread an output). A
+    thread an output reads a row of its own, so a warp's load touches 32 rows' cache lines, and
+    1024 outputs are only 4 blocks: ViT's LayerNorm statistics and gradients over 64 features took
+    17-26 us each alone on an H200. Lanes side by side read a row's elements together and spread
+    the outputs over 8-16x the blocks."""
+    if any(a.op == "argmax" for a in low.accs) or low.reduced <= LANES_MIN:
+        return 0
+    shape = sub.type(sub.operands(core)[0]).shape
+    if len(shape) - 1 not in sub.attrs(core)["axes"] or shape[-1] == 1:
+        return 0
+    return 16 if low.reduced <= 16 else 32
 
 
 def _acc_bytes(low: Any) -> int:
@@ -177,7 +200,9 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
     common = dict(name=name, ops="+".join(dict.fromkeys(a.op for a in accs)), reduced=low.reduced, loops=low.loops,
                   outputs=low.outputs, out_type=_out_types(sub), params=_signature(sub), passes=low.passes,
                   accs=accs, epilogue=low.epilogue, results=low.results, threads=THREADS, index=index)
-    splits = 1 if per_thread else _split_count(low)
+    lanes = _lanes_per_output(sub, core, low) if per_thread else 0
+    per_thread = per_thread and not lanes
+    splits = 1 if per_thread or lanes else _split_count(low)
     if splits > 1:
         outer = low.loops[0][1]
         chunk = math.ceil(outer / splits)
@@ -203,10 +228,13 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
     # counter divided back into loop variables.
     argmax = any(a.op == "argmax" for a in accs)
-    nested = not argmax and len(low.loops) > 0 and low.loops[-1][1] >= THREADS // 2
-    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, nested=nested, argmax=argmax,
-                                                   loop_vars=_flat_loop_vars(low.loops, index), flat_index=flat_index)
-    grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else (low.outputs, 1, 1)
+    group = lanes or THREADS  # the threads that share an output
+    nested = not argmax and len(low.loops) > 0 and low.loops[-1][1] >= group // 2
+    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, lanes=lanes, nested=nested,
+                                                   argmax=argmax, loop_vars=_flat_loop_vars(low.loops, index),
+                                                   flat_index=flat_index, group=group)
+    grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else \
+        (math.ceil(low.outputs / (THREADS // lanes)), 1, 1) if lanes else (low.outputs, 1, 1)
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
 
 

@@ -34,6 +34,7 @@ HEADER = r"""
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -44,10 +45,25 @@ namespace ember_emu {
 thread_local dim3 thread_idx, block_idx;
 std::barrier<>* block_barrier = nullptr;
 std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-struct WarpTable { unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; };
+struct WarpTable { unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; alignas(8) unsigned char shfl[32][8]; };
 std::vector<WarpTable> tables;
 std::vector<float> arena;  // a block's static shared arrays (SLOT bytes each), then its dynamic shared memory
 inline float* shared_array(int slot) { return arena.data() + (size_t)slot * (SLOT / 4); }
+// a barrier per (warp, mask) the kernel's shuffles name: the lanes of one output meet alone
+std::vector<std::vector<std::pair<unsigned, std::unique_ptr<std::barrier<>>>>> mask_barriers;
+std::mutex mask_lock;
+inline void shfl_barrier(unsigned warp, unsigned mask) {
+  std::barrier<>* b = nullptr;
+  {
+    std::lock_guard<std::mutex> hold(mask_lock);
+    for (auto& [m, bar] : mask_barriers[warp]) if (m == mask) b = bar.get();
+    if (!b) {
+      mask_barriers[warp].emplace_back(mask, new std::barrier<>(__builtin_popcount(mask)));
+      b = mask_barriers[warp].back().second.get();
+    }
+  }
+  b->arrive_and_wait();
+}
 }  // namespace ember_emu
 #define threadIdx ember_emu::thread_idx
 #define blockIdx ember_emu::block_idx
@@ -63,6 +79,18 @@ inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); r
 inline float __uint_as_float(unsigned u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+// __shfl_xor_sync: every lane of `mask` publishes its value, meets the others at a barrier of those
+// lanes (each lane's barrier below counts its mask's lanes), and reads lane ^ m's
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ember_emu::WarpTable& T_ = ember_emu::tables[warp];
+  std::memcpy(T_.shfl[lane], &v, sizeof(T));
+  ember_emu::shfl_barrier(warp, mask);
+  T r;
+  std::memcpy(&r, T_.shfl[lane ^ (unsigned)m], sizeof(T));
+  ember_emu::shfl_barrier(warp, mask);  // every lane has read before any writes again
+  return r;
+}
 using std::max;
 using std::min;
 // a launch's argument: the address of a float32 or bfloat16 (uint16 bits) buffer, as the kernel takes it
@@ -120,6 +148,8 @@ void run_grid(F body, int gx, int gy, int gz, int threads, int static_slots, siz
   warp_barriers.clear();
   for (int w = 0; w < warps; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
   tables.assign(warps, WarpTable{});
+  mask_barriers.clear();
+  mask_barriers.resize(warps);
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([=, &bb] {
