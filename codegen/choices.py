@@ -187,6 +187,13 @@ class ChoiceTable:
         g = self._geometry(sub, spec)
         return [(f.name, p) for f in self.ranked(g) for p in f.all_plans(g)]
 
+    def fits(self, sub: Graph, spec: KernelSpec, choice: Choice) -> bool:
+        """Whether a stored choice (a tuning record's) still serves this kernel as `decide` takes
+        it: its family exists and takes the plan as it is (a family whose GEMM view of the kernel
+        changed refuses the plans measured for the old one)."""
+        f = self.families.get(choice[0])
+        return f is not None and f.fits(self._geometry(sub, spec), choice[1])
+
     def key(self, sub: Graph, spec: KernelSpec) -> str:
         """The kernel's key in the tuning database."""
         return tuning_db.kernel_key(self._geometry(sub, spec))

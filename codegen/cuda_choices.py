@@ -118,7 +118,8 @@ def _gemm_problem(g: dict[str, Any]) -> dict[str, Any]:
     if g["kind"] == "conv2d":
         return dict(M=n * ho * wo, N=o, K=c * kh * kw, batch=1, a_kfast=False, b_kfast=True)
     if g["kind"] == "conv2d_grad_input":
-        return dict(M=n * g["H"] * g["W"], N=c, K=o * kh * kw, batch=1, a_kfast=False, b_kfast=True)
+        m, n_, k, batch = cuda_kernels.grad_input_gemm(n, c, g["H"], g["W"], o, kh, kw, g["stride"], g["padding"])
+        return dict(M=m, N=n_, K=k, batch=batch, a_kfast=False, b_kfast=True)
     return dict(M=o, N=c * kh * kw, K=n * ho * wo, batch=1, a_kfast=True, b_kfast=True)
 
 

@@ -48,7 +48,7 @@ from .templates_env import environment
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "plan_gemm", "plan_candidates", "scratch_role",
     "scratch_offset",
-    "gemm_scratch_bytes",
+    "gemm_scratch_bytes", "grad_input_gemm",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
 ]
@@ -169,6 +169,21 @@ def _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding):
     if max(N * C * H * W, N * O * HO * WO, O * C * KH * KW) >= 2**31:
         raise ValueError("tensor too large for 32-bit indexing")
     return sh, sw, ph, pw, HO, WO
+
+
+def grad_input_gemm(N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
+                    padding=(0, 0)) -> tuple[int, int, int, int]:
+    """(M, N, K, batch) of conv2d grad-input's implicit GEMM. Stride 1: M = N*H*W, K = O*KH*KW.
+    Strided, one GEMM per phase, batched: the outputs of a phase (rh, rw), the rows with
+    (h + PH) mod SH = rh and columns with (w + PW) mod SW = rw, read only the taps kh = rh + SH*a,
+    kw = rw + SW*c, a stride-1 correlation on their sub-grid; so M = N * ceil(H/SH) * ceil(W/SW),
+    K = O * ceil(KH/SH) * ceil(KW/SW), batch SH*SW (a phase's taps past KH or KW read zeros, its
+    sub-grid rows past H are not stored). A 3x3 stride-2 layer's K is 4/9 of the plain view's,
+    of which 2.25 taps of 4 are real on average, against 2.25 of 9."""
+    sh, sw = pair(stride, "stride")
+    if (sh, sw) == (1, 1):
+        return N * H * W, C, O * KH * KW, 1
+    return N * ceil_div(H, sh) * ceil_div(W, sw), C, O * ceil_div(KH, sh) * ceil_div(KW, sw), sh * sw
 
 
 # --------------------------------------------------------------------------- GEMM planning
@@ -508,17 +523,19 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
                              bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
-    [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW;
-    `runtime_batch` as `render_conv2d_forward`'s."""
+    [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW; strided,
+    one such GEMM per phase (`grad_input_gemm`); `runtime_batch` as `render_conv2d_forward`'s."""
     sh, sw, ph, pw, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     roles = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",)
+    M, n_, K, batch = grad_input_gemm(N, C, H, W, O, KH, KW, (sh, sw), (ph, pw))
     return _render_gemm(
         "conv2d_grad_input.j2", name, runtime=frozenset({"M"} if runtime_batch else ()),
         description=f"conv2d grad-input dy({'N' if runtime_batch else N},{O},{HO},{WO}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
-                    f"padding ({ph},{pw}){' *relu-mask' if relu_mask else ''}",
-        M=N * H * W, N=C, K=O * KH * KW, batch=1, roles=roles, inputs=("dy", "w", "mask_src"),
+                    f"padding ({ph},{pw}){' *relu-mask' if relu_mask else ''}{', by phase' if batch > 1 else ''}",
+        M=M, N=n_, K=K, batch=batch, roles=roles, inputs=("dy", "w", "mask_src"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
+        HQ=ceil_div(H, sh), WQ=ceil_div(W, sw), TH=ceil_div(KH, sh), TW=ceil_div(KW, sw),
         relu_mask=relu_mask, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
 
 

@@ -154,7 +154,7 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None \
-                and not _unmeasured_families(rec, cands):
+                and not _unmeasured_families(rec, cands) and table.fits(sub, spec, rec.choice):
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
         elif time.perf_counter() - t0 >= budget_s:
             rep = KernelReport(sub.name, spec.kind, key, "budget", candidates=len(cands))

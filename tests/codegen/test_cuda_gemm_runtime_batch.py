@@ -34,7 +34,8 @@ def _gemm_view(kind: str, g: dict) -> tuple[int, int, int, int, bool, bool]:
     if kind == "conv_fwd":
         return n * HO * WO, g["O"], g["C"] * g["KH"] * g["KW"], 1, False, True
     if kind == "conv_gi":
-        return n * g["H"] * g["W"], g["C"], g["O"] * g["KH"] * g["KW"], 1, False, True
+        return (*ck.grad_input_gemm(n, g["C"], g["H"], g["W"], g["O"], g["KH"], g["KW"], g["stride"], g["padding"]),
+                False, True)
     return g["O"], g["C"] * g["KH"] * g["KW"], n * HO * WO, 1, True, True
 
 

@@ -115,6 +115,27 @@ def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measure
         assert "gemm" in json.loads(path.read_text())["records"][conv]["versions"]
 
 
+def test_a_record_whose_plan_select_would_refuse_is_measured_again(tmp_path):
+    """A record whose plan no longer fits its family (the family's GEMM view of the kernel
+    changed since, as strided grad-inputs' did when they went by phase; select then falls back to
+    the cost model) is measured again by the next `ember tune` without --retune."""
+    db = TuningDB(tmp_path)
+    with tuning_db.using(db):
+        graph = _graph()
+        tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
+        path = tmp_path / "cuda-nvidia-h200.json"
+        data = json.loads(path.read_text())
+        conv = next(k for k in data["records"] if json.loads(k)["kind"] == "conv2d")
+        stale = ("gemm", (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5)))
+        data["records"][conv]["family"], data["records"][conv]["plan"] = stale[0], [list(p) for p in stale[1]]
+        path.write_text(json.dumps(data))
+        assert TuningDB(tmp_path).lookup("cuda", "NVIDIA H200", conv, {}).choice == stale
+        again = FakeMeasurer()
+        report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=again, db=TuningDB(tmp_path))
+        assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
+        assert TuningDB(tmp_path).lookup("cuda", "NVIDIA H200", conv, {}).choice != stale
+
+
 def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(tmp_path):
     db = TuningDB(tmp_path)
     with tuning_db.using(db):
