@@ -496,12 +496,27 @@ def _grouped_rejects(g: dict[str, Any]) -> str | None:
     return None if g.get("groups", 1) != 1 else "it serves grouped convolutions only (groups > 1)"
 
 
+def _grouped_geometry(g: dict[str, Any]) -> grouped_conv.ConvGeometry:
+    return grouped_conv.geometry((g["N"], g["C"], g["H"], g["W"]), (g["O"], g["C"] // g["groups"], g["KH"], g["KW"]),
+                                 g)  # a grouped family's geometry always holds groups
+
+
+def _grouped_plans(g: dict[str, Any]) -> list[Plan]:
+    """The grad-weight's: by taps in this many shares of the images (0: a block a weight)."""
+    if g["kind"] != "conv2d_grad_weight":
+        return [()]
+    return [(("splits", grouped_conv.cuda_grad_weight_splits(_grouped_geometry(g), current().multiprocessors)),)]
+
+
+def _grouped_scratch(g: dict[str, Any], plan: Plan) -> int:
+    splits = dict(plan).get("splits", 0)
+    return grouped_conv.cuda_scratch_bytes(g["kind"], _grouped_geometry(g), splits) if splits else 0
+
+
 def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
-    geo = grouped_conv.geometry((g["N"], g["C"], g["H"], g["W"]), (g["O"], g["C"] // g["groups"], g["KH"], g["KW"]),
-                                g)  # a grouped family's geometry always holds groups
     eps = spec.epilogues
-    return grouped_conv.render_cuda(name, g["kind"], geo, bias="bias" in eps, relu="relu" in eps,
-                                    relu_mask="relu_mask" in eps, epilogue=epilogue)
+    return grouped_conv.render_cuda(name, g["kind"], _grouped_geometry(g), bias="bias" in eps, relu="relu" in eps,
+                                    relu_mask="relu_mask" in eps, epilogue=epilogue, splits=dict(plan).get("splits", 0))
 
 
 # -- pool and the generated kinds: one family each
@@ -595,7 +610,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # fewer multiply-adds, transforms through memory: taken where measured, never by default
     Family("winograd", CONVS, 7, _winograd_plans, cuda_winograd.serves, _never, _winograd_scratch, _winograd_render,
            tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
-    Family("grouped", CONVS, 0, _one_plan, _float32(_grouped_rejects), _plain, _no_scratch, _grouped_render,
+    Family("grouped", CONVS, 0, _grouped_plans, _float32(_grouped_rejects), _plain, _grouped_scratch, _grouped_render,
            grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
            version=2),

@@ -25,12 +25,18 @@ from typing import Any
 from ember.ir.ops import conv_out_dim
 
 from .cpp_kernels import PARALLEL_MIN, KernelSource
-from .cuda_kernels import CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
-from .shapes import ceil_div, check_positive
+from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
+from .shapes import ceil_div, check_positive, round_up
 from .templates_env import environment
 
 CONV_KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 CUDA_THREADS = 256
+#: The CUDA grad-weight by taps (a block a filter and a share of the images, every thread all
+#: KH x KW taps of its positions): for windows of at most this many taps (the accumulators live
+#: in registers); larger ones keep a block a weight.
+CUDA_TAPS_MAX = 25
+#: ... its blocks: about this many a multiprocessor, at least this many positions a thread
+CUDA_GW_BLOCKS_PER_SM, CUDA_GW_MIN_PER_THREAD = 4, 8
 
 
 @dataclass(frozen=True)
@@ -106,25 +112,60 @@ def render_cpp(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, rel
     return KernelSource(name, code, 0, (g.N,)), order
 
 
+def cuda_grad_weight_splits(g: ConvGeometry, multiprocessors: int) -> int:
+    """How many shares of the images the CUDA grad-weight by taps cuts each filter's sums into (0:
+    the window is too large for taps, a block a weight). A depthwise layer has as few filters as
+    channels (32 blocks for 32 of them), so the images are split until there are about
+    CUDA_GW_BLOCKS_PER_SM blocks a multiprocessor, each with CUDA_GW_MIN_PER_THREAD positions a
+    thread or more; the shares' partials are added in order by a second launch."""
+    if g.KH * g.KW > CUDA_TAPS_MAX:
+        return 0
+    filters = g.O * (g.C // g.G)
+    splits = min(g.N, ceil_div(CUDA_GW_BLOCKS_PER_SM * multiprocessors, filters),
+                 g.N * g.HO * g.WO // (CUDA_GW_MIN_PER_THREAD * CUDA_THREADS))
+    splits = max(1, splits)
+    return ceil_div(g.N, ceil_div(g.N, splits))  # whole, equal shares of images
+
+
+def cuda_scratch_bytes(kind: str, g: ConvGeometry, splits: int) -> int:
+    """Scratch of a CUDA grouped kernel: the grad-weight's partials where it splits the images."""
+    if kind != "conv2d_grad_weight" or splits <= 1:
+        return 0
+    return round_up(4 * splits * g.O * (g.C // g.G) * g.KH * g.KW, SCRATCH_ALIGN)
+
+
 def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,
-                relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None) -> CudaKernel:
-    """The CUDA kernel of `kind`: one thread an output element (forward, grad-input), one block a
-    weight (grad-weight). Roles as the GEMM templates': x, w, [bias], out / dy, w, [mask_src],
-    out / x, dy, out."""
+                relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None, splits: int = 0) -> CudaKernel:
+    """The CUDA kernel of `kind`: one thread an output element (forward, grad-input); the
+    grad-weight with `splits` (`cuda_grad_weight_splits`) by taps, a block a filter and a share of
+    the images (then, above 1, a launch adding the shares in order), with 0 a block a weight. Roles
+    as the GEMM templates': x, w, [bias], out / dy, w, [mask_src], out / x, dy, out."""
     _check(name, kind)
     roles = {"conv2d": ("x", "w") + (("bias",) if bias else ()) + ("out",),
              "conv2d_grad_input": ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",),
              "conv2d_grad_weight": ("x", "dy", "out")}[kind]
     roles, inputs, unrestricted = with_epilogue(roles, ("x", "w", "bias", "dy", "mask_src"), epilogue)
-    if kind == "conv2d_grad_weight":
-        grid = g.O * (g.C // g.G) * g.KH * g.KW
+    taps = kind == "conv2d_grad_weight" and splits > 0
+    scratch = cuda_scratch_bytes(kind, g, splits) if taps else 0
+    filters = g.O * (g.C // g.G)
+    if taps:
+        grid = (filters, splits, 1)
+    elif kind == "conv2d_grad_weight":
+        grid = (filters * g.KH * g.KW, 1, 1)
     else:
-        grid = ceil_div(g.N * (g.O * g.HO * g.WO if kind == "conv2d" else g.C * g.H * g.W), CUDA_THREADS)
+        grid = (ceil_div(g.N * (g.O * g.HO * g.WO if kind == "conv2d" else g.C * g.H * g.W), CUDA_THREADS), 1, 1)
     code = environment("cuda").get_template("grouped_conv.j2").render(
         name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
         threads=CUDA_THREADS, roles=roles, inputs=inputs, unrestricted=unrestricted, pw=epilogue,
-        signature=kernel_signature(roles, inputs, unrestricted, False), **dataclasses.asdict(g))
-    return CudaKernel(name, code, (Launch(f"{name}_grouped", (grid, 1, 1), (CUDA_THREADS, 1, 1), 0, roles),), 0)
+        taps=taps, splits=splits, chunk=ceil_div(g.N, splits) if taps else 0,
+        signature=kernel_signature(roles, inputs, unrestricted, scratch > 0), **dataclasses.asdict(g))
+    args = roles + (("scratch",) if scratch else ())
+    launches = [Launch(f"{name}_grouped", grid, (CUDA_THREADS, 1, 1), 0, args)]
+    if scratch:
+        launches.append(Launch(f"{name}_combine", (ceil_div(filters * g.KH * g.KW, CUDA_THREADS), 1, 1),
+                               (CUDA_THREADS, 1, 1), 0, args))
+    return CudaKernel(name, code, tuple(launches), scratch)
 
 
-__all__ = ["CONV_KINDS", "ConvGeometry", "geometry", "render_cpp", "render_cuda"]
+__all__ = ["CONV_KINDS", "ConvGeometry", "cuda_grad_weight_splits", "cuda_scratch_bytes", "geometry", "render_cpp",
+           "render_cuda"]
