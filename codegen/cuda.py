@@ -29,9 +29,8 @@ from .templates_env import environment
 ENV = environment("cuda")  # shared with the kernel templates
 THREADS = 256
 COLLECTIVE_PREFIX = "collective:all_reduce:"  # a launch record the communicator carries out
-PER_THREAD_MAX = 64  # reduce this many elements or fewer serially in one thread per output, or in
-#: a few lanes an output where its elements are contiguous and more than this many (`_lanes_per_output`)
-LANES_MIN = 8
+PER_THREAD_MAX = 64  # reduce this many elements or fewer an output in one thread, or in a few lanes:
+LANES_MIN = 8  # ... where they are contiguous and more than this many (`_lanes_per_output`)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 SPELLING = Spelling("CUDA", {
