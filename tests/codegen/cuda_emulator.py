@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.codegen import cuda
+from ember.codegen import cuda, cuda_choices
 from ember.codegen.cuda_kernels import CudaKernel, scratch_offset
 from ember.codegen.templates_env import environment
 
@@ -235,6 +235,26 @@ def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.
         assert all(a.dtype in (np.float32, np.uint16) and a.flags.c_contiguous for a in arrays)
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         entry(ctypes.c_int(i), ptrs)
+
+
+def only_reduction(planned) -> tuple:
+    """(subgraph, kernel) of the one reduction kernel of a graph planned for CUDA, the kernel as the
+    step renders it (roles in0.. out.., then scratch where it splits), on the active device."""
+    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "reduction"]
+    sub, spec = planned.attrs(node)["graph"], planned.attrs(node)["kernel"]
+    return sub, cuda_choices.render(sub.name, sub, spec, spec.choice or cuda_choices.choose(sub, spec))
+
+
+def check_against_interpreter(sub, kernel: CudaKernel, inputs: dict[str, np.ndarray], folder: Path, name: str,
+                              rtol: float, atol: float) -> None:
+    """Runs a generated kernel of `sub` (roles in0.. out..) on `inputs` in the emulation and
+    compares every output with the interpreter's."""
+    from ember.ir import run as interpret
+    want = interpret(sub, inputs).outputs
+    bufs = dict(inputs, **{k: np.full(v.shape, np.nan, np.float32) for k, v in want.items()})
+    run(build([kernel], folder, name), 0, kernel, bufs)
+    for k, v in want.items():
+        np.testing.assert_allclose(bufs[k], v, rtol=rtol, atol=atol, err_msg=k)
 
 
 def tf32(a: np.ndarray) -> np.ndarray:

@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 
 import cuda_emulator
-from ember.codegen import cuda
-from ember.codegen.cuda_kernels import CudaKernel, Launch
-from ember.ir import Graph, TensorType, run
+from ember.ir import Graph, TensorType
 from models import plan_for
 from test_multi_output_kernels import _inputs, _normalise
 
@@ -37,30 +35,17 @@ def _column_sums(shape: tuple[int, ...]) -> Graph:
     return g
 
 
-def _reduction(graph: Graph):
-    planned = plan_for(graph, "cuda")
-    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "reduction"]
-    sub, spec = planned.attrs(node)["graph"], planned.attrs(node)["kernel"]
-    return sub, cuda.render_reduction("rd", sub, spec.core)
-
-
 @pytest.mark.parametrize("graph,lanes", [(_normalise((5, 7, 50), (2,)), 32),
                                          (_softmax_stats((9, 12)), 16),
                                          (_column_sums((40, 6)), 0)],
                          ids=["layer-norm-50", "softmax-12", "column-sums"])
 def test_a_short_reduction_takes_lanes_by_layout_and_gives_the_interpreters_values(graph, lanes, tmp_path):
-    sub, red = _reduction(graph)
-    header = red.code.split("\n", 1)[0]
+    sub, kernel = cuda_emulator.only_reduction(plan_for(graph, "cuda"))
+    header = kernel.code.split("\n", 1)[0]
     assert (f"{lanes} lanes of a" in header) if lanes else "one thread an output" in header, header
-    ((fn, grid, block, scratch),) = red.launches
-    per_block = block[0] // lanes if lanes else block[0]
+    (launch,) = kernel.launches
+    per_block = launch.block[0] // lanes if lanes else launch.block[0]
     outputs = int(np.prod(sub.type(next(iter(sub.outputs.values()))).shape))
-    assert grid[0] == -(-outputs // per_block) and not scratch
-    args = tuple(sub.inputs) + tuple(sub.outputs)
-    kernel = CudaKernel("rd", red.code, (Launch(fn, grid, block, 0, args),), 0)
+    assert launch.grid[0] == -(-outputs // per_block) and not kernel.scratch_bytes
     inputs = {name: np.ascontiguousarray(v) for name, v in _inputs(sub).items()}
-    want = run(sub, inputs).outputs
-    bufs = dict(inputs, **{k: np.full(v.shape, np.nan, np.float32) for k, v in want.items()})
-    cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, "lanes"), 0, kernel, bufs)
-    for k, v in want.items():
-        np.testing.assert_allclose(bufs[k], v, rtol=2e-6, atol=2e-6, err_msg=k)
+    cuda_emulator.check_against_interpreter(sub, kernel, inputs, tmp_path, "lanes", rtol=2e-6, atol=2e-6)

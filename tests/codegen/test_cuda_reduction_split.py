@@ -14,9 +14,7 @@ import dataclasses
 import numpy as np
 
 import cuda_emulator
-from ember.codegen import cuda, device
-from ember.codegen.cuda_kernels import CudaKernel, Launch
-from ember.ir import run
+from ember.codegen import device
 from models import plan_for
 from test_multi_output_kernels import _inputs, _normalise
 
@@ -26,19 +24,9 @@ SMALL_GPU = dataclasses.replace(device.H200, multiprocessors=1)  # 8 blocks fill
 def test_a_short_innermost_loop_is_split_and_its_launches_give_the_interpreters_sums(tmp_path):
     g = _normalise((400, 2, 5, 5), (0, 2, 3))  # 10000 elements an output
     with device.using(SMALL_GPU):
-        planned = plan_for(g, "cuda")
-        (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "reduction"]
-        sub, spec = planned.attrs(node)["graph"], planned.attrs(node)["kernel"]
-        red = cuda.render_reduction("rs", sub, spec.core)
-    parts = [f for f, *_ in red.launches if "_part" in f]
-    assert len(parts) == 2 and red.scratch_bytes > 0, [f for f, *_ in red.launches]  # two passes, then the combine
-    assert all(grid[1] == 3 for f, grid, *_ in red.launches if f in parts)  # 2 outputs x 3 splits of 134 images
-    args = tuple(sub.inputs) + tuple(sub.outputs)
-    kernel = CudaKernel("rs", red.code, tuple(Launch(f, grid, block, 0, args + (("scratch",) if s else ()))
-                                              for f, grid, block, s in red.launches), red.scratch_bytes)
+        sub, kernel = cuda_emulator.only_reduction(plan_for(g, "cuda"))
+    parts = [ln for ln in kernel.launches if "_part" in ln.function]
+    assert len(parts) == 2 and kernel.scratch_bytes > 0, kernel.launches  # two passes, then the combine
+    assert all(ln.grid[1] == 3 for ln in parts)  # 2 outputs x 3 splits of 134 images
     inputs = {name: np.ascontiguousarray(v) for name, v in _inputs(sub).items()}
-    want = run(sub, inputs).outputs
-    bufs = dict(inputs, **{k: np.full(v.shape, np.nan, np.float32) for k, v in want.items()})
-    cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, "split"), 0, kernel, bufs)
-    for k, v in want.items():
-        np.testing.assert_allclose(bufs[k], v, rtol=2e-5, atol=2e-5, err_msg=k)
+    cuda_emulator.check_against_interpreter(sub, kernel, inputs, tmp_path, "split", rtol=2e-5, atol=2e-5)

@@ -96,44 +96,51 @@ def test_a_second_run_reuses_the_database_and_measures_nothing(tmp_path):
         assert third.calls > 0
 
 
-def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measured_again(tmp_path):
-    """A family added after a kernel was tuned (its record's versions lack it) is compared by the
-    next `ember tune` without --retune; the other kernels' records are reused."""
+def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None):
+    """Tunes the graph, lets `edit` change its first conv2d record in the database file (`edited`
+    then checks it, by the record's key), tunes again without --retune; returns (that key, the
+    database file, the second measurer, its report)."""
     db = TuningDB(tmp_path)
     with tuning_db.using(db):
-        graph = _graph()
-        tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
+        tune_graph(_graph(), table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
         path = tmp_path / "cuda-nvidia-h200.json"
         data = json.loads(path.read_text())
         conv = next(k for k in data["records"] if json.loads(k)["kind"] == "conv2d")
-        assert "gemm" in data["records"][conv]["versions"]
-        del data["records"][conv]["versions"]["gemm"]   # as if gemm had come after the record
+        edit(data["records"][conv])
         path.write_text(json.dumps(data))
+        edited(conv)
         again = FakeMeasurer()
         report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=again, db=TuningDB(tmp_path))
-        assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
-        assert "gemm" in json.loads(path.read_text())["records"][conv]["versions"]
+    return conv, path, again, report
+
+
+def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measured_again(tmp_path):
+    """A family added after a kernel was tuned (its record's versions lack it) is compared by the
+    next `ember tune` without --retune; the other kernels' records are reused."""
+    def drop_gemm(record):
+        assert "gemm" in record["versions"]
+        del record["versions"]["gemm"]   # as if gemm had come after the record
+
+    conv, path, again, report = _retune_after_editing_a_conv_record(tmp_path, drop_gemm)
+    assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
+    assert "gemm" in json.loads(path.read_text())["records"][conv]["versions"]
 
 
 def test_a_record_whose_plan_select_would_refuse_is_measured_again(tmp_path):
     """A record whose plan no longer fits its family (the family's GEMM view of the kernel
     changed since, as strided grad-inputs' did when they went by phase; select then falls back to
     the cost model) is measured again by the next `ember tune` without --retune."""
-    db = TuningDB(tmp_path)
-    with tuning_db.using(db):
-        graph = _graph()
-        tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
-        path = tmp_path / "cuda-nvidia-h200.json"
-        data = json.loads(path.read_text())
-        conv = next(k for k in data["records"] if json.loads(k)["kind"] == "conv2d")
-        stale = ("gemm", (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5)))
-        data["records"][conv]["family"], data["records"][conv]["plan"] = stale[0], [list(p) for p in stale[1]]
-        path.write_text(json.dumps(data))
+    stale = ("gemm", (("BM", 7), ("BN", 3), ("BK", 5), ("TM", 2), ("TN", 2), ("splits", 1), ("kchunk", 5)))
+
+    def make_stale(record):
+        record["family"], record["plan"] = stale[0], [list(p) for p in stale[1]]
+
+    def read_back(conv):
         assert TuningDB(tmp_path).lookup("cuda", "NVIDIA H200", conv, {}).choice == stale
-        again = FakeMeasurer()
-        report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=again, db=TuningDB(tmp_path))
-        assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
-        assert TuningDB(tmp_path).lookup("cuda", "NVIDIA H200", conv, {}).choice != stale
+
+    conv, path, again, report = _retune_after_editing_a_conv_record(tmp_path, make_stale, read_back)
+    assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
+    assert TuningDB(tmp_path).lookup("cuda", "NVIDIA H200", conv, {}).choice != stale
 
 
 def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(tmp_path):
