@@ -509,8 +509,7 @@ def _grouped_plans(g: dict[str, Any]) -> list[Plan]:
 
 
 def _grouped_scratch(g: dict[str, Any], plan: Plan) -> int:
-    splits = dict(plan).get("splits", 0)
-    return grouped_conv.cuda_scratch_bytes(g["kind"], _grouped_geometry(g), splits) if splits else 0
+    return grouped_conv.cuda_scratch_bytes(g["kind"], _grouped_geometry(g), dict(plan).get("splits", 0))
 
 
 def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:

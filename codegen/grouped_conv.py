@@ -146,7 +146,7 @@ def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, re
              "conv2d_grad_weight": ("x", "dy", "out")}[kind]
     roles, inputs, unrestricted = with_epilogue(roles, ("x", "w", "bias", "dy", "mask_src"), epilogue)
     taps = kind == "conv2d_grad_weight" and splits > 0
-    scratch = cuda_scratch_bytes(kind, g, splits) if taps else 0
+    scratch = cuda_scratch_bytes(kind, g, splits)
     filters = g.O * (g.C // g.G)
     if taps:
         grid = (filters, splits, 1)
