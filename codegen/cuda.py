@@ -4,8 +4,9 @@ One CUDA translation unit per step holds every kernel (compiled once with NVRTC 
 the step is the ordered list of launches, which the runtime captures into one CUDA graph.
 Pointwise and reduction kernels are the target-neutral lowering (`lowering.py`) spelled with
 `SPELLING`: a pointwise kernel is one thread an element; a reduction is one thread an output
-when the reduced extent is short, else one block an output with a fixed shared-memory tree, so
-results are deterministic (no atomics). Contractions come from the templates in `cuda_kernels`.
+when the reduced extent is short, else one block an output with a fixed shared-memory tree, or
+several blocks an output whose partials the last of them adds in a fixed order, so results are
+deterministic (an atomic counter picks only which block adds). Contractions come from the templates in `cuda_kernels`.
 Arguments are named buffers (graph nodes, or a kernel's scratch block), resolved to device
 pointers by the runtime; codegen never allocates.
 """
@@ -51,7 +52,8 @@ SPELLING = Spelling("CUDA", {
 class LaunchArgs:
     """One launch of the step: a function of the module, its geometry, and its arguments as
     buffer references: ("node", id) for a graph value, ("scratch", id) for a kernel's scratch,
-    ("scratch@OFF", id) for the region of it at OFF bytes."""
+    ("scratch@OFF", id) for the region of it at OFF bytes, ("counters#W", id) for W counter words
+    of the kernel's own (`cuda_kernels.counter_role`)."""
     function: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -151,7 +153,8 @@ REDUCTION_MIN_PER_BLOCK = 12 * THREADS
 @dataclass(frozen=True)
 class ReductionKernel:
     code: str
-    launches: tuple[tuple[str, tuple[int, int, int], tuple[int, int, int], bool], ...]  # (function, grid, block, scratch?)
+    #: (function, grid, block, roles after the subgraph's inputs and outputs: scratch, counters)
+    launches: tuple[tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[str, ...]], ...]
     scratch_bytes: int
 
 
@@ -218,10 +221,11 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
                                                              inner=math.prod(size for _, size in low.loops[1:]),
                                                              flat_vars=flat_vars, acc_type=low.acc_type,
                                                              slot={a.acc: k for k, a in enumerate(accs)})
-        launches = tuple((f"{name}_part{k}", (low.outputs, splits, 1), (THREADS, 1, 1), True)
+        last = len(low.passes) - 1
+        launches = tuple((f"{name}_part{k}", (low.outputs, splits, 1), (THREADS, 1, 1),
+                          ("scratch",) + ((cuda_kernels.counter_role(low.outputs),) if k == last else ()))
                          for k in range(len(low.passes)))
-        return ReductionKernel(code, launches + ((name, (math.ceil(low.outputs / THREADS), 1, 1), (THREADS, 1, 1), True),),
-                               len(accs) * splits * low.outputs * _acc_bytes(low))
+        return ReductionKernel(code, launches, len(accs) * splits * low.outputs * _acc_bytes(low))
     # A block an output walks the reduced elements either as nested loops with the innermost
     # (contiguous, where the layout allows) split across the threads, which needs no division
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
@@ -234,7 +238,7 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
                                                    flat_index=flat_index, group=group)
     grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else \
         (math.ceil(low.outputs / (THREADS // lanes)), 1, 1) if lanes else (low.outputs, 1, 1)
-    return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), False),), 0)
+    return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), ()),), 0)
 
 
 def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEpilogue | None:
@@ -301,6 +305,11 @@ def prelude(bf16: bool = False) -> str:
     return ENV.get_template("prelude.j2").render(bf16=bf16)
 
 
+def _kernel_own(role: str) -> bool:
+    """Whether a launch role is memory of the kernel's own (its scratch or counters), not a value."""
+    return cuda_kernels.scratch_offset(role) is not None or cuda_kernels.counter_words(role) is not None
+
+
 def render_step(graph: Graph) -> CudaStepSource:
     """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order.
 
@@ -345,9 +354,8 @@ def render_step(graph: Graph) -> CudaStepSource:
                     raise AssertionError(f"{name}: reduction needs {red.scratch_bytes} scratch bytes, "
                                          f"the plan reserved {spec.scratch_bytes}")
                 code = red.code
-                for function, grid, block, scratch in red.launches:
-                    launches.append(LaunchArgs(function, grid, block, 0, args + ((("scratch", n),) if scratch else ()),
-                                               name))
+                for function, grid, block, extra in red.launches:
+                    launches.append(LaunchArgs(function, grid, block, 0, args + tuple((role, n) for role in extra), name))
         else:
             if spec.kind in ("softmax_xent", "softmax_xent_grad"):
                 kernel, roles = render_loss(name, sub, spec)
@@ -358,7 +366,7 @@ def render_step(graph: Graph) -> CudaStepSource:
                                      f"the plan reserved {spec.scratch_bytes}")
             code = kernel.code
             for launch in kernel.launches:
-                args = tuple((roles.get(r, r), n) if cuda_kernels.scratch_offset(roles.get(r, r)) is not None else node_of[roles[r]]
+                args = tuple((roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]]
                              for r in launch.args)
                 launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
                                            launch.scalars))

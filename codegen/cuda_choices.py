@@ -549,8 +549,8 @@ def _generated(module_function: str) -> Callable[..., CudaKernel]:
             return CudaKernel(name, code, (Launch(name, grid, block, 0, args, scalars),), 0)
         if module_function == "reduction":
             red = cuda.render_reduction(name, sub, spec.core)
-            return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + (("scratch",) if s else ()))
-                                                    for f, grid, block, s in red.launches), red.scratch_bytes)
+            return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + extra)
+                                                    for f, grid, block, extra in red.launches), red.scratch_bytes)
         return cuda.render_loss(name, sub, spec)[0]
     return render
 

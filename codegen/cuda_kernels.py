@@ -20,7 +20,10 @@ Contract shared by every kernel here:
   runtime passes the base of one scratch block (at least ``scratch_bytes``, 256-byte aligned)
   for every ``"scratch"``, and that base plus OFF bytes for a role ``"scratch@OFF"`` (a region
   of the block: a kernel made of other kernels' launches hands them their operands there,
-  `scratch_role`). The loss's ``labels`` role is an int64 pointer.
+  `scratch_role`). A role ``"counters#W"`` is W unsigned words of the kernel's own that are zero
+  before its first launch and that it leaves zero (`counter_role`: a split reduction's arrival
+  counters); the runtime allocates them once per kernel, apart from the arena. The loss's
+  ``labels`` role is an int64 pointer.
 
 The contractions share one implicit-GEMM skeleton (``gemm.j2``): C[b,m,n] = sum_k A(b,m,k) *
 B(b,k,n) where each kernel template defines how A and B elements are gathered (convolution
@@ -47,7 +50,7 @@ from .templates_env import environment
 
 __all__ = [
     "Launch", "CudaKernel", "GemmPlan", "PointwiseEpilogue", "plan_gemm", "plan_candidates", "scratch_role",
-    "scratch_offset",
+    "scratch_offset", "counter_role", "counter_words",
     "gemm_scratch_bytes", "grad_input_gemm",
     "render_conv2d_forward", "render_conv2d_grad_input", "render_conv2d_grad_weight",
     "render_matmul", "render_softmax_cross_entropy", "render_softmax_cross_entropy_grad", "render_sgd_update",
@@ -85,6 +88,19 @@ def scratch_offset(role: str) -> int | None:
     if role.startswith("scratch@"):
         return int(role[len("scratch@"):])
     return None
+
+
+def counter_role(words: int) -> str:
+    """The launch role of `words` arrival counters of the kernel's own: zero when it first runs,
+    left zero by every launch, never in the arena (which other kernels overwrite between steps)."""
+    if words < 1:
+        raise ValueError(f"counters: need at least one word, got {words}")
+    return f"counters#{words}"
+
+
+def counter_words(role: str) -> int | None:
+    """How many counter words a launch role names; None for a role that is not counters."""
+    return int(role[len("counters#"):]) if role.startswith("counters#") else None
 
 
 #: C types of by-value launch arguments -> NumPy's (CuPy passes a NumPy scalar by value, as its type)

@@ -243,14 +243,14 @@ class _Compiled:
         from the plan cache where it holds this trace (`frontends/plan_cache.py`), else the passes
         run (tuning first, with `tune`). extra None: not cacheable (a data-parallel step)."""
         key = None
+        if self.target.prepare_build is not None:
+            self.target.prepare_build(forward)
         if extra is not None and dump is None and self.tune_budget_s is None and plan_cache.enabled():
             device = self.target.device_model() if self.target.device_model is not None else ""
             key = plan_cache.step_key(forward, passes, target=self.target, device=device, profile=self.profile,
                                       extra=f"{extra};precision={self.precision}")
             if key is not None and (found := plan_cache.load(key, forward)) is not None:
                 return found[0], found[1], None
-        if self.target.prepare_build is not None:
-            self.target.prepare_build(forward)
         return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
 
     def _compiled_graphs(self) -> list[Graph]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
-from ember.codegen.cuda_kernels import scalar_args, scratch_offset
+from ember.codegen.cuda_kernels import counter_words, scalar_args, scratch_offset
 from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
 from ember.ir import Graph, KernelSpec, TensorType
 from ember.passes import pipeline, targets
@@ -312,6 +312,7 @@ class CudaExecutor:
         self._copy_updates = [(storage.device_array(k), self._view(n)) for k, n in graph.updates.items()
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
+        self._counters: dict[int, Any] = {}  # kernel node -> its counters (zero now; each launch leaves them zero)
         self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
                            tuple(self._arg(a) for a in la.args) + scalar_args(la.scalars))
                           for la in self.source.launches]
@@ -350,6 +351,11 @@ class CudaExecutor:
         if region is not None:  # the kernel's scratch block, or its region at `region` bytes
             off = self.graph.notes(n)["scratch_offset"]
             return self.arena[off + region:off + self.graph.attrs(n)["kernel"].scratch_bytes]
+        words = counter_words(kind)
+        if words is not None:  # apart from the arena: other kernels write there between this one's launches
+            if n not in self._counters:
+                self._counters[n] = self._cp.zeros(words, dtype=self._cp.uint32)
+            return self._counters[n]
         return self._view(n)
 
     def _launch_all(self, concurrent: bool = True, rings: bool = False) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from ember.codegen import cuda as cuda_codegen
 from ember.codegen import cuda_choices
 from ember.codegen.choices import Choice
-from ember.codegen.cuda_kernels import scalar_args, scratch_offset
+from ember.codegen.cuda_kernels import counter_words, scalar_args, scratch_offset
 from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
@@ -103,7 +103,9 @@ class CudaMeasurer:
         with stream:  # ordered before the launches (see measure)
             out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # must be written
             scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
-        buffers = {**inputs, "out": out}
+            counters = {r: cp.zeros(words, dtype=cp.uint32) for la in kernel.launches for r in la.args
+                        if (words := counter_words(r)) is not None}  # each launch leaves them zero
+        buffers = {**inputs, **counters, "out": out}
 
         def buffer(role: str) -> Any:
             region = scratch_offset(role)

@@ -7,6 +7,7 @@ cache (warm, then batch 7 in the same process).
 
     python tools/compile_breakdown.py mlp,cnn,resnet8,zoo:vit [out.json]     # on a GPU machine
     DIAG_DEVICE=cpu python tools/compile_breakdown.py mlp,resnet8            # the CPU target
+    DIAG_SETTLE_S=2 python tools/compile_breakdown.py resnet8   # the new batch 2 s after the warm steps
 """
 import collections, json, os, subprocess, sys, tempfile, time, timeit
 
@@ -84,6 +85,7 @@ if DEV == "cuda":  # what loading the step's modules costs, one after another, f
     out["serial_get_function_ms_median"] = sorted(b for _, b in per)[len(per) // 2] * 1e3
     t = time.perf_counter(); rc.compile_units(cupy, ex.source.prelude, ex.source.units, opts); out["parallel_load_s"] = time.perf_counter() - t
 if second:
+    time.sleep(float(os.environ.get("DIAG_SETTLE_S", "0")))  # the training a later batch size comes after
     times.clear(); n0 = count()
     t = time.perf_counter(); step.precompile((second, *shape)); out["new_batch_s"] = time.perf_counter() - t
     out["new_parts"] = dict(times); out["new_modules_added"] = count() - n0

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ember.codegen import cuda, cuda_choices
-from ember.codegen.cuda_kernels import CudaKernel, scratch_offset
+from ember.codegen.cuda_kernels import CudaKernel, counter_words, scratch_offset
 from ember.codegen.templates_env import environment
 
 #: bytes a static shared array may take (a block's static limit)
@@ -78,6 +78,10 @@ inline void __syncthreads() { ember_emu::block_barrier->arrive_and_wait(); }
 inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
 inline float __uint_as_float(unsigned u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
+// a split reduction's arrival counter (blocks run one after another here: any order a GPU could take)
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <typename T> T __ldcg(const T* p) { return *p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 // __shfl_xor_sync: every lane of `mask` publishes its value, meets the others at a barrier of those
 // lanes (each lane's barrier below counts its mask's lanes), and reads lane ^ m's
@@ -226,13 +230,19 @@ def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
 def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.ndarray]) -> None:
     """Makes the launches of kernel `index` of the library in order on `buffers` (float32 arrays,
     or uint16 ones holding bfloat16 bits, by role, written in place; "scratch" is added, filled
-    with NaN)."""
+    with NaN; a counters role (`counter_role`) is zeros of its size unless `buffers` has it, as
+    uint32: a caller that passes its own sees what the launches left there)."""
     bufs = dict(buffers)
     bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
+    for ln in kernel.launches:
+        for r in ln.args:
+            if (words := counter_words(r)) is not None and r not in bufs:
+                bufs[r] = np.zeros(words, np.uint32)
     entry = getattr(lib, f"emu_launch_{index}")
     for i, ln in enumerate(kernel.launches):
         arrays = [bufs[r] if scratch_offset(r) is None else bufs["scratch"][scratch_offset(r) // 4:] for r in ln.args]
-        assert all(a.dtype in (np.float32, np.uint16) and a.flags.c_contiguous for a in arrays)
+        assert all(a.dtype in (np.float32, np.uint16) or (a.dtype == np.uint32 and counter_words(r) is not None)
+                   for a, r in zip(arrays, ln.args)) and all(a.flags.c_contiguous for a in arrays)
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         entry(ctypes.c_int(i), ptrs)
 

@@ -103,3 +103,17 @@ def test_the_tuning_database_and_the_device_take_part_in_the_key(tmp_path):
         keys.add(plan_cache.step_key(forward, passes, target=cuda, device="NVIDIA A100", profile=False))
         keys.add(plan_cache.step_key(forward, passes, target=cuda, device="NVIDIA A100", profile=True))
     assert len(keys) == 5
+
+
+def test_the_target_prepares_a_build_from_a_cached_plan_too(monkeypatch):
+    """`Target.prepare_build` runs for a cached plan as for the passes (CUDA starts its NVRTC workers
+    there, so they are up when a later batch size of the model compiles), once a compile."""
+    import dataclasses
+
+    from ember.passes import targets
+    prepared = []
+    cpu = targets.get("cpu")
+    monkeypatch.setitem(targets._TARGETS, "cpu", dataclasses.replace(cpu, prepare_build=prepared.append))
+    assert _compile(_fresh()).compile_stats["plan_cached"] is False and len(prepared) == 1
+    assert _compile(_fresh()).compile_stats["plan_cached"] is True and len(prepared) == 2
+    assert all(g.name == prepared[0].name for g in prepared)
