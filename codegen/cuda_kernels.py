@@ -37,6 +37,7 @@ count are chosen per shape by a small cost model of the active device (`device.c
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -230,12 +231,29 @@ def _pick_bk(K: int) -> int:
 
 
 def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
-    dev = current()
+    tile = _tile_model(BM, BN, BK, TM, TN, current())
+    return None if tile is None else _split_cost(M, N, K, batch, tile, splits)
+
+
+@dataclass(frozen=True)
+class _TileModel:
+    """What the cost model knows of a block tile before the problem's sizes: `_split_cost` adds
+    those (the planner evaluates every split of a tile, so this part is computed once a tile)."""
+    BM: int
+    BN: int
+    BK: int
+    TM: int
+    TN: int
+    occ: int         # blocks a multiprocessor
+    warps: int
+    per_k_tile: float  # cycles a warp needs per k-tile, if alone (before the latency factor)
+    latency: float
+    dev: Any
+
+
+@functools.lru_cache(maxsize=4096)  # a handful of k-tile depths x the tile candidates x devices
+def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any) -> _TileModel | None:
     threads = (BM // TM) * (BN // TN)
-    kchunk = round_up(ceil_div(K, splits), BK)
-    splits = ceil_div(K, kchunk)
-    tiles = ceil_div(M, BM) * ceil_div(N, BN) * batch
-    blocks = tiles * splits
     la = ceil_div(BM * BK, threads)
     lb = ceil_div(BN * BK, threads)
     # Accumulators, operand vectors, the prefetched next tile and its hoisted gather offsets.
@@ -260,13 +278,22 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     dn = min(BN // TN, max(1, 32 // ntx))
     lds_k = gm * ceil_div(dm * min(TM, 4) * 4, 128) + gn * ceil_div(dn * min(TN, 4) * 4, 128)
     lds_k += 2.0 * (la + lb) / BK  # the stores of the next tile (some bank conflicts)
-    ktiles = kchunk // BK
     warps = threads // 32 if threads >= 32 else 1
     # SM cycles one block's warps need, if alone: 4 schedulers issue 1 warp instruction each
     # per cycle; below 2 warps per scheduler latency is exposed.
     wps = occ * warps / 4
     latency = 1.0 if wps >= 2 else (0.5 + 0.25 * wps)
-    block_cycles = warps * ktiles * (BK * max(per_k / 4, lds_k) + 20) / latency + 600
+    return _TileModel(BM, BN, BK, TM, TN, occ, warps, BK * max(per_k / 4, lds_k) + 20, latency, dev)
+
+
+def _split_cost(M: int, N: int, K: int, batch: int, tile: _TileModel, splits: int) -> GemmPlan:
+    BM, BN, BK, dev, occ = tile.BM, tile.BN, tile.BK, tile.dev, tile.occ
+    kchunk = round_up(ceil_div(K, splits), BK)
+    splits = ceil_div(K, kchunk)
+    m_tiles, n_tiles = ceil_div(M, BM), ceil_div(N, BN)
+    blocks = m_tiles * n_tiles * batch * splits
+    ktiles = kchunk // BK
+    block_cycles = tile.warps * ktiles * tile.per_k_tile / tile.latency + 600
     waves = ceil_div(blocks, dev.multiprocessors * occ)
     sm_cycles = waves * occ * block_cycles
     # ... and a partial last wave only costs its share once there are many waves.
@@ -276,11 +303,11 @@ def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
     compulsory = 4 * batch * (M * K + K * N + M * N)
     t = max(t, compulsory / dev.memory_bytes_per_s)
     # Operand re-reads (through L2) grow with the number of tiles on the other side.
-    reread = 4 * batch * (M * K * ceil_div(N, BN) + K * N * ceil_div(M, BM))
+    reread = 4 * batch * (M * K * n_tiles + K * N * m_tiles)
     t = max(t, reread / (3 * dev.memory_bytes_per_s))
     if splits > 1:
         t += (4 * (splits + 1) * batch * M * N) / dev.memory_bytes_per_s + _LAUNCH_US * 1e-6
-    return GemmPlan(BM, BN, BK, TM, TN, splits, kchunk, t * 1e6)
+    return GemmPlan(BM, BN, BK, tile.TM, tile.TN, splits, kchunk, t * 1e6)
 
 
 def tf32_warp_grid(BM: int, BN: int, threads: int) -> tuple[int, int] | None:
@@ -302,7 +329,12 @@ def tf32_warp_grid(BM: int, BN: int, threads: int) -> tuple[int, int] | None:
     return None if best is None else best[1:]
 
 
-def _tile_candidates():
+@functools.lru_cache(maxsize=None)
+def _tile_candidates() -> tuple[tuple[int, int, int, int], ...]:
+    return tuple(_tiles())
+
+
+def _tiles():
     for BM in (8, 16, 32, 64, 128):
         for BN in (4, 8, 16, 32, 48, 64, 96, 128):
             for TM in (1, 2, 4, 8):
@@ -353,6 +385,7 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                      bf16: bool = False, _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
     mk = mma_k(tf32, bf16)
     BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
+    dev = current()
     plans = {}
     for BM, BN, TM, TN in _tile_candidates():
         if mk and tf32_warp_grid(BM, BN, (BM // TM) * (BN // TN)) is None:
@@ -371,13 +404,16 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                 split_opts.add(s)
                 s *= 2
             tiles = ceil_div(M, BM) * ceil_div(N, BN) * batch
-            sms = current().multiprocessors
+            sms = dev.multiprocessors
             for target in (sms, 2 * sms, 4 * sms, 8 * sms):  # 1-8 waves of one block a multiprocessor
                 s = ceil_div(target, tiles)
                 if 1 < s <= K // (2 * BK):
                     split_opts.add(s)
+        tile = _tile_model(BM, BN, BK, TM, TN, dev)
+        if tile is None:
+            continue
         for s in sorted(split_opts):
-            plan = _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, s, a_kfast, b_kfast)
+            plan = _split_cost(M, N, K, batch, tile, s)
             if plan is not None:
                 key = (plan.BM, plan.BN, plan.BK, plan.TM, plan.TN, plan.splits)
                 if key not in plans or plan.est_us < plans[key].est_us:
