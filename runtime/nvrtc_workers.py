@@ -142,12 +142,19 @@ class _Worker:
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()  # the worker's loop ends at end of input
+            if self.ready.is_set():
+                self.proc.stdin.close()  # the worker's loop ends at end of input
+            else:  # still starting (no job of ours in it): a process that exits now need not wait for it
+                self.proc.kill()
             self.proc.wait(timeout=0.1 if self.dead else 2)
         except Exception:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 class WorkerPool:
