@@ -172,6 +172,22 @@ def _split_count(low: Any) -> int:
     return max(1, min(outer, math.ceil(target_blocks / low.outputs), low.reduced // REDUCTION_MIN_PER_BLOCK))
 
 
+def _split_plan(low: Any) -> tuple[int, int]:
+    """(splits, chunk of the outermost reduced loop each takes) of a reduction kernel; (1, 0)
+    for one that is not split (a short one runs a thread or a few lanes an output). The count
+    is taken again from the chunk, so that no split is empty."""
+    if low.reduced <= PER_THREAD_MAX or (splits := _split_count(low)) == 1:
+        return 1, 0
+    outer = low.loops[0][1]
+    chunk = math.ceil(outer / splits)
+    return math.ceil(outer / chunk), chunk
+
+
+def _split_scratch(low: Any, splits: int) -> int:
+    """Bytes of a split reduction's partials: one per accumulator, split and output."""
+    return len(low.accs) * splits * low.outputs * _acc_bytes(low)
+
+
 def _lanes_per_output(sub: Graph, core: int, low: Any) -> int:
     """How many lanes of a warp share an output of a short reduction (at most PER_THREAD_MAX elements
     an output): 16 or 32 (the power of two that covers its elements, at most a warp) where its
@@ -204,11 +220,9 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
                   accs=accs, epilogue=low.epilogue, results=low.results, threads=THREADS, index=index)
     lanes = _lanes_per_output(sub, core, low) if per_thread else 0
     per_thread = per_thread and not lanes
-    splits = 1 if per_thread or lanes else _split_count(low)
+    splits, chunk = _split_plan(low)
     if splits > 1:
         outer = low.loops[0][1]
-        chunk = math.ceil(outer / splits)
-        splits = math.ceil(outer / chunk)
         first = low.loops[0][0]
         flat_vars = _flat_loop_vars([(f"{first}_off", chunk)] + list(low.loops[1:]), index)
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
@@ -225,7 +239,7 @@ def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
         launches = tuple((f"{name}_part{k}", (low.outputs, splits, 1), (THREADS, 1, 1),
                           ("scratch",) + ((cuda_kernels.counter_role(low.outputs),) if k == last else ()))
                          for k in range(len(low.passes)))
-        return ReductionKernel(code, launches, len(accs) * splits * low.outputs * _acc_bytes(low))
+        return ReductionKernel(code, launches, _split_scratch(low, splits))
     # A block an output walks the reduced elements either as nested loops with the innermost
     # (contiguous, where the layout allows) split across the threads, which needs no division
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
@@ -292,11 +306,8 @@ def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.C
 def reduction_scratch(sub: Graph, core: int) -> int:
     """Scratch bytes of a reduction kernel: its split partials, from the lowering (no rendering)."""
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
-    if low.reduced <= PER_THREAD_MAX or (splits := _split_count(low)) == 1:
-        return 0
-    outer = low.loops[0][1]
-    splits = math.ceil(outer / math.ceil(outer / splits))
-    return len(low.accs) * splits * low.outputs * _acc_bytes(low)
+    splits, _ = _split_plan(low)
+    return _split_scratch(low, splits) if splits > 1 else 0
 
 
 def prelude(bf16: bool = False) -> str:

@@ -414,10 +414,9 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
             continue
         for s in sorted(split_opts):
             plan = _split_cost(M, N, K, batch, tile, s)
-            if plan is not None:
-                key = (plan.BM, plan.BN, plan.BK, plan.TM, plan.TN, plan.splits)
-                if key not in plans or plan.est_us < plans[key].est_us:
-                    plans[key] = plan
+            key = (plan.BM, plan.BN, plan.BK, plan.TM, plan.TN, plan.splits)
+            if key not in plans or plan.est_us < plans[key].est_us:
+                plans[key] = plan
     out = sorted(plans.values(), key=lambda p: p.est_us)
     if not out and mk and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
         return _plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
