@@ -77,20 +77,8 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
     versions now); None when no record of its kind measured two of them. A key may hold several
     records (`sample`): the first that compares two current families counts."""
     here = features(g)
-    near: list[tuple[float, dict[str, float]]] = []
-    for key, recs in records.items():
-        other = _geometry_of(key)
-        if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
-            continue
-        comparing = (t for rec in (recs if isinstance(recs, tuple) else (recs,))
-                     if len(t := _family_times(rec, families)) >= 2)
-        times = next(comparing, None)
-        if times is None:
-            continue
-        there = features(other)
-        if len(there) != len(here):
-            continue
-        near.append((math.dist(here, there), times))
+    near = [(math.dist(here, there), times) for there, times in _comparable(records, g, families, features)
+            if len(there) == len(here)]
     if not near:
         return None
     near.sort(key=lambda dt: dt[0])
@@ -103,6 +91,30 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
             sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
             weights[f] = weights.get(f, 0.0) + w
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0])
+
+
+def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
+                features: Features) -> list[tuple[tuple[float, ...], dict[str, float]]]:
+    """(features, best time per family) of every record of g's kind that compares two of
+    `families`: what `predict` measures distances to. Computed once per sample and kind where the
+    sample is one `sample` keeps (a compile asks for every kernel of a kind alike)."""
+    index = records.index if isinstance(records, _IndexedSample) else None
+    key = (g["kind"], "groups" in g, tuple(sorted(families.items())), features)
+    if index is not None and key in index:
+        return index[key]
+    found = []
+    for rkey, recs in records.items():
+        other = _geometry_of(rkey)
+        if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
+            continue
+        comparing = (t for rec in (recs if isinstance(recs, tuple) else (recs,))
+                     if len(t := _family_times(rec, families)) >= 2)
+        times = next(comparing, None)
+        if times is not None:
+            found.append((features(other), times))
+    if index is not None:
+        index[key] = found
+    return found
 
 
 def shipped_records(target: str, shipped_dir: Path = tuning_db.SHIPPED_DIR) -> dict[str, tuning_db.Record]:
@@ -119,10 +131,22 @@ def shipped_records(target: str, shipped_dir: Path = tuning_db.SHIPPED_DIR) -> d
     return out
 
 
-_SHIPPED: dict[str, dict[str, tuning_db.Record]] = {}
-
-
 Sample = Mapping[str, "tuning_db.Record | tuple[tuning_db.Record, ...]"]
+
+
+class _IndexedSample(dict):
+    """A sample `sample` keeps between calls, with `_comparable`'s results per kind."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.index: dict[tuple, list] = {}
+
+
+_SHIPPED: dict[str, _IndexedSample] = {}
+#: (database, target, device) -> (the layers a sample was built from, the sample): a database
+#: file's records are a new dict whenever it is read again or stored to (`TuningDB._load`,
+#: `store`), so the same layer objects mean the same records
+_LAYERED: dict[tuple[int, str, str], tuple[tuple, _IndexedSample]] = {}
 
 
 def sample(db: tuning_db.TuningDB | None, target: str, device: str) -> Sample:
@@ -130,14 +154,22 @@ def sample(db: tuning_db.TuningDB | None, target: str, device: str) -> Sample:
     kernel measured in several files keeps them all, in lookup order (the user's first): as the
     exact lookup skips a stale user record for the shipped one, `predict` takes the first of them
     whose current families compare."""
+    layers = tuple(db.layers(target, device)) if db is not None else ()
+    held = _LAYERED.get((id(db), target, device))
+    if held is not None and len(held[0]) == len(layers) and all(a is b for a, b in zip(held[0], layers)):
+        return held[1]
     layered: dict[str, tuple[tuning_db.Record, ...]] = {}
-    for layer in db.layers(target, device) if db is not None else []:
+    for layer in layers:
         for key, rec in layer.items():
             layered[key] = layered.get(key, ()) + (rec,)
     if layered:
-        return layered
+        kept = _IndexedSample(layered)
+        if len(_LAYERED) >= 64:  # databases come and go (tests, a tuner's temporary ones)
+            _LAYERED.clear()
+        _LAYERED[(id(db), target, device)] = (layers, kept)
+        return kept
     if target not in _SHIPPED:
-        _SHIPPED[target] = shipped_records(target)
+        _SHIPPED[target] = _IndexedSample(shipped_records(target))
     return _SHIPPED[target]
 
 

@@ -76,6 +76,12 @@ class Graph:
             where = ((f"\n  in module {scope!r}" + (" (grad)" if backward else "")) if scope else "") + (
                 f"\n  at {loc}" if loc else "")
             raise ShapeError(f"{e}{where}") from None
+        return self._insert(op, operands, ttype, attrs, node_id, loc, scope, backward)
+
+    def _insert(self, op: str, operands: Sequence[int], ttype: TensorType, attrs: dict[str, Any],
+                node_id: int | None, loc: str | None, scope: str, backward: bool) -> int:
+        """Adds a node whose type and attributes are already checked (`add`, or a copy of a node
+        of a checked graph over operands of the same types: `subgraph_of`)."""
         if node_id is None:
             node = self._next
         else:
@@ -83,7 +89,8 @@ class Graph:
             if node < 0 or node in self.g:
                 raise VerifyError(f"{op}: node id %{node} is taken (or negative) in graph {self.name!r}")
         self._next = max(self._next, node + 1)
-        self.g.add_node(node, op=op, attrs=attrs, type=ttype, loc=loc, scope=scope, backward=backward, notes={})
+        self.g.add_node(node, op=op, attrs=attrs, type=ttype, loc=loc, scope=scope, backward=backward, notes={},
+                        operands=tuple(operands))
         for i, o in enumerate(operands):
             self.g.add_edge(o, node, key=i)
         return node
@@ -190,12 +197,9 @@ class Graph:
         return self._next
 
     def operands(self, n: int) -> list[int]:
-        pred = self.g._pred[n]
-        if len(pred) == 1:  # one operand node (perhaps used several times): no sort across nodes
-            ((u, keys),) = pred.items()
-            return [u] * len(keys)
-        edges = sorted([(k, u) for u, keys in pred.items() for k in keys])
-        return [u for _, u in edges]
+        # kept on the node by every edit (add, replace_uses, set_operand), so passes that ask for
+        # a node's operands tens of thousands of times do not sort its in-edges each time
+        return list(self.g._node[n]["operands"])
 
     def users(self, n: int) -> list[tuple[int, int]]:
         """(user, operand index) pairs, sorted."""
@@ -263,6 +267,7 @@ class Graph:
         for _, v, k in list(self.g.out_edges(old, keys=True)):
             self.g.remove_edge(old, v, key=k)
             self.g.add_edge(new, v, key=k)
+            self._set_operand_entry(v, k, new)
         for table in (self.outputs, self.updates):
             for name, n in table.items():
                 if n == old:
@@ -273,6 +278,12 @@ class Graph:
             if k == index:
                 self.g.remove_edge(u, node, key=k)
         self.g.add_edge(new, node, key=index)
+        self._set_operand_entry(node, index, new)
+
+    def _set_operand_entry(self, node: int, index: int, new: int) -> None:
+        d = self.g._node[node]
+        ops = d["operands"]
+        d["operands"] = ops[:index] + (new,) + ops[index + 1:]
 
     def remove(self, n: int) -> None:
         for table in (self.inputs, self.parameters, self.states):
@@ -322,19 +333,25 @@ class Graph:
             op = self.op(n)
             if op not in OPS:
                 raise VerifyError(f"%{n}: unknown op {op!r}")
-            keys = sorted(k for _, _, k in self.g.in_edges(n, keys=True))
+            edges = sorted((k, u) for u, _, k in self.g.in_edges(n, keys=True))
+            keys = [k for k, _ in edges]
             if keys != list(range(len(keys))):
                 raise VerifyError(f"%{n} = {op}: operand indices {keys} are not 0..{len(keys) - 1}")
-            if op == "fused_output" and self.op(self.operands(n)[0]) != "fused":
-                raise VerifyError(f"%{n} = fused_output reads %{self.operands(n)[0]}, which is not a fused node")
+            operands = [u for _, u in edges]
+            if op == "fused_output" and self.op(operands[0]) != "fused":
+                raise VerifyError(f"%{n} = fused_output reads %{operands[0]}, which is not a fused node")
+            if full:
+                try:
+                    ttype, _ = infer_type(op, [self.type(o) for o in operands], self.attrs(n))
+                except ShapeError as e:
+                    raise VerifyError(f"%{n} = {op}: {e}") from None
+            if tuple(operands) != self.g._node[n]["operands"]:
+                raise VerifyError(f"%{n} = {op}: operand list {list(self.g._node[n]['operands'])} is not its "
+                                  f"in-edges {operands} (an edge edited outside Graph's methods)")
             if not full:
                 if op == "fused":
                     self._check_kernel_plan(n)
                 continue
-            try:
-                ttype, _ = infer_type(op, [self.type(o) for o in self.operands(n)], self.attrs(n))
-            except ShapeError as e:
-                raise VerifyError(f"%{n} = {op}: {e}") from None
             if ttype != self.type(n):
                 raise VerifyError(f"%{n} = {op}: stored type {self.type(n)} but the rule gives {ttype}")
             if op == "fused":
@@ -416,6 +433,13 @@ def _copy_multidigraph(g: nx.MultiDiGraph) -> nx.MultiDiGraph:
     return new
 
 
+def _copy_node(sub: Graph, graph: Graph, n: int, operands: Sequence[int], keep_ids: bool) -> int:
+    """Node n of `graph` added to `sub` over `operands` of the same types: its type and attributes
+    are taken as they are, not inferred again (a checked graph's; a full `verify` re-infers them)."""
+    return sub._insert(graph.op(n), operands, graph.type(n), dict(graph.attrs(n)), n if keep_ids else None,
+                       **graph.provenance(n))
+
+
 def subgraph_of(graph: Graph, nodes: Iterable[int], output: int | Sequence[int], name: str = "group", *,
                 copy_in: Callable[[int], bool] | None = None,
                 mapping: dict[int, int] | None = None, keep_ids: bool = False,
@@ -449,14 +473,12 @@ def subgraph_of(graph: Graph, nodes: Iterable[int], output: int | Sequence[int],
                 if o in members:
                     raise VerifyError(f"group member %{o} used before it is defined")
                 if copy_in is not None and not graph.operands(o) and copy_in(o):
-                    mapping[o] = sub.add(graph.op(o), node_id=o if keep_ids else None, **graph.provenance(o),
-                                         **graph.attrs(o))
+                    mapping[o] = _copy_node(sub, graph, o, (), keep_ids)
                 else:
                     mapping[o] = sub.add_input(f"in{len(outer)}", graph.type(o))
                     outer.append(o)
             new_ops.append(mapping[o])
-        mapping[n] = sub.add(graph.op(n), new_ops, node_id=n if keep_ids else None, **graph.provenance(n),
-                             **graph.attrs(n))
+        mapping[n] = _copy_node(sub, graph, n, new_ops, keep_ids)
     for i, o in enumerate([output] if isinstance(output, int) else output):
         sub.set_output("out" if i == 0 else f"out{i}", mapping[o])
     return sub, outer

@@ -131,6 +131,27 @@ def test_verify_catches_bad_operand_indices():
         g.verify()
 
 
+def test_the_operand_list_follows_every_edit_and_verify_catches_an_edge_edited_around_it():
+    """`operands` reads the list each node keeps (add, replace_uses, set_operand update it), not
+    its sorted in-edges; verify compares the two."""
+    g = mlp_like()
+    mm = next(n for n in g.nodes() if g.op(n) == "matmul")
+    x, w = g.operands(mm)
+    w2 = g.add_parameter("w2", g.type(w))
+    g.replace_uses(w, w2)
+    assert g.operands(mm) == [x, w2]
+    g.set_operand(mm, 1, w)
+    assert g.operands(mm) == [x, w]
+    twice = g.add("add", [w, w])
+    g.replace_uses(w, w2)
+    assert g.operands(twice) == [w2, w2] and g.operands(mm) == [x, w2]
+    g.copy().verify(full=True)
+    g.g.remove_edge(w2, mm, key=1)
+    g.g.add_edge(w, mm, key=1)  # the edge says w, the list still says w2
+    with pytest.raises(VerifyError, match=r"operand list .* is not its in-edges"):
+        g.verify()
+
+
 def test_verify_catches_a_missing_operand():
     g = mlp_like()
     mm = next(n for n in g.nodes() if g.op(n) == "matmul")
