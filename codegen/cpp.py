@@ -26,8 +26,8 @@ from ember.ir import Graph, KernelSpec
 from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
 from .cpp_kernels import PARALLEL_MIN
-from .lowering import (C_OPERATORS, Extent, Spelling, bound, c_literal, generated_extent, has_narrow, hoisting_rows,
-                       lower_pointwise, lower_reduction)
+from .lowering import (C_OPERATORS, Extent, Spelling, bound, c_literal, column_sum, generated_extent, has_narrow,
+                       hoisting_rows, lower_pointwise, lower_reduction)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
@@ -99,7 +99,7 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
     low = lower_reduction(sub, core, SPELLING, extent=extent)
     axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
     rank = len(sub.type(sub.operands(core)[0]).shape)
-    if _by_rows(low, tuple(axes), rank):
+    if column_sum(low, tuple(axes), rank, COLUMN_MIN_OUTPUTS):
         return _render_columns(name, sub, core, restrict, extent)
     kept_lead = extent is not None and 0 not in tuple(axes)
     outputs = bound(low.outputs, extent) if kept_lead else str(low.outputs)
@@ -131,13 +131,6 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
 # output's column with a stride of a row.
 COLUMN_MIN_OUTPUTS = 16
 COLUMN_BLOCK = 64  # outputs a thread sums at once: 4 vectors of 16, double totals on the stack
-
-
-def _by_rows(low: Any, axes: tuple[int, ...], rank: int) -> bool:
-    """Whether a reduction is a column sum: one pass of float sums over the leading axes into
-    the contiguous rest, enough outputs to fill a vector."""
-    return (len(low.loops) == 1 and axes == tuple(range(len(axes))) and len(axes) < rank and len(low.passes) == 1
-            and all(a.op == "sum" and a.ctype == "float" for a in low.accs) and low.outputs >= COLUMN_MIN_OUTPUTS)
 
 
 def _render_columns(name: str, sub: Graph, core: int, restrict: bool, extent: Extent | None) -> str:

@@ -23,8 +23,8 @@ from ember.ir import Graph, KernelSpec
 from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
 from .indexing import delinearize
-from .lowering import (C_OPERATORS, Body, Extent, Spelling, bound, c_literal, generated_extent, has_narrow,
-                       lower_pointwise, lower_reduction, max_elements)
+from .lowering import (C_OPERATORS, Body, Extent, Spelling, bound, c_literal, column_sum, generated_extent,
+                       has_narrow, lower_pointwise, lower_reduction, max_elements)
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -303,11 +303,74 @@ def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.C
     return kernel, {**roles, "loss": "out"}
 
 
-def reduction_scratch(sub: Graph, core: int) -> int:
-    """Scratch bytes of a reduction kernel: its split partials, from the lowering (no rendering)."""
+def reduction_facts(sub: Graph, core: int) -> dict[str, int]:
+    """What the reduction families decide on, from the lowering (no rendering): the scratch bytes
+    of the one-plan family's split partials, and, for a column sum (`column_sum`), its rows,
+    contiguous outputs and sums (which the `columns` family serves)."""
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
     splits, _ = _split_plan(low)
-    return _split_scratch(low, splits) if splits > 1 else 0
+    facts = {"reduction_scratch": _split_scratch(low, splits) if splits > 1 else 0}
+    axes = tuple(sub.attrs(core)["axes"]) if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    if column_sum(low, axes, sub.type(sub.operands(core)[0]).rank, COLUMN_MIN_OUTPUTS):
+        facts.update(rows=low.loops[0][1], outputs=low.outputs, sums=len(low.accs))
+    return facts
+
+
+# Column sums (a bias's or a normalisation's parameter gradient over a [rows, features]
+# activation, which the reductions above read with a row's stride an output: ViT's at batch 1024,
+# 16384 x 64, took 22-33 us each alone on an H200) may instead run row by row, the `columns`
+# family (taken where the tuner measured it faster: `cuda_choices`): a block is COLUMN_TILE
+# adjacent outputs, a warp's lanes on one row's contiguous values, by COLUMN_LANES row lanes.
+COLUMN_MIN_OUTPUTS = 16
+COLUMN_TILE = 32
+COLUMN_LANES = THREADS // COLUMN_TILE
+COLUMN_MIN_ROWS = 12 * COLUMN_LANES  # a split's rows at least: 12 a thread, as REDUCTION_MIN_PER_BLOCK
+
+
+def column_splits(rows: int, outputs: int) -> int:
+    """The cost model's blocks along the rows of a column sum: enough blocks to fill the GPU
+    (REDUCTION_BLOCKS_PER_SM a multiprocessor), each at least COLUMN_MIN_ROWS rows."""
+    tiles = math.ceil(outputs / COLUMN_TILE)
+    target = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
+    return max(1, min(math.ceil(target / tiles), rows // COLUMN_MIN_ROWS))
+
+
+def column_split_plan(rows: int, splits: int) -> tuple[int, int]:
+    """(splits, rows a split takes): the count taken again from the chunk, so none is empty."""
+    chunk = math.ceil(rows / max(1, min(splits, rows)))
+    return math.ceil(rows / chunk), chunk
+
+
+def column_scratch(rows: int, outputs: int, sums: int, splits: int) -> int:
+    """Bytes of a split column sum's double partials: one per sum, split and output."""
+    n, _ = column_split_plan(rows, splits)
+    return sums * n * outputs * 8 if n > 1 else 0
+
+
+def render_columns(name: str, sub: Graph, core: int, splits: int) -> ReductionKernel:
+    """A column sum row by row (`reduction_columns.j2`), in `splits` blocks along the rows whose
+    double partials the last block of each tile adds in split order (a counter a tile)."""
+    index = _index_type(sub)
+    low = lower_reduction(sub, core, SPELLING, index_type=index, columns=True)
+    (row, rows), (only,) = low.loops[0], low.passes
+    splits, chunk = column_split_plan(rows, splits)
+    tiles = math.ceil(low.outputs / COLUMN_TILE)
+    code = ENV.get_template("reduction_columns.j2").render(
+        name=name, ops="+".join(dict.fromkeys(a.op for a in only.accs)), rows=rows, outputs=low.outputs,
+        out_type=_out_types(sub), params=_signature(sub), accs=only.accs, per_row=only.pre,
+        per_element=only.levels[0], epilogue=low.epilogue, results=low.results, row=row, index=index,
+        splits=splits, chunk=chunk, tile=COLUMN_TILE, lanes=COLUMN_LANES, threads=THREADS)
+    extra = ("scratch", cuda_kernels.counter_role(tiles)) if splits > 1 else ()
+    return ReductionKernel(code, ((name, (tiles, splits, 1), (THREADS, 1, 1), extra),),
+                           column_scratch(rows, low.outputs, len(only.accs), splits))
+
+
+def render_reduction_choice(name: str, sub: Graph, spec: KernelSpec) -> ReductionKernel:
+    """A reduction kernel of the family stamped on its spec: `columns` (row by row, its plan's
+    splits) or the general one (`render_reduction`)."""
+    if spec.choice is not None and spec.choice[0] == "columns":
+        return render_columns(name, sub, spec.core, dict(spec.choice[1])["splits"])
+    return render_reduction(name, sub, spec.core)
 
 
 def prelude(bf16: bool = False) -> str:
@@ -360,7 +423,7 @@ def render_step(graph: Graph) -> CudaStepSource:
                 code, grid, block, scalars = render_pointwise(name, sub, fixed=fixed)
                 launches.append(LaunchArgs(name, grid, block, 0, args, name, scalars))
             else:
-                red = render_reduction(name, sub, spec.core)
+                red = render_reduction_choice(name, sub, spec)
                 if red.scratch_bytes != spec.scratch_bytes:
                     raise AssertionError(f"{name}: reduction needs {red.scratch_bytes} scratch bytes, "
                                          f"the plan reserved {spec.scratch_bytes}")

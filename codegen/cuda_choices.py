@@ -548,15 +548,55 @@ def _generated(module_function: str) -> Callable[..., CudaKernel]:
             code, grid, block, scalars = cuda.render_pointwise(name, sub)
             return CudaKernel(name, code, (Launch(name, grid, block, 0, args, scalars),), 0)
         if module_function == "reduction":
-            red = cuda.render_reduction(name, sub, spec.core)
-            return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + extra)
-                                                    for f, grid, block, extra in red.launches), red.scratch_bytes)
+            return _reduction_kernel(name, sub, cuda.render_reduction(name, sub, spec.core))
         return cuda.render_loss(name, sub, spec)[0]
     return render
 
 
 def _reduction_scratch(g: dict[str, Any], plan: Plan) -> int:
     return g["reduction_scratch"]
+
+
+def _columns_rejects(g: dict[str, Any]) -> str | None:
+    return None if "rows" in g else "it serves column sums (float sums over the leading axes into contiguous outputs)"
+
+
+def _columns_plans(g: dict[str, Any]) -> list[Plan]:
+    from . import cuda
+    return [(("splits", cuda.column_splits(g["rows"], g["outputs"])),)]
+
+
+def _columns_tuning(g: dict[str, Any]) -> list[Plan]:
+    """The cost model's split count, a quarter, half and twice it, and one block along the rows:
+    each as `column_split_plan` makes it (no two alike)."""
+    from . import cuda
+    best = cuda.column_splits(g["rows"], g["outputs"])
+    counts = [best, max(1, best // 4), max(1, best // 2), 2 * best, 1]
+    made = dict.fromkeys(cuda.column_split_plan(g["rows"], c)[0] for c in counts)
+    return [(("splits", c),) for c in made]
+
+
+def _columns_accepts(g: dict[str, Any], plan: Plan) -> bool:
+    splits = dict(plan).get("splits")
+    return isinstance(splits, int) and 1 <= splits <= g["rows"]
+
+
+def _columns_scratch(g: dict[str, Any], plan: Plan) -> int:
+    from . import cuda
+    return cuda.column_scratch(g["rows"], g["outputs"], g["sums"], dict(plan)["splits"])
+
+
+def _columns_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    from . import cuda
+    return _reduction_kernel(name, sub, cuda.render_columns(name, sub, spec.core, dict(plan)["splits"]))
+
+
+def _reduction_kernel(name: str, sub: Graph, red: Any) -> CudaKernel:
+    """A rendered reduction (`cuda.ReductionKernel`) as a CudaKernel: its roles in0.. out.., then
+    each launch's own (scratch, counters)."""
+    args = tuple(sub.inputs) + tuple(sub.outputs)
+    return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + extra)
+                                            for f, grid, block, extra in red.launches), red.scratch_bytes)
 
 
 def _one_plan(g: dict[str, Any]) -> list[Plan]:
@@ -575,6 +615,8 @@ def _never(g: dict[str, Any]) -> bool:
 def features(g: dict[str, Any]) -> tuple[float, ...]:
     """Where a kernel sits among measured ones (`family_prior`): the log2 of its GEMM view's sizes,
     of its window and stride (convolutions) or its operands' layouts (matmuls), and its precision."""
+    if g["kind"] == "reduction":  # a column sum (the one kind of reduction with two families)
+        return family_prior.log2_sizes(g["rows"], g["outputs"], g["sums"])
     p = _gemm_problem(g)
     sizes = family_prior.log2_sizes(p["M"], p["N"], p["K"], p["batch"])
     if g["kind"] in CONVS:
@@ -615,6 +657,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            version=2),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
+    # column sums row by row: taken where measured, never by default
+    Family("columns", ("reduction",), 1, _columns_plans, _columns_rejects, _never, _columns_scratch, _columns_render,
+           tuning_plans=_columns_tuning, accepts=_columns_accepts),
     Family("loss", ("softmax_xent", "softmax_xent_grad"), 0, _one_plan, _always, _plain, _no_scratch,
            _generated("loss")),
 )}
@@ -624,9 +669,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 def _geometry(sub: Graph, spec: KernelSpec) -> dict[str, Any]:
     g = geometry(sub, spec)
-    if spec.kind == "reduction":  # its split count comes out of the lowering, not a plan (yet)
+    if spec.kind == "reduction":  # the general family's split count comes out of the lowering, not a plan (yet)
         from . import cuda
-        g["reduction_scratch"] = cuda.reduction_scratch(sub, spec.core)
+        g.update(cuda.reduction_facts(sub, spec.core))
     return g
 
 

@@ -529,6 +529,15 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results)
 
 
+def column_sum(low: ReductionLowering, axes: tuple[int, ...], rank: int, min_outputs: int) -> bool:
+    """Whether a reduction is a column sum, which both targets may run row by row (a row's
+    contiguous outputs side by side): one pass of float sums over the leading axes (one loop)
+    into the contiguous rest, at least `min_outputs` of them. A bias's or a normalisation's
+    parameter gradient over a [rows, features] activation is one."""
+    return (len(low.loops) == 1 and axes == tuple(range(len(axes))) and len(axes) < rank and len(low.passes) == 1
+            and all(a.op == "sum" and a.ctype == "float" for a in low.accs) and low.outputs >= min_outputs)
+
+
 def max_elements(sub: Graph) -> int:
     """The largest tensor a kernel's subgraph touches: whether 32-bit indices are safe."""
     return max(sub.type(n).numel for n in sub.g)

@@ -6,6 +6,7 @@ Compare tuning databases by running it under different $EMBER_CACHE_DIR (the use
     python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32] [--torch] [--out rows.json]
     python tools/step_time.py --device cpu --cases resnet8:64,mobilenet:64 [--bf16] [--steps 20]
     python tools/step_time.py --cases resnet8:64 --runtime-sizes   # every GEMM as a reused plan renders it
+    python tools/step_time.py --cases vit:1024 --prefer columns     # a family first wherever it applies
 
 Any model of the zoo (`ember bench --zoo` lists them) can be a case. On the GPU the step is timed
 with CUDA events (the median of 5 rounds of 200 steps); on the CPU by the wall clock, each step
@@ -42,7 +43,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="cpu: steps timed (each alone; the median is shown)")
     ap.add_argument("--runtime-sizes", action="store_true",
                     help="cuda: every GEMM kernel on run-time sizes (what a reused plan renders), not specialised")
+    ap.add_argument("--prefer", default="", help="families ranked first wherever they apply (a,b): what a "
+                    "tuning record choosing them would give, without tuning; the plan cache is off for the run")
     args = ap.parse_args()
+    if args.prefer:
+        _prefer(args.prefer.split(","), args.device)
     if args.runtime_sizes:
         from ember.codegen import cuda_choices
         cuda_choices.runtime_sizes = lambda spec: True
@@ -93,6 +98,21 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _prefer(names: list[str], device: str) -> None:
+    """Ranks these families before every other wherever they apply (the cost model's order after
+    them), in this process: unlike `force`, a kernel they cannot serve keeps its usual choice."""
+    import dataclasses
+    import os
+
+    from ember.codegen import cpp_choices, cuda_choices
+    table = (cuda_choices if device == "cuda" else cpp_choices).TABLE
+    for name in names:
+        if name not in table.families:
+            raise SystemExit(f"step_time: no {device} family {name!r} (known: {', '.join(table.families)})")
+        table.families[name] = dataclasses.replace(table.families[name], priority=-1, preferred=lambda g: True)
+    os.environ["EMBER_PLAN_CACHE"] = "0"  # a cached plan would hold the usual choices
 
 
 def _cpu(args: argparse.Namespace) -> None:

@@ -48,9 +48,10 @@ def test_a_short_innermost_loop_is_split_and_its_launches_give_the_interpreters_
         np.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=k)
 
 
-def test_more_splits_than_threads_are_added_by_the_last_block_in_chunks(tmp_path):
-    """One output of 300 x 3072 elements on an H200 is 300 splits: the last block stages their
-    partials in two chunks of at most 256 threads and still gives the interpreter's sums."""
+def test_more_splits_than_threads_are_added_by_the_last_block(tmp_path):
+    """One output of 300 x 3072 elements on an H200 is 300 splits, more than a block's threads:
+    the last block to arrive adds all 300 partials in split order and still gives the
+    interpreter's sums."""
     g = _normalise((300, 1, 3072), (0, 2))
     with device.using(device.H200):
         sub, kernel = cuda_emulator.only_reduction(plan_for(g, "cuda"))
