@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import threading
 import time
 import warnings
@@ -69,6 +70,38 @@ def _nvrtc_cubin(cp: Any, source: str, options: tuple[str, ...], name: str) -> t
         return nvrtc.getCUBIN(program), ""
     finally:
         nvrtc.destroyProgram(program)
+
+
+WARM_ENV = "EMBER_NVRTC_WARM"
+_warm_thread: threading.Thread | None = None
+_warm_lock = threading.Lock()
+
+
+def warm(cp: Any) -> threading.Thread | None:
+    """Makes this process's first NVRTC call (an empty kernel) on a thread of its own, once a
+    process, and returns the thread (None when not asked for, or already made). NVRTC's first
+    call loads its builtins (~0.5 s on the H200's host), which the first in-process compile pays
+    otherwise: in a warm process (plan and modules cached) that is a new batch size's, and right
+    after the start (the trainer precompiles the last partial batch at once) the workers are still
+    starting, so this process's threads compile then. NVRTC runs without the GIL, so this overlaps
+    the passes. Opt-in (EMBER_NVRTC_WARM=1) until it is measured on a GPU."""
+    global _warm_thread
+    if os.environ.get(WARM_ENV, "0") != "1":
+        return None
+    with _warm_lock:
+        if _warm_thread is not None:
+            return None
+
+        def call() -> None:
+            try:
+                _nvrtc_cubin(cp, 'extern "C" __global__ void ember_warm() {}', IMPLIED_OPTIONS, "ember_warm.cu")
+            except Exception:  # noqa: BLE001 (a head start only: the compile that needs NVRTC reports its errors)
+                pass
+
+        # not a daemon: the interpreter's exit waits for the call rather than unloading NVRTC under it
+        _warm_thread = threading.Thread(target=call, name="ember-nvrtc-warm")
+        _warm_thread.start()
+        return _warm_thread
 
 
 def _read_hit(cubin: Path, meta: Path) -> bytes | None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ember.codegen import compiler
+from ember.ir import Graph
 from ember.runtime import cuda_modules
 
 SOURCE = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
@@ -231,3 +232,28 @@ def test_prefetch_into_a_cache_that_cannot_be_written_is_silent(tmp_path, monkey
         warnings.simplefilter("error")
         assert cuda_modules.prefetch(fake_cupy(), [SOURCE], OPTIONS, names=["a"], cache=tmp_path) == 1
     assert not cuda_modules._write_warned.is_set()
+
+
+def test_the_nvrtc_warm_up_is_opt_in_once_a_process_and_runs_beside_the_passes(monkeypatch):
+    """`cuda_modules.warm` (EMBER_NVRTC_WARM=1, called by the target's prepare_build): this
+    process's first NVRTC call, an empty kernel, on a thread that ends; once a process; nothing
+    without the variable; a failing NVRTC costs nothing."""
+    from ember.runtime import cuda as runtime_cuda
+    cp = fake_cupy()
+    monkeypatch.setattr(cuda_modules, "_warm_thread", None)
+    monkeypatch.delenv(cuda_modules.WARM_ENV, raising=False)
+    assert cuda_modules.warm(cp) is None and cp.cuda.nvrtc.compiles == 0
+    monkeypatch.setenv(cuda_modules.WARM_ENV, "1")
+    monkeypatch.setattr(runtime_cuda, "_cupy", lambda: cp)
+    monkeypatch.setattr(runtime_cuda.nvrtc_workers, "prestart", lambda expected=None: None)
+    runtime_cuda._prepare_build(Graph("traced"))
+    thread = cuda_modules._warm_thread
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not thread.daemon and cp.cuda.nvrtc.compiles == 1
+    assert cuda_modules.warm(cp) is None and cp.cuda.nvrtc.compiles == 1  # once a process
+    monkeypatch.setattr(cuda_modules, "_warm_thread", None)
+    broken = fake_cupy()
+    broken.cuda.nvrtc.compileProgram = lambda program, options: (_ for _ in ()).throw(RuntimeError("no NVRTC"))
+    thread = cuda_modules.warm(broken)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
