@@ -8,6 +8,7 @@ cache (warm, then batch 7 in the same process).
     python tools/compile_breakdown.py mlp,cnn,resnet8,zoo:vit [out.json]     # on a GPU machine
     DIAG_DEVICE=cpu python tools/compile_breakdown.py mlp,resnet8            # the CPU target
     DIAG_SETTLE_S=2 python tools/compile_breakdown.py resnet8   # the new batch 2 s after the warm steps
+    EMBER_NVRTC_WARM=1 python tools/compile_breakdown.py resnet8  # this process's first NVRTC call made early
 """
 import collections, json, os, subprocess, sys, tempfile, time, timeit
 
