@@ -27,7 +27,7 @@ from . import cpp_choices, cpp_units, cpu_vector
 from .compiler import Unit
 from .cpp_kernels import PARALLEL_MIN
 from .lowering import (C_OPERATORS, Extent, Spelling, bound, c_literal, column_sum, generated_extent, has_narrow,
-                       hoisting_rows, lower_pointwise, lower_reduction)
+                       hoisting_rows, lower_pointwise, lower_reduction, reduced_axes)
 from .shapes import ceil_div, round_up
 from .templates_env import environment
 
@@ -97,9 +97,9 @@ def render_reduction(name: str, sub: Graph, core: int, restrict: bool = True) ->
     Float sums are blocked: float partials per chunk of the innermost loop, double totals."""
     extent = generated_extent(sub, "reduction", core)
     low = lower_reduction(sub, core, SPELLING, extent=extent)
-    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
+    axes = reduced_axes(sub, core)
     rank = len(sub.type(sub.operands(core)[0]).shape)
-    if column_sum(low, tuple(axes), rank, COLUMN_MIN_OUTPUTS):
+    if column_sum(low, sub, core, COLUMN_MIN_OUTPUTS):
         return _render_columns(name, sub, core, restrict, extent)
     kept_lead = extent is not None and 0 not in tuple(axes)
     outputs = bound(low.outputs, extent) if kept_lead else str(low.outputs)

@@ -178,9 +178,14 @@ def _split_plan(low: Any) -> tuple[int, int]:
     is taken again from the chunk, so that no split is empty."""
     if low.reduced <= PER_THREAD_MAX or (splits := _split_count(low)) == 1:
         return 1, 0
-    outer = low.loops[0][1]
-    chunk = math.ceil(outer / splits)
-    return math.ceil(outer / chunk), chunk
+    return _even_chunks(low.loops[0][1], splits)
+
+
+def _even_chunks(length: int, parts: int) -> tuple[int, int]:
+    """(parts, chunk) of `length` cut into at most `parts` equal chunks: the count taken again
+    from the chunk, so that none is empty."""
+    chunk = math.ceil(length / max(1, min(parts, length)))
+    return math.ceil(length / chunk), chunk
 
 
 def _split_scratch(low: Any, splits: int) -> int:
@@ -310,8 +315,7 @@ def reduction_facts(sub: Graph, core: int) -> dict[str, int]:
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
     splits, _ = _split_plan(low)
     facts = {"reduction_scratch": _split_scratch(low, splits) if splits > 1 else 0}
-    axes = tuple(sub.attrs(core)["axes"]) if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
-    if column_sum(low, axes, sub.type(sub.operands(core)[0]).rank, COLUMN_MIN_OUTPUTS):
+    if column_sum(low, sub, core, COLUMN_MIN_OUTPUTS):
         facts.update(rows=low.loops[0][1], outputs=low.outputs, sums=len(low.accs))
     return facts
 
@@ -336,9 +340,8 @@ def column_splits(rows: int, outputs: int) -> int:
 
 
 def column_split_plan(rows: int, splits: int) -> tuple[int, int]:
-    """(splits, rows a split takes): the count taken again from the chunk, so none is empty."""
-    chunk = math.ceil(rows / max(1, min(splits, rows)))
-    return math.ceil(rows / chunk), chunk
+    """(splits, rows a split takes), no split empty."""
+    return _even_chunks(rows, splits)
 
 
 def column_scratch(rows: int, outputs: int, sums: int, splits: int) -> int:

@@ -325,8 +325,7 @@ def generated_extent(sub: Graph, kind: str, core: int | None = None, fixed: bool
         return None
     if kind == "pointwise":
         return Extent.pointwise(sub.type(sub.outputs["out"]).shape)
-    axes = sub.attrs(core)["axes"] if sub.op(core) != "argmax" else (sub.attrs(core)["axis"],)
-    return Extent.reduction(sub.type(sub.operands(core)[0]).shape, tuple(axes))
+    return Extent.reduction(sub.type(sub.operands(core)[0]).shape, reduced_axes(sub, core))
 
 
 @dataclass
@@ -470,12 +469,11 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     cores = [n for n in sub.topo_order() if sub.op(n) in REDUCTIONS]
     if core not in cores:
         raise ValueError(f"%{core} is not a reduction of kernel {sub.name}")
-    op, attrs = sub.op(core), sub.attrs(core)
+    op = sub.op(core)
     in_shape = sub.type(sub.operands(core)[0]).shape
-    axes = attrs["axes"] if op != "argmax" else (attrs["axis"],)
+    axes = reduced_axes(sub, core)
     for c in cores:
-        c_axes = sub.attrs(c)["axes"] if sub.op(c) != "argmax" else (sub.attrs(c)["axis"],)
-        if sub.type(sub.operands(c)[0]).shape != in_shape or tuple(c_axes) != tuple(axes) \
+        if sub.type(sub.operands(c)[0]).shape != in_shape or reduced_axes(sub, c) != axes \
                 or (len(cores) > 1 and sub.op(c) == "argmax"):
             raise NotImplementedError(f"kernel {sub.name}: reductions over different domains (or an argmax "
                                       f"among others) cannot share one kernel")
@@ -529,11 +527,18 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results)
 
 
-def column_sum(low: ReductionLowering, axes: tuple[int, ...], rank: int, min_outputs: int) -> bool:
-    """Whether a reduction is a column sum, which both targets may run row by row (a row's
-    contiguous outputs side by side): one pass of float sums over the leading axes (one loop)
-    into the contiguous rest, at least `min_outputs` of them. A bias's or a normalisation's
-    parameter gradient over a [rows, features] activation is one."""
+def reduced_axes(sub: Graph, n: int) -> tuple[int, ...]:
+    """The axes reduction node n reduces (an argmax its one axis)."""
+    attrs = sub.attrs(n)
+    return tuple(attrs["axes"]) if sub.op(n) != "argmax" else (attrs["axis"],)
+
+
+def column_sum(low: ReductionLowering, sub: Graph, core: int, min_outputs: int) -> bool:
+    """Whether reduction `core` (lowered as `low`) is a column sum, which both targets may run
+    row by row (a row's contiguous outputs side by side): one pass of float sums over the leading
+    axes (one loop) into the contiguous rest, at least `min_outputs` of them. A bias's or a
+    normalisation's parameter gradient over a [rows, features] activation is one."""
+    axes, rank = reduced_axes(sub, core), sub.type(sub.operands(core)[0]).rank
     return (len(low.loops) == 1 and axes == tuple(range(len(axes))) and len(axes) < rank and len(low.passes) == 1
             and all(a.op == "sum" and a.ctype == "float" for a in low.accs) and low.outputs >= min_outputs)
 

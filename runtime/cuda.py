@@ -206,8 +206,7 @@ def expected_modules(traced: Graph) -> int:
 
 def _prepare_build(traced: Graph) -> None:
     nvrtc_workers.prestart(expected_modules(traced))
-    if os.environ.get(cuda_modules.WARM_ENV, "0") == "1":
-        cuda_modules.warm(_cupy())
+    cuda_modules.warm(_cupy)
 
 
 def render_step(graph: Graph) -> cuda_codegen.CudaStepSource:

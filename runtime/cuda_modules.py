@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,20 +78,22 @@ _warm_thread: threading.Thread | None = None
 _warm_lock = threading.Lock()
 
 
-def warm(cp: Any) -> threading.Thread | None:
+def warm(cupy: Callable[[], Any]) -> threading.Thread | None:
     """Makes this process's first NVRTC call (an empty kernel) on a thread of its own, once a
     process, and returns the thread (None when not asked for, or already made). NVRTC's first
     call loads its builtins (~0.5 s on the H200's host), which the first in-process compile pays
     otherwise: in a warm process (plan and modules cached) that is a new batch size's, and right
     after the start (the trainer precompiles the last partial batch at once) the workers are still
     starting, so this process's threads compile then. NVRTC runs without the GIL, so this overlaps
-    the passes. Opt-in (EMBER_NVRTC_WARM=1) until it is measured on a GPU."""
+    the passes. `cupy` gives CuPy, asked for only when the call is made. Opt-in
+    (EMBER_NVRTC_WARM=1) until it is measured on a GPU."""
     global _warm_thread
     if os.environ.get(WARM_ENV, "0") != "1":
         return None
     with _warm_lock:
         if _warm_thread is not None:
             return None
+        cp = cupy()
 
         def call() -> None:
             try:
