@@ -43,7 +43,7 @@ class Trial:
     """One candidate's measurement: its median time, or why it could not run; its result (host array)."""
     choice: Choice
     time_us: float | None = None
-    output: np.ndarray | None = None
+    output: np.ndarray | tuple[np.ndarray, ...] | None = None  # a tuple: a kernel of several outputs
     error: str | None = None
 
 
@@ -104,8 +104,15 @@ def kernels_of(graph: Graph) -> list[tuple[Graph, KernelSpec]]:
             if graph.op(n) == "fused"]
 
 
-def _close(out: np.ndarray, ref: np.ndarray, tolerance: float) -> str | None:
-    """None when `out` matches `ref` up to rounding, else why not."""
+def _close(out: np.ndarray | tuple[np.ndarray, ...], ref: np.ndarray | tuple[np.ndarray, ...],
+           tolerance: float) -> str | None:
+    """None when `out` matches `ref` up to rounding, else why not (a kernel of several outputs:
+    each against its own magnitude)."""
+    if isinstance(ref, tuple) or isinstance(out, tuple):
+        if not (isinstance(ref, tuple) and isinstance(out, tuple)) or len(out) != len(ref):
+            return "not the reference's outputs"
+        whys = [(i, _close(o, r, tolerance)) for i, (o, r) in enumerate(zip(out, ref))]
+        return next((f"output {i}: {why}" for i, why in whys if why is not None), None)
     if out.shape != ref.shape:
         return f"shape {out.shape}, expected {ref.shape}"
     if not np.all(np.isfinite(out) == np.isfinite(ref)):

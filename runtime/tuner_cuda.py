@@ -63,7 +63,7 @@ class CudaMeasurer:
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             inputs = {name: _random(cp, rng, sub.type(n)) for name, n in sub.inputs.items()}
-        out_t = sub.type(sub.outputs["out"])
+        out_types = {name: sub.type(n) for name, n in sub.outputs.items()}  # "out", then "out1"... (multi-output)
         built: list[tuple[Choice, Any, dict, int] | Trial] = []
         units = []
         for i, choice in enumerate(choices):
@@ -91,21 +91,22 @@ class CudaMeasurer:
                 trials.append(item)
                 continue
             choice, kernel, roles, scratch = item
-            trials.append(self._run(choice, kernel, roles, scratch, inputs, out_t, functions, stream))
+            trials.append(self._run(choice, kernel, roles, scratch, inputs, out_types, functions, stream))
         return trials
 
-    def _run(self, choice: Choice, kernel: Any, roles: dict, scratch_bytes: int, inputs: dict, out_t: Any,
+    def _run(self, choice: Choice, kernel: Any, roles: dict, scratch_bytes: int, inputs: dict, out_types: dict,
              functions: dict, stream: Any) -> Trial:
         cp = self.cp
         failed = [functions[la.function] for la in kernel.launches if isinstance(functions.get(la.function), Exception)]
         if failed:
             return Trial(choice, error=f"compile: {str(failed[0]).splitlines()[0][:200]}")
         with stream:  # ordered before the launches (see measure)
-            out = cp.asarray(as_array(np.full(tuple(out_t.shape), np.nan, np.float32), out_t.dtype))  # must be written
+            outs = {name: cp.asarray(as_array(np.full(tuple(t.shape), np.nan, np.float32), t.dtype))  # must be written
+                    for name, t in out_types.items()}
             scratch = cp.zeros(max(scratch_bytes, 256), dtype=cp.uint8)
             counters = {r: cp.zeros(words, dtype=cp.uint32) for la in kernel.launches for r in la.args
                         if (words := counter_words(r)) is not None}  # each launch leaves them zero
-        buffers = {**inputs, **counters, "out": out}
+        buffers = {**inputs, **counters, **outs}
 
         def buffer(role: str) -> Any:
             region = scratch_offset(role)
@@ -121,7 +122,8 @@ class CudaMeasurer:
             with stream:
                 launch()
                 stream.synchronize()
-                result = as_values(cp.asnumpy(out), out_t.dtype)  # values (bfloat16: from its bits)
+                values = [as_values(cp.asnumpy(outs[name]), t.dtype) for name, t in out_types.items()]  # bfloat16: bits
+                result = values[0] if len(values) == 1 else tuple(values)
                 start, end = stream.record(), None
                 launch()
                 end = stream.record()

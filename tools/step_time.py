@@ -102,7 +102,8 @@ def main() -> None:
 
 def _prefer(names: list[str], device: str) -> None:
     """Ranks these families before every other wherever they apply (the cost model's order after
-    them), in this process: unlike `force`, a kernel they cannot serve keeps its usual choice."""
+    them), in this process, before any tuning record of such a kernel: unlike `force`, a kernel
+    they cannot serve keeps its usual choice."""
     import dataclasses
     import os
 
@@ -113,6 +114,16 @@ def _prefer(names: list[str], device: str) -> None:
             raise SystemExit(f"step_time: no {device} family {name!r} (known: {', '.join(table.families)})")
         table.families[name] = dataclasses.replace(table.families[name], priority=-1, preferred=lambda g: True)
     os.environ["EMBER_PLAN_CACHE"] = "0"  # a cached plan would hold the usual choices
+    decide = table._decide
+
+    def prefer_over_records(sub, spec, g, db, reuse):
+        # a tuning record measured before the family existed would otherwise keep its old choice
+        if any(g["kind"] in table.families[n].kinds and table.applies(table.families[n], g) is None
+               and table.families[n].plans(g) for n in names):
+            db = None
+        return decide(sub, spec, g, db, reuse)
+
+    table._decide = prefer_over_records
 
 
 def _cpu(args: argparse.Namespace) -> None:

@@ -110,3 +110,49 @@ def test_the_columns_kernel_compiles_with_nvcc(splits, tmp_path):
     src = tmp_path / "columns.cu"
     src.write_text(cuda.prelude() + kernel.code)
     assert_compiles(nvcc, src)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,axes,splits", [((37, 19), (0,), 1), ((64, 70), (0,), 3), ((7, 16, 64), (0, 1), 5),
+                                               ((16384, 64), (0,), 170)])
+def test_column_sums_on_the_gpu(shape, axes, splits):
+    """The same kernels on a device (the last: ViT's LayerNorm sums at batch 1024 with its cost
+    model's plan): outputs and scratch poisoned with NaN, two runs over the same counters
+    bit-identical and leaving them zero."""
+    cp = pytest.importorskip("cupy")
+    import cuda_refs
+    _, sub, spec = _planned(shape, axes)
+    kernel = cuda_choices.render(sub.name, sub, spec, ("columns", (("splits", splits),)))
+    inputs = _inputs(sub)
+    want = interpret(sub, inputs).outputs
+    module = cuda_refs.compile_module(cp, [cuda.prelude(), kernel.code])
+    (launch,) = kernel.launches
+    counters = {r: cp.zeros(counter_words(r), cp.uint32) for r in launch.args if counter_words(r) is not None}
+    bufs = {**{k: cp.asarray(v) for k, v in inputs.items()}, **counters}
+    runs = []
+    for _ in range(2):
+        bufs.update({k: cp.full(sub.type(n).shape, np.nan, cp.float32) for k, n in sub.outputs.items()})
+        scratch = cp.full(max(kernel.scratch_bytes // 4, 1), np.nan, cp.float32)
+        cuda_refs.run_launches(cp, module, kernel, bufs, scratch)
+        runs.append({k: cp.asnumpy(bufs[k]) for k in sub.outputs})
+        assert not any(int(c.any()) for c in counters.values())
+    rows = int(np.prod([shape[a] for a in axes]))
+    for k, v in want.items():
+        np.testing.assert_allclose(runs[0][k], v, rtol=1e-5, atol=1e-6 * np.sqrt(rows), err_msg=k)
+        np.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=k)
+
+
+@pytest.mark.cuda
+def test_the_tuner_measures_both_families_of_a_two_output_column_sum(tmp_path):
+    """LayerNorm's weight and bias gradients are one kernel of two outputs: the tuner's measurer
+    makes and checks every output, so the `columns` candidates are measured, none refused."""
+    from ember.codegen import tuning_db
+    from ember.runtime.tuner import tune_graph
+    from ember.runtime.tuner_cuda import CudaMeasurer
+    planned = plan_for(_layer_norm_grads((4096, 64), (0,)), "cuda")
+    db = tuning_db.TuningDB(tmp_path)
+    report = tune_graph(planned, table=cuda_choices.TABLE, measurer=CudaMeasurer(), db=db, budget_s=120)
+    (k,) = [k for k in report.kernels if k.kind == "reduction" and k.status == "measured"]
+    assert not k.rejected, k.rejected
+    rec = db.lookup("cuda", cuda_choices.TABLE.device(), k.key, {})
+    assert {c.split("(")[0] for c in rec.timings_us} >= {"reduction", "columns"}, rec.timings_us

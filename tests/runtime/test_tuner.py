@@ -164,6 +164,19 @@ def test_a_candidate_that_differs_beyond_rounding_is_refused_even_when_fastest(t
         assert "differs from the reference" in k.rejected[choice_text(bad[k.name])]
 
 
+def test_a_kernel_of_several_outputs_is_checked_output_by_output():
+    """A column sum's two outputs (LayerNorm's weight and bias gradients) are compared each
+    against its own magnitude: one off by more than rounding refuses the candidate, whatever the
+    other's scale."""
+    from ember.runtime.tuner import _close
+    ref = (np.full(8, 1000.0), np.full(8, 1e-3))
+    assert _close((ref[0] * (1 + 1e-7), ref[1].copy()), ref, 1e-5) is None
+    why = _close((ref[0].copy(), ref[1] * 1.01), ref, 1e-5)
+    assert why is not None and why.startswith("output 1: differs from the reference")
+    assert _close(ref[0], ref, 1e-5) == "not the reference's outputs"
+    assert _close((ref[0],), ref, 1e-5) == "not the reference's outputs"
+
+
 def test_the_budget_bounds_the_run(tmp_path):
     db = TuningDB(tmp_path)
     measurer = FakeMeasurer()
