@@ -391,11 +391,11 @@ def _pool_scratch(g: dict[str, Any], plan: Plan) -> int:
 
 def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
                       epilogue: Any = None) -> tuple[KernelSource, list[str | None]]:
-    """A pointwise or reduction kernel (its inputs in0.., then out; no scratch). Imported when
-    called: `cpp` (the step renderer) imports this table."""
+    """A pointwise or reduction kernel (its inputs in0.., then its outputs out, out1..; no
+    scratch). Imported when called: `cpp` (the step renderer) imports this table."""
     from . import cpp
     code = cpp.render_pointwise(name, sub) if spec.kind == "pointwise" else cpp.render_reduction(name, sub, spec.core)
-    return KernelSource(name, code, 0, cpp.generated_extents(sub, spec.kind, spec.core)), [*sub.inputs, "out"]
+    return KernelSource(name, code, 0, cpp.generated_extents(sub, spec.kind, spec.core)), [*sub.inputs, *sub.outputs]
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

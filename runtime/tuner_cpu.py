@@ -97,7 +97,8 @@ class CpuMeasurer:
 
     def measure(self, sub: Graph, spec: KernelSpec, choices: Sequence[Choice], *, seed: int = 0) -> list[Trial]:
         inputs = self.inputs(sub, seed)
-        out_t = sub.type(sub.outputs["out"])
+        outs = {name: sub.type(n) for name, n in sub.outputs.items()}  # "out", then "out1"... (multi-output)
+        out_t = outs["out"]
         roles = {role: f"in{i}" for role, i in spec.roles}
         trials: dict[int, Trial] = {}
         cands: dict[int, _Candidate] = {}
@@ -117,27 +118,28 @@ class CpuMeasurer:
             fn.calls.append(cpp.KernelCode(i, f"{ks.name} {choice_text(choice)}", c_spec.describe(), str(out_t), [],
                                            code, "", -1, fname))
             cands[i] = _Candidate(choice, fn, args)
-        self._build(sub, list(cands.values()), inputs, out_t, trials, cands)
-        buffers = {**inputs, "out": _poisoned(out_t), "scratch": _aligned(scratch_bytes)}
-        names = [*inputs, "out", "scratch"]
+        self._build(sub, list(cands.values()), inputs, outs, trials, cands)
+        buffers = {**inputs, **{name: _poisoned(t) for name, t in outs.items()}, "scratch": _aligned(scratch_bytes)}
+        names = [*inputs, *outs, "scratch"]
         ptrs = (ctypes.c_void_p * len(names))(*[buffers[n].ctypes.data for n in names])
         before = int(self._gomp.omp_get_max_threads())
         self._gomp.omp_set_num_threads(self.threads)
         try:
-            trials.update(self._time(cands, buffers, ptrs, out_t))
+            trials.update(self._time(cands, buffers, ptrs, outs))
         finally:
             self._gomp.omp_set_num_threads(before)
         return [trials[i] for i in range(len(choices))]
 
     # -- building
 
-    def _library(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], out_t: Any) -> Any:
+    def _library(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], outs: dict[str, Any]) -> Any:
         """Compiles the candidates with the timing entry; returns the loaded library."""
         ctype = cpp.SPELLING.ctype
         locals_ = [f"{ctype(sub.type(n).dtype)}* const {name} = static_cast<{ctype(sub.type(n).dtype)}*>(buf[{i}]);"
                    for i, (name, n) in enumerate(sub.inputs.items())]
-        locals_ += [f"{ctype(out_t.dtype)}* const out = static_cast<{ctype(out_t.dtype)}*>(buf[{len(inputs)}]);",
-                    f"float* const scratch = static_cast<float*>(buf[{len(inputs) + 1}]);"]
+        locals_ += [f"{ctype(t.dtype)}* const {name} = static_cast<{ctype(t.dtype)}*>(buf[{len(inputs) + k}]);"
+                    for k, (name, t) in enumerate(outs.items())]
+        locals_ += [f"float* const scratch = static_cast<float*>(buf[{len(inputs) + len(outs)}]);"]
         functions = list({c.function.name: c.function for c in cands}.values())
         narrow = cpp.has_narrow(sub)  # bfloat16 values: the prelude's helpers, and maybe -mavx512bf16
         header, header_text = cpp_units.prelude(bf16=narrow)
@@ -147,7 +149,7 @@ class CpuMeasurer:
             cpp_units.entry_preamble(header, functions), "", 'extern "C" {',
             "double ember_tune_run(int64_t which, void* const* buf, int64_t reps) {",
             *(f"  {line}" for line in locals_),
-            "  (void)scratch; (void)out;",
+            "  (void)scratch; " + " ".join(f"(void){name};" for name in outs),
             "  const double t0 = omp_get_wtime();", "  switch (which) {", *cases, "  default: return -1.0;", "  }",
             "  return omp_get_wtime() - t0;", "}", "}", ""])
         flags = self.flags + (cpu_vector.bf16_flags(self.isa, {cpu_vector.bf16_dot(self.isa)}) if narrow else ())
@@ -161,18 +163,18 @@ class CpuMeasurer:
             c.lib, c.which = lib, k
         return lib
 
-    def _build(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], out_t: Any,
+    def _build(self, sub: Graph, cands: list[_Candidate], inputs: dict[str, np.ndarray], outs: dict[str, Any],
                trials: dict[int, Trial], by_index: dict[int, _Candidate]) -> None:
         if not cands:
             return
         try:
-            self._library(sub, cands, inputs, out_t)
+            self._library(sub, cands, inputs, outs)
             return
         except CompileError:
             pass  # one at a time: the failing candidates are refused alone
         for i, c in list(by_index.items()):
             try:
-                self._library(sub, [c], inputs, out_t)
+                self._library(sub, [c], inputs, outs)
             except CompileError as exc:
                 trials[i] = Trial(c.choice, error=f"compile: {str(exc).splitlines()[0][:200]}")
                 del by_index[i]
@@ -188,14 +190,15 @@ class CpuMeasurer:
         return (time.process_time() - t0) / self.threads
 
     def _time(self, cands: dict[int, _Candidate], buffers: dict[str, np.ndarray], ptrs: Any,
-              out_t: Any) -> dict[int, Trial]:
-        out = buffers["out"]
-        results: dict[int, np.ndarray] = {}
+              outs: dict[str, Any]) -> dict[int, Trial]:
+        results: dict[int, np.ndarray | tuple[np.ndarray, ...]] = {}
         reps: dict[int, int] = {}
         for i, c in cands.items():
-            out[...] = _poisoned(out_t)
+            for name, t in outs.items():
+                buffers[name][...] = _poisoned(t)
             c.lib.ember_tune_run(c.which, ptrs, 1)
-            results[i] = np.array(as_values(out, out_t.dtype), copy=True)  # values, for the check
+            values = [np.array(as_values(buffers[name], t.dtype), copy=True) for name, t in outs.items()]  # the check's
+            results[i] = values[0] if len(values) == 1 else tuple(values)
             once = max(self._run(c, ptrs, 1), 1e-7)
             reps[i] = int(min(MAX_REPS, max(1, self.target_s / once)))
         times: dict[int, list[float]] = {i: [] for i in cands}

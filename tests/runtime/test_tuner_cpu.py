@@ -195,3 +195,21 @@ def test_cpu_time_measures_the_same_kernel():
                  for c in (False, True))
     assert wall.error is None and cpu.error is None and cpu.time_us > 0
     assert np.array_equal(wall.output, cpu.output)
+
+
+def test_a_kernel_of_several_outputs_is_measured_with_every_output():
+    """LayerNorm's weight and bias gradients (and their updates) are one reduction of several
+    outputs: the measurer makes, poisons and reads each, and each matches the interpreter."""
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 24), nn.LayerNorm(24), nn.ReLU(), nn.Linear(24, 7))
+    graph = _graph(model, (37, 20))
+    multi = [(sub, spec) for sub, spec in kernels_of(graph) if len(sub.outputs) > 1 and spec.kind == "reduction"]
+    assert multi
+    measurer = CpuMeasurer()
+    for sub, spec in multi:
+        (trial,) = measurer.measure(sub, spec, cpp_choices.candidates(sub, spec)[:1])
+        assert trial.error is None and trial.time_us > 0, trial.error
+        want = ir.run(sub, CpuMeasurer.inputs(sub)).outputs
+        assert isinstance(trial.output, tuple) and len(trial.output) == len(want)
+        for got, (name, ref) in zip(trial.output, want.items()):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=f"{sub.name} {name}")
