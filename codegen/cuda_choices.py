@@ -515,7 +515,8 @@ def _grouped_scratch(g: dict[str, Any], plan: Plan) -> int:
 def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     eps = spec.epilogues
     return grouped_conv.render_cuda(name, g["kind"], _grouped_geometry(g), bias="bias" in eps, relu="relu" in eps,
-                                    relu_mask="relu_mask" in eps, epilogue=epilogue, splits=dict(plan).get("splits", 0))
+                                    relu_mask="relu_mask" in eps, epilogue=epilogue, splits=dict(plan).get("splits", 0),
+                                    bf16_roles=bf16_roles(sub, spec))
 
 
 # -- pool and the generated kinds: one family each
@@ -651,7 +652,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # fewer multiply-adds, transforms through memory: taken where measured, never by default
     Family("winograd", CONVS, 7, _winograd_plans, cuda_winograd.serves, _never, _winograd_scratch, _winograd_render,
            tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
-    Family("grouped", CONVS, 0, _grouped_plans, _float32(_grouped_rejects), _plain, _grouped_scratch, _grouped_render,
+    Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
            version=2),
