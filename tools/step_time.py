@@ -12,7 +12,8 @@ Any model of the zoo (`ember bench --zoo` lists them) can be a case. On the GPU 
 with CUDA events (the median of 5 rounds of 200 steps); on the CPU by the wall clock, each step
 alone (the median over --steps, after 3 warm-up steps), with the OpenMP team ember's kernels use.
 Two builds are compared by running this once per build, alternately (a shared machine's load
-moves between runs).
+moves between runs), with the same flags: beside `--torch` (PyTorch's graph timed in the same
+process) ember's small steps measured 3-12% longer on an H200 (docs/benchmarks.md, session 21).
 """
 from __future__ import annotations
 
