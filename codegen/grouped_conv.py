@@ -148,6 +148,7 @@ def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, re
     roles = {"conv2d": ("x", "w") + (("bias",) if bias else ()) + ("out",),
              "conv2d_grad_input": ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",),
              "conv2d_grad_weight": ("x", "dy", "out")}[kind]
+    operands = roles[:2]  # the contraction's two operands: bfloat16 ones make it a bfloat16 convolution
     roles, inputs, unrestricted = with_epilogue(roles, ("x", "w", "bias", "dy", "mask_src"), epilogue)
     taps = kind == "conv2d_grad_weight" and splits > 0
     scratch = cuda_scratch_bytes(kind, g, splits)
@@ -158,7 +159,6 @@ def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, re
         grid = (filters * g.KH * g.KW, 1, 1)
     else:
         grid = (ceil_div(g.N * (g.O * g.HO * g.WO if kind == "conv2d" else g.C * g.H * g.W), CUDA_THREADS), 1, 1)
-    operands = {"conv2d": ("x", "w"), "conv2d_grad_input": ("dy", "w"), "conv2d_grad_weight": ("x", "dy")}[kind]
     ptr = {r: "em_bf16_in" if r in bf16_roles else "float* __restrict__" for r in ("x", "w", "dy")}
     code = environment("cuda").get_template("grouped_conv.j2").render(
         name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,

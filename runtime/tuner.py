@@ -104,6 +104,12 @@ def kernels_of(graph: Graph) -> list[tuple[Graph, KernelSpec]]:
             if graph.op(n) == "fused"]
 
 
+def trial_output(values: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
+    """A candidate's result as `Trial.output` holds it: the one output's values, or a tuple of
+    them in the kernel's output order (out, out1, ...)."""
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 def _close(out: np.ndarray | tuple[np.ndarray, ...], ref: np.ndarray | tuple[np.ndarray, ...],
            tolerance: float) -> str | None:
     """None when `out` matches `ref` up to rounding, else why not (a kernel of several outputs:

@@ -32,7 +32,7 @@ from ember.codegen.tuning_db import choice_text
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
 
-from .tuner import Trial
+from .tuner import Trial, trial_output
 
 __all__ = ["CpuMeasurer", "ROUNDS", "TARGET_S"]
 
@@ -197,8 +197,8 @@ class CpuMeasurer:
             for name, t in outs.items():
                 buffers[name][...] = _poisoned(t)
             c.lib.ember_tune_run(c.which, ptrs, 1)
-            values = [np.array(as_values(buffers[name], t.dtype), copy=True) for name, t in outs.items()]  # the check's
-            results[i] = values[0] if len(values) == 1 else tuple(values)
+            results[i] = trial_output([np.array(as_values(buffers[name], t.dtype), copy=True)  # the check's values
+                                       for name, t in outs.items()])
             once = max(self._run(c, ptrs, 1), 1e-7)
             reps[i] = int(min(MAX_REPS, max(1, self.target_s / once)))
         times: dict[int, list[float]] = {i: [] for i in cands}

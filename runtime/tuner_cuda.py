@@ -24,7 +24,7 @@ from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
 
-from .tuner import Trial
+from .tuner import Trial, trial_output
 
 __all__ = ["CudaMeasurer"]
 
@@ -122,8 +122,8 @@ class CudaMeasurer:
             with stream:
                 launch()
                 stream.synchronize()
-                values = [as_values(cp.asnumpy(outs[name]), t.dtype) for name, t in out_types.items()]  # bfloat16: bits
-                result = values[0] if len(values) == 1 else tuple(values)
+                # values (bfloat16: from its bits)
+                result = trial_output([as_values(cp.asnumpy(outs[name]), t.dtype) for name, t in out_types.items()])
                 start, end = stream.record(), None
                 launch()
                 end = stream.record()
