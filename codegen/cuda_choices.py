@@ -97,13 +97,6 @@ def _always(g: dict[str, Any]) -> str | None:
     return None
 
 
-def _float32(rejects):
-    """A float32 family's `rejects`: bfloat16 operands are the GEMM's (its bfloat16 tensor-core path)."""
-    def check(g: dict[str, Any]) -> str | None:
-        return "it computes in float32 (bfloat16 operands: the gemm family)" if g.get("dtype") else rejects(g)
-    return check
-
-
 def _no_scratch(g: dict[str, Any], plan: Plan) -> int:
     return 0
 
@@ -249,6 +242,13 @@ def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
 
 def _direct_rejects(g: dict[str, Any]) -> str | None:
+    if g.get("dtype") and g["kind"] != "conv2d_grad_weight":
+        return "its forward and grad-input compute in float32 (bfloat16 operands: direct_tc, gemm)"
+    return _direct_geometry_rejects(g)
+
+
+def _direct_geometry_rejects(g: dict[str, Any]) -> str | None:
+    """Why the direct kernels' blocking does not fit a convolution (any precision)."""
     ph, pw_ = pair(g["padding"], "padding")
     if pair(g["stride"], "stride") != (1, 1):
         return "stride is not 1"
@@ -296,7 +296,8 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
     p, eps = dict(plan), spec.epilogues
     if g["kind"] == "conv2d_grad_weight":
         return cuda_direct.render_direct_grad_weight(name, **_conv_args(g), epilogue=epilogue,
-                                                     plan=(p["OT"], p["RB"], p["blocks"]))
+                                                     plan=(p["OT"], p["RB"], p["blocks"]),
+                                                     bf16_roles=bf16_roles(sub, spec))
     return cuda_direct.render_direct(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
                                      bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
                                      epilogue=epilogue, plan=cuda_direct.DirectPlan(**p))
@@ -307,10 +308,10 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
 def _direct_tc_rejects(g: dict[str, Any]) -> str | None:
     if g.get("dtype") == "bfloat16":  # exact in TF32: its mma computes bfloat16 products as they are
         if g["kind"] == "conv2d_grad_weight":
-            return "its grad-weight stages float32 operands with cp.async (bfloat16 operands: the gemm family)"
+            return "its grad-weight stages float32 operands with cp.async (bfloat16 operands: gemm, direct)"
     elif not g["tf32"]:
         return "it runs on TF32 tensor cores: precision 'tf32' or bfloat16 operands only"
-    return _direct_rejects(g)
+    return _direct_geometry_rejects(g)
 
 
 def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
@@ -322,7 +323,7 @@ def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
     if geo is None:
         return []
     return list(map(_pairs, cuda_direct_tc.tc_forward_candidates(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"],
-                                                                 g["KH"], g["KW"])))
+                                                                 g["KH"], g["KW"], g.get("dtype") == "bfloat16")))
 
 
 def _direct_tc_plans(g: dict[str, Any]) -> list[Plan]:
@@ -388,8 +389,10 @@ def _small_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
     sp = cuda_small_conv.SmallPlan(**dict(plan))
     if g["kind"] == "conv2d":
         return cuda_small_conv.render_small_forward(name, **_conv_args(g), bias="bias" in spec.epilogues,
-                                                    relu="relu" in spec.epilogues, epilogue=epilogue, plan=sp)
-    return cuda_small_conv.render_small_grad_weight(name, **_conv_args(g), epilogue=epilogue, plan=sp)
+                                                    relu="relu" in spec.epilogues, epilogue=epilogue, plan=sp,
+                                                    bf16_roles=bf16_roles(sub, spec))
+    return cuda_small_conv.render_small_grad_weight(name, **_conv_args(g), epilogue=epilogue, plan=sp,
+                                                    bf16_roles=bf16_roles(sub, spec))
 
 
 # -- thin, skinny_narrow, skinny_short: matmuls that are passes over memory
@@ -409,7 +412,7 @@ def _matmul_args(g: dict[str, Any], spec: KernelSpec, epilogue: Any) -> dict[str
 
 def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_direct.render_matmul_thin(name, trans_a=g["trans_a"], trans_b=g["trans_b"], rows=dict(plan)["RM"],
-                                          **_matmul_args(g, spec, epilogue))
+                                          bf16_roles=bf16_roles(sub, spec), **_matmul_args(g, spec, epilogue))
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:
@@ -450,12 +453,13 @@ def _split_scratch(g: dict[str, Any], plan: Plan) -> int:
 
 def _narrow_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_skinny.render_matmul_narrow(name, trans_a=bool(g["trans_a"]), trans_b=bool(g["trans_b"]),
-                                            plan=cuda_skinny.NarrowPlan(**dict(plan)), **_matmul_args(g, spec, epilogue))
+                                            plan=cuda_skinny.NarrowPlan(**dict(plan)), bf16_roles=bf16_roles(sub, spec),
+                                            **_matmul_args(g, spec, epilogue))
 
 
 def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_skinny.render_matmul_short_m(name, trans_a=bool(g["trans_a"]), trans_b=bool(g["trans_b"]),
-                                             plan=cuda_skinny.ShortMPlan(**dict(plan)),
+                                             plan=cuda_skinny.ShortMPlan(**dict(plan)), bf16_roles=bf16_roles(sub, spec),
                                              **_matmul_args(g, spec, epilogue))
 
 
@@ -628,24 +632,25 @@ def features(g: dict[str, Any]) -> tuple[float, ...]:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _float32(_small_rejects),
+    Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects,
            _small_preferred, _small_scratch, _small_render),
-    Family("direct", CONVS, 1, _direct_plans, _float32(_direct_rejects), _never, _direct_scratch, _direct_render,
+    Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _never, _direct_scratch, _direct_render,
            accepts_reused=_direct_accepts_reused, code_geometry=_direct_code),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
-    # they take (direct_tc: precision "tf32", and bfloat16 operands, exact in TF32, but for its
-    # grad-weight; gemm: its plans follow the geometry's tf32);
-    # the others compute in float32 whatever the precision, which TF32 permits
+    # they take (direct_tc: precision "tf32", and bfloat16 operands, as pairs on the bfloat16 mma
+    # or exact in TF32, but for its grad-weight; gemm: its plans follow the geometry's tf32);
+    # the others compute in float32 whatever the precision, which TF32 permits (bfloat16
+    # operands widened as they are read)
     Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
            _direct_tc_render, tuning_plans=_direct_tc_candidates),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
-           _float32(_thin_rejects), _plain, _no_scratch, _thin_render),
-    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _float32(_narrow_rejects), _never, _split_scratch,
+           _thin_rejects, _plain, _no_scratch, _thin_render),
+    Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,
            _narrow_render),
-    Family("skinny_short", ("matmul",), 4, _short_plans, _float32(_short_rejects), _never, _split_scratch,
+    Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
            _short_render),
     # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
-    # its mma.sync bfloat16 path, the only one serving them
+    # its mma.sync bfloat16 path
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code,
            accepts_reused=_gemm_accepts_reused),

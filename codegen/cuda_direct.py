@@ -219,10 +219,13 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
                               stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
                               blocks: int | None = None, rows: int | None = None,
                               min_blocks: int | None = None,
-                              plan: tuple[int, int, int] | None = None) -> CudaKernel | None:
+                              plan: tuple[int, int, int] | None = None,
+                              bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) for stride 1: roles x, dy, out (O,C,KH,KW); None where no
     direct plan fits. Two launches: per-block partials in scratch, then their fixed-order sum.
-    `plan` is (OT, RB, blocks) as `direct_grad_weight_plan` gives it (the default)."""
+    `plan` is (OT, RB, blocks) as `direct_grad_weight_plan` gives it (the default). `bf16_roles`:
+    the roles holding bfloat16 (precision "bf16": x and dy widened as they are staged, the sum
+    rounded to bfloat16 before the epilogue)."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
@@ -245,8 +248,8 @@ def render_direct_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         blocks=nblocks, RB=RB, dy_pad=4, smem_floats=gw_buffer_floats(C, O, KH, KW, WO, RB),
         plane_pad=gw_plane_pad(KH, KW, WO, RB),
         min_blocks=min_blocks or max(1, min(4, dev.max_threads_per_multiprocessor // threads)), roles=roles,
-        inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32),
+        inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles, bf16=bool({"x", "dy"} & bf16_roles),
+        signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), rg=rg, rgrid=ceil_div(outs, 32),
         unroll=WO if WO <= 32 else 4, pw=epilogue)
     args = roles + ("scratch",)
     scratch = round_up(4 * nblocks * outs, SCRATCH_ALIGN)
@@ -276,9 +279,11 @@ def thin_rows(M: int, N: int) -> int:
 
 def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                        bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
-                       rows: int | None = None) -> CudaKernel | None:
+                       rows: int | None = None, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """out = op(a) @ b [+ bias][relu][epilogue] for K <= 16, b row-major (K, N), N % 4 == 0, one
-    batch: roles a, b, [bias], out; None where the shape does not suit."""
+    batch: roles a, b, [bias], out; None where the shape does not suit. `bf16_roles`: the roles
+    holding bfloat16 (precision "bf16"; with a or b among them the value is rounded to bfloat16
+    before the epilogue, as the interpreter computes it)."""
     if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
         return None
     threads, col_blocks = _thin_threads(N)
@@ -290,7 +295,8 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
         name=name, description=f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}){' +bias' if bias else ''}"
                                f"{' +relu' if relu else ''}",
         M=M, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
-        roles=roles, inputs=inputs, unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, False))
+        roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
+        bf16=bool({"a", "b"} & bf16_roles), signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles))
     return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
 
 

@@ -100,31 +100,36 @@ def _occupancy(threads: int, registers: int, shared_bytes: int) -> float:
 
 # --------------------------------------------------------------------------- forward / grad-input
 
-def tc_shared_floats(CC: int, RB: int, KH: int, KW: int, WO: int, CO: int) -> int:
-    """Floats of shared memory of the forward kernel: CC channel planes of RB + KH - 1 staged rows
-    and the CC x KH x KW x CO weights (rows of output channels padded to 8 mod 16)."""
-    return CC * stride_8_mod_16((RB + KH - 1) * (WO + KW - 1)) + KH * KW * CC * stride_8_mod_16(round_up(CO, 8))
+def tc_shared_floats(CC: int, RB: int, KH: int, KW: int, WO: int, CO: int, pairs: bool = False) -> int:
+    """4-byte words of shared memory of the forward kernel: CC channel planes of RB + KH - 1 staged
+    rows and the CC x KH x KW x CO weights (rows of output channels padded to 8 mod 16); with
+    `pairs` (bfloat16 operands), two channels a word."""
+    rows = CC // 2 if pairs else CC
+    return rows * stride_8_mod_16((RB + KH - 1) * (WO + KW - 1)) + KH * KW * rows * stride_8_mod_16(round_up(CO, 8))
 
 
-def tc_channels_per_step(CI: int, RB: int, KH: int, KW: int, WO: int, CO: int) -> int | None:
-    """Input channels a stage: the largest even split of CI, rounded up to 8 (at most 32), whose
-    rows and weights fit the static shared memory of a block; None if not even 8 fit."""
+def tc_channels_per_step(CI: int, RB: int, KH: int, KW: int, WO: int, CO: int, pairs: bool = False) -> int | None:
+    """Input channels a stage: the largest even split of CI, rounded up to a k step (8 channels;
+    16 with `pairs`, bfloat16's mma) and at most 32, whose rows and weights fit the static shared
+    memory of a block; None if not even one step fits."""
     budget = static_shared_budget(current())
-    for parts in range(1, ceil_div(CI, 8) + 1):
-        CC = round_up(ceil_div(CI, parts), 8)
-        if CC <= 32 and 4 * tc_shared_floats(CC, RB, KH, KW, WO, CO) <= budget:
+    step = 16 if pairs else 8
+    for parts in range(1, ceil_div(CI, step) + 1):
+        CC = round_up(ceil_div(CI, parts), step)
+        if CC <= 32 and 4 * tc_shared_floats(CC, RB, KH, KW, WO, CO, pairs) <= budget:
             return CC
     return None
 
 
-def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> list[TcPlan]:
+def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int, pairs: bool = False) -> list[TcPlan]:
     """Every feasible tiling of a stride-1 convolution producing CO x HO x WO per image from CI
-    channels, the planner's best first (a guess: unmeasured, see the module's doc)."""
+    channels, the planner's best first (a guess: unmeasured, see the module's doc). `pairs`: for
+    bfloat16 operands, whose stages of whole 16-channel steps run on bfloat16 mma (k = 16)."""
     sms = current().multiprocessors
     NT = ceil_div(CO, 8)
     plans = []
     for RB in range(1, HO + 1):
-        CC = tc_channels_per_step(CI, RB, KH, KW, WO, CO)
+        CC = tc_channels_per_step(CI, RB, KH, KW, WO, CO, pairs)
         if CC is None:
             break  # more rows fit even less
         MT = ceil_div(RB * WO, 16)
@@ -137,13 +142,14 @@ def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: in
                 useful = (RB * WO / (16 * FM * WM) * HO / (ceil_div(HO, RB) * RB) * CO / (8 * NT)
                           * CI / (CC * ceil_div(CI, CC)))
                 lds = (4 * FM + 2 * FN) / (FM * FN)  # fragment loads a mma
-                # warp instructions staging a stage's rows and weights (~12 an element) a mma
-                staging = 12 / 32 * (CC * (RB + KH - 1) * (WO + KW - 1) + KH * KW * CC * CO) \
-                    / (CC // 8 * KH * KW * WM * FM * WN * FN)
+                # warp instructions staging a stage's rows and weights (~12 a word) a mma
+                rows, ksteps = (CC // 2, CC // 16) if pairs else (CC, CC // 8)
+                staging = 12 / 32 * (rows * (RB + KH - 1) * (WO + KW - 1) + KH * KW * rows * CO) \
+                    / (ksteps * KH * KW * WM * FM * WN * FN)
                 fill = min(1.0, N * ceil_div(HO, RB) / (2 * sms))
                 # registers: ptxas -v on conv2's plans (accumulators, fragments, offsets) ~ this
                 occupancy = _occupancy(32 * WM * WN, 4 * FM * FN + 8 * FM + 4 * FN + 16,
-                                       4 * tc_shared_floats(CC, RB, KH, KW, WO, CO))
+                                       4 * tc_shared_floats(CC, RB, KH, KW, WO, CO, pairs))
                 if occupancy == 0:
                     continue  # not one block fits a multiprocessor's registers: it would spill
                 score = useful * fill * occupancy / (1 + 0.5 * (lds + staging))
@@ -168,9 +174,11 @@ def _rows_class(RB: int) -> int:
     return min(RB.bit_length(), 5)  # 1, 2-3, 4-7, 8-15, 16 and more rows a block
 
 
-def tc_forward_candidates(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int) -> list[TcPlan]:
+def tc_forward_candidates(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int,
+                          pairs: bool = False) -> list[TcPlan]:
     """The plans worth measuring, the planner's best first: a spread over warp tiles and rows a block."""
-    return _spread(tc_forward_plans(N, CI, CO, HO, WO, KH, KW), lambda p: (p.FM, p.FN), lambda p: _rows_class(p.RB))
+    return _spread(tc_forward_plans(N, CI, CO, HO, WO, KH, KW, pairs), lambda p: (p.FM, p.FN),
+                   lambda p: _rows_class(p.RB))
 
 
 def _problem(name: str, grad_input: bool, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride,
@@ -203,26 +211,28 @@ def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: 
     if found is None:
         return None
     geo, ph, pw_, HO, WO = found
+    roles, inputs, src, description = direct_roles(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
+                                                   relu=relu, relu_mask=relu_mask)
     if plan is None:
-        plans = tc_forward_plans(N, geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW)
+        plans = tc_forward_plans(N, geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], KH, KW, {src, "w"} <= bf16_roles)
         if not plans:
             return None
         plan = plans[0]
-    roles, inputs, src, description = direct_roles(grad_input, N, C, H, W, O, KH, KW, HO, WO, ph, pw_, bias=bias,
-                                                   relu=relu, relu_mask=relu_mask)
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     RS, WS = plan.RB + KH - 1, geo["WO_"] + KW - 1
     if not (plan.CC % 8 == 0 and plan.WM * plan.FM * 16 >= plan.RB * geo["WO_"]
             and plan.WN * plan.FN == ceil_div(geo["CO"], 8)):
         raise ValueError(f"{name}: plan {plan} does not tile {geo['CO']} channels x {plan.RB} rows of {geo['WO_']}")
     grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
+    # bfloat16 operands a stage of whole 16-channel steps: multiplied as bfloat16 pairs (m16n8k16)
+    pairs = {src, "w"} <= bf16_roles and plan.CC % 16 == 0
     code = _env.get_template("conv2d_direct_tc.j2").render(
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, RB=plan.RB, CC=plan.CC, FM=plan.FM,
         FN=plan.FN, WM=plan.WM, WN=plan.WN, threads=plan.threads, plane=stride_8_mod_16(RS * WS),
         cop=stride_8_mod_16(round_up(geo["CO"], 8)), roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles), grid=grid, flip=grad_input,
         src=src, bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input,
-        pw=epilogue, bf16_roles=bf16_roles, bf16=bool(bf16_roles))
+        pw=epilogue, bf16_roles=bf16_roles, bf16=bool(bf16_roles), pairs=pairs, bits="" if pairs else "__float_as_uint")
     return CudaKernel(name, code, (Launch(f"{name}_direct_tc", grid, (plan.threads, 1, 1), 0, roles),), 0)
 
 

@@ -92,9 +92,12 @@ def _reduce_launch(name: str, S: int, outs: int, args: tuple[str, ...]) -> tuple
 
 
 def _split_kernel(name: str, kind: str, grid: tuple[int, int, int], threads: int, S: int, roles: tuple[str, ...],
-                  inputs: tuple[str, ...], unrestricted: tuple[str, ...], **template: object) -> CudaKernel:
+                  inputs: tuple[str, ...], unrestricted: tuple[str, ...], bf16_roles: frozenset[str] = frozenset(),
+                  **template: object) -> CudaKernel:
     """A skinny kernel from template matmul_<kind>: its main launch NAME_<kind> and, with S > 1 k
-    splits, the split-sum launch reading the S partials of each output from scratch."""
+    splits, the split-sum launch reading the S partials of each output from scratch. `bf16_roles`:
+    the roles holding bfloat16 (with a or b among them the value is rounded to bfloat16 before the
+    epilogue, as the interpreter computes it)."""
     M, N = template["M"], template["N"]
     split = S > 1
     args = roles + (("scratch",) if split else ())
@@ -105,8 +108,9 @@ def _split_kernel(name: str, kind: str, grid: tuple[int, int, int], threads: int
         launches.append(reduce)
     template_name = {"narrow": "matmul_narrow.j2", "shortm": "matmul_short_m.j2"}[kind]
     code = _env.get_template(template_name).render(
-        name=name, S=S, grid=grid, roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, split), **template, **ctx)
+        name=name, S=S, grid=grid, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
+        bf16=bool({"a", "b"} & bf16_roles), signature=kernel_signature(roles, inputs, unrestricted, split, bf16_roles),
+        **template, **ctx)
     scratch = round_up(4 * S * M * N, SCRATCH_ALIGN) if split else 0
     return CudaKernel(name, code, tuple(launches), scratch)
 
@@ -118,7 +122,7 @@ def _description(M: int, N: int, K: int, trans_a: bool, trans_b: bool, bias: boo
 
 def render_matmul_narrow(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                          bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
-                         plan: NarrowPlan | None = None) -> CudaKernel | None:
+                         plan: NarrowPlan | None = None, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """out = a @ b^T [+ bias][relu][epilogue] for N <= 16, a stored (M, K) and b (N, K), one batch:
     roles a, b, [bias], out; None where the shape does not suit (trans_a, b stored (K, N), a
     batch, more columns)."""
@@ -132,6 +136,7 @@ def render_matmul_narrow(name: str, *, M: int, N: int, K: int, trans_a: bool, tr
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     return _split_kernel(name, "narrow", (plan.S, row_blocks, 1), 32 * plan.RG, plan.S, roles, inputs, unrestricted,
+                         bf16_roles,
                          M=M, N=N, K=K, RT=plan.RT, RG=plan.RG, V=plan.V, U=plan.U, KC=plan.KC, bias=bias, relu=relu,
                          pw=epilogue, description=_description(M, N, K, trans_a, trans_b, bias, relu))
 
@@ -172,7 +177,7 @@ def short_m_plan(M: int, N: int, K: int, *, groups: int | None = None, splits: i
 
 def render_matmul_short_m(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                           bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
-                          plan: ShortMPlan | None = None) -> CudaKernel | None:
+                          plan: ShortMPlan | None = None, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """out = op(a) @ b [+ bias][relu][epilogue] for M <= 16, b stored (K, N) with N % 4 == 0, one
     batch (a stored (M, K), or (K, M) with trans_a): roles a, b, [bias], out; None where the
     shape does not suit."""
@@ -188,6 +193,7 @@ def render_matmul_short_m(name: str, *, M: int, N: int, K: int, trans_a: bool, t
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     return _split_kernel(name, "shortm", (col_blocks, plan.S, 1), plan.CT * plan.KG, plan.S, roles, inputs, unrestricted,
+                         bf16_roles,
                          M=M, N=N, K=K, CT=plan.CT, KG=plan.KG, U=plan.U, KC=plan.KC, trans_a=trans_a, bias=bias,
                          relu=relu, pw=epilogue, description=_description(M, N, K, trans_a, trans_b, bias, relu))
 

@@ -308,7 +308,7 @@ def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tu
     """Merges each pointwise group into the contraction whose value only it reads (see the module doc)."""
     for root in [r for r in graph.topo_order() if r in groups and groups[r][0] == "pointwise"]:
         _, members, _ = groups[root]
-        if graph.type(root).dtype.name != "float32":
+        if graph.type(root).dtype.name not in caps.epilogue_dtypes:
             continue
         external = {o for m in members for o in graph.operands(m) if o not in members}
         for value in sorted(external):
@@ -319,8 +319,9 @@ def _absorb_pointwise_epilogues(graph: Graph, gr: _Grouper, groups: dict[int, tu
                     or not gr.users_inside(value, members) or graph.type(value).numel != graph.type(root).numel \
                     or not _reads_at_own_index(graph, members, value):
                 continue
-            if any(graph.type(o).dtype.name != "float32" for o in external if not _inline_constant(graph, o)):
-                break  # the templates pass float operands only
+            if any(graph.type(o).dtype.name not in caps.epilogue_dtypes
+                   for o in external if not _inline_constant(graph, o)):
+                break  # operands the templates cannot read
             merged = cmembers | members
             if not _adds_no_wait(graph, root, merged, cnotes["core"]):
                 break

@@ -46,6 +46,9 @@ class FusionCaps:
     #: whether a softmax cross-entropy and its gradient become the `softmax_xent` kernels
     #: (`passes/fusion_loss.py`) instead of a dozen generic ones
     loss_kernels: bool = False
+    #: the dtypes a `pointwise` epilogue's values and operands may have: the templates read each
+    #: operand as a float (bfloat16 through views that widen it) and store the output's dtype
+    epilogue_dtypes: frozenset[str] = frozenset({"float32"})
 
     def can_fuse_epilogue(self, kind: str, epilogue: str) -> bool:
         return epilogue in self.epilogues.get(kind, frozenset())

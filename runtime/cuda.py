@@ -554,7 +554,8 @@ TARGET = targets.register(targets.Target(
                                          "matmul": frozenset({"bias", "relu", "pointwise"}),
                                          "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}),
                                          "conv2d_grad_weight": frozenset({"pointwise"})},
-                              loss_kernels=True, multi_output=True),
+                              loss_kernels=True, multi_output=True,
+                              epilogue_dtypes=frozenset({"float32", "bfloat16"})),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias
     choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel

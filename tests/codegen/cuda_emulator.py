@@ -4,7 +4,8 @@ source, compiled by g++ against a small emulation of what it uses of CUDA.
 Each CUDA thread of a block is an OS thread (blocks run one after another); `__syncthreads` is a
 barrier of the block; shared arrays live in an arena filled with NaN before every block (a read
 of something the block did not stage shows); cp.async takes the templates' synchronous path
-(`__CUDA_ARCH__` is undefined). The TF32 tensor-core helpers of `mma_tf32.j2` are replaced by an
+(`__CUDA_ARCH__` is undefined). The TF32 tensor-core helpers of `mma_tf32.j2` (and the bfloat16
+one of `mma_bf16.j2`, m16n8k16) are replaced by an
 emulation written from the PTX ISA's fragment tables ("Matrix Fragments for mma.m16n8k8", .tf32):
 the 32 lanes of a warp publish their A, B and C registers, meet at a barrier of the warp, and each
 computes its own four D elements (A and B truncated to TF32's 19 bits, as the hardware reads
@@ -41,6 +42,10 @@ HEADER = r"""
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
 struct alignas(16) float4 { float x, y, z, w; };  // the GEMM skeleton's vector reads of shared memory
 struct alignas(8) float2 { float x, y; };
+struct alignas(8) uint2 { unsigned x, y; };  // four bfloat16 values in one access
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 namespace ember_emu {
 thread_local dim3 thread_idx, block_idx;
 std::barrier<>* block_barrier = nullptr;
@@ -75,6 +80,7 @@ inline void shfl_barrier(unsigned warp, unsigned mask) {
 #define __shared__ static
 #define __align__(n) alignas(n)
 inline void __syncthreads() { ember_emu::block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { ember_emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
 inline float __uint_as_float(unsigned u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; }
@@ -82,6 +88,8 @@ inline float __int_as_float(int u) { float x; std::memcpy(&x, &u, 4); return x; 
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <typename T> T __ldcg(const T* p) { return *p; }
+template <typename T> T __ldcs(const T* p) { return *p; }  // cache hints: plain loads here
+template <typename T> T __ldg(const T* p) { return *p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 // __shfl_xor_sync: every lane of `mask` publishes its value, meets the others at a barrier of those
 // lanes (each lane's barrier below counts its mask's lanes), and reads lane ^ m's
@@ -139,6 +147,35 @@ static inline void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigne
 }
 """
 
+#: what replaces the text of mma_bf16.j2 in a kernel
+MMA_BF16_EMULATION = r"""
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, from the PTX ISA's fragment tables: lane
+// = 4 g + t holds A (g + 8 (i % 2), 2 t + 8 (i / 2) + h) in half h of a[i], B (2 t + 8 i + h, g)
+// in half h of b[i] (the low half first), C and D as m16n8k8's; products exact, sums in double
+static inline float bf16_half(unsigned u, unsigned h) { return __uint_as_float(h ? u & 0xFFFF0000u : u << 16); }
+static inline void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ember_emu::WarpTable& T = ember_emu::tables[warp];
+  for (int i = 0; i < 4; ++i) { T.a[lane][i] = a[i]; T.c[lane][i] = c[i]; }
+  for (int i = 0; i < 2; ++i) T.b[lane][i] = b[i];
+  ember_emu::warp_barriers[warp]->arrive_and_wait();
+  const unsigned g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    double s = T.c[lane][i];
+    for (unsigned k = 0; k < 16; ++k) {
+      const float av = bf16_half(T.a[4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2);
+      const float bv = bf16_half(T.b[4 * col + (k % 8) / 2][k / 8], k % 2);
+      s += (double)av * (double)bv;
+    }
+    d[i] = (float)s;
+  }
+  ember_emu::warp_barriers[warp]->arrive_and_wait();  // every lane has read the table
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+"""
+
 RUNNER = r"""
 namespace ember_emu {
 // One OS thread per CUDA thread of a block, kept for every block of the launch (blocks one after
@@ -174,31 +211,32 @@ void run_grid(F body, int gx, int gy, int gz, int threads, int static_slots, siz
 """.replace("SLOT", str(SLOT))
 
 
-def _mma_text() -> str:
-    return environment("cuda").get_template("mma_tf32.j2").render()
+def _mma_text(template: str = "mma_tf32.j2") -> str:
+    return environment("cuda").get_template(template).render()
 
 
 def _emulated(kernel: CudaKernel, index: int) -> str:
     """A kernel's source with its TF32 helpers and shared arrays emulated, and its entry
     `emu_launch_<index>(launch, pointers)`."""
     code = kernel.code
-    mma = _mma_text()
-    if mma in code:
-        code = code.replace(mma, MMA_EMULATION)
+    for template, emulation in (("mma_tf32.j2", MMA_EMULATION), ("mma_bf16.j2", MMA_BF16_EMULATION)):
+        mma = _mma_text(template)
+        if mma in code:
+            code = code.replace(mma, emulation)
     slots = 0
 
-    def to_arena(m: re.Match) -> str:
+    def to_arena(m: re.Match) -> str:  # `float xs[..]` or `unsigned xs[..]` (bfloat16 pairs)
         nonlocal slots
         slots += 1
-        return f"float* {m.group(1)} = ember_emu::shared_array({slots - 1});"
+        return f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(ember_emu::shared_array({slots - 1}));"
 
-    def to_arena_2d(m: re.Match) -> str:  # a tile `float As[BK][SA]`: a reference to an array in the arena
+    def to_arena_2d(m: re.Match) -> str:  # a tile `float As[BK][SA]` (or more axes): a reference to an array in the arena
         nonlocal slots
         slots += 1
         return f"auto& {m.group(1)} = *reinterpret_cast<float(*){m.group(2)}>(ember_emu::shared_array({slots - 1}));"
 
-    code = re.sub(r"__shared__ __align__\(16\) float (\w+)\[[^\]]+\];", to_arena, code)
-    code = re.sub(r"__shared__ __align__\(16\) float (\w+)((?:\[[^\]]+\]){2});", to_arena_2d, code)
+    code = re.sub(r"__shared__ __align__\(16\) (float|unsigned) (\w+)\[[^\]]+\];", to_arena, code)
+    code = re.sub(r"__shared__ __align__\(16\) float (\w+)((?:\[[^\]]+\]){2,});", to_arena_2d, code)
     # namespace-scope tables (`static __shared__ int koff_[K]`): one static array, which every
     # block (run one after another) fills in its prologue before reading
     code = code.replace("static __shared__ ", "static ")

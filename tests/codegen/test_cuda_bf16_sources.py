@@ -1,11 +1,16 @@
 """precision="bf16" on the `cuda` target without a GPU: every contraction of the MNIST models' steps
-is served on tensor cores: by the GEMM family's bfloat16 path (mma.sync m16n8k16, fp32
-accumulation), or a stride-1 convolution's forward or grad-input by direct_tc (bfloat16 operands
-are exact in TF32: mma m16n8k8, the value rounded to bfloat16), whichever the cost model's prior
-ranks first; the other families refuse bfloat16 operands in one line, pooling and the generated kernels take
-bfloat16 buffers (`unsigned short`), and every source compiles with `nvcc -cubin -arch=sm_90`
-warning-free (the runtime compiles the same with NVRTC). The numerics run on a GPU:
-tests/codegen/test_cuda_bf16.py and tests/e2e/test_bf16_vs_torch.py (marked cuda)."""
+is served by a family that takes bfloat16 operands: on tensor cores by the GEMM family's bfloat16
+path (mma.sync m16n8k16, fp32 accumulation) or, for a stride-1 convolution's forward or
+grad-input, by direct_tc (bfloat16 pairs on mma m16n8k16 where a stage is whole 16-channel
+steps, else TF32's mma m16n8k8, in which bfloat16 values are exact; the value rounded to bfloat16); or, for a matmul or small-window convolution that is a pass over memory, by thin /
+skinny_narrow / skinny_short / small_window, and for a stride-1 grad-weight by direct (the widened values' products summed in float32 FMAs,
+the value rounded to bfloat16), whichever
+the cost model's prior ranks first; the families that compute in float32 only refuse bfloat16
+operands in one line, pooling and the generated kernels take bfloat16 buffers (`unsigned
+short`), and every source compiles with `nvcc -cubin -arch=sm_90` warning-free (the runtime
+compiles the same with NVRTC). The numerics run on a GPU: tests/codegen/test_cuda_bf16.py and
+tests/e2e/test_bf16_vs_torch.py (marked cuda); the memory-pass families' also in the CPU
+emulation (tests/codegen/test_cuda_bf16_families.py)."""
 from __future__ import annotations
 
 import re
@@ -31,27 +36,36 @@ def _plans(model: str) -> dict:
                     precision="bf16")
 
 
+#: families that compute a bfloat16 contraction without tensor cores: passes over memory
+MEMORY_PASSES = ("thin", "skinny_narrow", "skinny_short", "small_window")
+#: families that refuse bfloat16 operands (they compute in float32 only), by kind
+FLOAT32_ONLY = {"direct": ("conv2d", "conv2d_grad_input")}
+
+
 @pytest.mark.parametrize("model", ["cnn", "mlp", "lenet5", "resnet8"])
-def test_every_contraction_runs_on_the_bfloat16_tensor_cores(model):
+def test_every_contraction_runs_on_a_family_that_takes_bfloat16(model):
     for graph in _plans(model).values():
         contractions = [(sub, spec) for sub, spec in kernels_of(graph) if spec.kind in CONTRACTIONS]
         assert contractions
         for sub, spec in contractions:
             g = cuda_choices.geometry(sub, spec)
-            assert g["dtype"] == "bfloat16" and spec.choice[0] in ("gemm", "direct_tc")
+            assert g["dtype"] == "bfloat16" and spec.choice[0] in ("gemm", "direct_tc", "direct") + MEMORY_PASSES
             assert '"dtype":"bfloat16"' in cuda_choices.TABLE.key(sub, spec)  # tuned apart from float32
             code = cuda_choices.render(sub.name, sub, spec, spec.choice).code
             if spec.choice[0] == "gemm":
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
-            else:
-                assert "m16n8k8.row.col.f32.tf32" in code and "em_bf16_round(acc" in code
+            elif spec.choice[0] == "direct_tc":  # bfloat16 pairs (stages of 16 channels) or TF32 on exact values
+                mma = "m16n8k16.row.col.f32.bf16" if dict(spec.choice[1])["CC"] % 16 == 0 else "m16n8k8.row.col.f32.tf32"
+                assert mma in code and "em_bf16_round(acc" in code
+            else:  # float32 FMAs on the widened values, the value rounded before its epilogue
+                assert ("em_bf16_round(v" in code or "em_bf16_round(acc" in code) and "mma" not in code
             # direct_tc takes a forward or grad-input the direct kernels take (stride 1); every
             # other family that serves the kind says why it does not serve bfloat16
             for f in cuda_choices.FAMILIES.values():
                 if f.name == "direct_tc" and spec.kind != "conv2d_grad_weight" and \
                         cuda_choices.TABLE.applies(cuda_choices.FAMILIES["direct"], dict(g, dtype=None)) is None:
                     assert cuda_choices.TABLE.applies(f, g) is None
-                elif f.name != "gemm" and spec.kind in f.kinds:
+                elif spec.kind in FLOAT32_ONLY.get(f.name, ()):
                     assert cuda_choices.TABLE.applies(f, g) is not None, f.name
 
 

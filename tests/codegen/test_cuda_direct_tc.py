@@ -248,24 +248,33 @@ def test_the_kernels_emulated_on_the_cpu_match_the_reference(idx, emulated):
 
 
 def _bf16_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
-    """The planner's best forward (+bias +relu) and grad-input (*relu-mask) with every operand and
-    the output bfloat16 (precision "bf16")."""
+    """The forward (+bias +relu) and grad-input (*relu-mask) with every operand and the output
+    bfloat16 (precision "bf16"): the bfloat16 planner's best (stages of 16-channel steps: bfloat16
+    pairs on mma.m16n8k16) and, where the float planner's best stages 8 or 24 channels, that plan
+    too (TF32 mma on the exact bfloat16 values: a tuned plan of that kind stays valid)."""
     out = []
     for kind, gi in (("conv_fwd", False), ("conv_gi", True)):
         geo = ct.tc_direct_problem(grad_input=gi, **g)
-        plan = ct.tc_forward_plans(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], g["KH"], g["KW"])[0]
+        sizes = (g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], g["KH"], g["KW"])
+        plans = [ct.tc_forward_plans(*sizes, pairs=True)[0]]
+        plans += [p for p in ct.tc_forward_plans(*sizes)[:1] if p.CC % 16]
         roles = frozenset({"dy", "w", "mask_src", "out"} if gi else {"x", "w", "bias", "out"})
-        out.append((kind, ct.render_direct_tc(f"{tag}_{kind}", grad_input=gi, bias=not gi, relu=not gi,
-                                              relu_mask=gi, plan=plan, bf16_roles=roles, **g)))
+        for i, plan in enumerate(plans):
+            k = ct.render_direct_tc(f"{tag}_{kind}{i}", grad_input=gi, bias=not gi, relu=not gi, relu_mask=gi,
+                                    plan=plan, bf16_roles=roles, **g)
+            assert ("mma_bf16(" in k.code) == (plan.CC % 16 == 0) != ("mma_tf32(" in k.code)
+            out.append((kind, k))
     return out
 
 
-@pytest.mark.parametrize("idx", [0, 1])
+@pytest.mark.parametrize("idx", [0, 1, 2])
 def test_bfloat16_operands_emulated_match_the_bfloat16_reference(idx, tmp_path):
-    """bfloat16 values are exact in TF32: the kernel's products are the bfloat16 ones, summed in
-    fp32, the convolution rounded to bfloat16, the bias add rounded again (the interpreter's ops),
-    the output stored as bfloat16 bits. Against float64 sums of the same values with the same
-    roundings: equal but for the last bit where the fp32 sum lands on a bfloat16 tie."""
+    """bfloat16 pairs on the bfloat16 mma, or values exact in TF32 on the TF32 mma: either way the
+    kernel's products are the bfloat16 ones, summed in fp32, the convolution rounded to bfloat16,
+    the bias add rounded again (the interpreter's ops), the output stored as bfloat16 bits.
+    Against float64 sums of the same values with the same roundings: equal but for the last bit
+    where the fp32 sum lands on a bfloat16 tie. (Channel counts 39/26, 5/19, 8/33: odd pairs,
+    a stage partly past the channels.)"""
     g = EMULATED[idx]
     kernels = _bf16_kernels(g, f"b{idx}")
     lib = cuda_emulator.build([k for _, k in kernels], tmp_path, f"bf16_{idx}")

@@ -2,6 +2,8 @@
 which groups join a contraction's kernel, which stay apart, and numerics unchanged by fusing."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,40 @@ def test_a_template_operand_is_not_recomputed():
     rng = np.random.default_rng(1)
     inputs = {"a": rng.standard_normal((4, 3)).astype(np.float32), "b": rng.standard_normal((3, 3)).astype(np.float32)}
     np.testing.assert_allclose(ir.run(fused, inputs).outputs["y"], ir.run(g, inputs).outputs["y"], rtol=1e-6)
+
+
+BF16_CAPS = dataclasses.replace(CAPS, epilogue_dtypes=frozenset({"float32", "bfloat16"}))
+
+
+def _bf16_train_graph(model, x_shape: tuple[int, ...]) -> ir.Graph:
+    """`train_graph` under precision "bf16": the forward rewritten by autocast before autodiff."""
+    from ember.frontends import functional as F
+    from ember.frontends import spec, trace
+    from ember.passes.optimizer import SGD
+    from ember.passes.pipeline import build_train_graph
+    from ember.passes.precision import autocast
+    from ember.passes.simplify import simplify
+    fwd = trace(lambda x, y: F.cross_entropy(model(x), y), spec(x_shape), spec((x_shape[0],), "int64"),
+                modules={"": model})
+    return simplify(build_train_graph(autocast(fwd), SGD(lr=0.05)))
+
+
+def test_a_bfloat16_relu_backward_joins_its_matmul_where_the_target_reads_bfloat16():
+    """The CNN's ReLU backward behind the linear layer's grad-input, under precision "bf16": the
+    mask (a bfloat16 activation) and the product are bfloat16. With bfloat16 among the caps'
+    epilogue dtypes (CUDA's: its templates read bfloat16 through views) the where joins the matmul
+    as its generated epilogue; with float32 only, it stays a kernel of its own. Numerics unchanged."""
+    g = _bf16_train_graph(cnn(), (4, 1, 28, 28))
+    wheres = lambda f: [f.attrs(n)["kernel"] for n in f.g if f.op(n) == "fused" and any(
+        s.op(m) == "where" and s.type(m).dtype.name == "bfloat16" for s in [f.attrs(n)["graph"]] for m in s.g)]
+    fused = fuse(g, BF16_CAPS)
+    # (the first layer's ReLU backward is conv2d_grad_input's relu_mask epilogue either way)
+    assert sorted((s.kind, s.epilogues) for s in wheres(fused)) == [("conv2d_grad_input", ("relu_mask",)),
+                                                                    ("matmul", ("pointwise",))]
+    apart = fuse(g, CAPS)
+    assert sorted(s.kind for s in wheres(apart)) == ["conv2d_grad_input", "pointwise"]
+    assert sum(kernel_counts(fused).values()) < sum(kernel_counts(apart).values())
+    before, after = run_both(g, fused, cnn(), (4, 1, 28, 28), seed=5)
+    np.testing.assert_array_equal(after.outputs["loss"], before.outputs["loss"])
+    for k in before.updates:
+        np.testing.assert_array_equal(after.updates[k], before.updates[k], err_msg=k)

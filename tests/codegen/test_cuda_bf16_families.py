@@ -1,0 +1,273 @@
+"""The CUDA families that compute bfloat16 contractions in float32 FMAs (the matmuls that are passes
+over memory: thin, skinny_narrow, skinny_short; small_window convolutions; direct's stride-1
+grad-weight) with bfloat16 operands (precision "bf16"), without a GPU. They read bfloat16 through the views and
+vector loads of `bf16.j2` (four values in one 8-byte access), sum the widened values' products
+in float32 FMAs, round the value to bfloat16 before the epilogue (the bias add rounded again, as
+the interpreter's add) and store the output's dtype. Here each runs in the CPU emulation of its
+own source (cuda_emulator.py) against float64 sums of the same bfloat16 values with the same
+roundings: equal but for the last bit where a float32 sum lands near a bfloat16 tie. A kernel
+that read a bfloat16 operand as floats, skipped a rounding or stored the wrong halves fails."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import cuda_emulator
+from ember.codegen import cuda_direct, cuda_skinny
+from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
+
+rng = np.random.default_rng(29)
+
+
+def _operands(M: int, N: int, K: int, trans_a: bool, trans_b: bool) -> dict[str, np.ndarray]:
+    a = (K, M) if trans_a else (M, K)
+    b = (N, K) if trans_b else (K, N)
+    return {"a": round_bf16(rng.standard_normal(a).astype(np.float32)),
+            "b": round_bf16(rng.standard_normal(b).astype(np.float32)),
+            "bias": round_bf16(rng.standard_normal(N).astype(np.float32))}
+
+
+def _reference(v: dict[str, np.ndarray], trans_a: bool, trans_b: bool, bias: bool, relu: bool) -> np.ndarray:
+    a = v["a"].astype(np.float64).T if trans_a else v["a"].astype(np.float64)
+    b = v["b"].astype(np.float64).T if trans_b else v["b"].astype(np.float64)
+    out = round_bf16((a @ b).astype(np.float32))
+    if bias:
+        out = round_bf16(out + v["bias"][None, :])
+    return np.maximum(out, 0) if relu else out
+
+
+def _run(kernel, v: dict[str, np.ndarray], bf16: frozenset[str], shape: tuple[int, int], tmp_path) -> np.ndarray:
+    bufs = {r: bf16_bits(x) if r in bf16 else x for r, x in v.items()}
+    out_bf16 = "out" in bf16
+    bufs["out"] = np.full(shape, 0x7FC0, np.uint16) if out_bf16 else np.full(shape, np.nan, np.float32)
+    cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, "mm"), 0, kernel, bufs)
+    return bf16_values(bufs["out"]) if out_bf16 else bufs["out"]
+
+
+def _check(got: np.ndarray, want: np.ndarray) -> None:
+    assert np.all(np.isfinite(got)), int(np.isnan(got).sum())  # every output written
+    assert np.max(np.abs(got - want)) <= 2.0 ** -7 * np.max(np.abs(want))
+    assert np.mean(got == want) >= 0.97, np.mean(got == want)
+
+
+ALL = frozenset({"a", "b", "bias", "out"})
+
+# (family, M, N, K, trans_a, trans_b, bias, relu, bfloat16 roles)
+CASES = [
+    ("thin", 37, 24, 10, False, False, True, True, ALL),
+    ("thin", 19, 12, 7, True, False, False, False, ALL),
+    ("thin", 21, 16, 5, False, False, False, False, frozenset({"a", "b"})),  # a float32 output
+    ("skinny_narrow", 45, 10, 512, False, True, True, False, ALL),
+    ("skinny_narrow", 13, 3, 96, False, True, False, True, frozenset({"a", "b"})),
+    ("skinny_short", 10, 48, 300, True, False, False, False, ALL),
+    ("skinny_short", 7, 32, 129, False, False, True, True, ALL),
+]
+
+
+def _render(family, M, N, K, trans_a, trans_b, bias, relu, bf16):
+    low = bf16 if bias else bf16 - {"bias"}
+    if family == "thin":
+        return cuda_direct.render_matmul_thin("t", M=M, N=N, K=K, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                                              relu=relu, rows=8, bf16_roles=low)
+    if family == "skinny_narrow":  # a long k split in two (the reduce launch rounds and stores)
+        plan = cuda_skinny.narrow_plan(M, N, K)
+        if K >= 512:
+            plan = dataclasses.replace(plan, S=2, KC=K // 2)
+        return cuda_skinny.render_matmul_narrow("t", M=M, N=N, K=K, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                                                relu=relu, plan=plan, bf16_roles=low)
+    plan = cuda_skinny.short_m_plan(M, N, K)
+    return cuda_skinny.render_matmul_short_m("t", M=M, N=N, K=K, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                                             relu=relu, plan=plan, bf16_roles=low)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bfloat16_memory_pass_matmuls_give_the_bfloat16_reference(case, tmp_path):
+    family, M, N, K, trans_a, trans_b, bias, relu, bf16 = case
+    kernel = _render(*case)
+    assert kernel is not None and "em_bf16_round(v" in kernel.code
+    v = _operands(M, N, K, trans_a, trans_b)
+    if not bias:
+        del v["bias"]
+    want = _reference(v, trans_a, trans_b, bias, relu)
+    _check(_run(kernel, v, bf16, (M, N), tmp_path), want)
+
+
+# the direct grad-weight (stride 1): (n, c, h, w, o, k, padding, bfloat16 roles)
+GW_CASES = [
+    (2, 16, 8, 8, 32, 3, 1, frozenset({"x", "dy", "out"})),  # float4 reads of dy (4 output channels a thread)
+    (2, 8, 8, 11, 16, 3, 0, frozenset({"x", "dy"})),  # a float32 gradient (the value still rounded)
+]
+
+
+def _direct_gw(n, c, h, w, o, k, pad, bf16):
+    return cuda_direct.render_direct_grad_weight("gw", N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, padding=(pad, pad),
+                                                 bf16_roles=bf16)
+
+
+@pytest.mark.parametrize("case", GW_CASES, ids=[f"gw-{i}" for i in range(len(GW_CASES))])
+def test_bfloat16_direct_grad_weight_gives_the_bfloat16_reference(case, tmp_path):
+    """x and dy widened as they are staged (no cp.async), the block partials summed in block order
+    and the sum rounded to bfloat16 before the store."""
+    n, c, h, w, o, k, pad, bf16 = case
+    kernel = _direct_gw(*case)
+    assert kernel is not None and "em_bf16_round(v)" in kernel.code and "stage1(" not in kernel.code
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    v = {"x": round_bf16(rng.standard_normal((n, c, h, w)).astype(np.float32)),
+         "dy": round_bf16(rng.standard_normal((n, o, ho, wo)).astype(np.float32))}
+    xp = np.pad(v["x"].astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    want = np.zeros((o, c, k, k))
+    for kh in range(k):
+        for kw in range(k):
+            want[:, :, kh, kw] = np.einsum("nohw,nchw->oc", v["dy"], xp[:, :, kh:kh + ho, kw:kw + wo])
+    want = round_bf16(want.astype(np.float32))
+    _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)
+
+
+def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
+    """The sources above as NVRTC would get them (the bfloat16 helpers first), warning-free."""
+    from ember.codegen import cuda
+    from nvcc import assert_compiles, nvcc_or_skip
+    nvcc = nvcc_or_skip()
+    kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
+        _small(*case) for case in SMALL_CASES]
+    for i, kernel in enumerate(kernels):
+        path = tmp_path / f"k{i}.cu"
+        path.write_text(cuda.prelude(bf16=True) + kernel.code)
+        assert_compiles(nvcc, path)
+
+
+# small-window convolutions: (kind, n, c, h, w, o, k, stride, padding, bfloat16 roles)
+SMALL_CASES = [
+    ("conv2d", 2, 1, 12, 12, 8, 3, 1, 0, frozenset({"x", "w", "bias", "out"})),
+    ("conv2d", 2, 2, 11, 9, 4, 3, 2, 1, frozenset({"x", "w", "bias", "out"})),
+    ("conv2d_grad_weight", 3, 1, 10, 12, 16, 3, 1, 0, frozenset({"x", "dy", "out"})),
+    ("conv2d_grad_weight", 2, 2, 9, 9, 8, 3, 2, 1, frozenset({"x", "dy"})),
+]
+
+
+def _small(kind, n, c, h, w, o, k, stride, pad, bf16):
+    from ember.codegen import cuda_small_conv
+    geo = dict(N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, stride=(stride, stride), padding=(pad, pad))
+    if kind == "conv2d":
+        return cuda_small_conv.render_small_forward("s", **geo, bias=True, relu=True, bf16_roles=bf16)
+    return cuda_small_conv.render_small_grad_weight("s", **geo, bf16_roles=bf16)
+
+
+def _conv_windows(x: np.ndarray, k: int, stride: int, pad: int) -> np.ndarray:
+    """(n, c, kh, kw, ho, wo) float64 windows of x (zero padding)."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = (xp.shape[2] - k) // stride + 1, (xp.shape[3] - k) // stride + 1
+    return np.stack([np.stack([xp[:, :, a:a + stride * ho:stride, b:b + stride * wo:stride] for b in range(k)], 2)
+                     for a in range(k)], 2)
+
+
+@pytest.mark.parametrize("case", SMALL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(SMALL_CASES)])
+def test_bfloat16_small_window_convolutions_give_the_bfloat16_reference(case, tmp_path):
+    kind, n, c, h, w, o, k, stride, pad, bf16 = case
+    kernel = _small(*case)
+    assert kernel is not None and "em_bf16_round(" in kernel.code
+    bf = lambda shape: round_bf16(rng.standard_normal(shape).astype(np.float32))
+    x = bf((n, c, h, w))
+    win = _conv_windows(x, k, stride, pad)
+    ho, wo = win.shape[-2:]
+    if kind == "conv2d":
+        v = {"x": x, "w": bf((o, c, k, k)), "bias": bf(o)}
+        conv = round_bf16(np.einsum("ncabhw,ocab->nohw", win, v["w"].astype(np.float64)).astype(np.float32))
+        want = np.maximum(round_bf16(conv + v["bias"][None, :, None, None]), 0)
+        shape = (n, o, ho, wo)
+    else:
+        v = {"x": x, "dy": bf((n, o, ho, wo))}
+        want = round_bf16(np.einsum("ncabhw,nohw->ocab", win, v["dy"].astype(np.float64)).astype(np.float32))
+        shape = (o, c, k, k)
+    _check(_run(kernel, v, bf16, shape, tmp_path), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["cnn", "lenet5", "resnet8"])
+def test_every_bfloat16_candidate_matches_the_interpreter_on_the_gpu(model):
+    """Every candidate the tuner measures for every contraction of a bf16 step (these families,
+    direct_tc's bfloat16 pairs and TF32 plans, the GEMM's) run on the GPU against the
+    interpreter's bfloat16 result on the measurer's inputs, within the tuner's bf16 tolerance."""
+    pytest.importorskip("cupy")
+    from ember.codegen import cuda_choices, tuning_db
+    from ember.frontends import nn, optim, plan
+    from ember.frontends.training import build_model
+    from ember.ir import interpreter
+    from ember.ir.dtypes import as_array, as_values
+    from ember.ir.kernel import CONTRACTIONS
+    from ember.runtime.tuner import TOLERANCE, _close, kernels_of
+    from ember.runtime.tuner_cuda import CudaMeasurer
+    shape = (784,) if model == "mlp" else (1, 28, 28)
+    example = (np.zeros((16, *shape), np.float32), np.zeros(16, np.int64))
+    with tuning_db.using(None):
+        graph = next(iter(plan(build_model(model), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example,
+                               device="cuda", precision="bf16").values()))
+    measurer, families = CudaMeasurer(), set()
+    for sub, spec in kernels_of(graph):
+        if spec.kind not in CONTRACTIONS:
+            continue
+        choices = cuda_choices.candidates(sub, spec)
+        trials = measurer.measure(sub, spec, choices, seed=0)
+        rng = np.random.default_rng(0)  # the measurer's inputs: standard normal in input order, as the dtype holds them
+        inputs = {name: as_values(as_array(rng.standard_normal(sub.type(n).shape).astype(np.float32), sub.type(n).dtype),
+                                  sub.type(n).dtype) for name, n in sub.inputs.items()}
+        want = interpreter.run(sub, inputs).outputs["out"]
+        for trial in trials:
+            assert trial.error is None, (sub.name, trial.choice, trial.error)
+            assert _close(trial.output, want, TOLERANCE["bf16"]) is None, (sub.name, trial.choice)
+            families.add(trial.choice[0])
+    assert families & {"thin", "skinny_narrow", "skinny_short", "small_window", "direct"}, families
+
+
+@pytest.mark.parametrize("model", ["cnn", "lenet5"])
+def test_a_bf16_steps_contractions_emulated_match_the_interpreter(model, tmp_path):
+    """Every contraction kernel of a planned bf16 step (its fused epilogues too: ReLU's backward
+    and the SGD updates ride in bfloat16 contractions on CUDA), rendered with the first candidate
+    of every family that serves it, run in the CPU emulation against the interpreter's bfloat16
+    result on the same values, within the tuner's bf16 tolerance. (The GPU twin above measures
+    every candidate on the hardware.)"""
+    from ember.codegen import cuda, cuda_choices, tuning_db
+    from ember.frontends import nn, optim, plan
+    from ember.frontends.training import build_model
+    from ember.ir import interpreter
+    from ember.ir.dtypes import as_array, as_values
+    from ember.ir.kernel import CONTRACTIONS
+    from ember.runtime.tuner import TOLERANCE, _close, kernels_of
+    from ember.codegen.cuda_kernels import counter_words, scratch_offset
+    example = (np.zeros((2, 1, 28, 28), np.float32), np.zeros(2, np.int64))
+    with tuning_db.using(None):
+        graph = next(iter(plan(build_model(model), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example,
+                               device="cuda", precision="bf16").values()))
+    cases = []  # (kernel, sub, roles, values, want)
+    for sub, spec in kernels_of(graph):
+        if spec.kind not in CONTRACTIONS:
+            continue
+        values = {name: as_values(as_array(rng.standard_normal(sub.type(n).shape).astype(np.float32),
+                                           sub.type(n).dtype), sub.type(n).dtype) for name, n in sub.inputs.items()}
+        want = interpreter.run(sub, values).outputs["out"]
+        firsts = {}
+        for choice in cuda_choices.candidates(sub, spec):
+            firsts.setdefault(choice[0], choice)
+        roles = {role: f"in{i}" for role, i in spec.roles}
+        if "mask" in roles:
+            roles["mask_src"] = roles["mask"]
+        for choice in firsts.values():
+            kernel = cuda_choices.render(f"e{len(cases)}", sub, spec, choice, cuda.pointwise_epilogue(sub, spec))
+            cases.append((kernel, sub, roles, values, want, choice))
+    assert {c[5][0] for c in cases} >= {"gemm", "direct_tc", "direct", "small_window", "thin"} - (
+        {"direct_tc", "direct"} if model == "lenet5" else set()), {c[5][0] for c in cases}
+    lib = cuda_emulator.build([c[0] for c in cases], tmp_path, model)
+    for i, (kernel, sub, roles, values, want, choice) in enumerate(cases):
+        out_t = sub.type(sub.outputs["out"])
+        bufs = {"out": as_array(np.full(out_t.shape, np.nan, np.float32), out_t.dtype)}
+        for ln in kernel.launches:
+            for r in ln.args:
+                if r != "out" and r != "scratch" and scratch_offset(r) is None and counter_words(r) is None:
+                    name = roles.get(r, r)
+                    bufs[r] = np.ascontiguousarray(as_array(values[name], sub.type(sub.inputs[name]).dtype))
+        cuda_emulator.run(lib, i, kernel, bufs)
+        got = as_values(bufs["out"], out_t.dtype)
+        assert np.all(np.isfinite(got)), (sub.name, choice)
+        assert _close(got, want, TOLERANCE["bf16"]) is None, (sub.name, choice, _close(got, want, TOLERANCE["bf16"]))
