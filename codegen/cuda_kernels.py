@@ -497,15 +497,12 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     if mk and (warp_grid is None or plan.BK % mk):
         raise ValueError(f"plan {plan} cannot run on {'bfloat16' if bf16 else 'TF32'} tensor cores (tiles of 16 x 8 "
                          f"per warp, k-tiles of {mk})")
-    # Shared-memory row padding (floats): for the FMA path, 4 on a k-fast operand (stored
+    # Shared-memory row padding (words): for the FMA path, 4 on a k-fast operand (stored
     # transposed: turns 32-way bank conflicts on the stores into 4-way, keeps 16-byte rows for
-    # the vector reads); for the tensor-core path, rows of 8 mod 32 floats (TF32) or 4 mod 32
-    # (bfloat16, whose fragments read k rows 2t apart): conflict-free fragment reads.
-    if bf16:
-        a_pad, b_pad = (4 - plan.BM % 32) % 32, (4 - plan.BN % 32) % 32
-    else:
-        a_pad = (8 - plan.BM % 32) % 32 if tf32 else (4 if a_kfast else 0)
-        b_pad = (8 - plan.BN % 32) % 32 if tf32 else (4 if b_kfast else 0)
+    # the vector reads); for the tensor-core paths, rows of 8 mod 32 words (TF32's floats, or
+    # bfloat16 pairs: fragments read rows t apart): conflict-free fragment reads.
+    a_pad = (8 - plan.BM % 32) % 32 if mk else (4 if a_kfast else 0)
+    b_pad = (8 - plan.BN % 32) % 32 if mk else (4 if b_kfast else 0)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)

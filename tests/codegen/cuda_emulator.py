@@ -233,10 +233,10 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
     def to_arena_2d(m: re.Match) -> str:  # a tile `float As[BK][SA]` (or more axes): a reference to an array in the arena
         nonlocal slots
         slots += 1
-        return f"auto& {m.group(1)} = *reinterpret_cast<float(*){m.group(2)}>(ember_emu::shared_array({slots - 1}));"
+        return f"auto& {m.group(2)} = *reinterpret_cast<{m.group(1)}(*){m.group(3)}>(ember_emu::shared_array({slots - 1}));"
 
     code = re.sub(r"__shared__ __align__\(16\) (float|unsigned) (\w+)\[[^\]]+\];", to_arena, code)
-    code = re.sub(r"__shared__ __align__\(16\) float (\w+)((?:\[[^\]]+\]){2,});", to_arena_2d, code)
+    code = re.sub(r"__shared__ __align__\(16\) (float|unsigned) (\w+)((?:\[[^\]]+\]){2,});", to_arena_2d, code)
     # namespace-scope tables (`static __shared__ int koff_[K]`): one static array, which every
     # block (run one after another) fills in its prologue before reading
     code = code.replace("static __shared__ ", "static ")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import cuda_emulator
+import cuda_refs
 from ember.codegen import cuda_direct, cuda_skinny
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
 
@@ -131,7 +132,7 @@ def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
     from nvcc import assert_compiles, nvcc_or_skip
     nvcc = nvcc_or_skip()
     kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
-        _small(*case) for case in SMALL_CASES]
+        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case) for case in GEMM_CASES]
     for i, kernel in enumerate(kernels):
         path = tmp_path / f"k{i}.cu"
         path.write_text(cuda.prelude(bf16=True) + kernel.code)
@@ -271,3 +272,86 @@ def test_a_bf16_steps_contractions_emulated_match_the_interpreter(model, tmp_pat
         got = as_values(bufs["out"], out_t.dtype)
         assert np.all(np.isfinite(got)), (sub.name, choice)
         assert _close(got, want, TOLERANCE["bf16"]) is None, (sub.name, choice, _close(got, want, TOLERANCE["bf16"]))
+
+
+# The GEMM family's bfloat16 path: operands staged two k a word (k, k + 1), fragments read as
+# they are. (kind, geometry, split-K, run-time sizes)
+GEMM_CASES = [
+    ("matmul", dict(M=37, N=24, K=53, batch=1, trans_a=False, trans_b=False), False, False),  # odd K: a lone last k
+    ("matmul", dict(M=20, N=40, K=96, batch=2, trans_a=True, trans_b=True), False, False),
+    ("matmul", dict(M=16, N=12, K=300, batch=1, trans_a=False, trans_b=True), True, False),
+    ("matmul", dict(M=24, N=32, K=77, batch=3, trans_a=True, trans_b=False), False, True),
+    ("conv_fwd", dict(N=2, C=5, H=9, W=9, O=12, KH=3, KW=3, stride=1, padding=(1, 1)), False, False),
+    ("conv_fwd", dict(N=2, C=6, H=10, W=10, O=16, KH=3, KW=3, stride=2, padding=(1, 1)), False, True),
+    ("conv_gi", dict(N=2, C=6, H=10, W=10, O=16, KH=3, KW=3, stride=2, padding=(1, 1)), False, False),
+    ("conv_gw", dict(N=2, C=8, H=7, W=7, O=8, KH=3, KW=3, stride=1, padding=(1, 1)), True, False),
+    ("conv_gw", dict(N=3, C=4, H=9, W=8, O=6, KH=3, KW=3, stride=2, padding=(0, 1)), False, True),
+]
+
+
+def _gemm_bf16(kind, g, split, runtime):
+    from ember.codegen import cuda_kernels as ck
+    HO, WO = cuda_refs.conv_out(g) if kind != "matmul" else (0, 0)
+    if kind == "matmul":
+        view = (g["M"], g["N"], g["K"], g["batch"], not g["trans_a"], g["trans_b"])
+    elif kind == "conv_fwd":
+        view = (g["N"] * HO * WO, g["O"], g["C"] * 9, 1, False, True)
+    elif kind == "conv_gi":
+        view = (*ck.grad_input_gemm(g["N"], g["C"], g["H"], g["W"], g["O"], 3, 3, g["stride"], g["padding"]), False, True)
+    else:
+        view = (g["O"], g["C"] * 9, g["N"] * HO * WO, 1, True, True)
+    M, N, K, batch, a_kfast, b_kfast = view
+    plans = [p for p in ck.plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, bf16=True)
+             if (p.splits > 1) == split]
+    assert plans, (kind, g, split)
+    common = dict(plan=plans[0], runtime_batch=runtime)
+    if kind == "matmul":
+        return ck.render_matmul("k", **g, bias=True, bf16_roles=frozenset({"a", "b", "bias", "out"}), **common)
+    if kind == "conv_fwd":
+        return ck.render_conv2d_forward("k", **g, bias=True, relu=True, bf16_roles=frozenset({"x", "w", "bias", "out"}),
+                                        **common)
+    if kind == "conv_gi":
+        return ck.render_conv2d_grad_input("k", **g, relu_mask=True, bf16_roles=frozenset({"dy", "w", "mask_src", "out"}),
+                                           **common)
+    return ck.render_conv2d_grad_weight("k", **g, bias=True, bf16_roles=frozenset({"x", "dy", "out"}), **common)
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(GEMM_CASES)])
+def test_bfloat16_gemm_kernels_give_the_bfloat16_reference(case, tmp_path):
+    """The pairs are staged as the loaders read them (a k past K a zero half), so odd K, split-K,
+    run-time sizes, k-fast and n-fast operands and the grad-weight's fused row sum (db, float32)
+    all give float64 sums of the bfloat16 values, rounded as the interpreter rounds."""
+    kind, g, split, runtime = case
+    kernel = _gemm_bf16(*case)
+    assert "mma_bf16(" in kernel.code and "unsigned As[KS][SA]" in kernel.code
+    bf = lambda shape: round_bf16(rng.standard_normal(shape).astype(np.float32))
+    if kind == "matmul":
+        a = bf((g["batch"], g["K"], g["M"]) if g["trans_a"] else (g["batch"], g["M"], g["K"]))
+        b = bf((g["batch"], g["N"], g["K"]) if g["trans_b"] else (g["batch"], g["K"], g["N"]))
+        v = {"a": a, "b": b, "bias": bf(g["N"])}
+        mm = round_bf16(cuda_refs.matmul_ref(a, b, g).astype(np.float32))
+        want, shape = round_bf16(mm + v["bias"]), (g["batch"], g["M"], g["N"])
+    elif kind == "conv_fwd":
+        HO, WO = cuda_refs.conv_out(g)
+        v = {"x": bf((g["N"], g["C"], g["H"], g["W"])), "w": bf((g["O"], g["C"], 3, 3)), "bias": bf(g["O"])}
+        conv = round_bf16(cuda_refs.conv_fwd_ref(v["x"], v["w"], None, g, relu=False).astype(np.float32))
+        want, shape = np.maximum(round_bf16(conv + v["bias"][None, :, None, None]), 0), (g["N"], g["O"], HO, WO)
+    elif kind == "conv_gi":
+        HO, WO = cuda_refs.conv_out(g)
+        v = {"dy": bf((g["N"], g["O"], HO, WO)), "w": bf((g["O"], g["C"], 3, 3)),
+             "mask_src": bf((g["N"], g["C"], g["H"], g["W"]))}
+        want = round_bf16(cuda_refs.conv_grad_input_ref(v["dy"], v["w"], g, v["mask_src"]).astype(np.float32))
+        shape = want.shape
+    else:
+        HO, WO = cuda_refs.conv_out(g)
+        v = {"x": bf((g["N"], g["C"], g["H"], g["W"])), "dy": bf((g["N"], g["O"], HO, WO))}
+        dw, db = cuda_refs.conv_grad_weight_ref(v["x"], v["dy"], g)
+        want, shape = round_bf16(dw.astype(np.float32)), dw.shape
+    bf16 = frozenset(r for r in ("a", "b", "bias", "x", "w", "dy", "mask_src") if r in v) | {"out"}
+    if kind == "conv_gw":
+        v["db"] = np.full(g["O"], np.nan, np.float32)  # the row sum: float32 (a role of its own)
+        bf16 = bf16 - {"db"}
+    got = _run(kernel, v, bf16, shape, tmp_path)
+    _check(got, want)
+    if kind == "conv_gw":
+        np.testing.assert_allclose(v["db"], db, rtol=1e-5, atol=1e-5)
