@@ -326,6 +326,20 @@ def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
                                                                  g["KH"], g["KW"], g.get("dtype") == "bfloat16")))
 
 
+def _direct_tc_accepts(g: dict[str, Any], plan: Plan) -> bool | None:
+    """A forward or grad-input plan fits where it tiles the geometry (a record measured before the
+    planner changed stays valid); a grad-weight's must be among today's candidates."""
+    if g["kind"] == "conv2d_grad_weight":
+        return None
+    geo = cuda_direct_tc.tc_direct_problem(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
+    try:
+        p = cuda_direct_tc.TcPlan(**dict(plan))
+    except TypeError:
+        return False
+    return geo is not None and cuda_direct_tc.tc_plan_fits(p, g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"],
+                                                           g["KH"], g["KW"], g.get("dtype") == "bfloat16")
+
+
 def _direct_tc_plans(g: dict[str, Any]) -> list[Plan]:
     return _direct_tc_candidates(g)[:1]
 
@@ -642,7 +656,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # the others compute in float32 whatever the precision, which TF32 permits (bfloat16
     # operands widened as they are read)
     Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
-           _direct_tc_render, tuning_plans=_direct_tc_candidates),
+           _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
            _thin_rejects, _plain, _no_scratch, _thin_render),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,

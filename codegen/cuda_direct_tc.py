@@ -157,6 +157,18 @@ def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: in
     return sorted(plans, key=lambda p: -p.score)
 
 
+def tc_plan_fits(plan: TcPlan, N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int,
+                 pairs: bool = False) -> bool:
+    """Whether a forward / grad-input plan (a tuning record's, which the planner of today may no
+    longer list) tiles this convolution and its stage fits a block's static shared memory: bfloat16
+    operands (`pairs`) stage a 16-channel multiple two channels a word, any other stage as floats."""
+    pairs = pairs and plan.CC % 16 == 0
+    return (plan.CC % 8 == 0 and 0 < plan.CC <= 32 and 1 <= plan.RB <= HO and plan.FM >= 1 and plan.FN >= 1
+            and plan.WM * plan.FM * 16 >= plan.RB * WO and plan.WN * plan.FN == ceil_div(CO, 8)
+            and 64 <= plan.threads <= 1024 and N <= 65535
+            and 4 * tc_shared_floats(plan.CC, plan.RB, KH, KW, WO, CO, pairs) <= static_shared_budget(current()))
+
+
 def _spread(ranked: list, *shapes) -> list:
     """The best TUNE_TOP plans, then the best of each value of every `shape(plan)` among the rest
     (the ranking is a guess: the spread covers what it may misjudge)."""

@@ -441,3 +441,17 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(idx):
             assert err <= TOLERANCE["tf32"], (sub.name, spec.describe(), trial.choice, err)
             measured += 1
     assert measured > 0
+
+
+def test_a_tuned_plan_that_tiles_the_geometry_stays_valid_when_the_planner_no_longer_lists_it():
+    """The bfloat16 planner (16-channel stages) lists other plans than the one its shipped records
+    measured; a record's plan that tiles the convolution and fits shared memory is still taken,
+    one that does not tile it is refused."""
+    g = dict(kind="conv2d_grad_input", epilogues=("relu_mask",), tf32=False, dtype="bfloat16", N=1024, C=16, H=26,
+             W=26, O=32, KH=3, KW=3, HO=24, WO=24, stride=(1, 1), padding=(0, 0))
+    family = cuda_choices.FAMILIES["direct_tc"]
+    listed = set(family.all_plans(g))
+    kept = (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 2), ("WM", 8), ("WN", 1))
+    assert kept not in listed and family.fits(g, kept)
+    assert not family.fits(g, (("RB", 13), ("CC", 16), ("FM", 1), ("FN", 2), ("WM", 8), ("WN", 1)))  # 128 < 13 x 26 pixels
+    assert not family.fits(g, (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 1), ("WM", 8), ("WN", 1)))  # 8 of 16 channels
