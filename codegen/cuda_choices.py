@@ -306,10 +306,9 @@ def _direct_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], p
 # -- direct_tc: the direct convolutions on TF32 tensor cores (cuda_direct_tc)
 
 def _direct_tc_rejects(g: dict[str, Any]) -> str | None:
-    if g.get("dtype") == "bfloat16":  # exact in TF32: its mma computes bfloat16 products as they are
-        if g["kind"] == "conv2d_grad_weight":
-            return "its grad-weight stages float32 operands with cp.async (bfloat16 operands: gemm, direct)"
-    elif not g["tf32"]:
+    # bfloat16 operands: pairs on the bfloat16 mma (forward, grad-input) or widened floats, exact
+    # in TF32 (grad-weight, and stages of 8 or 24 channels)
+    if g.get("dtype") != "bfloat16" and not g["tf32"]:
         return "it runs on TF32 tensor cores: precision 'tf32' or bfloat16 operands only"
     return _direct_geometry_rejects(g)
 
@@ -359,7 +358,8 @@ def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
     p, eps = dict(plan), spec.epilogues
     if g["kind"] == "conv2d_grad_weight":
         return cuda_direct_tc.render_direct_tc_grad_weight(name, **_conv_args(g), epilogue=epilogue,
-                                                           plan=cuda_direct_tc.TcGwPlan(**p))
+                                                           plan=cuda_direct_tc.TcGwPlan(**p),
+                                                           bf16_roles=bf16_roles(sub, spec))
     return cuda_direct_tc.render_direct_tc(name, grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g),
                                            bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
                                            epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p),
@@ -652,7 +652,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            accepts_reused=_direct_accepts_reused, code_geometry=_direct_code),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries
     # they take (direct_tc: precision "tf32", and bfloat16 operands, as pairs on the bfloat16 mma
-    # or exact in TF32, but for its grad-weight; gemm: its plans follow the geometry's tf32);
+    # or exact in TF32; gemm: its plans follow the geometry's tf32);
     # the others compute in float32 whatever the precision, which TF32 permits (bfloat16
     # operands widened as they are read)
     Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,

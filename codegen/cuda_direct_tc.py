@@ -296,10 +296,13 @@ def tc_grad_weight_candidates(N: int, C: int, O: int, KH: int, KW: int, HO: int,
 
 def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                                  stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
-                                 plan: TcGwPlan | None = None) -> CudaKernel | None:
+                                 plan: TcGwPlan | None = None,
+                                 bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) for stride 1 on TF32 tensor cores: roles x, dy, out
     (O, C, KH, KW); two launches (per-block partials in scratch, their fixed-order sum); None
-    where no plan fits. `plan`: the planner's best."""
+    where no plan fits. `plan`: the planner's best. `bf16_roles`: the roles holding bfloat16
+    (precision "bf16": x and dy widened as they are staged, exact in TF32; the sum rounded to
+    bfloat16 before the epilogue)."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
@@ -324,7 +327,8 @@ def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O
         KHW=plan.KHW, blocks=plan.blocks, threads=threads, ps=stride_4_mod_8(round_up(plan.RB * WO, 8)),
         plane=stride_4_mod_8((plan.RB + KH - 1) * (WO + KW - 1)), buf=tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB),
         roles=roles, inputs=inputs, unrestricted=unrestricted,
-        signature=kernel_signature(roles, inputs, unrestricted, True), rg=rg, rgrid=ceil_div(outs, 32), pw=epilogue)
+        signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), rg=rg, rgrid=ceil_div(outs, 32),
+        pw=epilogue, bf16_roles=bf16_roles, bf16=bool({"x", "dy"} & bf16_roles))
     args = roles + ("scratch",)
     return CudaKernel(name, code, (Launch(f"{name}_direct_tc", (plan.blocks, 1, 1), (threads, 1, 1), smem, args),
                                    Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),

@@ -132,7 +132,8 @@ def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
     from nvcc import assert_compiles, nvcc_or_skip
     nvcc = nvcc_or_skip()
     kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
-        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case) for case in GEMM_CASES]
+        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case) for case in GEMM_CASES] + [
+        _direct_tc_gw(*case) for case in GW_CASES]
     for i, kernel in enumerate(kernels):
         path = tmp_path / f"k{i}.cu"
         path.write_text(cuda.prelude(bf16=True) + kernel.code)
@@ -355,3 +356,26 @@ def test_bfloat16_gemm_kernels_give_the_bfloat16_reference(case, tmp_path):
     _check(got, want)
     if kind == "conv_gw":
         np.testing.assert_allclose(v["db"], db, rtol=1e-5, atol=1e-5)
+
+
+def _direct_tc_gw(n, c, h, w, o, k, pad, bf16):
+    from ember.codegen import cuda_direct_tc as ct
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    plan = ct.tc_grad_weight_candidates(n, c, o, k, k, ho, wo)[0]
+    return ct.render_direct_tc_grad_weight("tg", N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, padding=(pad, pad), plan=plan,
+                                           bf16_roles=bf16)
+
+
+@pytest.mark.parametrize("case", GW_CASES, ids=[f"tcgw-{i}" for i in range(len(GW_CASES))])
+def test_bfloat16_direct_tc_grad_weight_gives_the_bfloat16_reference(case, tmp_path):
+    """direct_tc's grad-weight with bfloat16 operands: widened as staged (no cp.async), exact in
+    TF32's mma, the block partials summed in order and rounded to bfloat16 before the store."""
+    n, c, h, w, o, k, pad, bf16 = case
+    kernel = _direct_tc_gw(*case)
+    assert kernel is not None and "em_bf16_round(v)" in kernel.code and "stage1(" not in kernel.code
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    v = {"x": round_bf16(rng.standard_normal((n, c, h, w)).astype(np.float32)),
+         "dy": round_bf16(rng.standard_normal((n, o, ho, wo)).astype(np.float32))}
+    want = round_bf16(cuda_refs.conv_grad_weight_ref(v["x"], v["dy"], dict(stride=1, padding=(pad, pad), KH=k,
+                                                                               KW=k))[0].astype(np.float32))
+    _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)

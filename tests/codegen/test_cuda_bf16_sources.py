@@ -55,14 +55,15 @@ def test_every_contraction_runs_on_a_family_that_takes_bfloat16(model):
             if spec.choice[0] == "gemm":
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
             elif spec.choice[0] == "direct_tc":  # bfloat16 pairs (stages of 16 channels) or TF32 on exact values
-                mma = "m16n8k16.row.col.f32.bf16" if dict(spec.choice[1])["CC"] % 16 == 0 else "m16n8k8.row.col.f32.tf32"
-                assert mma in code and "em_bf16_round(acc" in code
+                pairs = spec.kind != "conv2d_grad_weight" and dict(spec.choice[1])["CC"] % 16 == 0
+                mma = "m16n8k16.row.col.f32.bf16" if pairs else "m16n8k8.row.col.f32.tf32"
+                assert mma in code and ("em_bf16_round(acc" in code or "em_bf16_round(v)" in code)
             else:  # float32 FMAs on the widened values, the value rounded before its epilogue
                 assert ("em_bf16_round(v" in code or "em_bf16_round(acc" in code) and "mma" not in code
-            # direct_tc takes a forward or grad-input the direct kernels take (stride 1); every
-            # other family that serves the kind says why it does not serve bfloat16
+            # direct_tc takes a convolution the direct kernels take (stride 1); every other
+            # family that serves the kind says why it does not serve bfloat16
             for f in cuda_choices.FAMILIES.values():
-                if f.name == "direct_tc" and spec.kind != "conv2d_grad_weight" and \
+                if f.name == "direct_tc" and \
                         cuda_choices.TABLE.applies(cuda_choices.FAMILIES["direct"], dict(g, dtype=None)) is None:
                     assert cuda_choices.TABLE.applies(f, g) is None
                 elif spec.kind in FLOAT32_ONLY.get(f.name, ()):
