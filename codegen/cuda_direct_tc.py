@@ -129,32 +129,47 @@ def tc_forward_plans(N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: in
     NT = ceil_div(CO, 8)
     plans = []
     for RB in range(1, HO + 1):
-        CC = tc_channels_per_step(CI, RB, KH, KW, WO, CO, pairs)
-        if CC is None:
-            break  # more rows fit even less
         MT = ceil_div(RB * WO, 16)
-        for FN in _divisors(NT, 8):
-            for FM in (1, 2, 3, 4):
-                WM, WN = ceil_div(MT, FM), NT // FN
-                if 4 * FM * FN > MAX_ACCUMULATORS or not 64 <= 32 * WM * WN <= 512:
-                    continue
-                # work done over work issued: pixel tiles, rows past HO, channel tiles, k steps
-                useful = (RB * WO / (16 * FM * WM) * HO / (ceil_div(HO, RB) * RB) * CO / (8 * NT)
-                          * CI / (CC * ceil_div(CI, CC)))
-                lds = (4 * FM + 2 * FN) / (FM * FN)  # fragment loads a mma
-                # warp instructions staging a stage's rows and weights (~12 a word) a mma
-                rows, ksteps = (CC // 2, CC // 16) if pairs else (CC, CC // 8)
-                staging = 12 / 32 * (rows * (RB + KH - 1) * (WO + KW - 1) + KH * KW * rows * CO) \
-                    / (ksteps * KH * KW * WM * FM * WN * FN)
-                fill = min(1.0, N * ceil_div(HO, RB) / (2 * sms))
-                # registers: ptxas -v on conv2's plans (accumulators, fragments, offsets) ~ this
-                occupancy = _occupancy(32 * WM * WN, 4 * FM * FN + 8 * FM + 4 * FN + 16,
-                                       4 * tc_shared_floats(CC, RB, KH, KW, WO, CO, pairs))
-                if occupancy == 0:
-                    continue  # not one block fits a multiprocessor's registers: it would spill
-                score = useful * fill * occupancy / (1 + 0.5 * (lds + staging))
-                plans.append(TcPlan(RB, CC, FM, FN, WM, WN, score))
+        fitted = False
+        for NB in tc_channel_tiles(CO):  # 8-channel tiles a block: every output channel, or a share
+            tiles = ceil_div(NT, NB)
+            CC = tc_channels_per_step(CI, RB, KH, KW, WO, 8 * NB, pairs)
+            if CC is None:
+                continue
+            fitted = True
+            for FN in _divisors(NB, 8):
+                for FM in (1, 2, 3, 4):
+                    WM, WN = ceil_div(MT, FM), NB // FN
+                    if 4 * FM * FN > MAX_ACCUMULATORS or not 64 <= 32 * WM * WN <= 512:
+                        continue
+                    # work done over work issued: pixel tiles, rows past HO, channel tiles, k steps
+                    useful = (RB * WO / (16 * FM * WM) * HO / (ceil_div(HO, RB) * RB) * CO / (8 * NB * tiles)
+                              * CI / (CC * ceil_div(CI, CC)))
+                    lds = (4 * FM + 2 * FN) / (FM * FN)  # fragment loads a mma
+                    # warp instructions staging a stage's rows and weights (~12 a word) a mma (the
+                    # rows staged again by every channel tile's block)
+                    rows, ksteps = (CC // 2, CC // 16) if pairs else (CC, CC // 8)
+                    staging = 12 / 32 * (rows * (RB + KH - 1) * (WO + KW - 1) + KH * KW * rows * 8 * NB) \
+                        / (ksteps * KH * KW * WM * FM * WN * FN)
+                    fill = min(1.0, N * ceil_div(HO, RB) * tiles / (2 * sms))
+                    # registers: ptxas -v on conv2's plans (accumulators, fragments, offsets) ~ this
+                    occupancy = _occupancy(32 * WM * WN, 4 * FM * FN + 8 * FM + 4 * FN + 16,
+                                           4 * tc_shared_floats(CC, RB, KH, KW, WO, 8 * NB, pairs))
+                    if occupancy == 0:
+                        continue  # not one block fits a multiprocessor's registers: it would spill
+                    score = useful * fill * occupancy / (1 + 0.5 * (lds + staging))
+                    plans.append(TcPlan(RB, CC, FM, FN, WM, WN, score))
+        if not fitted:
+            break  # more rows fit even less
     return sorted(plans, key=lambda p: -p.score)
+
+
+def tc_channel_tiles(CO: int) -> list[int]:
+    """8-channel tiles of output channels a block may own: all of them (their weights staged
+    together), or for more than 64 channels 4, 8 or 16 tiles (a grid axis over the shares, each
+    block staging its share's weights: 256 channels' weights of a 16-channel stage are 76 KB)."""
+    NT = ceil_div(CO, 8)
+    return [NT] + ([d for d in (4, 8, 16) if d < NT] if NT > 8 else [])
 
 
 def tc_plan_fits(plan: TcPlan, N: int, CI: int, CO: int, HO: int, WO: int, KH: int, KW: int,
@@ -164,9 +179,10 @@ def tc_plan_fits(plan: TcPlan, N: int, CI: int, CO: int, HO: int, WO: int, KH: i
     operands (`pairs`) stage a 16-channel multiple two channels a word, any other stage as floats."""
     pairs = pairs and plan.CC % 16 == 0
     return (plan.CC % 8 == 0 and 0 < plan.CC <= 32 and 1 <= plan.RB <= HO and plan.FM >= 1 and plan.FN >= 1
-            and plan.WM * plan.FM * 16 >= plan.RB * WO and plan.WN * plan.FN == ceil_div(CO, 8)
+            and plan.WM * plan.FM * 16 >= plan.RB * WO and 1 <= plan.WN * plan.FN <= ceil_div(CO, 8)
             and 64 <= plan.threads <= 1024 and N <= 65535
-            and 4 * tc_shared_floats(plan.CC, plan.RB, KH, KW, WO, CO, pairs) <= static_shared_budget(current()))
+            and 4 * tc_shared_floats(plan.CC, plan.RB, KH, KW, WO, 8 * plan.WN * plan.FN, pairs)
+            <= static_shared_budget(current()))
 
 
 def _spread(ranked: list, *shapes) -> list:
@@ -232,16 +248,19 @@ def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: 
         plan = plans[0]
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     RS, WS = plan.RB + KH - 1, geo["WO_"] + KW - 1
+    NB = plan.WN * plan.FN  # 8-channel tiles a block
     if not (plan.CC % 8 == 0 and plan.WM * plan.FM * 16 >= plan.RB * geo["WO_"]
-            and plan.WN * plan.FN == ceil_div(geo["CO"], 8)):
+            and 1 <= NB <= ceil_div(geo["CO"], 8)):
         raise ValueError(f"{name}: plan {plan} does not tile {geo['CO']} channels x {plan.RB} rows of {geo['WO_']}")
-    grid = (ceil_div(geo["HO_"], plan.RB), N, 1)
+    tiles = ceil_div(geo["CO"], 8 * NB)  # blocks along the output channels (grid z)
+    grid = (ceil_div(geo["HO_"], plan.RB), N, tiles)
     # bfloat16 operands a stage of whole 16-channel steps: multiplied as bfloat16 pairs (m16n8k16)
     pairs = {src, "w"} <= bf16_roles and plan.CC % 16 == 0
     code = _env.get_template("conv2d_direct_tc.j2").render(
         name=name, description=description, N=N, KH=KH, KW=KW, **geo, RB=plan.RB, CC=plan.CC, FM=plan.FM,
         FN=plan.FN, WM=plan.WM, WN=plan.WN, threads=plan.threads, plane=stride_8_mod_16(RS * WS),
-        cop=stride_8_mod_16(round_up(geo["CO"], 8)), roles=roles, inputs=inputs, unrestricted=unrestricted,
+        cop=stride_8_mod_16(round_up(geo["CO"], 8) if tiles == 1 else 8 * NB), tiles=tiles,
+        roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles), grid=grid, flip=grad_input,
         src=src, bias=bias and not grad_input, relu=relu and not grad_input, relu_mask=relu_mask and grad_input,
         pw=epilogue, bf16_roles=bf16_roles, bf16=bool(bf16_roles), pairs=pairs, bits="" if pairs else "__float_as_uint")

@@ -104,14 +104,16 @@ def _grid(*sizes: int) -> list[np.ndarray]:
 
 def forward_writes(kernel, images: int) -> np.ndarray:
     """How many times the forward / grad-input kernel writes each output, from its index mapping:
-    block (x, image), warp (wm, wn), lane (g, t), tile (i, j), accumulator r."""
+    block (x, image, share of the output channels), warp (wm, wn), lane (g, t), tile (i, j),
+    accumulator r."""
     c = _consts(kernel.code)
     (ln,) = kernel.launches
     assert ln.grid[1] == images and ln.block[0] == 32 * c["WM"] * c["WN"]
-    bx, n, warp, lane, i, j, r = _grid(ln.grid[0], images, c["WM"] * c["WN"], 32, c["FM"], c["FN"], 4)
+    assert ln.grid[2] == c.get("TILES", 1)
+    bx, n, z, warp, lane, i, j, r = _grid(ln.grid[0], images, ln.grid[2], c["WM"] * c["WN"], 32, c["FM"], c["FN"], 4)
     wm, wn, g, t = warp % c["WM"], warp // c["WM"], lane // 4, lane % 4
     q = (wm * c["FM"] + i) * 16 + g + 8 * (r // 2)
-    co = (wn * c["FN"] + j) * 8 + 2 * t + r % 2
+    co = z * c["WN"] * c["FN"] * 8 + (wn * c["FN"] + j) * 8 + 2 * t + r % 2
     ho, wo = bx * c["RB"] + q // c["WO"], q % c["WO"]
     live = (q < c["RB"] * c["WO"]) & (ho < c["HO"]) & (co < c["CO"])
     oi = ((n * c["CO"] + co) * c["HO"] + ho) * c["WO"] + wo
@@ -446,8 +448,8 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(idx):
 
 def test_a_tuned_plan_that_tiles_the_geometry_stays_valid_when_the_planner_no_longer_lists_it():
     """The bfloat16 planner (16-channel stages) lists other plans than the one its shipped records
-    measured; a record's plan that tiles the convolution and fits shared memory is still taken,
-    one that does not tile it is refused."""
+    measured; a record's plan that tiles the convolution (its blocks owning every output channel
+    or a share of them) and fits shared memory is still taken, one that does not tile it is refused."""
     g = dict(kind="conv2d_grad_input", epilogues=("relu_mask",), tf32=False, dtype="bfloat16", N=1024, C=16, H=26,
              W=26, O=32, KH=3, KW=3, HO=24, WO=24, stride=(1, 1), padding=(0, 0))
     family = cuda_choices.FAMILIES["direct_tc"]
@@ -455,4 +457,57 @@ def test_a_tuned_plan_that_tiles_the_geometry_stays_valid_when_the_planner_no_lo
     kept = (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 2), ("WM", 8), ("WN", 1))
     assert kept not in listed and family.fits(g, kept)
     assert not family.fits(g, (("RB", 13), ("CC", 16), ("FM", 1), ("FN", 2), ("WM", 8), ("WN", 1)))  # 128 < 13 x 26 pixels
-    assert not family.fits(g, (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 1), ("WM", 8), ("WN", 1)))  # 8 of 16 channels
+    assert family.fits(g, (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 1), ("WM", 8), ("WN", 1)))  # 8 of 16 channels a block
+    assert not family.fits(g, (("RB", 13), ("CC", 16), ("FM", 3), ("FN", 3), ("WM", 8), ("WN", 1)))  # 24 > 16 channels
+
+
+#: more than 64 output channels (forward: O; grad-input: C), so the planner offers blocks owning a
+#: share of them (grid z over the shares, the last share partly past the channels)
+WIDE = dict(N=1, C=72, H=5, W=6, O=76, KH=3, KW=3, stride=1, padding=(1, 1))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["tf32", "bf16"])
+def test_plans_owning_a_share_of_the_output_channels_match_the_reference(bf16, tmp_path):
+    """A block that stages only its share's weights (all of a wide layer's: 9 x 16 x 264 words at
+    256 channels, over a block's shared memory) computes the same convolution: TF32 on floats, and
+    bfloat16 pairs on the bfloat16 mma, forward (+bias +relu) and grad-input (*relu-mask)."""
+    g = WIDE
+    kernels = []
+    for kind, gi in (("conv_fwd", False), ("conv_gi", True)):
+        geo = ct.tc_direct_problem(grad_input=gi, **g)
+        NT = -(-geo["CO"] // 8)
+        plans = ct.tc_forward_plans(g["N"], geo["CI"], geo["CO"], geo["HO_"], geo["WO_"], g["KH"], g["KW"], pairs=bf16)
+        shared = [p for p in plans if p.WN * p.FN < NT and NT % (p.WN * p.FN)]  # a partial last share
+        assert shared, (kind, NT)
+        roles = frozenset({"dy", "w", "mask_src", "out"} if gi else {"x", "w", "bias", "out"}) if bf16 else frozenset()
+        k = ct.render_direct_tc(f"w_{kind}", grad_input=gi, bias=not gi, relu=not gi, relu_mask=gi, plan=shared[0],
+                                bf16_roles=roles, **g)
+        assert k.launches[0].grid[2] == -(-NT // (shared[0].WN * shared[0].FN)) > 1 and "co0 + " in k.code
+        assert ("mma_bf16(" in k.code) == bf16
+        kernels.append((kind, k))
+    lib = cuda_emulator.build([k for _, k in kernels], tmp_path, "wide")
+    rng = np.random.default_rng(7)
+    for i, (kind, k) in enumerate(kernels):
+        bufs, ref = _case(kind, g, rng)
+        if bf16:
+            vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
+            if kind == "conv_fwd":
+                conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
+                ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
+            else:
+                ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
+            bits = {r: bf16_bits(v) for r, v in vals.items()}
+            bits["out"] = np.full(bufs["out"].shape, 0x7FC0, np.uint16)
+            cuda_emulator.run(lib, i, k, bits)
+            got = bf16_values(bits["out"])
+            assert np.all(np.isfinite(got)) and np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), k.name
+            assert np.mean(got == ref) >= 0.97, (k.name, np.mean(got == ref))
+        else:
+            cuda_emulator.run(lib, i, k, bufs)
+            got = bufs["out"]
+            assert np.all(np.isfinite(got)), (k.name, int(np.isnan(got).sum()))
+            assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) <= 1e-5, k.name
+        assert np.all(forward_writes(k, g["N"]) == 1), k.name
+    src = tmp_path / "wide.cu"
+    src.write_text(cuda.prelude(bf16=True) + "\n".join(k.code for _, k in kernels))
+    assert_compiles(nvcc_or_skip(), src)
