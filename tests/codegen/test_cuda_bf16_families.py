@@ -126,20 +126,6 @@ def test_bfloat16_direct_grad_weight_gives_the_bfloat16_reference(case, tmp_path
     _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)
 
 
-def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
-    """The sources above as NVRTC would get them (the bfloat16 helpers first), warning-free."""
-    from ember.codegen import cuda
-    from nvcc import assert_compiles, nvcc_or_skip
-    nvcc = nvcc_or_skip()
-    kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
-        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case) for case in GEMM_CASES] + [
-        _direct_tc_gw(*case) for case in GW_CASES]
-    for i, kernel in enumerate(kernels):
-        path = tmp_path / f"k{i}.cu"
-        path.write_text(cuda.prelude(bf16=True) + kernel.code)
-        assert_compiles(nvcc, path)
-
-
 # small-window convolutions: (kind, n, c, h, w, o, k, stride, padding, bfloat16 roles)
 SMALL_CASES = [
     ("conv2d", 2, 1, 12, 12, 8, 3, 1, 0, frozenset({"x", "w", "bias", "out"})),
@@ -379,3 +365,17 @@ def test_bfloat16_direct_tc_grad_weight_gives_the_bfloat16_reference(case, tmp_p
     want = round_bf16(cuda_refs.conv_grad_weight_ref(v["x"], v["dy"], dict(stride=1, padding=(pad, pad), KH=k,
                                                                                KW=k))[0].astype(np.float32))
     _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)
+
+
+def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
+    """The sources above as NVRTC would get them (the bfloat16 helpers first), warning-free."""
+    from ember.codegen import cuda
+    from nvcc import assert_compiles, nvcc_or_skip
+    nvcc = nvcc_or_skip()
+    kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
+        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case) for case in GEMM_CASES] + [
+        _direct_tc_gw(*case) for case in GW_CASES]
+    for i, kernel in enumerate(kernels):
+        path = tmp_path / f"k{i}.cu"
+        path.write_text(cuda.prelude(bf16=True) + kernel.code)
+        assert_compiles(nvcc, path)
