@@ -3,7 +3,7 @@ kernel choices it ran: how many came from the tuning database, how many from the
 Compare tuning databases by running it under different $EMBER_CACHE_DIR (the user database is
 `$EMBER_CACHE_DIR/tuning`); `--no-db` ignores every database (the cost model alone).
 
-    python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32] [--torch] [--out rows.json]
+    python tools/step_time.py --cases cnn:64,cnn:1024,mlp:64,airbench:64 [--tf32 | --bf16] [--torch] [--out rows.json]
     python tools/step_time.py --device cpu --cases resnet8:64,mobilenet:64 [--bf16] [--steps 20]
     python tools/step_time.py --cases resnet8:64 --runtime-sizes   # every GEMM as a reused plan renders it
     python tools/step_time.py --cases vit:1024 --prefer columns     # a family first wherever it applies
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="PyTorch's whole-step CUDA graph beside it")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--bf16", action="store_true", help="precision='bf16' (the CPU's bfloat16 kernels)")
+    ap.add_argument("--bf16", action="store_true", help="precision='bf16' (bfloat16 kernels; --torch: under autocast)")
     ap.add_argument("--steps", type=int, default=20, help="cpu: steps timed (each alone; the median is shown)")
     ap.add_argument("--runtime-sizes", action="store_true",
                     help="cuda: every GEMM kernel on run-time sizes (what a reused plan renders), not specialised")
@@ -71,7 +71,7 @@ def main() -> None:
             model = zoo_model(name, 0)
             step = ember_compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05),
                                  example_inputs=(xs_h[0], ys_h[0]), device="cuda",
-                                 precision="tf32" if args.tf32 else "float32")
+                                 precision="bf16" if args.bf16 else "tf32" if args.tf32 else "float32")
         xs, ys = cp.asarray(xs_h), cp.asarray(ys_h)
         run = lambda i: step.run(xs[i % 8], ys[i % 8], check_labels=False)  # noqa: E731
         for i in range(30):
@@ -79,7 +79,7 @@ def main() -> None:
         graph = step._steps[step._example][0]
         specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         why = Counter(s.why.split(":")[0] for s in specs if s.choice is not None)
-        row = {"model": name, "batch": batch, "tf32": args.tf32, "kernels": len(specs), "why": dict(why),
+        row = {"model": name, "batch": batch, "tf32": args.tf32, "bf16": args.bf16, "kernels": len(specs), "why": dict(why),
                "families": dict(Counter(s.choice[0] for s in specs if s.choice is not None)),
                "step_us": round(events_per_step(cp, run), 2)}
         if args.torch:
@@ -88,7 +88,8 @@ def main() -> None:
             from ember.frontends.cli.bench_cuda import _torch_systems
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
             txs, tys = torch.from_numpy(xs_h).cuda(), torch.from_numpy(ys_h).cuda()
-            replay = dict(_torch_systems(name, zoo_model(name, 0).state_dict(), 0.05, txs[0], tys[0]))["torch-cudagraph"]
+            replay = dict(_torch_systems(name, zoo_model(name, 0).state_dict(), 0.05, txs[0], tys[0],
+                                         bf16=args.bf16))["torch-cudagraph"]
             for i in range(30):
                 replay(txs[i % 8], tys[i % 8])
             torch.cuda.synchronize()
