@@ -110,6 +110,31 @@ struct EmuPtr {
   void* p;
   template <typename T> operator T*() const { return static_cast<T*>(p); }
 };
+namespace ember_emu {
+// One m16n8kK mma of a warp: the lanes publish their A, B and C registers, meet at a barrier of
+// the warp, and each computes its own four D elements (row g + 8 (i / 2), column 2 t + i % 2, as
+// the PTX tables give C and D for every shape) from A(row, k) and B(k, column), which
+// `a_at(table, row, k)` and `b_at(table, k, column)` read out of the published registers as
+// their fragment layout places them; sums in double.
+template <int K, typename FA, typename FB>
+inline void mma_warp(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2], FA a_at, FB b_at) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  WarpTable& T = tables[warp];
+  for (int i = 0; i < 4; ++i) { T.a[lane][i] = a[i]; T.c[lane][i] = c[i]; }
+  for (int i = 0; i < 2; ++i) T.b[lane][i] = b[i];
+  warp_barriers[warp]->arrive_and_wait();
+  const unsigned g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    double s = T.c[lane][i];
+    for (unsigned k = 0; k < (unsigned)K; ++k) s += (double)a_at(T, row, k) * (double)b_at(T, k, col);
+    d[i] = (float)s;
+  }
+  warp_barriers[warp]->arrive_and_wait();  // every lane has read the table
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+}  // namespace ember_emu
 """.replace("SLOT", str(SLOT))
 
 #: what replaces the text of mma_tf32.j2 in a kernel
@@ -125,25 +150,10 @@ static inline float tf32_operand(unsigned u) { return __uint_as_float(u & 0xffff
 // lane = 4 g + t holds A (g + 8 (i % 2), t + 4 (i / 2)) in a[i], B (t + 4 i, g) in b[i],
 // C and D (g + 8 (i / 2), 2 t + i % 2) in c[i]
 static inline void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  ember_emu::WarpTable& T = ember_emu::tables[warp];
-  for (int i = 0; i < 4; ++i) { T.a[lane][i] = a[i]; T.c[lane][i] = c[i]; }
-  for (int i = 0; i < 2; ++i) T.b[lane][i] = b[i];
-  ember_emu::warp_barriers[warp]->arrive_and_wait();
-  const unsigned g = lane / 4, t = lane % 4;
-  float d[4];
-  for (int i = 0; i < 4; ++i) {
-    const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
-    double s = T.c[lane][i];
-    for (unsigned k = 0; k < 8; ++k) {
-      const float av = tf32_operand(T.a[4 * (row % 8) + k % 4][row / 8 + 2 * (k / 4)]);
-      const float bv = tf32_operand(T.b[4 * col + k % 4][k / 4]);
-      s += (double)av * (double)bv;
-    }
-    d[i] = (float)s;
-  }
-  ember_emu::warp_barriers[warp]->arrive_and_wait();  // every lane has read the table
-  for (int i = 0; i < 4; ++i) c[i] = d[i];
+  ember_emu::mma_warp<8>(c, a, b,
+      [](const ember_emu::WarpTable& T, unsigned row, unsigned k) {
+        return tf32_operand(T.a[4 * (row % 8) + k % 4][row / 8 + 2 * (k / 4)]); },
+      [](const ember_emu::WarpTable& T, unsigned k, unsigned col) { return tf32_operand(T.b[4 * col + k % 4][k / 4]); });
 }
 """
 
@@ -154,25 +164,11 @@ MMA_BF16_EMULATION = r"""
 // in half h of b[i] (the low half first), C and D as m16n8k8's; products exact, sums in double
 static inline float bf16_half(unsigned u, unsigned h) { return __uint_as_float(h ? u & 0xFFFF0000u : u << 16); }
 static inline void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  ember_emu::WarpTable& T = ember_emu::tables[warp];
-  for (int i = 0; i < 4; ++i) { T.a[lane][i] = a[i]; T.c[lane][i] = c[i]; }
-  for (int i = 0; i < 2; ++i) T.b[lane][i] = b[i];
-  ember_emu::warp_barriers[warp]->arrive_and_wait();
-  const unsigned g = lane / 4, t = lane % 4;
-  float d[4];
-  for (int i = 0; i < 4; ++i) {
-    const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
-    double s = T.c[lane][i];
-    for (unsigned k = 0; k < 16; ++k) {
-      const float av = bf16_half(T.a[4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2);
-      const float bv = bf16_half(T.b[4 * col + (k % 8) / 2][k / 8], k % 2);
-      s += (double)av * (double)bv;
-    }
-    d[i] = (float)s;
-  }
-  ember_emu::warp_barriers[warp]->arrive_and_wait();  // every lane has read the table
-  for (int i = 0; i < 4; ++i) c[i] = d[i];
+  ember_emu::mma_warp<16>(c, a, b,
+      [](const ember_emu::WarpTable& T, unsigned row, unsigned k) {
+        return bf16_half(T.a[4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2); },
+      [](const ember_emu::WarpTable& T, unsigned k, unsigned col) {
+        return bf16_half(T.b[4 * col + (k % 8) / 2][k / 8], k % 2); });
 }
 """
 

@@ -107,23 +107,28 @@ def _direct_gw(n, c, h, w, o, k, pad, bf16):
                                                  bf16_roles=bf16)
 
 
+def _direct_tc_gw(n, c, h, w, o, k, pad, bf16):
+    from ember.codegen import cuda_direct_tc as ct
+    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    plan = ct.tc_grad_weight_candidates(n, c, o, k, k, ho, wo)[0]
+    return ct.render_direct_tc_grad_weight("tg", N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, padding=(pad, pad), plan=plan,
+                                           bf16_roles=bf16)
+
+
+@pytest.mark.parametrize("family", ["direct", "direct_tc"])
 @pytest.mark.parametrize("case", GW_CASES, ids=[f"gw-{i}" for i in range(len(GW_CASES))])
-def test_bfloat16_direct_grad_weight_gives_the_bfloat16_reference(case, tmp_path):
-    """x and dy widened as they are staged (no cp.async), the block partials summed in block order
-    and the sum rounded to bfloat16 before the store."""
+def test_bfloat16_stride_1_grad_weights_give_the_bfloat16_reference(case, family, tmp_path):
+    """direct's (float32 FMAs) and direct_tc's (TF32 mma, in which bfloat16 values are exact)
+    grad-weight: x and dy widened as they are staged (no cp.async), the block partials summed in
+    block order and the sum rounded to bfloat16 before the store."""
     n, c, h, w, o, k, pad, bf16 = case
-    kernel = _direct_gw(*case)
+    kernel = (_direct_gw if family == "direct" else _direct_tc_gw)(*case)
     assert kernel is not None and "em_bf16_round(v)" in kernel.code and "stage1(" not in kernel.code
     ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
     v = {"x": round_bf16(rng.standard_normal((n, c, h, w)).astype(np.float32)),
          "dy": round_bf16(rng.standard_normal((n, o, ho, wo)).astype(np.float32))}
-    xp = np.pad(v["x"].astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    want = np.zeros((o, c, k, k))
-    for kh in range(k):
-        for kw in range(k):
-            want[:, :, kh, kw] = np.einsum("nohw,nchw->oc", v["dy"], xp[:, :, kh:kh + ho, kw:kw + wo])
-    want = round_bf16(want.astype(np.float32))
-    _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)
+    dw, _ = cuda_refs.conv_grad_weight_ref(v["x"], v["dy"], dict(stride=1, padding=(pad, pad), KH=k, KW=k))
+    _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), round_bf16(dw.astype(np.float32)))
 
 
 # small-window convolutions: (kind, n, c, h, w, o, k, stride, padding, bfloat16 roles)
@@ -143,31 +148,23 @@ def _small(kind, n, c, h, w, o, k, stride, pad, bf16):
     return cuda_small_conv.render_small_grad_weight("s", **geo, bf16_roles=bf16)
 
 
-def _conv_windows(x: np.ndarray, k: int, stride: int, pad: int) -> np.ndarray:
-    """(n, c, kh, kw, ho, wo) float64 windows of x (zero padding)."""
-    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    ho, wo = (xp.shape[2] - k) // stride + 1, (xp.shape[3] - k) // stride + 1
-    return np.stack([np.stack([xp[:, :, a:a + stride * ho:stride, b:b + stride * wo:stride] for b in range(k)], 2)
-                     for a in range(k)], 2)
-
-
 @pytest.mark.parametrize("case", SMALL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(SMALL_CASES)])
 def test_bfloat16_small_window_convolutions_give_the_bfloat16_reference(case, tmp_path):
     kind, n, c, h, w, o, k, stride, pad, bf16 = case
     kernel = _small(*case)
     assert kernel is not None and "em_bf16_round(" in kernel.code
     bf = lambda shape: round_bf16(rng.standard_normal(shape).astype(np.float32))
+    g = dict(N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, stride=stride, padding=(pad, pad))
+    ho, wo = cuda_refs.conv_out(g)
     x = bf((n, c, h, w))
-    win = _conv_windows(x, k, stride, pad)
-    ho, wo = win.shape[-2:]
     if kind == "conv2d":
         v = {"x": x, "w": bf((o, c, k, k)), "bias": bf(o)}
-        conv = round_bf16(np.einsum("ncabhw,ocab->nohw", win, v["w"].astype(np.float64)).astype(np.float32))
+        conv = round_bf16(cuda_refs.conv_fwd_ref(x, v["w"], None, g, relu=False).astype(np.float32))
         want = np.maximum(round_bf16(conv + v["bias"][None, :, None, None]), 0)
         shape = (n, o, ho, wo)
     else:
         v = {"x": x, "dy": bf((n, o, ho, wo))}
-        want = round_bf16(np.einsum("ncabhw,nohw->ocab", win, v["dy"].astype(np.float64)).astype(np.float32))
+        want = round_bf16(cuda_refs.conv_grad_weight_ref(x, v["dy"], g)[0].astype(np.float32))
         shape = (o, c, k, k)
     _check(_run(kernel, v, bf16, shape, tmp_path), want)
 
@@ -342,29 +339,6 @@ def test_bfloat16_gemm_kernels_give_the_bfloat16_reference(case, tmp_path):
     _check(got, want)
     if kind == "conv_gw":
         np.testing.assert_allclose(v["db"], db, rtol=1e-5, atol=1e-5)
-
-
-def _direct_tc_gw(n, c, h, w, o, k, pad, bf16):
-    from ember.codegen import cuda_direct_tc as ct
-    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
-    plan = ct.tc_grad_weight_candidates(n, c, o, k, k, ho, wo)[0]
-    return ct.render_direct_tc_grad_weight("tg", N=n, C=c, H=h, W=w, O=o, KH=k, KW=k, padding=(pad, pad), plan=plan,
-                                           bf16_roles=bf16)
-
-
-@pytest.mark.parametrize("case", GW_CASES, ids=[f"tcgw-{i}" for i in range(len(GW_CASES))])
-def test_bfloat16_direct_tc_grad_weight_gives_the_bfloat16_reference(case, tmp_path):
-    """direct_tc's grad-weight with bfloat16 operands: widened as staged (no cp.async), exact in
-    TF32's mma, the block partials summed in order and rounded to bfloat16 before the store."""
-    n, c, h, w, o, k, pad, bf16 = case
-    kernel = _direct_tc_gw(*case)
-    assert kernel is not None and "em_bf16_round(v)" in kernel.code and "stage1(" not in kernel.code
-    ho, wo = h + 2 * pad - k + 1, w + 2 * pad - k + 1
-    v = {"x": round_bf16(rng.standard_normal((n, c, h, w)).astype(np.float32)),
-         "dy": round_bf16(rng.standard_normal((n, o, ho, wo)).astype(np.float32))}
-    want = round_bf16(cuda_refs.conv_grad_weight_ref(v["x"], v["dy"], dict(stride=1, padding=(pad, pad), KH=k,
-                                                                               KW=k))[0].astype(np.float32))
-    _check(_run(kernel, v, bf16, (o, c, k, k), tmp_path), want)
 
 
 def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):

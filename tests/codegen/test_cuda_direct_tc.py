@@ -269,6 +269,21 @@ def _bf16_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
     return out
 
 
+def _bf16_case(kind: str, g: dict, bufs: dict) -> tuple[dict, np.ndarray]:
+    """A forward or grad-input case's inputs rounded to bfloat16, as bits by role (the output
+    poisoned with NaN: every output must be written), and the bfloat16 reference: float64 sums of
+    the values, the convolution rounded, the bias add rounded again and ReLU, or the ReLU mask."""
+    vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
+    if kind == "conv_fwd":
+        conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
+        ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
+    else:
+        ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
+    bits = {r: bf16_bits(v) for r, v in vals.items()}
+    bits["out"] = np.full(bufs["out"].shape, 0x7FC0, np.uint16)
+    return bits, ref
+
+
 @pytest.mark.parametrize("idx", [0, 1, 2])
 def test_bfloat16_operands_emulated_match_the_bfloat16_reference(idx, tmp_path):
     """bfloat16 pairs on the bfloat16 mma, or values exact in TF32 on the TF32 mma: either way the
@@ -282,15 +297,7 @@ def test_bfloat16_operands_emulated_match_the_bfloat16_reference(idx, tmp_path):
     lib = cuda_emulator.build([k for _, k in kernels], tmp_path, f"bf16_{idx}")
     rng = np.random.default_rng(100 + idx)
     for i, (kind, k) in enumerate(kernels):
-        bufs, _ = _case(kind, g, rng)
-        vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
-        if kind == "conv_fwd":
-            conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
-            ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
-        else:
-            ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
-        bits = {r: bf16_bits(v) for r, v in vals.items()}
-        bits["out"] = np.full(bufs["out"].shape, 0x7FC0, np.uint16)  # NaN: every output must be written
+        bits, ref = _bf16_case(kind, g, _case(kind, g, rng)[0])
         cuda_emulator.run(lib, i, k, bits)
         got = bf16_values(bits["out"])
         assert np.all(np.isfinite(got)), (k.name, int(np.isnan(got).sum()))
@@ -490,14 +497,7 @@ def test_plans_owning_a_share_of_the_output_channels_match_the_reference(bf16, t
     for i, (kind, k) in enumerate(kernels):
         bufs, ref = _case(kind, g, rng)
         if bf16:
-            vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
-            if kind == "conv_fwd":
-                conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
-                ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
-            else:
-                ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
-            bits = {r: bf16_bits(v) for r, v in vals.items()}
-            bits["out"] = np.full(bufs["out"].shape, 0x7FC0, np.uint16)
+            bits, ref = _bf16_case(kind, g, bufs)
             cuda_emulator.run(lib, i, k, bits)
             got = bf16_values(bits["out"])
             assert np.all(np.isfinite(got)) and np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), k.name
