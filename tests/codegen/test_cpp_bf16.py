@@ -57,8 +57,8 @@ def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "
            family: str = "bf16") -> None:
     """`graph` compiled for `device` gives the interpreter's "out" (see the module docstring); on
     the CPU its bfloat16 contractions multiply by `dot` (the bf16 family; the grouped family's
-    loops have no `dot`), on CUDA on tensor cores: the GEMM's bfloat16 mma, or a convolution's
-    forward or grad-input on direct_tc (bfloat16 is exact in TF32), as the prior ranks them."""
+    loops have no `dot`), on CUDA in one kernel of whichever family the prior ranks first (every
+    CUDA family's bfloat16 path is tested on its own in test_cuda_bf16_families.py)."""
     want = ir.run(graph, inputs).outputs["out"]
     planned, out = run_compiled(graph, device, inputs)
     specs = [planned.attrs(n)["kernel"] for n in planned.g
@@ -68,8 +68,7 @@ def _check(graph: Graph, inputs: dict, dot: str, reduction: int, device: str = "
     if device == "cpu":
         assert families == want_families  # the dump shows the path
     else:
-        assert len(families) == 1 and set(families) <= {"gemm", "direct_tc"}, families
-        assert not any(s.choice[0] == "direct_tc" and s.kind == "conv2d_grad_weight" for s in specs), families
+        assert len(specs) == 1, families
     got = bf16_values(out["out"]) if out["out"].dtype == np.uint16 else out["out"]
     _assert_close(got, want, reduction)
 
