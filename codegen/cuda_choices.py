@@ -317,7 +317,7 @@ def _direct_tc_candidates(g: dict[str, Any]) -> list[Plan]:
     """Every plan the tuner measures, the planner's best first."""
     if g["kind"] == "conv2d_grad_weight":
         sizes = (g[k] for k in ("N", "C", "O", "KH", "KW", "HO", "WO"))
-        return list(map(_pairs, cuda_direct_tc.tc_grad_weight_candidates(*sizes)))
+        return list(map(_pairs, cuda_direct_tc.tc_grad_weight_candidates(*sizes, g.get("dtype") == "bfloat16")))
     geo = cuda_direct_tc.tc_direct_problem(grad_input=g["kind"] == "conv2d_grad_input", **_conv_args(g))
     if geo is None:
         return []

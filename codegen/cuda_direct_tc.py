@@ -269,24 +269,46 @@ def render_direct_tc(name: str, *, grad_input: bool, N: int, C: int, H: int, W: 
 
 # --------------------------------------------------------------------------- grad-weight
 
-def tc_gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int) -> int:
-    """Floats of one staging buffer of the grad-weight kernel: dy as ceil(O/16)*16 rows of the
-    unit's pixels (rounded up to 8, the row stride 4 mod 8), then x as ceil(C/8)*8 planes of
-    RB + KH - 1 rows (plane stride 4 mod 8); a multiple of 4 (the second buffer stays aligned)."""
+def tc_gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int, pairs: bool = False) -> int:
+    """Words (floats, or with `pairs` bfloat16 pairs) of one staging buffer of the grad-weight
+    kernel: dy as ceil(O/16)*16 rows of the unit's pixels (rounded up to a k step; the row stride
+    4 mod 8), then x as ceil(C/8)*8 planes of RB + KH - 1 rows (plane stride 4 mod 8); a multiple
+    of 4 (the second buffer stays aligned). With `pairs` a dy row holds pixel pairs (rows padded
+    to an even width) and an x plane two copies of the plane's pairs, the second a value later
+    (`_gw_pairs_plane`)."""
+    if pairs:
+        dys = round_up(O, 16) * stride_4_mod_8(_gw_pairs_pixels(RB, WO) // 2)
+        return round_up(dys + round_up(C, 8) * stride_4_mod_8(2 * _gw_pairs_plane(RB, KH, KW, WO)), 4)
     dys = round_up(O, 16) * stride_4_mod_8(round_up(RB * WO, 8))
     return round_up(dys + round_up(C, 8) * stride_4_mod_8((RB + KH - 1) * (WO + KW - 1)), 4)
 
 
-def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> list[TcGwPlan]:
-    """Every feasible tiling of the grad-weight kernel, the planner's best first (unmeasured)."""
+def _gw_pairs_pixels(RB: int, WO: int) -> int:
+    """A unit's pixels with bfloat16 pairs: rows padded to an even width (a pair never spans two
+    rows), rounded up to whole k steps of 16."""
+    return round_up(RB * round_up(WO, 2), 16)
+
+
+def _gw_pairs_plane(RB: int, KH: int, KW: int, WO: int) -> int:
+    """Words of one copy of a staged x plane of bfloat16 pairs: every pair a tap reads, up to the
+    value after the last (a padded pixel reads one past the plane)."""
+    return (RB + KH - 1) * (WO + KW - 1) // 2 + 1
+
+
+def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int,
+                         pairs: bool = False) -> list[TcGwPlan]:
+    """Every feasible tiling of the grad-weight kernel, the planner's best first (unmeasured).
+    `pairs`: x and dy of bfloat16 (the bfloat16 mma, k steps of 16 pixels)."""
     dev = current()
     MT, NT = ceil_div(O, 16), ceil_div(C, 8)
     plans = []
     for RB in (1, 2, 3, 4, 6, 8):
-        if RB > HO or 2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB) > dev.shared_per_block:
+        smem = 2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB, pairs)
+        if RB > HO or smem > dev.shared_per_block:
             continue  # two buffers must fit the dynamic shared memory a launch takes without opting in
         units = N * ceil_div(HO, RB)
         blocks = max(1, min(units, 4 * dev.multiprocessors, units // 2 or 1))
+        pixels = _gw_pairs_pixels(RB, WO) if pairs else round_up(RB * WO, 8)
         for FM in _divisors(MT, 8):
             for FN in _divisors(NT, 8):
                 for KHW in _divisors(KH, KH):
@@ -295,12 +317,11 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
                         continue
                     taps = FN * KHW * KW  # mmas a dy fragment serves
                     lds = (4 * FM + 2 * taps) / (FM * taps)
-                    useful = (O / (16 * MT) * C / (8 * NT) * RB * WO / round_up(RB * WO, 8)
+                    useful = (O / (16 * MT) * C / (8 * NT) * RB * WO / pixels
                               * HO / (ceil_div(HO, RB) * RB))
                     fill = min(1.0, blocks * warps / (8 * dev.multiprocessors))
                     # registers: ptxas -v on conv2's plans ~ this
-                    occupancy = _occupancy(32 * warps, 4 * FM * FN * KHW * KW * 7 // 5 + 45,
-                                           2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, RB))
+                    occupancy = _occupancy(32 * warps, 4 * FM * FN * KHW * KW * 7 // 5 + 45, smem)
                     if occupancy == 0:
                         continue  # not one block fits a multiprocessor's registers: it would spill
                     score = useful * fill * occupancy / (1 + lds) / (1 + 0.1 * (RB + KH - 1) / RB)
@@ -308,46 +329,56 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
     return sorted(plans, key=lambda p: -p.score)
 
 
-def tc_grad_weight_candidates(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int) -> list[TcGwPlan]:
+def tc_grad_weight_candidates(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: int,
+                              pairs: bool = False) -> list[TcGwPlan]:
     """The grad-weight plans worth measuring, the planner's best first."""
-    return _spread(tc_grad_weight_plans(N, C, O, KH, KW, HO, WO), lambda p: (p.FM, p.FN, p.KHW), lambda p: p.RB)
+    return _spread(tc_grad_weight_plans(N, C, O, KH, KW, HO, WO, pairs), lambda p: (p.FM, p.FN, p.KHW),
+                   lambda p: p.RB)
 
 
 def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                                  stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
                                  plan: TcGwPlan | None = None,
                                  bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
-    """dw = conv2d_grad_weight(x, dy) for stride 1 on TF32 tensor cores: roles x, dy, out
+    """dw = conv2d_grad_weight(x, dy) for stride 1 on tensor cores: roles x, dy, out
     (O, C, KH, KW); two launches (per-block partials in scratch, their fixed-order sum); None
     where no plan fits. `plan`: the planner's best. `bf16_roles`: the roles holding bfloat16
-    (precision "bf16": x and dy widened as they are staged, exact in TF32; the sum rounded to
-    bfloat16 before the epilogue)."""
+    (precision "bf16"): x and dy both bfloat16 are staged as pixel pairs and multiplied on the
+    bfloat16 mma (`pairs`); one of them alone is widened as it is staged, exact in TF32; the sum
+    is rounded to bfloat16 before the epilogue."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if (sh, sw) != (1, 1) or ph >= KH or pw_ >= KW:
         return None
+    pairs = {"x", "dy"} <= bf16_roles
     if plan is None:
-        plans = tc_grad_weight_plans(N, C, O, KH, KW, HO, WO)
+        plans = tc_grad_weight_plans(N, C, O, KH, KW, HO, WO, pairs)
         if not plans:
             return None
         plan = plans[0]
     MT, NT = ceil_div(O, 16), ceil_div(C, 8)
     if MT % plan.FM or NT % plan.FN or KH % plan.KHW:
         raise ValueError(f"{name}: plan {plan} does not tile {O} x {C} x {KH} rows of weights")
-    smem = 2 * 4 * tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB)
+    buf = tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB, pairs)
+    smem = 2 * 4 * buf
     if smem > current().shared_per_block:
         return None  # rows that do not fit two buffers
     roles, inputs, unrestricted = with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
     outs = O * C * KH * KW
     rg = _reduce_groups(plan.blocks)
     threads = plan.threads(C, O, KH)
+    if pairs:
+        ps = stride_4_mod_8(_gw_pairs_pixels(plan.RB, WO) // 2)
+        plane = stride_4_mod_8(2 * _gw_pairs_plane(plan.RB, KH, KW, WO))
+    else:
+        ps = stride_4_mod_8(round_up(plan.RB * WO, 8))
+        plane = stride_4_mod_8((plan.RB + KH - 1) * (WO + KW - 1))
     code = _env.get_template("conv2d_direct_tc_gw.j2").render(
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, RB=plan.RB, FM=plan.FM, FN=plan.FN,
-        KHW=plan.KHW, blocks=plan.blocks, threads=threads, ps=stride_4_mod_8(round_up(plan.RB * WO, 8)),
-        plane=stride_4_mod_8((plan.RB + KH - 1) * (WO + KW - 1)), buf=tc_gw_buffer_floats(C, O, KH, KW, WO, plan.RB),
+        KHW=plan.KHW, blocks=plan.blocks, threads=threads, ps=ps, plane=plane, buf=buf,
         roles=roles, inputs=inputs, unrestricted=unrestricted,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), rg=rg, rgrid=ceil_div(outs, 32),
-        pw=epilogue, bf16_roles=bf16_roles, bf16=bool({"x", "dy"} & bf16_roles))
+        pw=epilogue, bf16_roles=bf16_roles, bf16=bool({"x", "dy"} & bf16_roles), pairs=pairs)
     args = roles + ("scratch",)
     return CudaKernel(name, code, (Launch(f"{name}_direct_tc", (plan.blocks, 1, 1), (threads, 1, 1), smem, args),
                                    Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),

@@ -213,13 +213,19 @@ def _emulated_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
         for i, p in enumerate(_pick(plans, lambda p: [f for f in ("FM", "FN", "WM", "WN") if getattr(p, f) > 1])):
             out.append((kind, ct.render_direct_tc(f"{tag}_{kind}{i}", grad_input=gi, bias=not gi, relu=not gi,
                                                   relu_mask=gi, plan=p, **g)))
-    MT, NT = -(-g["O"] // 16), -(-g["C"] // 8)
-    plans = ct.tc_grad_weight_plans(g["N"], g["C"], g["O"], g["KH"], g["KW"], HO, WO)
-    ways = dict(FM=lambda p: p.FM > 1, FN=lambda p: p.FN > 1, KHW=lambda p: p.KHW > 1, WM=lambda p: MT > p.FM,
-                WN=lambda p: NT > p.FN, WK=lambda p: g["KH"] > p.KHW)
-    for i, p in enumerate(_pick(plans, lambda p: [f for f, has in ways.items() if has(p)])):
+    for i, p in enumerate(_grad_weight_plans(g)):
         out.append(("conv_gw", ct.render_direct_tc_grad_weight(f"{tag}_gw{i}", plan=p, **g)))
     return out
+
+
+def _grad_weight_plans(g: dict, pairs: bool = False) -> list:
+    """The grad-weight planner's best plan and one that splits the work other ways."""
+    HO, WO = _sizes(g)
+    MT, NT = -(-g["O"] // 16), -(-g["C"] // 8)
+    plans = ct.tc_grad_weight_plans(g["N"], g["C"], g["O"], g["KH"], g["KW"], HO, WO, pairs)
+    ways = dict(FM=lambda p: p.FM > 1, FN=lambda p: p.FN > 1, KHW=lambda p: p.KHW > 1, WM=lambda p: MT > p.FM,
+                WN=lambda p: NT > p.FN, WK=lambda p: g["KH"] > p.KHW)
+    return _pick(plans, lambda p: [f for f, has in ways.items() if has(p)])
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +259,8 @@ def _bf16_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
     """The forward (+bias +relu) and grad-input (*relu-mask) with every operand and the output
     bfloat16 (precision "bf16"): the bfloat16 planner's best (stages of 16-channel steps: bfloat16
     pairs on mma.m16n8k16) and, where the float planner's best stages 8 or 24 channels, that plan
-    too (TF32 mma on the exact bfloat16 values: a tuned plan of that kind stays valid)."""
+    too (TF32 mma on the exact bfloat16 values: a tuned plan of that kind stays valid); the
+    grad-weight's (pixel pairs on mma.m16n8k16) best plan and one that splits the work other ways."""
     out = []
     for kind, gi in (("conv_fwd", False), ("conv_gi", True)):
         geo = ct.tc_direct_problem(grad_input=gi, **g)
@@ -266,17 +273,23 @@ def _bf16_kernels(g: dict, tag: str) -> list[tuple[str, object]]:
                                     plan=plan, bf16_roles=roles, **g)
             assert ("mma_bf16(" in k.code) == (plan.CC % 16 == 0) != ("mma_tf32(" in k.code)
             out.append((kind, k))
+    for i, plan in enumerate(_grad_weight_plans(g, pairs=True)):
+        k = ct.render_direct_tc_grad_weight(f"{tag}_gw{i}", plan=plan, bf16_roles=frozenset({"x", "dy", "out"}), **g)
+        assert "mma_bf16(" in k.code and "mma_tf32(" not in k.code
+        out.append(("conv_gw", k))
     return out
 
 
 def _bf16_case(kind: str, g: dict, bufs: dict) -> tuple[dict, np.ndarray]:
-    """A forward or grad-input case's inputs rounded to bfloat16, as bits by role (the output
+    """A forward, grad-input or grad-weight case's inputs rounded to bfloat16, as bits by role (the output
     poisoned with NaN: every output must be written), and the bfloat16 reference: float64 sums of
     the values, the convolution rounded, the bias add rounded again and ReLU, or the ReLU mask."""
     vals = {r: round_bf16(v) for r, v in bufs.items() if r != "out"}
     if kind == "conv_fwd":
         conv = round_bf16(cuda_refs.conv_fwd_ref(vals["x"], vals["w"], None, g, relu=False).astype(np.float32))
         ref = np.maximum(round_bf16(conv + vals["bias"][None, :, None, None]), 0)
+    elif kind == "conv_gw":
+        ref = round_bf16(cuda_refs.conv_grad_weight_ref(vals["x"], vals["dy"], g)[0].astype(np.float32))
     else:
         ref = round_bf16(cuda_refs.conv_grad_input_ref(vals["dy"], vals["w"], g, vals["mask_src"]).astype(np.float32))
     bits = {r: bf16_bits(v) for r, v in vals.items()}
@@ -288,7 +301,8 @@ def _bf16_case(kind: str, g: dict, bufs: dict) -> tuple[dict, np.ndarray]:
 def test_bfloat16_operands_emulated_match_the_bfloat16_reference(idx, tmp_path):
     """bfloat16 pairs on the bfloat16 mma, or values exact in TF32 on the TF32 mma: either way the
     kernel's products are the bfloat16 ones, summed in fp32, the convolution rounded to bfloat16,
-    the bias add rounded again (the interpreter's ops), the output stored as bfloat16 bits.
+    the bias add rounded again (the interpreter's ops), the output stored as bfloat16 bits; the
+    grad-weight's partials summed in block order, the sum rounded.
     Against float64 sums of the same values with the same roundings: equal but for the last bit
     where the fp32 sum lands on a bfloat16 tie. (Channel counts 39/26, 5/19, 8/33: odd pairs,
     a stage partly past the channels.)"""
