@@ -1,4 +1,5 @@
-"""The direct stride-1 convolutions of `cuda_direct` on TF32 tensor cores (precision "tf32").
+"""The direct stride-1 convolutions of `cuda_direct` on tensor cores: TF32 (precision "tf32") and
+bfloat16 operands (precision "bf16").
 
 Same blocking as the float32 direct kernels, the FMAs replaced by `mma.sync.m16n8k8` (operands
 rounded to TF32 with cvt.rna, fp32 accumulation; fragment layout and helpers in `mma_tf32.j2`,
@@ -18,8 +19,13 @@ shared with the GEMM's tensor-core path):
   FM tiles of 16 output channels x FN tiles of 8 input channels x KHW kernel rows (all KW taps),
   so each dy fragment it reads serves FN x KHW x KW mmas.
 
-Nothing here is measured yet: the family (`direct_tc` in `cuda_choices`) is never the cost model's
-pick, and the planners' rankings only order the plans the tuner measures.
+With bfloat16 operands, stages of 16-channel steps (forward, grad-input) and the grad-weight's
+pixels are staged as bfloat16 pairs and multiplied on `mma.sync.m16n8k16` (`mma_bf16.j2`); other
+forward stages keep the TF32 mma, in which bfloat16 values are exact.
+
+The cost model never picks the family (`direct_tc` in `cuda_choices`): tuning records and the
+family prior (measured rankings) do, and the planners' rankings only order the plans the tuner
+measures.
 """
 from __future__ import annotations
 

@@ -118,8 +118,8 @@ def _direct_tc_gw(n, c, h, w, o, k, pad, bf16):
 @pytest.mark.parametrize("family", ["direct", "direct_tc"])
 @pytest.mark.parametrize("case", GW_CASES, ids=[f"gw-{i}" for i in range(len(GW_CASES))])
 def test_bfloat16_stride_1_grad_weights_give_the_bfloat16_reference(case, family, tmp_path):
-    """direct's (float32 FMAs) and direct_tc's (TF32 mma, in which bfloat16 values are exact)
-    grad-weight: x and dy widened as they are staged (no cp.async), the block partials summed in
+    """direct's grad-weight (x and dy widened as they are staged, float32 FMAs) and direct_tc's
+    (pixel pairs on the bfloat16 mma), both staged without cp.async: the block partials summed in
     block order and the sum rounded to bfloat16 before the store."""
     n, c, h, w, o, k, pad, bf16 = case
     kernel = (_direct_gw if family == "direct" else _direct_tc_gw)(*case)
