@@ -10,7 +10,11 @@ pairs with float32 accumulation, in four modes (the plan's `mode`, best first wh
 - `taps` (`bf16_taps_gw.j2`): a grouped grad-weight, one (o, c) pair a task, vectors along the
   positions;
 - `dot` (`bf16_dot.j2`): x @ W^T, A's and B's rows read where they lie (pairs along k);
-- `gemm` (`bf16_gemm.j2`): any ungrouped kind as batched GEMMs (below).
+- `gemm` (`bf16_gemm.j2`): any ungrouped kind as batched GEMMs (below);
+- `amx`: the GEMM mode on AMX tiles where the CPU has them (`dot` "amx"; `bf16_amx.j2`): A packed
+  row by row, the register tile MR x NW of 16 or 32 each (up to four 16 x 16 float32 C tiles),
+  k in steps of 16 pairs (K's pairs padded with zeros to whole steps), the C tiles stored to a
+  buffer and finished by the same epilogue.
 
 In the GEMM mode each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
 (a convolution's B is its im2col, gathered while packing, never stored whole):
@@ -96,7 +100,8 @@ class Bf16Plan:
     nb: int   # gemm: columns per block (a task packs one block of B); direct: output rows per task
               # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
-    mode: str = "gemm"  # "gemm" (ungrouped), "direct" (convolutions: `Direct`; grad-weight ungrouped),
+    mode: str = "gemm"  # "gemm" (ungrouped), "amx" (the GEMM mode on AMX tiles), "direct" (convolutions:
+                        # `Direct`; grad-weight ungrouped),
                         # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused) or
                         # "taps" (a grouped grad-weight: mr taps a pass, nv 1, nb unused)
 
@@ -390,8 +395,10 @@ def _dot_tiles(g: dict[str, Any], isa: VectorISA) -> list[tuple[float, int, int]
 
 
 def _gemm_cost(gm: Gemm, plan: Bf16Plan, isa: VectorISA) -> float:
-    """The GEMM mode's products (vector by vector, padding included), on the dot mode's scale."""
-    return gm.G * _round_up(gm.M, plan.mr) * _round_up(gm.N, plan.nv * isa.lanes) / isa.lanes * ((gm.K + 1) // 2)
+    """The GEMM mode's products (vector by vector, padding included), on the dot mode's scale (an
+    AMX tile instruction: sixteen vector ones)."""
+    vectors = gm.G * _round_up(gm.M, plan.mr) * _round_up(gm.N, plan.nv * isa.lanes) / isa.lanes * _pairs(gm.K, plan)
+    return vectors / 16 if plan.mode == "amx" else vectors
 
 
 def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Plan]:
@@ -419,6 +426,12 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
         out += ranked
+    if g["bf16_dot"] == "amx" and g.get("groups", 1) == 1:
+        # the tiles multiply sixteen times the pairs a vector instruction does: first, the tallest
+        # and widest tile the sizes fill
+        amx = [Bf16Plan(mr, cols // isa.lanes, _block(gm, cols), "amx", "amx") for mr, cols in AMX_TILES
+               if tune or ((mr == 32) == (gm.M > 16) and (cols == 32) == (gm.N > 16))]
+        out = amx + out
     if dot_serves(g) and out:
         tiles = _dot_tiles(g, isa)
         dots = [Bf16Plan(mr, nr, 0, g["bf16_dot"], "dot") for _, mr, nr in tiles[: 3 if tune else 1]]
@@ -471,7 +484,7 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
                  "x": d.GR * ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
                  "stage": _stage_words(d, plan, isa) * MAX_THREADS}
     else:
-        k2, mp = (gm.K + 1) // 2, _round_up(gm.M, plan.mr)
+        k2, mp = _pairs(gm.K, plan), _round_up(gm.M, plan.mr)
         chunks = min(gm.G, CHUNKS) if gm.reduce_groups else 0
         sizes = {"a": mp * k2 * (1 if gm.a_shared else gm.G) if not gm.reduce_groups else 0,
                  "a_thread": mp * k2 * MAX_THREADS if gm.reduce_groups else 0,
@@ -483,6 +496,15 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
         at += _round_up(words, 16)
     out["total"] = at
     return out
+
+
+def _pairs(K: int, plan: Bf16Plan) -> int:
+    """Pairs of k the GEMM modes pack: K's, in whole AMX k steps of 16 for the amx mode."""
+    return _round_up((K + 1) // 2, 16) if plan.mode == "amx" else (K + 1) // 2
+
+
+#: the AMX mode's register tiles (rows, columns): one to four 16 x 16 C tiles
+AMX_TILES = ((32, 32), (16, 32), (32, 16), (16, 16))
 
 
 def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
@@ -503,11 +525,18 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
     grouped = g is not None and g.get("groups", 1) != 1
-    if plan.mode not in ("gemm", "direct", "dot", "taps") or (plan.mode == "direct" and d is None) or \
-            (plan.mode == "dot" and not (g is not None and dot_serves(g))) or (plan.mode == "gemm" and grouped) or \
+    if plan.mode not in ("gemm", "amx", "direct", "dot", "taps") or (plan.mode == "direct" and d is None) or \
+            (plan.mode == "dot" and not (g is not None and dot_serves(g))) or \
+            (plan.mode in ("gemm", "amx") and grouped) or \
             (plan.mode == "taps" and not (g is not None and taps_of(g) is not None)):
         raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions but a "
-                         f"grouped grad-weight; dot: a @ b^T; taps: a grouped grad-weight; gemm: ungrouped)")
+                         f"grouped grad-weight; dot: a @ b^T; taps: a grouped grad-weight; gemm, amx: ungrouped)")
+    if plan.mode == "amx":
+        # the instructions where the CPU has them, else their arithmetic in C++ (tests)
+        if dot not in ("amx", "emulated") or (dot == "amx" and isa.lanes != 16) or \
+                (plan.mr, plan.nv * isa.lanes) not in AMX_TILES:
+            raise ValueError(f"amx plan {plan.mr} x {plan.nv} vectors ({dot}, {isa.name}): AMX tiles take 16 or 32 "
+                             f"rows and columns, with 'amx' products on avx512 (or 'emulated' ones)")
     if plan.mode == "taps":
         if (plan.mr, plan.nv, plan.nb) != (_taps_per_pass(taps_of(g), isa, dot), 1, 0):
             raise ValueError(f"taps plan {plan}: expected {_taps_per_pass(taps_of(g), isa, dot)} taps a pass")
@@ -529,7 +558,7 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
         if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
             raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
         return
-    if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
+    if plan.mode == "gemm" and (plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot)):
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
     if plan.nb % (plan.nv * isa.lanes) or plan.nb < 1 or (gm.reduce_groups and plan.nb < gm.N):
         raise ValueError(f"column block {plan.nb} is not a multiple of the tile's {plan.nv * isa.lanes} columns")
@@ -645,7 +674,8 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     rt = gm.kind == "matmul"
     # where each thread's B panel starts: past A, which grows with M, K and G where A is per GEMM
     b_at = "((long)MP * K2 * G + 15) / 16 * 16" if not (gm.a_shared or gm.reduce_groups) else str(lay["b"])
-    code = _render("bf16_gemm.j2", isa, gm=gm, conv=conv, lay=lay, K2=(gm.K + 1) // 2, MP=_round_up(gm.M, plan.mr),
+    code = _render("bf16_gemm.j2", isa, gm=gm, conv=conv, lay=lay, K2=_pairs(gm.K, plan), MP=_round_up(gm.M, plan.mr),
+                   amx=plan.mode == "amx",
                    rt=rt, SZ=", const int M, const int K, const int K2" if rt else "", SA=", M, K, K2" if rt else "",
                    B_AT=b_at, MAXT=4 * MAX_THREADS, bias="bias" in eps, relu="relu" in eps,
                    relu_mask="relu_mask" in eps, mask_in_copy=False, PARALLEL=_parallel("G * M * N * K"), **common)

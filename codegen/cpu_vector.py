@@ -25,9 +25,17 @@ forced "avx512bf16" needs the avx512 variant; the step is then built with ``-mav
 its source compiles anywhere, and running it needs a CPU with AVX512-BF16). The choice is part of
 each bfloat16 kernel's geometry, so dumps show it (``bf16_dot`` in the choice's key) and the
 tuning database keys it.
+
+Where the CPU also has AMX (``amx_bf16`` and ``amx_tile``, and Linux grants this process the tile
+state) ``bf16_dot`` is "amx": the same ``vdpbf16ps`` for the vector modes, and the bfloat16 GEMM
+mode may multiply on the AMX tiles (``cpp_bf16``'s "amx" mode, chosen like any plan).
+``EMBER_CPU_BF16=amx`` forces it (the step is built with ``-mamx-tile -mamx-bf16 -mavx512bf16``;
+running an "amx" plan needs such a CPU); the "amx" mode rendered for "emulated" products runs the
+tile instructions in scalar C++ (tests: the same packing and tile order on any CPU).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +43,7 @@ from pathlib import Path
 from .compiler import DEFAULT_CXX_FLAGS, native_target_enables
 
 __all__ = ["AVX2", "AVX512", "ENV_VAR", "VARIANTS", "VectorISA", "cxx_flags", "host_supports",
-           "native_isa", "resolve", "BF16_ENV_VAR", "BF16_DOTS", "bf16_dot", "bf16_flags"]
+           "native_isa", "resolve", "BF16_ENV_VAR", "BF16_DOTS", "bf16_dot", "bf16_flags", "native_amx"]
 
 #: Environment variable that forces a variant ("avx2", "avx512"; "", "auto" or "native": follow
 #: the compiler's -march=native).
@@ -99,8 +107,12 @@ def resolve(choice: str | None = None) -> VectorISA:
 #: Environment variable that forces how bfloat16 pairs are multiplied ("emulated", "avx512bf16";
 #: "", "auto" or "native": the instruction where the native avx512 variant has it)
 BF16_ENV_VAR = "EMBER_CPU_BF16"
-BF16_DOTS = ("avx512bf16", "emulated")
+BF16_DOTS = ("amx", "avx512bf16", "emulated")
 _BF16_OPTION, _BF16_CPU_FLAG = "-mavx512bf16", "avx512_bf16"
+_AMX_OPTIONS, _AMX_CPU_FLAGS = ("-mamx-tile", "-mamx-bf16"), {"amx_tile", "amx_bf16"}
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): Linux gives a process the AMX tile state
+# only on request (the kernels ask again as their library loads)
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 def native_bf16() -> bool:
@@ -110,25 +122,51 @@ def native_bf16() -> bool:
     return _BF16_CPU_FLAG in _cpu_flags() if enabled is None else enabled
 
 
+@functools.lru_cache(maxsize=4)
+def native_amx(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has the AMX bfloat16 tiles and Linux grants this process their state (asked
+    once a process)."""
+    if not _AMX_CPU_FLAGS <= _cpu_flags(cpuinfo):
+        return False
+    return _request_tile_state()
+
+
+def _request_tile_state() -> bool:
+    import ctypes  # only on a CPU that lists AMX
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def bf16_dot(isa: VectorISA, choice: str | None = None) -> str:
     """How the bfloat16 kernels generated for ``isa`` multiply pairs: ``choice`` if given, else
-    ``$EMBER_CPU_BF16``, else "avx512bf16" where ``isa`` is the native avx512 and the CPU has it,
-    "emulated" otherwise."""
+    ``$EMBER_CPU_BF16``, else "amx" where ``isa`` is the native avx512 and the CPU has AVX512-BF16
+    and AMX, "avx512bf16" where it has AVX512-BF16, "emulated" otherwise."""
     word = (os.environ.get(BF16_ENV_VAR, "") if choice is None else choice).strip().lower()
     if word in _NATIVE_WORDS:
-        return "avx512bf16" if isa == AVX512 and isa == native_isa() and native_bf16() else "emulated"
+        if not (isa == AVX512 and isa == native_isa() and native_bf16()):
+            return "emulated"
+        return "amx" if native_amx() else "avx512bf16"
     if word not in BF16_DOTS:
         raise ValueError(f"{BF16_ENV_VAR}={word!r}: choose one of {', '.join(BF16_DOTS)} (or 'native')")
-    if word == "avx512bf16" and isa != AVX512:
-        raise ValueError(f"{BF16_ENV_VAR}=avx512bf16 needs the avx512 vector variant, not {isa.name} "
+    if word in ("avx512bf16", "amx") and isa != AVX512:
+        raise ValueError(f"{BF16_ENV_VAR}={word} needs the avx512 vector variant, not {isa.name} "
                          f"(set {ENV_VAR}=avx512 too, or {BF16_ENV_VAR}=emulated)")
     return word
 
 
 def bf16_flags(isa: VectorISA, dots: set[str]) -> tuple[str, ...]:
     """What a step whose bfloat16 kernels use ``dots`` adds to ``cxx_flags(isa)``: -mavx512bf16
-    where the instruction is used and the flags (a forced, non-native variant) do not enable it."""
-    return (_BF16_OPTION,) if "avx512bf16" in dots and not (isa == native_isa() and native_bf16()) else ()
+    where the instruction is used (by "avx512bf16" and "amx") and -mamx-tile -mamx-bf16 where the
+    tiles are, when the flags (a forced, non-native variant) do not enable them."""
+    native = isa == native_isa()
+    flags: tuple[str, ...] = ()
+    if dots & {"avx512bf16", "amx"} and not (native and native_bf16()):
+        flags += (_BF16_OPTION,)
+    if "amx" in dots and not (native and all(native_target_enables(o) for o in _AMX_OPTIONS)):
+        flags += _AMX_OPTIONS
+    return flags
 
 
 def cxx_flags(isa: VectorISA, base: tuple[str, ...] = DEFAULT_CXX_FLAGS) -> tuple[str, ...]:

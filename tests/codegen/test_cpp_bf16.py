@@ -17,6 +17,7 @@ scratch sized for each call and not written past.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import zlib
 
 import numpy as np
@@ -287,14 +288,53 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
     isa = cpu_vector.resolve()
     if dot == "avx512bf16" and not (isa == cpu_vector.AVX512 and cpu_vector.native_bf16()):
         pytest.skip("this CPU has no AVX512-BF16")
+    todo = _every_batch_cases(dot, isa, lambda g: cpp_bf16.plans(g, isa, tune=True))
+    assert {p.mode for *_, p in todo} == {"direct", "gemm", "dot", "taps"}
+    _run_every_batch(tmp_path, dot, isa, todo)
+
+
+def _amx_plans(g: dict, isa) -> list:
+    """The amx mode's plans of the tuner's list where the CPU has AMX, for `g`'s products."""
+    plans = cpp_bf16.plans({**g, "bf16_dot": "amx"}, isa, tune=True)
+    return [dataclasses.replace(p, dot=g["bf16_dot"]) for p in plans if p.mode == "amx"]
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2"])
+def test_the_amx_mode_emulated_serves_every_batch(tmp_path, variant):
+    """The AMX mode (every tile of the tuner's list: 16 or 32 rows and columns) with the tile
+    instructions' arithmetic in C++: A packed row by row, k padded to whole steps of 16 pairs, C
+    through the tiles, at every batch each kernel runs at, against the interpreter (on this CPU's
+    vectors and on 8-lane ones); and the same kernels with the instructions compile."""
+    isa = cpu_vector.resolve() if variant == "native" else cpu_vector.AVX2
+    ungrouped = [r for r in BATCH_RUNS if len(r[0]) <= 10]
+    todo = _every_batch_cases("emulated", isa, lambda g: _amx_plans(g, isa), ungrouped)
+    assert {(p.mr, p.nv * isa.lanes) for *_, p in todo} == set(cpp_bf16.AMX_TILES)
+    assert {kind for _, kind, *_ in todo} == {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"}
+    _run_every_batch(tmp_path, "emulated", isa, todo)
+    # the instructions themselves: the same kernels, compiled for a CPU with AMX
+    avx512 = cpu_vector.AVX512
+    code = "\n".join(cpp_bf16.render(f"x{i}", {**g, "bf16_dot": "amx"}, dataclasses.replace(p, dot="amx", nv=p.nv * isa.lanes // 16),
+                                      avx512)[0].code for i, (_, _, _, g, p) in enumerate(todo[::5]))
+    assert "_tile_dpbf16ps(" in code
+    compile_cpp(cpp_units.prelude(bf16=True)[1] + "\n" + code + "\n",
+                flags=cpu_vector.cxx_flags(avx512) + cpu_vector.bf16_flags(avx512, {"amx"}) + ("-c",),
+                cache=tmp_path / "amx")
+
+
+def _every_batch_cases(dot: str, isa, plans_of, runs=None) -> list:
+    geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
+        _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
+    todo = []
+    for case, kind, planned, runs_at in runs or BATCH_RUNS:
+        g = geo(_with_batch(case, kind, planned if kind != "matmul" else runs_at[0]), kind)
+        todo += [(case, kind, runs_at, g, plan) for plan in plans_of(g)]
+    return todo
+
+
+def _run_every_batch(tmp_path, dot: str, isa, todo: list) -> None:
     geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
         _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
     parts, kernels = [cpp_units.prelude(bf16=True)[1]], []
-    todo = []
-    for case, kind, planned, runs in BATCH_RUNS:
-        g = geo(_with_batch(case, kind, planned if kind != "matmul" else runs[0]), kind)
-        todo += [(case, kind, runs, g, plan) for plan in cpp_bf16.plans(g, isa, tune=True)]
-    assert {p.mode for *_, p in todo} == {"direct", "gemm", "dot", "taps"}
     for i, (case, kind, runs, g, plan) in enumerate(todo):
         ks, roles = cpp_bf16.render(f"k{i}", g, plan, isa)
         for run in runs:  # the same text at every batch it runs at

@@ -253,6 +253,28 @@ def test_host_supports_reads_cpuinfo(tmp_path):
     assert cv.host_supports(cv.native_isa(), info)     # built with -march=native: always runnable
 
 
+def test_bf16_products_amx_where_the_cpu_lists_it_and_forced_where_asked(tmp_path, monkeypatch):
+    """AMX needs both tile flags in /proc/cpuinfo (and Linux's grant, asked only then); a forced
+    "amx" is the avx512 variant's only, and its step builds with the tile options (and
+    -mavx512bf16, whose instruction its vector modes use) wherever -march=native lacks them."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    monkeypatch.setattr(cv, "_request_tile_state", lambda: pytest.fail("asked Linux for tiles the CPU lacks"))
+    assert not cv.native_amx.__wrapped__(info)  # amx_bf16 missing (the default, cached, reads /proc/cpuinfo)
+    monkeypatch.setattr(cv, "_request_tile_state", lambda: False)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert not cv.native_amx.__wrapped__(info)  # listed, but Linux refused the tile state
+    monkeypatch.setattr(cv, "_request_tile_state", lambda: True)
+    assert cv.native_amx.__wrapped__(info)
+    monkeypatch.setenv(cv.BF16_ENV_VAR, "amx")
+    assert cv.bf16_dot(cv.AVX512) == "amx"
+    with pytest.raises(ValueError, match="avx512 vector variant"):
+        cv.bf16_dot(cv.AVX2)
+    monkeypatch.setattr(cv, "native_target_enables", lambda option: False)
+    assert set(cv.bf16_flags(cv.AVX512, {"amx"})) == {"-mavx512bf16", "-mamx-tile", "-mamx-bf16"}
+    assert cv.bf16_flags(cv.AVX512, {"emulated"}) == ()
+
+
 # --------------------------------------------------------------------------- the whole step
 
 def _odd_cnn(seed: int = 0):

@@ -170,7 +170,7 @@ def test_bf16_candidates_match_the_interpreter_and_are_keyed_apart(tmp_path):
         if spec.kind not in cpp_choices.TEMPLATED or spec.kind.startswith("max_pool"):
             continue
         g = cpp_choices.geometry(sub, spec)
-        assert g["dtype"] == "bfloat16" and g["bf16_dot"] in ("emulated", "avx512bf16")
+        assert g["dtype"] == "bfloat16" and g["bf16_dot"] in ("emulated", "avx512bf16", "amx")
         assert '"dtype":"bfloat16"' in cpp_choices.TABLE.key(sub, spec)
         choices = cpp_choices.candidates(sub, spec)
         assert {f for f, _ in choices} == {"bf16"} and len(choices) > 1
