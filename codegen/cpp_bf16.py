@@ -1,5 +1,5 @@
 """bfloat16 contractions on the CPU: every kind (matmul, conv2d, its two gradients) on bfloat16
-pairs with float32 accumulation, in four modes (the plan's `mode`, best first where they apply):
+pairs with float32 accumulation, in five modes (the plan's `mode`, best first where they apply):
 
 - `direct` (`Direct`, `templates/cpp/bf16_direct.j2`): convolutions of any stride and groups over
   a grid of their outputs, the input packed once per image in phase planes (a vector of output
