@@ -82,6 +82,12 @@ class Family:
     #: the kernel renders a reused plan (its run-time sizes may let it take plans `accepts`
     #: refuses, e.g. a split count made for another length); None: `fits`
     accepts_reused: Callable[[Geometry, Plan], bool] | None = None
+    #: geometry -> the version of the code it renders there, where a change reached only some
+    #: geometries (records of the others stay valid); None: `version` everywhere
+    version_of: Callable[[Geometry], int] | None = None
+
+    def version_at(self, g: Geometry) -> int:
+        return self.version_of(g) if self.version_of is not None else self.version
 
     def all_plans(self, g: Geometry) -> list[Plan]:
         return (self.tuning_plans or self.plans)(g)
@@ -171,7 +177,7 @@ class ChoiceTable:
             return fams, None
         db = tuning_db.active() if db is ... else db
         prior = family_prior.predict(family_prior.sample(db, self.target, self.device()), g,
-                                     {f.name: f.version for f in fams}, self.features)
+                                     {f.name: f.version_at(g) for f in fams}, self.features)
         if prior is None:
             return fams, None
         known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])
@@ -204,7 +210,7 @@ class ChoiceTable:
         a float32 kernel's record must not go stale when the bfloat16 family (which serves the
         same kinds but never a float32 kernel) changes."""
         g = self._geometry(sub, spec)
-        return {f.name: f.version for f in self.families.values() if self.applies(f, g) is None}
+        return {f.name: f.version_at(g) for f in self.families.values() if self.applies(f, g) is None}
 
     def reuse_key(self, f: Family, g: Geometry) -> str:
         """A kernel's key among the plans a step shares with steps of other batch sizes: its

@@ -339,6 +339,12 @@ def _direct_tc_accepts(g: dict[str, Any], plan: Plan) -> bool | None:
                                                            g["KH"], g["KW"], g.get("dtype") == "bfloat16")
 
 
+def _direct_tc_version(g: dict[str, Any]) -> int:
+    # 2: the bfloat16 grad-weight multiplies pixel pairs on the bfloat16 mma (session 23; it
+    # had widened them on the TF32 mma), whose records' times are another kernel's
+    return 2 if g["kind"] == "conv2d_grad_weight" and g.get("dtype") == "bfloat16" else 1
+
+
 def _direct_tc_plans(g: dict[str, Any]) -> list[Plan]:
     return _direct_tc_candidates(g)[:1]
 
@@ -656,7 +662,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # the others compute in float32 whatever the precision, which TF32 permits (bfloat16
     # operands widened as they are read)
     Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
-           _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts),
+           _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts,
+           version_of=_direct_tc_version),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
            _thin_rejects, _plain, _no_scratch, _thin_render),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,

@@ -379,6 +379,23 @@ def _conv_kernels(model, shape, precision: str):
             yield graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
 
 
+def test_records_of_the_widened_bf16_grad_weight_are_stale_and_the_others_are_not():
+    """The bf16 grad-weight's code changed (pixel pairs on the bf16 mma): its records, which timed
+    the widened TF32 kernel, are of version 1 and stale; the forward's, grad-input's and every
+    TF32 record keep version 1."""
+    model, shape = NETS[0]
+    seen = set()
+    for precision in ("bf16", "tf32"):
+        for sub, spec in _conv_kernels(model, shape, precision):
+            versions = cuda_choices.TABLE.versions(sub, spec)
+            if "direct_tc" not in versions:
+                continue
+            bf16_gw = precision == "bf16" and spec.kind == "conv2d_grad_weight"
+            assert versions["direct_tc"] == (2 if bf16_gw else 1), (precision, spec.kind)
+            seen.add((precision, spec.kind))
+    assert {("bf16", "conv2d_grad_weight"), ("tf32", "conv2d_grad_weight"), ("bf16", "conv2d")} <= seen
+
+
 def test_the_family_serves_tf32_only_and_is_the_cost_models_pick_only_where_measured(monkeypatch):
     model, shape = NETS[0]
     # with no measurement at all (an empty sample for the cost model's prior: family_prior)
