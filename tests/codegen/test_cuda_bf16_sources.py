@@ -54,8 +54,9 @@ def test_every_contraction_runs_on_a_family_that_takes_bfloat16(model):
             code = cuda_choices.render(sub.name, sub, spec, spec.choice).code
             if spec.choice[0] == "gemm":
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in code and "m16n8k8" not in code
-            elif spec.choice[0] == "direct_tc":  # bfloat16 pairs (stages of 16 channels) or TF32 on exact values
-                pairs = spec.kind != "conv2d_grad_weight" and dict(spec.choice[1])["CC"] % 16 == 0
+            elif spec.choice[0] == "direct_tc":
+                # bfloat16 pairs (grad-weight: of pixels; else stages of 16 channels) or TF32 on exact values
+                pairs = spec.kind == "conv2d_grad_weight" or dict(spec.choice[1])["CC"] % 16 == 0
                 mma = "m16n8k16.row.col.f32.bf16" if pairs else "m16n8k8.row.col.f32.tf32"
                 assert mma in code and ("em_bf16_round(acc" in code or "em_bf16_round(v)" in code)
             else:  # float32 FMAs on the widened values, the value rounded before its epilogue
