@@ -134,7 +134,8 @@ def native_amx(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
 def _request_tile_state() -> bool:
     import ctypes  # only on a CPU that lists AMX
     try:
-        return ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+        args = map(ctypes.c_long, (_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA))  # syscall reads longs
+        return ctypes.CDLL(None, use_errno=True).syscall(*args) == 0
     except (OSError, AttributeError):
         return False
 
