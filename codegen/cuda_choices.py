@@ -445,10 +445,22 @@ def _narrow_rejects(g: dict[str, Any]) -> str | None:
 
 
 def _narrow_plans(g: dict[str, Any]) -> list[Plan]:
-    plan = cuda_skinny.narrow_plan(g["M"], g["N"], g["K"])
-    if math.ceil(g["M"] / plan.rows) > 65535 or plan.S >= 2**31 or g["K"] % plan.V:
-        return []
-    return [_pairs(plan)]
+    return _narrow_candidates(g)[:1]
+
+
+def _narrow_candidates(g: dict[str, Any]) -> list[Plan]:
+    """The planner's tiling first, then the other shapes of a lane's work the tuner measures: rows a
+    lane and k steps in flight trade registers for bytes in flight, which decide a pass over memory
+    (bfloat16 rows bring half the bytes of float32 ones per load)."""
+    M, N, K = g["M"], g["N"], g["K"]
+    shapes = [{}, dict(rows_per_lane=2, warps=8), dict(rows_per_lane=2, warps=8, unroll=4),
+              dict(rows_per_lane=4, warps=4, unroll=4), dict(rows_per_lane=1, warps=8, unroll=8)]
+    out = []
+    for shape in shapes:
+        plan = cuda_skinny.narrow_plan(M, N, K, **shape)
+        if math.ceil(M / plan.rows) <= 65535 and plan.S < 2**31 and K % plan.V == 0 and _pairs(plan) not in out:
+            out.append(_pairs(plan))
+    return out
 
 
 def _short_rejects(g: dict[str, Any]) -> str | None:
@@ -667,7 +679,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
            _thin_rejects, _plain, _no_scratch, _thin_render),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,
-           _narrow_render),
+           _narrow_render, tuning_plans=_narrow_candidates),
     Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
            _short_render),
     # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on

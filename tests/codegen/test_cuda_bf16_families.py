@@ -95,6 +95,22 @@ def test_bfloat16_memory_pass_matmuls_give_the_bfloat16_reference(case, tmp_path
     _check(_run(kernel, v, bf16, (M, N), tmp_path), want)
 
 
+def test_every_skinny_narrow_candidate_gives_the_bfloat16_reference(tmp_path):
+    """Every tiling the tuner measures for skinny_narrow (rows a lane, k steps in flight, splits;
+    a k of three and a half rounds, rows past a block's), emulated."""
+    from ember.codegen import cuda_choices
+    M, N, K = 45, 10, 1664
+    plans = cuda_choices._narrow_candidates(dict(M=M, N=N, K=K))
+    assert len(plans) >= 4
+    v = _operands(M, N, K, False, True)
+    want = _reference(v, False, True, True, False)
+    for i, plan in enumerate(plans):
+        kernel = cuda_skinny.render_matmul_narrow("t", M=M, N=N, K=K, trans_a=False, trans_b=True, bias=True,
+                                                  plan=cuda_skinny.NarrowPlan(**dict(plan)), bf16_roles=ALL)
+        (tmp_path / str(i)).mkdir()
+        _check(_run(kernel, dict(v), ALL, (M, N), tmp_path / str(i)), want)
+
+
 # the direct grad-weight (stride 1): (n, c, h, w, o, k, padding, bfloat16 roles)
 GW_CASES = [
     (2, 16, 8, 8, 32, 3, 1, frozenset({"x", "dy", "out"})),  # float4 reads of dy (4 output channels a thread)
