@@ -282,17 +282,21 @@ def tc_gw_buffer_floats(C: int, O: int, KH: int, KW: int, WO: int, RB: int, pair
     of 4 (the second buffer stays aligned). With `pairs` a dy row holds pixel pairs (rows padded
     to an even width) and an x plane two copies of the plane's pairs, the second a value later
     (`_gw_pairs_plane`)."""
+    ps, plane = _gw_strides(RB, KH, KW, WO, pairs)
+    return round_up(round_up(O, 16) * ps + round_up(C, 8) * plane, 4)
+
+
+def _gw_pixels(RB: int, WO: int, pairs: bool) -> int:
+    """A unit's pixels rounded up to whole k steps: of 8, or with bfloat16 pairs of 16, the rows
+    padded to an even width (a pair never spans two rows)."""
+    return round_up(RB * round_up(WO, 2), 16) if pairs else round_up(RB * WO, 8)
+
+
+def _gw_strides(RB: int, KH: int, KW: int, WO: int, pairs: bool) -> tuple[int, int]:
+    """Words from one dy row to the next and from one x plane to the next in a staging buffer."""
     if pairs:
-        dys = round_up(O, 16) * stride_4_mod_8(_gw_pairs_pixels(RB, WO) // 2)
-        return round_up(dys + round_up(C, 8) * stride_4_mod_8(2 * _gw_pairs_plane(RB, KH, KW, WO)), 4)
-    dys = round_up(O, 16) * stride_4_mod_8(round_up(RB * WO, 8))
-    return round_up(dys + round_up(C, 8) * stride_4_mod_8((RB + KH - 1) * (WO + KW - 1)), 4)
-
-
-def _gw_pairs_pixels(RB: int, WO: int) -> int:
-    """A unit's pixels with bfloat16 pairs: rows padded to an even width (a pair never spans two
-    rows), rounded up to whole k steps of 16."""
-    return round_up(RB * round_up(WO, 2), 16)
+        return stride_4_mod_8(_gw_pixels(RB, WO, True) // 2), stride_4_mod_8(2 * _gw_pairs_plane(RB, KH, KW, WO))
+    return stride_4_mod_8(_gw_pixels(RB, WO, False)), stride_4_mod_8((RB + KH - 1) * (WO + KW - 1))
 
 
 def _gw_pairs_plane(RB: int, KH: int, KW: int, WO: int) -> int:
@@ -314,7 +318,7 @@ def tc_grad_weight_plans(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: 
             continue  # two buffers must fit the dynamic shared memory a launch takes without opting in
         units = N * ceil_div(HO, RB)
         blocks = max(1, min(units, 4 * dev.multiprocessors, units // 2 or 1))
-        pixels = _gw_pairs_pixels(RB, WO) if pairs else round_up(RB * WO, 8)
+        pixels = _gw_pixels(RB, WO, pairs)
         for FM in _divisors(MT, 8):
             for FN in _divisors(NT, 8):
                 for KHW in _divisors(KH, KH):
@@ -372,12 +376,7 @@ def render_direct_tc_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O
     outs = O * C * KH * KW
     rg = _reduce_groups(plan.blocks)
     threads = plan.threads(C, O, KH)
-    if pairs:
-        ps = stride_4_mod_8(_gw_pairs_pixels(plan.RB, WO) // 2)
-        plane = stride_4_mod_8(2 * _gw_pairs_plane(plan.RB, KH, KW, WO))
-    else:
-        ps = stride_4_mod_8(round_up(plan.RB * WO, 8))
-        plane = stride_4_mod_8((plan.RB + KH - 1) * (WO + KW - 1))
+    ps, plane = _gw_strides(plan.RB, KH, KW, WO, pairs)
     code = _env.get_template("conv2d_direct_tc_gw.j2").render(
         name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) padding ({ph},{pw_})",
         N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, PH=ph, PW=pw_, HO=HO, WO=WO, RB=plan.RB, FM=plan.FM, FN=plan.FN,

@@ -321,24 +321,24 @@ def test_the_amx_mode_emulated_serves_every_batch(tmp_path, variant):
                 cache=tmp_path / "amx")
 
 
+def _geometry(case, kind: str, dot: str) -> dict:
+    return _mm_geometry(case, dot) if kind == "matmul" else _conv_geometry(case, kind, dot, kind in _EPILOGUE)
+
+
 def _every_batch_cases(dot: str, isa, plans_of, runs=None) -> list:
-    geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
-        _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
     todo = []
     for case, kind, planned, runs_at in runs or BATCH_RUNS:
-        g = geo(_with_batch(case, kind, planned if kind != "matmul" else runs_at[0]), kind)
+        g = _geometry(_with_batch(case, kind, planned if kind != "matmul" else runs_at[0]), kind, dot)
         todo += [(case, kind, runs_at, g, plan) for plan in plans_of(g)]
     return todo
 
 
 def _run_every_batch(tmp_path, dot: str, isa, todo: list) -> None:
-    geo = lambda case, kind: _mm_geometry(case, dot) if kind == "matmul" else \
-        _conv_geometry(case, kind, dot, kind in _EPILOGUE)  # noqa: E731
     parts, kernels = [cpp_units.prelude(bf16=True)[1]], []
     for i, (case, kind, runs, g, plan) in enumerate(todo):
         ks, roles = cpp_bf16.render(f"k{i}", g, plan, isa)
         for run in runs:  # the same text at every batch it runs at
-            assert cpp_bf16.render(f"k{i}", geo(_with_batch(case, kind, run), kind), plan, isa)[0].code == ks.code
+            assert cpp_bf16.render(f"k{i}", _geometry(_with_batch(case, kind, run), kind, dot), plan, isa)[0].code == ks.code
         sizes = ["int64_t e0", "int64_t e1", "int64_t e2"][:len(ks.extents)]
         params = ", ".join([f"void* a{j}" for j in range(len(roles))] + sizes)
         args = [f"static_cast<{'float' if r == 'scratch' else 'uint16_t'}*>(a{j})" for j, r in enumerate(roles)]
@@ -358,7 +358,7 @@ def _run_every_batch(tmp_path, dot: str, isa, todo: list) -> None:
                     "b": inputs.get("b") if kind == "matmul" else None,
                     "bias": inputs.get("v") if kind == "matmul" else inputs.get("b"), "mask": inputs.get("m")}
             out = np.zeros(want.shape, np.uint16)
-            words = cpp_bf16.scratch_bytes(geo(c, kind), plan, isa) // 4
+            words = cpp_bf16.scratch_bytes(_geometry(c, kind, dot), plan, isa) // 4
             scratch = np.full(words + 64, np.nan, np.float32)
             scratch[words:] = 1234.5
             fn = getattr(lib, f"call{i}")
