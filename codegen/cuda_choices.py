@@ -165,7 +165,7 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                p["a_kfast"], p["b_kfast"])
+                                p["a_kfast"], p["b_kfast"], "dtype" in g)
     return q is not None and _pairs(q) == plan
 
 
@@ -190,7 +190,7 @@ def _gemm_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
         return False
     return cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                   p["a_kfast"], p["b_kfast"]) is not None
+                                   p["a_kfast"], p["b_kfast"], "dtype" in g) is not None
 
 
 def _gemm_code(g: dict[str, Any]) -> dict[str, Any]:

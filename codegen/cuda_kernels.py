@@ -38,6 +38,7 @@ count are chosen per shape by a small cost model of the active device (`device.c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -230,8 +231,8 @@ def _pick_bk(K: int) -> int:
     return 16 if K < 4096 else 32
 
 
-def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast):
-    tile = _tile_model(BM, BN, BK, TM, TN, current())
+def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast, bf16: bool = False):
+    tile = _tile_model(BM, BN, BK, TM, TN, current(), 2 if bf16 else 1)
     return None if tile is None else _split_cost(M, N, K, batch, tile, splits)
 
 
@@ -252,16 +253,19 @@ class _TileModel:
 
 
 @functools.lru_cache(maxsize=4096)  # a handful of k-tile depths x the tile candidates x devices
-def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any) -> _TileModel | None:
+def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word: int = 1) -> _TileModel | None:
+    """`k_a_word`: the k values a staged register and shared-memory word holds (bfloat16: 2, a
+    pair), so a slot of the next tile's registers, and 4 bytes of shared memory, serve that many."""
     threads = (BM // TM) * (BN // TN)
-    la = ceil_div(BM * BK, threads)
-    lb = ceil_div(BN * BK, threads)
+    kw = BK // k_a_word
+    la = ceil_div(BM * kw, threads)
+    lb = ceil_div(BN * kw, threads)
     # Accumulators, operand vectors, the prefetched next tile and its hoisted gather offsets.
     regs = TM * TN + TM + TN + 3 * (la + lb) + 24
     if regs > 200 or la + lb > 20:
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
     regs = round_up(regs, 8)
-    smem = 4 * BK * (BM + BN)
+    smem = 4 * kw * (BM + BN)
     # (+ 1 KiB: the shared memory the runtime reserves a block)
     occ = min(dev.max_threads_per_multiprocessor // threads, dev.registers_per_multiprocessor // (threads * regs),
               dev.shared_per_multiprocessor // (smem + 1024), dev.max_blocks_per_multiprocessor)
@@ -270,7 +274,7 @@ def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any) -> _TileM
     # Issue slots per warp per k: TM*TN FMAs, the shared-memory vector loads, and the
     # gather of the next tile (about 8 instructions per element: index math, bounds, load, store).
     gm, gn = TM // min(TM, 4), TN // min(TN, 4)
-    per_k = TM * TN + gm + gn + 8.0 * (la + lb) / BK
+    per_k = TM * TN + gm + gn + 8.0 * k_a_word * (la + lb) / BK  # (a pair's two values each loaded)
     # Shared-memory wavefronts per warp per k (the SM serves one per cycle): a warp spans
     # min(32, NTX) distinct m-vectors and ceil(32 / NTX) distinct n-vectors.
     ntx = BM // TM
@@ -385,9 +389,12 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                      bf16: bool = False, _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
     mk = mma_k(tf32, bf16)
     BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
+    # bfloat16 stages k in pairs, so a k-tile of 32 holds the registers and shared memory of
+    # float32's 16: offered beside the usual depth wherever K spans two of them
+    depths = (BK, 32) if bf16 and BK < 32 and K >= 64 else (BK,)
     dev = current()
     plans = {}
-    for BM, BN, TM, TN in _tile_candidates():
+    for (BM, BN, TM, TN), BK in itertools.product(_tile_candidates(), depths):
         if mk and tf32_warp_grid(BM, BN, (BM // TM) * (BN // TN)) is None:
             continue
         if BM > round_up(M, 8) * 2 and BM > _min_tile[0]:
@@ -409,7 +416,7 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                 s = ceil_div(target, tiles)
                 if 1 < s <= K // (2 * BK):
                     split_opts.add(s)
-        tile = _tile_model(BM, BN, BK, TM, TN, dev)
+        tile = _tile_model(BM, BN, BK, TM, TN, dev, 2 if bf16 else 1)
         if tile is None:
             continue
         for s in sorted(split_opts):
