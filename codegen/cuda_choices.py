@@ -148,6 +148,10 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
     ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
                                           b_kfast=p["b_kfast"], tf32=g["tf32"], bf16="dtype" in g)
     chosen = list(map(_pairs, ranked[:TUNE_TOP]))  # the first is `_gemm_plans`' pick: the same ranking
+    if "dtype" in g:  # bfloat16: the tiles (and k-tiles of 32) that fit once a k pair is one word
+        chosen += map(_pairs, cuda_kernels.plan_candidates(
+            p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"], bf16=True,
+            pair_words=True)[:TUNE_TOP // 2])
     if cuda_kernels.mma_k(g["tf32"], "dtype" in g):
         # tensor-core tiles are short of issue slots between two barriers (an mma does the work of
         # many FMAs): the best few again with two k-tile buffers (one barrier a tile)

@@ -37,13 +37,13 @@ PATHS = ["native", "emulated", "avx2"]
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """The bfloat16 product path under test: the CPU's own (skipped without AVX512-BF16), emulated
-    on 16 lanes, emulated on 8 (the avx2 variant)."""
+    """The bfloat16 product path under test: the CPU's own (AMX tiles or AVX512-BF16; skipped
+    without AVX512-BF16), emulated on 16 lanes, emulated on 8 (the avx2 variant)."""
     if request.param == "native":
         if not (cpu_vector.native_isa() == cpu_vector.AVX512 and cpu_vector.native_bf16()):
             pytest.skip("this CPU has no AVX512-BF16: its bfloat16 kernels are the emulated ones")
         monkeypatch.setenv(cpu_vector.BF16_ENV_VAR, "native")
-        return "avx512bf16"
+        return cpu_vector.bf16_dot(cpu_vector.AVX512)  # "amx" where the CPU has the tiles
     if request.param == "avx2":
         monkeypatch.setenv(cpu_vector.ENV_VAR, "avx2")
     monkeypatch.setenv(cpu_vector.BF16_ENV_VAR, "emulated")

@@ -301,8 +301,9 @@ def _gemm_bf16(kind, g, split, runtime, stages=1):
     else:
         view = (g["O"], g["C"] * 9, g["N"] * HO * WO, 1, True, True)
     M, N, K, batch, a_kfast, b_kfast = view
-    plans = [p for p in ck.plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, bf16=True)
-             if (p.splits > 1) == split]
+    # two buffers: with the tiles (and k-tiles of 32) that fit a k pair a word, as the tuner offers them
+    plans = [p for p in ck.plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, bf16=True,
+                                           pair_words=stages > 1) if (p.splits > 1) == split]
     assert plans, (kind, g, split)
     plan = plans[0]
     if stages > 1:
