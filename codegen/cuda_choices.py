@@ -86,15 +86,9 @@ def _conv_args(g: dict[str, Any]) -> dict[str, Any]:
     return {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
 
 
-#: plan fields stamped only where they differ from these values (added after records were kept:
-#: a record without them means these)
-_OPTIONAL_FIELDS = {"stages": 1}
-
-
 def _pairs(plan: Any) -> Plan:
     """A plan dataclass as stamped pairs (its ranking score left out)."""
-    return tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.name not in ("est_us", "score")
-                 and _OPTIONAL_FIELDS.get(f.name, object()) != getattr(plan, f.name))
+    return tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.name not in ("est_us", "score"))
 
 
 # --------------------------------------------------------------------------- families
@@ -152,14 +146,6 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
         chosen += map(_pairs, cuda_kernels.plan_candidates(
             p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"], bf16=True,
             pair_words=True)[:TUNE_TOP // 2])
-    if cuda_kernels.mma_k(g["tf32"], "dtype" in g):
-        # tensor-core tiles are short of issue slots between two barriers (an mma does the work of
-        # many FMAs): the best few again with two k-tile buffers (one barrier a tile)
-        for q in ranked[:TUNE_TOP // 2]:
-            two = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], q.BM, q.BN, q.BK, q.TM, q.TN, q.splits,
-                                          p["a_kfast"], p["b_kfast"], "dtype" in g, 2)
-            if two is not None:
-                chosen.append(_pairs(two))
     splits, tiles = set(), set()
     for q in ranked[:TUNE_SPREAD]:
         if q.splits not in splits:
@@ -183,7 +169,7 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                p["a_kfast"], p["b_kfast"], "dtype" in g, gp.stages)
+                                p["a_kfast"], p["b_kfast"], "dtype" in g)
     return q is not None and _pairs(q) == plan
 
 
@@ -208,7 +194,7 @@ def _gemm_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
         return False
     return cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                   p["a_kfast"], p["b_kfast"], "dtype" in g, gp.stages) is not None
+                                   p["a_kfast"], p["b_kfast"], "dtype" in g) is not None
 
 
 def _gemm_code(g: dict[str, Any]) -> dict[str, Any]:

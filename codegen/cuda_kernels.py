@@ -216,18 +216,12 @@ class GemmPlan:
     splits: int
     kchunk: int
     est_us: float = 0.0  # the cost model's estimate (for ranking only: not part of a stamped plan)
-    #: shared-memory buffers of k-tiles: 2 stores a tile into the buffer the previous tile's
-    #: products are done with (one barrier a tile, not two); offered to the tuner only (the
-    #: cost model does not weigh barriers), stamped only where it is not 1
-    stages: int = 1
 
     @property
     def threads(self) -> int:
         return (self.BM // self.TM) * (self.BN // self.TN)
 
 
-#: bytes of static shared memory a block may declare
-_STATIC_SHARED = 48 * 1024
 _LAUNCH_US = 1.5           # fixed cost of one more kernel in a stream / graph (approx.)
 
 
@@ -237,8 +231,8 @@ def _pick_bk(K: int) -> int:
     return 16 if K < 4096 else 32
 
 
-def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast, bf16: bool = False, stages: int = 1):
-    tile = _tile_model(BM, BN, BK, TM, TN, current(), 2 if bf16 else 1, stages)
+def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast, bf16: bool = False):
+    tile = _tile_model(BM, BN, BK, TM, TN, current(), 2 if bf16 else 1)
     return None if tile is None else _split_cost(M, N, K, batch, tile, splits)
 
 
@@ -256,15 +250,12 @@ class _TileModel:
     per_k_tile: float  # cycles a warp needs per k-tile, if alone (before the latency factor)
     latency: float
     dev: Any
-    stages: int = 1
 
 
 @functools.lru_cache(maxsize=4096)  # a handful of k-tile depths x the tile candidates x devices
-def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word: int = 1,
-                stages: int = 1) -> _TileModel | None:
+def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word: int = 1) -> _TileModel | None:
     """`k_a_word`: the k values a staged register and shared-memory word holds (bfloat16: 2, a
-    pair), so a slot of the next tile's registers, and 4 bytes of shared memory, serve that many.
-    `stages`: buffers of k-tiles in shared memory (`GemmPlan.stages`)."""
+    pair), so a slot of the next tile's registers, and 4 bytes of shared memory, serve that many."""
     threads = (BM // TM) * (BN // TN)
     kw = BK // k_a_word
     la = ceil_div(BM * kw, threads)
@@ -274,9 +265,7 @@ def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word:
     if regs > 200 or la + lb > 20:
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
     regs = round_up(regs, 8)
-    smem = 4 * kw * (BM + BN) * stages
-    if stages > 1 and 4 * kw * (BM + BN + 64) * stages > _STATIC_SHARED:
-        return None  # the buffers are static arrays (rows padded by up to 32 words each)
+    smem = 4 * kw * (BM + BN)
     # (+ 1 KiB: the shared memory the runtime reserves a block)
     occ = min(dev.max_threads_per_multiprocessor // threads, dev.registers_per_multiprocessor // (threads * regs),
               dev.shared_per_multiprocessor // (smem + 1024), dev.max_blocks_per_multiprocessor)
@@ -298,7 +287,7 @@ def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word:
     # per cycle; below 2 warps per scheduler latency is exposed.
     wps = occ * warps / 4
     latency = 1.0 if wps >= 2 else (0.5 + 0.25 * wps)
-    return _TileModel(BM, BN, BK, TM, TN, occ, warps, BK * max(per_k / 4, lds_k) + 20, latency, dev, stages)
+    return _TileModel(BM, BN, BK, TM, TN, occ, warps, BK * max(per_k / 4, lds_k) + 20, latency, dev)
 
 
 def _split_cost(M: int, N: int, K: int, batch: int, tile: _TileModel, splits: int) -> GemmPlan:
@@ -322,7 +311,7 @@ def _split_cost(M: int, N: int, K: int, batch: int, tile: _TileModel, splits: in
     t = max(t, reread / (3 * dev.memory_bytes_per_s))
     if splits > 1:
         t += (4 * (splits + 1) * batch * M * N) / dev.memory_bytes_per_s + _LAUNCH_US * 1e-6
-    return GemmPlan(BM, BN, BK, tile.TM, tile.TN, splits, kchunk, t * 1e6, tile.stages)
+    return GemmPlan(BM, BN, BK, tile.TM, tile.TN, splits, kchunk, t * 1e6)
 
 
 def tf32_warp_grid(BM: int, BN: int, threads: int) -> tuple[int, int] | None:
@@ -529,9 +518,6 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     b_pad = (8 - plan.BN % 32) % 32 if mk else (4 if b_kfast else 0)
     if rowsum and plan.threads < plan.BM:
         raise ValueError("rowsum needs at least BM threads per block")
-    words = plan.BK // 2 if bf16 else plan.BK
-    if plan.stages not in (1, 2) or (plan.stages == 2 and 8 * words * (plan.BM + a_pad + plan.BN + b_pad) > _STATIC_SHARED):
-        raise ValueError(f"plan {plan}: {plan.stages} k-tile buffers do not fit a block's static shared memory")
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     splits = plan.splits
     kchunk = round_up(ceil_div(K, splits), plan.BK) if "K" in runtime else plan.kchunk
@@ -554,7 +540,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
     args = tuple(roles) + (("scratch",) if splits > 1 else ())
     sig = kernel_signature(roles, inputs, unrestricted, splits > 1, bf16_roles)
     code = _render(template, name=name, description=description, M=M, N=N, K=K, batch=batch,
-                   BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN, stages=plan.stages,
+                   BM=plan.BM, BN=plan.BN, BK=plan.BK, TM=plan.TM, TN=plan.TN,
                    threads=plan.threads, splits=splits, kchunk=kchunk,
                    rt=frozenset(runtime), sz=spelled, rt_members=[m for _, m in members],
                    rt_params="".join(f", const int {m}" for _, m in members),

@@ -289,7 +289,7 @@ GEMM_CASES = [
 ]
 
 
-def _gemm_bf16(kind, g, split, runtime, stages=1):
+def _gemm_bf16(kind, g, split, runtime, pair_words=False):
     from ember.codegen import cuda_kernels as ck
     HO, WO = cuda_refs.conv_out(g) if kind != "matmul" else (0, 0)
     if kind == "matmul":
@@ -301,16 +301,11 @@ def _gemm_bf16(kind, g, split, runtime, stages=1):
     else:
         view = (g["O"], g["C"] * 9, g["N"] * HO * WO, 1, True, True)
     M, N, K, batch, a_kfast, b_kfast = view
-    # two buffers: with the tiles (and k-tiles of 32) that fit a k pair a word, as the tuner offers them
+    # pair_words: the tiles (and k-tiles of 32) that fit a k pair a word, as the tuner offers them
     plans = [p for p in ck.plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast, bf16=True,
-                                           pair_words=stages > 1) if (p.splits > 1) == split]
+                                           pair_words=pair_words) if (p.splits > 1) == split]
     assert plans, (kind, g, split)
-    plan = plans[0]
-    if stages > 1:
-        plan = ck._gemm_cost(M, N, K, batch, plan.BM, plan.BN, plan.BK, plan.TM, plan.TN, plan.splits, a_kfast, b_kfast,
-                             True, stages)
-        assert plan is not None and plan.stages == stages
-    common = dict(plan=plan, runtime_batch=runtime)
+    common = dict(plan=plans[0], runtime_batch=runtime)
     if kind == "matmul":
         return ck.render_matmul("k", **g, bias=True, bf16_roles=frozenset({"a", "b", "bias", "out"}), **common)
     if kind == "conv_fwd":
@@ -322,18 +317,16 @@ def _gemm_bf16(kind, g, split, runtime, stages=1):
     return ck.render_conv2d_grad_weight("k", **g, bias=True, bf16_roles=frozenset({"x", "dy", "out"}), **common)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("pair_words", [False, True], ids=["planned", "pair_words"])
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(GEMM_CASES)])
-def test_bfloat16_gemm_kernels_give_the_bfloat16_reference(case, stages, tmp_path):
+def test_bfloat16_gemm_kernels_give_the_bfloat16_reference(case, pair_words, tmp_path):
     """The pairs are staged as the loaders read them (a k past K a zero half), so odd K, split-K,
     run-time sizes, k-fast and n-fast operands and the grad-weight's fused row sum (db, float32)
-    all give float64 sums of the bfloat16 values, rounded as the interpreter rounds; with two
-    k-tile buffers (`GemmPlan.stages`) too, where a tile read from the wrong buffer, or one
-    overwritten before every warp is done with it, gives other sums."""
+    all give float64 sums of the bfloat16 values, rounded as the interpreter rounds; with the
+    planner's tile and with the best of the tuner's word-counted ones (k-tiles of 32)."""
     kind, g, split, runtime = case
-    kernel = _gemm_bf16(*case, stages=stages)
-    assert "mma_bf16(" in kernel.code
-    assert ("unsigned As_[2][KS][SA]" if stages == 2 else "unsigned As[KS][SA]") in kernel.code
+    kernel = _gemm_bf16(*case, pair_words=pair_words)
+    assert "mma_bf16(" in kernel.code and "unsigned As[KS][SA]" in kernel.code
     bf = lambda shape: round_bf16(rng.standard_normal(shape).astype(np.float32))
     if kind == "matmul":
         a = bf((g["batch"], g["K"], g["M"]) if g["trans_a"] else (g["batch"], g["M"], g["K"]))
@@ -373,7 +366,7 @@ def test_every_bfloat16_kernel_here_compiles_with_nvcc(tmp_path):
     from nvcc import assert_compiles, nvcc_or_skip
     nvcc = nvcc_or_skip()
     kernels = [_render(*case) for case in CASES] + [_direct_gw(*case) for case in GW_CASES] + [
-        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case, stages=s) for case in GEMM_CASES for s in (1, 2)] + [
+        _small(*case) for case in SMALL_CASES] + [_gemm_bf16(*case, pair_words=w) for case in GEMM_CASES for w in (False, True)] + [
         _direct_tc_gw(*case) for case in GW_CASES]
     for i, kernel in enumerate(kernels):
         path = tmp_path / f"k{i}.cu"

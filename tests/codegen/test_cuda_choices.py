@@ -161,28 +161,3 @@ def test_the_gemm_scratch_from_a_plan_is_the_rendered_kernels():
                                       math.ceil(64 / splits / plan_.BK) * plan_.BK)
         k = cuda_kernels.render_matmul("k", M=10, N=18432, K=64, trans_a=True, trans_b=False, plan=plan_)
         assert k.scratch_bytes == cuda_kernels.gemm_scratch_bytes(plan_, 10, 18432)
-
-
-@pytest.mark.parametrize("precision", ["float32", "tf32", "bf16"])
-def test_two_buffer_gemm_plans_are_tuning_candidates_on_tensor_cores_only(precision):
-    """`GemmPlan.stages`: the tuner measures the GEMM's best plans again with two k-tile buffers
-    where the products run on tensor cores; such a plan is stamped with its `stages` and accepted
-    back from a record, while a one-buffer plan is stamped as before (records kept before the
-    field existed still apply) and the planner's pick stays one-buffered."""
-    from models import cnn
-    seen = 0
-    for graph in _graphs(cnn(), (256, 1, 28, 28), precision).values():
-        for sub, spec in _kernels(graph):
-            if spec.kind not in cuda_choices.CONVS + ("matmul",):
-                continue
-            g = cuda_choices.geometry(sub, spec)
-            plans = [dict(p) for f, p in cuda_choices.candidates(sub, spec) if f == "gemm"]
-            assert plans and "stages" not in plans[0]  # the cost model's pick
-            two = [p for p in plans if p.get("stages") == 2]
-            assert bool(two) == (precision != "float32"), (spec.kind, precision)
-            for p in two:
-                stamped = tuple(p.items())
-                assert cuda_choices.FAMILIES["gemm"].accepts(g, stamped)
-                assert "As_[2][" in cuda_choices.render(sub.name, sub, spec, ("gemm", stamped)).code
-                seen += 1
-    assert seen or precision == "float32"

@@ -133,33 +133,6 @@ def test_a_gemm_kernel_planned_at_one_batch_runs_any_batch_from_the_same_text(ki
                                        err_msg=f"{kind} {role} at {at}")
 
 
-@pytest.mark.parametrize("kind,g,split", [c for c in CASES if c[0] in ("conv_gw", "matmul")],
-                         ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
-def test_two_k_tile_buffers_give_the_reference(kind, g, split, tf32, tmp_path):
-    """`GemmPlan.stages = 2` (one barrier a k-tile; the tuner's candidates on tensor cores) on the
-    FMA and the TF32 paths, split-K or not, specialised and on run-time sizes: the float64
-    reference's values (a tile read from the wrong buffer gives other sums)."""
-    one = _plan(kind, g, split, tf32)
-    M, N, K, batch, a_kfast, b_kfast = _gemm_view(kind, g)
-    plan = ck._gemm_cost(M, N, K, batch, one.BM, one.BN, one.BK, one.TM, one.TN, one.splits, a_kfast, b_kfast,
-                         stages=2)
-    assert plan is not None and plan.stages == 2 and ck.ceil_div(plan.kchunk, plan.BK) > 1
-    tf = cuda_emulator.tf32 if tf32 else (lambda a: a)
-    for runtime_batch in (False, True):
-        kernel = _render_as(kind, g, plan, tf32, runtime_batch)
-        assert "As_[2][BK][SA]" in kernel.code
-        lib = cuda_emulator.build([kernel], tmp_path, f"s2{int(runtime_batch)}")
-        ins, _, lengths = cuda_refs.make_case(kind, dict(g, bias=True) if kind == "matmul" else g, _extra(kind), rng)
-        ins = {k: tf(v) if k in ("x", "w", "dy", "a", "b") else v for k, v in ins.items()}
-        refs = _reference(kind, g, ins)
-        bufs = dict(ins, **{k: np.full(np.shape(v), np.nan, np.float32) for k, v in refs.items()})
-        cuda_emulator.run(lib, 0, kernel, bufs)
-        for role, want in refs.items():
-            np.testing.assert_allclose(bufs[role].reshape(np.shape(want)), want, rtol=1e-5,
-                                       atol=2e-6 * lengths[role] + 1e-6, err_msg=f"{kind} {role}")
-
-
 def _reference(kind: str, g: dict, ins: dict) -> dict:
     """float64 references of the (possibly TF32-rounded) inputs."""
     if kind == "conv_fwd":
