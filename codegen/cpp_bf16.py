@@ -427,11 +427,13 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
             ranked.sort(key=lambda p: p.nv)
         out += ranked
     if g["bf16_dot"] == "amx" and g.get("groups", 1) == 1:
-        # the tiles multiply sixteen times the pairs a vector instruction does: first, the tallest
-        # and widest tile the sizes fill
+        # the tiles multiply sixteen times the pairs a vector instruction does, but this mode
+        # measured 5-20x slower than the vector modes on the one AMX CPU it ran on (an H100
+        # machine's Xeon host, docs/precision.md): after them, for the tuner to measure, until
+        # it is understood; the tallest and widest tile the sizes fill first
         amx = [Bf16Plan(mr, cols // isa.lanes, _block(gm, cols), "amx", "amx") for mr, cols in AMX_TILES
                if tune or ((mr == 32) == (gm.M > 16) and (cols == 32) == (gm.N > 16))]
-        out = amx + out
+        out = out + amx
     if dot_serves(g) and out:
         tiles = _dot_tiles(g, isa)
         dots = [Bf16Plan(mr, nr, 0, g["bf16_dot"], "dot") for _, mr, nr in tiles[: 3 if tune else 1]]

@@ -321,6 +321,20 @@ def test_the_amx_mode_emulated_serves_every_batch(tmp_path, variant):
                 cache=tmp_path / "amx")
 
 
+def test_the_amx_mode_on_the_tiles_serves_every_batch(tmp_path):
+    """Where the CPU has AMX (and Linux grants this process the tile state: `native_amx` asks),
+    every tile of the amx mode with the instructions themselves, at every batch each kernel runs
+    at, against the interpreter: the planner ranks the mode last there, so the native-path tests
+    above no longer run it."""
+    if not (cpu_vector.native_isa() == cpu_vector.AVX512 and cpu_vector.native_bf16() and cpu_vector.native_amx()):
+        pytest.skip("this CPU has no AMX tiles (or Linux refused the tile state)")
+    isa = cpu_vector.AVX512
+    ungrouped = [r for r in BATCH_RUNS if len(r[0]) <= 10]
+    todo = _every_batch_cases("amx", isa, lambda g: _amx_plans(g, isa), ungrouped)
+    assert {(p.mr, p.nv * isa.lanes) for *_, p in todo} == set(cpp_bf16.AMX_TILES)
+    _run_every_batch(tmp_path, "amx", isa, todo)
+
+
 def _geometry(case, kind: str, dot: str) -> dict:
     return _mm_geometry(case, dot) if kind == "matmul" else _conv_geometry(case, kind, dot, kind in _EPILOGUE)
 
