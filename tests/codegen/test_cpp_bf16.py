@@ -306,9 +306,7 @@ def test_the_amx_mode_emulated_serves_every_batch(tmp_path, variant):
     through the tiles, at every batch each kernel runs at, against the interpreter (on this CPU's
     vectors and on 8-lane ones); and the same kernels with the instructions compile."""
     isa = cpu_vector.resolve() if variant == "native" else cpu_vector.AVX2
-    ungrouped = [r for r in BATCH_RUNS if len(r[0]) <= 10]
-    todo = _every_batch_cases("emulated", isa, lambda g: _amx_plans(g, isa), ungrouped)
-    assert {(p.mr, p.nv * isa.lanes) for *_, p in todo} == set(cpp_bf16.AMX_TILES)
+    todo = _amx_cases("emulated", isa)
     assert {kind for _, kind, *_ in todo} == {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"}
     _run_every_batch(tmp_path, "emulated", isa, todo)
     # the instructions themselves: the same kernels, compiled for a CPU with AMX
@@ -326,13 +324,17 @@ def test_the_amx_mode_on_the_tiles_serves_every_batch(tmp_path):
     every tile of the amx mode with the instructions themselves, at every batch each kernel runs
     at, against the interpreter: the planner ranks the mode last there, so the native-path tests
     above no longer run it."""
-    if not (cpu_vector.native_isa() == cpu_vector.AVX512 and cpu_vector.native_bf16() and cpu_vector.native_amx()):
+    if cpu_vector.bf16_dot(cpu_vector.AVX512, "native") != "amx":
         pytest.skip("this CPU has no AMX tiles (or Linux refused the tile state)")
-    isa = cpu_vector.AVX512
+    _run_every_batch(tmp_path, "amx", cpu_vector.AVX512, _amx_cases("amx", cpu_vector.AVX512))
+
+
+def _amx_cases(dot: str, isa) -> list:
+    """The ungrouped batch runs with every amx tile of the tuner's list, products by `dot`."""
     ungrouped = [r for r in BATCH_RUNS if len(r[0]) <= 10]
-    todo = _every_batch_cases("amx", isa, lambda g: _amx_plans(g, isa), ungrouped)
+    todo = _every_batch_cases(dot, isa, lambda g: _amx_plans(g, isa), ungrouped)
     assert {(p.mr, p.nv * isa.lanes) for *_, p in todo} == set(cpp_bf16.AMX_TILES)
-    _run_every_batch(tmp_path, "amx", isa, todo)
+    return todo
 
 
 def _geometry(case, kind: str, dot: str) -> dict:
