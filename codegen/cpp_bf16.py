@@ -14,7 +14,12 @@ pairs with float32 accumulation, in five modes (the plan's `mode`, best first wh
 - `amx`: the GEMM mode on AMX tiles where the CPU has them (`dot` "amx"; `bf16_amx.j2`): A packed
   row by row, the register tile MR x NW of 16 or 32 each (up to four 16 x 16 float32 C tiles),
   k in steps of 16 pairs (K's pairs padded with zeros to whole steps), the C tiles stored to a
-  buffer and finished by the same epilogue.
+  buffer and finished by the same epilogue;
+- `direct_amx`: the direct mode on AMX tiles (`bf16_tiles.j2`): its packed planes are B tiles as
+  they lie (16 channel-pair planes a tile, 16 positions a row), each tap one tile load shifted
+  along the plane, the weight packed as A tiles per tap; a group's pairs padded with zero planes
+  to whole steps of 16. Its grad-weight takes MR input channels at one tap as a tile's rows
+  (x's planes, 32 positions a row) against dy's position pairs (`pack_dy`'s layout is a B tile).
 
 In the GEMM mode each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
 (a convolution's B is its im2col, gathered while packing, never stored whole):
@@ -101,7 +106,7 @@ class Bf16Plan:
               # (grad-weight: the output channels, padded to whole vectors)
     dot: str  # how pairs are multiplied: the geometry's `bf16_dot` (in the plan so dumps show it)
     mode: str = "gemm"  # "gemm" (ungrouped), "amx" (the GEMM mode on AMX tiles), "direct" (convolutions:
-                        # `Direct`; grad-weight ungrouped),
+                        # `Direct`; grad-weight ungrouped), "direct_amx" (the direct mode on AMX tiles),
                         # "dot" (x @ W^T: vectors along k; mr x nv outputs a tile, nb unused) or
                         # "taps" (a grouped grad-weight: mr taps a pass, nv 1, nb unused)
 
@@ -264,6 +269,11 @@ def _cig2(d: Direct) -> int:
     return (d.CI // d.GR + 1) // 2
 
 
+def _cig2x(d: Direct, amx: bool) -> int:
+    """Pair planes a group packs: its pairs, in whole AMX steps of 16 for the direct_amx mode."""
+    return _round_up(_cig2(d), 16) if amx else _cig2(d)
+
+
 def _stage_pitch(d: Direct, rb: int, nw: int) -> int:
     """bfloat16 elements of one channel's row in the stage: a task's positions, whole vector groups."""
     return _round_up(rb * d.WP, nw)
@@ -401,11 +411,49 @@ def _gemm_cost(gm: Gemm, plan: Bf16Plan, isa: VectorISA) -> float:
     return vectors / 16 if plan.mode == "amx" else vectors
 
 
+def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
+    """The direct modes' products (vector by vector, padding included; an AMX tile instruction:
+    sixteen vector ones)."""
+    amx = plan.mode == "direct_amx"
+    nw = plan.nv * isa.lanes
+    if d.kind == "conv2d_grad_weight":
+        q2 = (d.HOUT * d.WP + 1) // 2
+        rows = (_round_up(d.CI, plan.mr) * d.KH * d.KW) if amx else _round_up(d.CI * d.KH * d.KW, plan.mr)
+        vectors = d.G * rows * _round_up(d.OC, nw) / isa.lanes * (_round_up(q2, 16) if amx else q2)
+    else:
+        vectors = (d.G * _direct_mp(d, plan.mr) * _round_up(d.HOUT * d.WP, nw) / isa.lanes * d.KH * d.KW *
+                   _cig2x(d, amx))
+    return vectors / 16 if amx else vectors
+
+
+def _amx_direct_plans(d: Direct, isa: VectorISA, tune: bool) -> list[Bf16Plan]:
+    """The direct_amx mode's plans: every AMX tile (tune), else the tallest and widest the sizes
+    fill (rows: a group's output channels, a grad-weight's input channels; columns: the positions,
+    a grad-weight's output channels)."""
+    gw = d.kind == "conv2d_grad_weight"
+    rows, cols = (d.CI, d.OC) if gw else (d.OC // d.GR, d.HOUT * d.WP)
+    out = []
+    for mr, nw in AMX_TILES:
+        if tune or ((mr == 32) == (rows > 16) and (nw == 32) == (cols > 16)):
+            nb = _round_up(d.OC, nw) if gw else _direct_rows(d, _direct_mp(d, mr), nw)
+            out.append(Bf16Plan(mr, nw // isa.lanes, nb, "amx", "direct_amx"))
+    return out
+
+
+#: the direct_amx mode goes first where its tile products (padding included) are at most this
+#: share of the vector direct mode's: the tiles' padding of channels (one input channel fills a
+#: sixteenth of a step) and their loads and stores through memory make a tile instruction worth
+#: fewer than its sixteen vector ones
+AMX_DIRECT_SHARE = 0.25
+
+
 def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Plan]:
     """The cost model's plans, best first (tune: the tuner's wider list): the direct mode first
     where it applies (it gathers no windows: each input element is packed once, not KH * KW
     times), then the GEMM mode; for x @ W^T the dot mode (no packing, no padding of N to whole
-    vectors) before the GEMM mode where it costs fewer products."""
+    vectors) before the GEMM mode where it costs fewer products. Where the CPU has AMX, the direct
+    mode on its tiles leads where its products are few enough (AMX_DIRECT_SHARE), else follows
+    the vector modes."""
     gm, d = gemm_of(g), direct_of(g)
     out = []
     if (t := taps_of(g)) is not None:
@@ -426,11 +474,14 @@ def plans(g: dict[str, Any], isa: VectorISA, tune: bool = False) -> list[Bf16Pla
         if isa.registers < 32 and len(nvs) == 2:  # 16 registers: one column vector leaves room for rows
             ranked.sort(key=lambda p: p.nv)
         out += ranked
+    if g["bf16_dot"] == "amx" and d is not None:
+        tiles = _amx_direct_plans(d, isa, tune)
+        ahead = _direct_cost(d, tiles[0], isa) <= AMX_DIRECT_SHARE * _direct_cost(d, out[0], isa)
+        out = tiles + out if ahead else out + tiles
     if g["bf16_dot"] == "amx" and g.get("groups", 1) == 1:
-        # the tiles multiply sixteen times the pairs a vector instruction does, but this mode
-        # measured 5-20x slower than the vector modes on the one AMX CPU it ran on (an H100
-        # machine's Xeon host, docs/precision.md): after them, for the tuner to measure, until
-        # it is understood; the tallest and widest tile the sizes fill first
+        # the GEMM mode on the tiles measured 5-20x slower than the vector modes on the one AMX
+        # CPU it ran on (an H100 machine's Xeon host, docs/precision.md: its im2col gathered while
+        # packing): last, for the tuner to measure; the tallest and widest tile the sizes fill first
         amx = [Bf16Plan(mr, cols // isa.lanes, _block(gm, cols), "amx", "amx") for mr, cols in AMX_TILES
                if tune or ((mr == 32) == (gm.M > 16) and (cols == 32) == (gm.N > 16))]
         out = out + amx
@@ -452,14 +503,25 @@ def _planes(d: Direct) -> int:
     return d.PHH * d.PHW
 
 
-def _gw_x_plane(d: Direct) -> int:
+def _gw_x_plane(d: Direct, amx: bool = False) -> int:
     """bfloat16 elements of one phase plane of a channel of x in the direct grad-weight: the grid
-    and what the last position pair's window reaches past it."""
-    return _round_up(d.HP * d.WP + d.KW + 2, 32)
+    and what the last position pair's window reaches past it (direct_amx: what a tile row of the
+    farthest tap reaches in the last step of 16 pairs)."""
+    reach = d.HP * d.WP + d.KW + 2
+    if amx:
+        shift = (d.KH - 1) // d.SH * d.WP + (d.KW - 1) // d.SW
+        reach = max(reach, shift + 2 * _round_up((d.HOUT * d.WP + 1) // 2, 16))
+    return _round_up(reach, 32)
 
 
-def _gw_x_words(d: Direct) -> int:
-    return _round_up(d.CI * _planes(d) * _gw_x_plane(d) // 2, 16)
+def _gw_channels(d: Direct, plan: Bf16Plan) -> int:
+    """Channel planes of x the direct grad-weight packs: direct_amx's in whole row tiles."""
+    return _round_up(d.CI, plan.mr) if plan.mode == "direct_amx" else d.CI
+
+
+def _gw_x_words(d: Direct, plan: Bf16Plan) -> int:
+    amx = plan.mode == "direct_amx"
+    return _round_up(_gw_channels(d, plan) * _planes(d) * _gw_x_plane(d, amx) // 2, 16)
 
 
 def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
@@ -477,11 +539,13 @@ def _taps_layout(d: Direct, isa: VectorISA) -> dict[str, int]:
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
     """Offsets (in 4-byte words, 64-byte aligned) of the scratch regions and its size."""
     if d is not None and d.kind == "conv2d_grad_weight":  # each thread's image and dy, the chunks' sums
-        mp, op = _round_up(d.CI * d.KH * d.KW, plan.mr), _round_up(d.OC, plan.nv * isa.lanes)
-        sizes = {"x": _gw_x_words(d) * MAX_THREADS, "dy": (d.HOUT * d.WP + 1) // 2 * op * MAX_THREADS,
+        mp, op = _gw_rows(d, plan), _round_up(d.OC, plan.nv * isa.lanes)
+        q2 = (d.HOUT * d.WP + 1) // 2
+        sizes = {"x": _gw_x_words(d, plan) * MAX_THREADS,
+                 "dy": (_round_up(q2, 16) if plan.mode == "direct_amx" else q2) * op * MAX_THREADS,
                  "part": min(d.G, CHUNKS) * mp * op}
     elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
-        ci2, mp = _cig2(d), _direct_mp(d, plan.mr)
+        ci2, mp = _cig2x(d, plan.mode == "direct_amx"), _direct_mp(d, plan.mr)
         sizes = {"a": mp * d.KH * d.KW * ci2,
                  "x": d.GR * ci2 * _planes(d) * _plane(d, plan.nv * isa.lanes) * MAX_THREADS,
                  "stage": _stage_words(d, plan, isa) * MAX_THREADS}
@@ -500,6 +564,12 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
     return out
 
 
+def _gw_rows(d: Direct, plan: Bf16Plan) -> int:
+    """Rows (c, kh, kw) of the direct grad-weight's sums: whole row tiles (direct_amx: of channels
+    at each tap)."""
+    return _gw_channels(d, plan) * d.KH * d.KW if plan.mode == "direct_amx" else _round_up(d.CI * d.KH * d.KW, plan.mr)
+
+
 def _pairs(K: int, plan: Bf16Plan) -> int:
     """Pairs of k the GEMM modes pack: K's, in whole AMX k steps of 16 for the amx mode."""
     return _round_up((K + 1) // 2, 16) if plan.mode == "amx" else (K + 1) // 2
@@ -516,7 +586,7 @@ def scratch_bytes(g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> int:
         return 0
     if plan.mode == "taps":
         return 4 * sum(_taps_layout(taps_of(g), isa).values())
-    d = direct_of(g) if plan.mode == "direct" else None
+    d = direct_of(g) if plan.mode in ("direct", "direct_amx") else None
     if _phased(d):
         return 4 * _phased_scratch_words(gm, d, plan, isa)
     return 4 * _layout(gm, plan, isa, d)["total"]
@@ -527,18 +597,22 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
     if plan.dot != dot:
         raise ValueError(f"plan for {plan.dot} products, the kernel's are {dot}")
     grouped = g is not None and g.get("groups", 1) != 1
-    if plan.mode not in ("gemm", "amx", "direct", "dot", "taps") or (plan.mode == "direct" and d is None) or \
+    if plan.mode not in ("gemm", "amx", "direct", "direct_amx", "dot", "taps") or \
+            (plan.mode in ("direct", "direct_amx") and d is None) or \
             (plan.mode == "dot" and not (g is not None and dot_serves(g))) or \
             (plan.mode in ("gemm", "amx") and grouped) or \
             (plan.mode == "taps" and not (g is not None and taps_of(g) is not None)):
-        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct: convolutions but a "
+        raise ValueError(f"mode {plan.mode!r} does not serve this kernel (direct, direct_amx: convolutions but a "
                          f"grouped grad-weight; dot: a @ b^T; taps: a grouped grad-weight; gemm, amx: ungrouped)")
-    if plan.mode == "amx":
+    if plan.mode in ("amx", "direct_amx"):
         # the instructions where the CPU has them, else their arithmetic in C++ (tests)
         if dot not in ("amx", "emulated") or (dot == "amx" and isa.lanes != 16) or \
                 (plan.mr, plan.nv * isa.lanes) not in AMX_TILES:
-            raise ValueError(f"amx plan {plan.mr} x {plan.nv} vectors ({dot}, {isa.name}): AMX tiles take 16 or 32 "
-                             f"rows and columns, with 'amx' products on avx512 (or 'emulated' ones)")
+            raise ValueError(f"{plan.mode} plan {plan.mr} x {plan.nv} vectors ({dot}, {isa.name}): AMX tiles take 16 or "
+                             f"32 rows and columns, with 'amx' products on avx512 (or 'emulated' ones)")
+        if plan.mode == "direct_amx":
+            _check_direct_rows(d, plan, isa)
+            return
     if plan.mode == "taps":
         if (plan.mr, plan.nv, plan.nb) != (_taps_per_pass(taps_of(g), isa, dot), 1, 0):
             raise ValueError(f"taps plan {plan}: expected {_taps_per_pass(taps_of(g), isa, dot)} taps a pass")
@@ -555,15 +629,19 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
     if plan.mode == "direct":
         if plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot):
             raise ValueError(f"direct tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
-        if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(d.OC, plan.nv * isa.lanes):
-            raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {d.OC} output channels in whole vectors")
-        if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
-            raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
+        _check_direct_rows(d, plan, isa)
         return
     if plan.mode == "gemm" and (plan.nv < 1 or plan.mr < 1 or plan.mr > _max_rows(isa, plan.nv, dot)):
         raise ValueError(f"tile {plan.mr}x{plan.nv} vectors does not fit {isa.registers} registers ({dot})")
     if plan.nb % (plan.nv * isa.lanes) or plan.nb < 1 or (gm.reduce_groups and plan.nb < gm.N):
         raise ValueError(f"column block {plan.nb} is not a multiple of the tile's {plan.nv * isa.lanes} columns")
+
+
+def _check_direct_rows(d: Direct, plan: Bf16Plan, isa: VectorISA) -> None:
+    if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(d.OC, plan.nv * isa.lanes):
+        raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {d.OC} output channels in whole vectors")
+    if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
+        raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
 
 
 def _phase_plan(plan: Bf16Plan, dp: Direct) -> Bf16Plan:
@@ -588,7 +666,7 @@ def _render_phased(name: str, gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorIS
                        OGP=_round_up(dp.OC // dp.GR, pplan.mr), PLANE=_plane(dp, nw), RB=pplan.nb,
                        SP=_stage_pitch(dp, pplan.nb, nw), bias=False, relu=False, relu_mask=relu_mask,
                        mask_in_copy=True, PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"),
-                       phase={"a": a, "b": b, "sh": d.DH, "sw": d.DW, "h": d.HOUT, "w": d.WOUT})
+                       amx=plan.mode == "direct_amx", phase={"a": a, "b": b, "sh": d.DH, "sw": d.DW, "h": d.HOUT, "w": d.WOUT})
         parts.append(code if not parts else code.replace(vec_prelude(isa), "", 1))
         calls.append(f"  ember_k_{name}::p{a}{b}::run(pa, pb, bias, mask, out, scratch, images);")
     zero = ""
@@ -648,23 +726,24 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
                        PARALLEL=_parallel("G * M * N * K"))
         return KernelSource(name, code, 0, (gm.G, gm.M, gm.K)), ["a", "b", "bias" if "bias" in eps else None,
                                                                   "mask" if "relu_mask" in eps else None, "out", "scratch"]
-    if plan.mode == "direct" and d.kind == "conv2d_grad_weight":
+    amx = plan.mode == "direct_amx"
+    if plan.mode in ("direct", "direct_amx") and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d)}, **common,
-                       XPLANE=_gw_x_plane(d), MP=_round_up(d.CI * d.KH * d.KW, plan.mr),
+        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d, plan)}, **common,
+                       XPLANE=_gw_x_plane(d, amx), MP=_gw_rows(d, plan), amx=amx,
                        OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False,
                        relu_mask=False, mask_in_copy=False, PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
-    if plan.mode == "direct" and _phased(d):
+    if plan.mode in ("direct", "direct_amx") and _phased(d):
         return _render_phased(name, gm, d, plan, isa, dot, "relu_mask" in eps)
-    if plan.mode == "direct":
+    if plan.mode in ("direct", "direct_amx"):
         lay = _layout(gm, plan, isa, d)
         code = _render("bf16_direct.j2", isa, d=d, **common,
                        lay={**lay, "stage_words": _stage_words(d, plan, isa)},
                        OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
                        SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
-                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"), phase=None)
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"), amx=amx, phase=None)
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles

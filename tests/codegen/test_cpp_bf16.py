@@ -293,26 +293,38 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
     _run_every_batch(tmp_path, dot, isa, todo)
 
 
+AMX_MODES = ("amx", "direct_amx")
+#: channels past one AMX step on both sides (40 in: 20 pairs, two steps of 16 with a zero tail; 20
+#: out: a tile of 32 rows half filled; a grad-weight's 40 channels: two tiles of 32 at each tap)
+WIDE = ("wide_pad1", 2, 40, 9, 8, 20, 3, 3, (1, 1), (1, 1))
+AMX_RUNS = BATCH_RUNS + [(WIDE, kind, 2, (2, 1, 3)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")]
+
+
 def _amx_plans(g: dict, isa) -> list:
-    """The amx mode's plans of the tuner's list where the CPU has AMX, for `g`'s products."""
+    """The plans on AMX tiles (the GEMM mode's and the direct mode's) of the tuner's list where the
+    CPU has AMX, for `g`'s products."""
     plans = cpp_bf16.plans({**g, "bf16_dot": "amx"}, isa, tune=True)
-    return [dataclasses.replace(p, dot=g["bf16_dot"]) for p in plans if p.mode == "amx"]
+    return [dataclasses.replace(p, dot=g["bf16_dot"]) for p in plans if p.mode in AMX_MODES]
 
 
 @pytest.mark.parametrize("variant", ["native", "avx2"])
 def test_the_amx_mode_emulated_serves_every_batch(tmp_path, variant):
-    """The AMX mode (every tile of the tuner's list: 16 or 32 rows and columns) with the tile
-    instructions' arithmetic in C++: A packed row by row, k padded to whole steps of 16 pairs, C
-    through the tiles, at every batch each kernel runs at, against the interpreter (on this CPU's
+    """The modes on AMX tiles (the GEMM mode's and the direct mode's, every tile of the tuner's
+    list: 16 or 32 rows and columns) with the tile instructions' arithmetic in C++: A packed row by
+    row (direct: a tap's weight), k padded to whole steps of 16 pairs (direct: zero channel planes),
+    C through the tiles, at every batch each kernel runs at, against the interpreter (on this CPU's
     vectors and on 8-lane ones); and the same kernels with the instructions compile."""
     isa = cpu_vector.resolve() if variant == "native" else cpu_vector.AVX2
     todo = _amx_cases("emulated", isa)
-    assert {kind for _, kind, *_ in todo} == {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "matmul"}
+    kinds = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+    assert {(kind, p.mode) for _, kind, _, _, p in todo} == \
+        {("matmul", "amx")} | {(k, m) for k in kinds for m in AMX_MODES}
     _run_every_batch(tmp_path, "emulated", isa, todo)
-    # the instructions themselves: the same kernels, compiled for a CPU with AMX
+    # the instructions themselves: a kernel of each tile, mode and case, compiled for a CPU with AMX
     avx512 = cpu_vector.AVX512
+    firsts = {(c[0], kind, p.mode, p.mr, p.nv): (g, p) for c, kind, _, g, p in todo}
     code = "\n".join(cpp_bf16.render(f"x{i}", {**g, "bf16_dot": "amx"}, dataclasses.replace(p, dot="amx", nv=p.nv * isa.lanes // 16),
-                                      avx512)[0].code for i, (_, _, _, g, p) in enumerate(todo[::5]))
+                                      avx512)[0].code for i, (g, p) in enumerate(firsts.values()))
     assert "_tile_dpbf16ps(" in code
     compile_cpp(cpp_units.prelude(bf16=True)[1] + "\n" + code + "\n",
                 flags=cpu_vector.cxx_flags(avx512) + cpu_vector.bf16_flags(avx512, {"amx"}) + ("-c",),
@@ -330,10 +342,12 @@ def test_the_amx_mode_on_the_tiles_serves_every_batch(tmp_path):
 
 
 def _amx_cases(dot: str, isa) -> list:
-    """The ungrouped batch runs with every amx tile of the tuner's list, products by `dot`."""
-    ungrouped = [r for r in BATCH_RUNS if len(r[0]) <= 10]
-    todo = _every_batch_cases(dot, isa, lambda g: _amx_plans(g, isa), ungrouped)
-    assert {(p.mr, p.nv * isa.lanes) for *_, p in todo} == set(cpp_bf16.AMX_TILES)
+    """The batch runs with every AMX tile of the tuner's list (the GEMM mode's: ungrouped; the
+    direct mode's: a grouped forward and grad-input too), products by `dot`."""
+    todo = _every_batch_cases(dot, isa, lambda g: _amx_plans(g, isa), AMX_RUNS)
+    for mode in AMX_MODES:
+        assert {(p.mr, p.nv * isa.lanes) for *_, p in todo if p.mode == mode} == set(cpp_bf16.AMX_TILES)
+    assert any(len(case) > 10 and p.mode == "direct_amx" for case, *_, p in todo)
     return todo
 
 
