@@ -176,8 +176,8 @@ class ChoiceTable:
         if len(fams) < 2 or self.features is None:
             return fams, None
         db = tuning_db.active() if db is ... else db
-        prior = family_prior.predict(family_prior.sample(db, self.target, self.device()), g,
-                                     {f.name: f.version_at(g) for f in fams}, self.features)
+        prior = family_prior.predict_for(db, self.target, self.device(), g,
+                                         {f.name: f.version_at(g) for f in fams}, self.features)
         if prior is None:
             return fams, None
         known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])

@@ -19,11 +19,16 @@ measured kernels of the same kind say:
 
 The records are the active database's for this device (the user's, then the shipped ones); for
 a device with none, every shipped record of the target (another GPU's relative speeds beat none).
+Where the device's records say nothing of a kernel (no record of its kind compares two of its
+families: a device tuned in one precision only, whose bfloat16 records never measured a float32
+kernel's families), `predict_for` asks every shipped record of the target too, and the prior says
+so in dumps.
 A family's timings in a record whose version of it is not the family's version now are stale and
 left out, as the exact lookup (`tuning_db.lookup`) leaves the whole record out.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -48,12 +53,16 @@ class Prior:
     #: how many records were consulted and the nearest one's distance
     neighbours: int
     nearest: float
+    #: learned from every shipped record of the target, the device's own saying nothing of the kernel
+    elsewhere: bool = False
 
     def describe(self) -> str:
         """`prior of 3 tuned kernels (nearest 0.0): direct 1.00x, gemm 1.31x` for dumps."""
         ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
         rel = ", ".join(f"{f} {2 ** s:.2f}x" for f, s in ranked)
-        return f"prior of {self.neighbours} tuned kernel{'s' * (self.neighbours != 1)} (nearest {self.nearest:.1f}): {rel}"
+        where = ", other devices' records" if self.elsewhere else ""
+        return (f"prior of {self.neighbours} tuned kernel{'s' * (self.neighbours != 1)} "
+                f"(nearest {self.nearest:.1f}{where}): {rel}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,6 +100,19 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
             sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
             weights[f] = weights.get(f, 0.0) + w
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0])
+
+
+def predict_for(db: tuning_db.TuningDB | None, target: str, device: str, g: Mapping[str, Any],
+                families: Mapping[str, int], features: Features) -> Prior | None:
+    """`predict` over the device's sample (`sample`); where that says nothing of the kernel, over
+    every shipped record of the target (marked `elsewhere`)."""
+    own = sample(db, target, device)
+    prior = predict(own, g, families, features)
+    if prior is None:
+        every = sample(None, target, device)
+        if every is not own and (prior := predict(every, g, families, features)) is not None:
+            prior = dataclasses.replace(prior, elsewhere=True)
+    return prior
 
 
 def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
@@ -178,4 +200,4 @@ def log2_sizes(*sizes: float) -> tuple[float, ...]:
     return tuple(math.log2(max(1.0, float(s))) for s in sizes)
 
 
-__all__ = ["NEIGHBOURS", "Prior", "predict", "sample", "shipped_records", "log2_sizes"]
+__all__ = ["NEIGHBOURS", "Prior", "predict", "predict_for", "sample", "shipped_records", "log2_sizes"]

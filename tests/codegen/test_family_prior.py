@@ -77,6 +77,22 @@ def test_a_stale_user_record_does_not_hide_the_shipped_record_of_the_same_kernel
     assert min(p.scores, key=p.scores.get) == "skinny_narrow"
 
 
+def test_where_the_devices_records_say_nothing_of_a_kernel_every_shipped_record_is_asked(tmp_path):
+    """A device tuned in one precision only (here: its one record is of another kind) still ranks
+    an untuned kernel's families by what other devices measured (the shipped records), and the
+    dump says where the prior came from; a record of its own that compares them wins over those."""
+    g = _g(1024, 10, 9216)
+    db = TuningDB(tmp_path / "user", ())
+    db.store("cuda", "H100 test", kernel_key(dict(g, kind="conv2d")), _record({"gemm": 5.0, "skinny_narrow": 1.0}))
+    assert family_prior.predict(family_prior.sample(db, "cuda", "H100 test"), g, FAMS, cuda_choices.features) is None
+    p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
+    assert p is not None and p.elsewhere and "other devices' records" in p.describe()
+    db.store("cuda", "H100 test", kernel_key(g), _record({"gemm": 5.0, "skinny_narrow": 9.0}))
+    p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
+    assert not p.elsewhere and p.nearest == 0.0 and min(p.scores, key=p.scores.get) == "gemm"
+    assert "other devices" not in p.describe()
+
+
 def _cnn_graph(batch):
     nn.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10))
