@@ -5,7 +5,7 @@ no single size threshold captures (the direct convolution beats the implicit GEM
 window and many positions; a skinny matmul beats it when the operands are big and one side is
 narrow). Every tuning record holds the time of every candidate it measured, so the records are
 a sample of which family wins where. The prior ranks a kernel's families by what the nearest
-measured kernels of the same kind say:
+measured kernels of the same kind and precision say:
 
 - each kernel is placed by its table's `features` (the log2 of its sizes: a factor of two in
   one size is a distance of 1);
@@ -102,6 +102,12 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0])
 
 
+def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:
+    """What a kernel computes in: the families' relative speeds in bfloat16 or TF32 (tensor cores
+    for some families, not for others) say nothing of float32's."""
+    return str(g.get("dtype", "float32")), bool(g.get("tf32", False))
+
+
 def predict_for(db: tuning_db.TuningDB | None, target: str, device: str, g: Mapping[str, Any],
                 families: Mapping[str, int], features: Features) -> Prior | None:
     """`predict` over the device's sample (`sample`); where that says nothing of the kernel, over
@@ -117,17 +123,19 @@ def predict_for(db: tuning_db.TuningDB | None, target: str, device: str, g: Mapp
 
 def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
                 features: Features) -> list[tuple[tuple[float, ...], dict[str, float]]]:
-    """(features, best time per family) of every record of g's kind that compares two of
-    `families`: what `predict` measures distances to. Computed once per sample and kind where the
-    sample is one `sample` keeps (a compile asks for every kernel of a kind alike)."""
+    """(features, best time per family) of every record of g's kind and precision that compares
+    two of `families`: what `predict` measures distances to. Computed once per sample, kind and
+    precision where the sample is one `sample` keeps (a compile asks for every kernel of a kind
+    alike)."""
     index = records.index if isinstance(records, _IndexedSample) else None
-    key = (g["kind"], "groups" in g, tuple(sorted(families.items())), features)
+    key = (g["kind"], "groups" in g, _precision(g), tuple(sorted(families.items())), features)
     if index is not None and key in index:
         return index[key]
     found = []
     for rkey, recs in records.items():
         other = _geometry_of(rkey)
-        if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g):
+        if other.get("kind") != g["kind"] or ("groups" in other) != ("groups" in g) or \
+                _precision(other) != _precision(g):
             continue
         comparing = (t for rec in (recs if isinstance(recs, tuple) else (recs,))
                      if len(t := _family_times(rec, families)) >= 2)

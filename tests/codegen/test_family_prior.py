@@ -77,6 +77,17 @@ def test_a_stale_user_record_does_not_hide_the_shipped_record_of_the_same_kernel
     assert min(p.scores, key=p.scores.get) == "skinny_narrow"
 
 
+def test_records_of_another_precision_say_nothing():
+    """TF32 (or bfloat16) records rank families by tensor-core speeds a float32 kernel never sees."""
+    g = _g(64, 10, 9216)
+    records = {kernel_key(_g(64, 10, 9216, tf32=True)): _record({"gemm": 1.0, "skinny_narrow": 5.0}),
+               kernel_key(dict(g, dtype="bfloat16")): _record({"gemm": 1.0, "skinny_narrow": 5.0})}
+    assert family_prior.predict(records, g, FAMS, cuda_choices.features) is None
+    records[kernel_key(g)] = _record({"gemm": 5.0, "skinny_narrow": 1.0})
+    p = family_prior.predict(records, g, FAMS, cuda_choices.features)
+    assert p.neighbours == 1 and min(p.scores, key=p.scores.get) == "skinny_narrow"
+
+
 def test_where_the_devices_records_say_nothing_of_a_kernel_every_shipped_record_is_asked(tmp_path):
     """A device tuned in one precision only (here: its one record is of another kind) still ranks
     an untuned kernel's families by what other devices measured (the shipped records), and the
