@@ -27,7 +27,7 @@ from ember.runtime.data import load_mnist
 from conftest import require_mnist
 from models import MNIST_DIR
 
-STEPS, BATCH, WINDOW = 200, 32, 20
+STEPS, BATCH, WINDOW, TAIL = 200, 32, 20, 50
 # small widths, as tests/frontends/training/test_zoo.py: the suite stays fast
 WIDTHS = {"airbench": 1 / 16, "mobilenet": 1 / 8, "vit": 0.25, "vit_sdpa": 0.25}
 
@@ -66,8 +66,14 @@ def _check_envelope(name: str, runs: dict[str, np.ndarray]) -> None:
         assert np.all(np.isfinite(losses)), (name, precision)
         assert losses[-WINDOW:].mean() <= 0.75 * losses[:10].mean(), (name, precision, losses[:10], losses[-WINDOW:])
     assert not np.array_equal(runs["float32"], runs["bf16"]), "the bf16 step computed in float32"
-    f32, bf16 = (runs[p][-WINDOW:].mean() for p in ("float32", "bf16"))
-    assert abs(bf16 - f32) <= 0.25 * f32, (name, f32, bf16)
+    # where training ends, over the last TAIL steps, within half of float32's level: the envelope of
+    # PyTorch's own autocast bf16 on this recipe (torch 2.13.0, CPU, the same widths, seeds and
+    # batches; test_bf16_vs_torch.py aligns each step, this bounds only the free run): its bf16 ends
+    # 1-12% from its float32 over the last 50 steps on 8 zoo models and 44% on LeNet-5 (17% over
+    # the last 20, where a mean of 20 batch losses of 0.05-0.5 moves with the summation order:
+    # ember's CNN on AMX tiles 30%); ember on AMX: the CNN 15%, LeNet-5 25% over the last 50
+    f32, bf16 = (runs[p][-TAIL:].mean() for p in ("float32", "bf16"))
+    assert abs(bf16 - f32) <= 0.5 * f32, (name, f32, bf16)
     windows = {p: r.reshape(-1, WINDOW).mean(axis=1) for p, r in runs.items()}
     assert np.abs(windows["float32"] - windows["bf16"]).max() <= 0.3, (name, windows)
 

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from ember.codegen import cpu_vector
 from ember.frontends import compile, nn, optim, plan
 from ember.frontends.cli import main as ember_main
 from ember.frontends.training import build_model
@@ -57,9 +58,13 @@ def test_kernels_command_shows_each_buffers_dtype_and_the_product_path(tmp_path)
     assert re.search(r"//   call \d+ k\d+_conv2d: .* -> bf16\[8,16,26,26\]", source)
     assert re.search(r"float\* const p_0_weight = ", source)  # the master weight
     dots = set(re.findall(r"choice=bf16\(mr=\d+,nv=\d+,nb=\d+,dot=(\w+),mode=(\w+)\)", graph))
-    assert {d for d, _ in dots} == {"avx512bf16" if "_mm512_dpbf16_ps" in source else "emulated"}
-    # the stride-1 convolutions direct, the linear layer's x @ W^T read along k (dot), its gradients GEMMs
-    assert {m for _, m in dots} == {"direct", "dot", "gemm"}
+    # the path this CPU has (AMX, AVX512-BF16 or neither), as ember decides it for the step
+    dot = cpu_vector.bf16_dot(cpu_vector.resolve())
+    assert {d for d, _ in dots} == {dot}
+    assert ("_mm512_dpbf16_ps" in source) == (dot != "emulated")
+    # the stride-1 convolutions direct (on AMX the tiles take conv2's three; conv1, one input
+    # channel, stays on the vectors), the linear layer's x @ W^T read along k (dot), its gradients GEMMs
+    assert {m for _, m in dots} == {"direct", "dot", "gemm"} | ({"direct_amx"} if dot == "amx" else set())
     assert len(re.findall(r"choice=bf16\(", graph)) == 8  # the 8 contractions of a CNN step
 
 
