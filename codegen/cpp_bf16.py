@@ -418,8 +418,10 @@ def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
     nw = plan.nv * isa.lanes
     if d.kind == "conv2d_grad_weight":
         q2 = (d.HOUT * d.WP + 1) // 2
-        rows = (_round_up(d.CI, plan.mr) * d.KH * d.KW) if amx else _round_up(d.CI * d.KH * d.KW, plan.mr)
-        vectors = d.G * rows * _round_up(d.OC, nw) / isa.lanes * (_round_up(q2, 16) if amx else q2)
+        if amx:  # rows the output channels at each tap, columns the input channels
+            vectors = d.G * _gw_rows(d, plan) * _round_up(d.CI, nw) / isa.lanes * _gw_q2p(d)
+        else:
+            vectors = d.G * _round_up(d.CI * d.KH * d.KW, plan.mr) * _round_up(d.OC, nw) / isa.lanes * q2
     else:
         vectors = (d.G * _direct_mp(d, plan.mr) * _round_up(d.HOUT * d.WP, nw) / isa.lanes * d.KH * d.KW *
                    _cig2x(d, amx))
@@ -428,15 +430,16 @@ def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
 
 def _amx_direct_plans(d: Direct, isa: VectorISA, tune: bool) -> list[Bf16Plan]:
     """The direct_amx mode's plans: every AMX tile (tune), else the tallest the rows fill (a
-    group's output channels, a grad-weight's input channels) and 16 columns: on the one AMX CPU
+    group's output channels; a grad-weight's rows are its output channels too, its columns the
+    input channels) and 16 columns: on the one AMX CPU
     measured (an H100 machine's Xeon host, the CNN's convolutions at batch 64, 2 threads) the
     tiles 16 columns wide beat the 32-wide ones by 10-40% in each of the three kinds."""
     gw = d.kind == "conv2d_grad_weight"
-    rows = d.CI if gw else d.OC // d.GR
+    rows = d.OC // d.GR
     out = []
     for mr, nw in AMX_TILES:
         if tune or ((mr == 32) == (rows > 16) and nw == 16):
-            nb = _round_up(d.OC, nw) if gw else _direct_rows(d, _direct_mp(d, mr), nw)
+            nb = _round_up(d.CI, nw) if gw else _direct_rows(d, _direct_mp(d, mr), nw)
             out.append(Bf16Plan(mr, nw // isa.lanes, nb, "amx", "direct_amx"))
     return out
 
@@ -504,25 +507,49 @@ def _planes(d: Direct) -> int:
     return d.PHH * d.PHW
 
 
+def _gw_q2p(d: Direct) -> int:
+    """dy's pairs of grid positions in the direct_amx grad-weight: whole steps of 16."""
+    return _round_up((d.HOUT * d.WP + 1) // 2, 16)
+
+
+def _gw_pair_positions(d: Direct) -> int:
+    """Positions of a phase plane in direct_amx's pair layout: what a B tile of the farthest tap
+    reaches in the last step of 16 pairs (its position pair's first)."""
+    shift = (d.KH - 1) // d.SH * d.WP + (d.KW - 1) // d.SW
+    return _round_up(2 * _gw_q2p(d) + shift, 16)
+
+
 def _gw_x_plane(d: Direct, amx: bool = False) -> int:
     """bfloat16 elements of one phase plane of a channel of x in the direct grad-weight: the grid
-    and what the last position pair's window reaches past it (direct_amx: what a tile row of the
-    farthest tap reaches in the last step of 16 pairs)."""
+    and what the last position pair's window reaches past it (direct_amx: the pair layout's
+    positions and the next, each position's word holding it and the next)."""
     reach = d.HP * d.WP + d.KW + 2
     if amx:
-        shift = (d.KH - 1) // d.SH * d.WP + (d.KW - 1) // d.SW
-        reach = max(reach, shift + 2 * _round_up((d.HOUT * d.WP + 1) // 2, 16))
+        reach = max(reach, _gw_pair_positions(d) + 16)
     return _round_up(reach, 32)
 
 
-def _gw_channels(d: Direct, plan: Bf16Plan) -> int:
-    """Channel planes of x the direct grad-weight packs: direct_amx's in whole row tiles."""
-    return _round_up(d.CI, plan.mr) if plan.mode == "direct_amx" else d.CI
-
-
 def _gw_x_words(d: Direct, plan: Bf16Plan) -> int:
+    """4-byte words of one thread's x: its channels' phase planes, and for direct_amx the pair
+    layout besides (every position's word of each channel, the channels padded to the tile's columns)."""
     amx = plan.mode == "direct_amx"
-    return _round_up(_gw_channels(d, plan) * _planes(d) * _gw_x_plane(d, amx) // 2, 16)
+    words = _round_up(d.CI * _planes(d) * _gw_x_plane(d, amx) // 2, 16)
+    if amx:
+        words += _planes(d) * _gw_pair_positions(d) * _gw_cols(plan)
+    return words
+
+
+def _gw_dy_words(d: Direct, plan: Bf16Plan) -> int:
+    """4-byte words of one thread's dy in the direct grad-weight: direct_amx's rows of the output
+    channels on the grid (whole row tiles, whole steps of pairs), else its position pairs' words."""
+    words = _round_up(d.OC, plan.mr) * _gw_q2p(d) if plan.mode == "direct_amx" else (d.HOUT * d.WP + 1) // 2 * plan.nb
+    return _round_up(words, 16)
+
+
+def _gw_cols(plan: Bf16Plan) -> int:
+    """Columns of the direct grad-weight's sums, in whole tiles (the plan's nb): the output channels
+    (direct_amx: the input channels)."""
+    return plan.nb
 
 
 def _stage_words(d: Direct, plan: Bf16Plan, isa: VectorISA) -> int:
@@ -540,10 +567,9 @@ def _taps_layout(d: Direct, isa: VectorISA) -> dict[str, int]:
 def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -> dict[str, int]:
     """Offsets (in 4-byte words, 64-byte aligned) of the scratch regions and its size."""
     if d is not None and d.kind == "conv2d_grad_weight":  # each thread's image and dy, the chunks' sums
-        mp, op = _gw_rows(d, plan), _round_up(d.OC, plan.nv * isa.lanes)
-        q2 = (d.HOUT * d.WP + 1) // 2
+        mp, op = _gw_rows(d, plan), _gw_cols(plan)
         sizes = {"x": _gw_x_words(d, plan) * MAX_THREADS,
-                 "dy": (_round_up(q2, 16) if plan.mode == "direct_amx" else q2) * op * MAX_THREADS,
+                 "dy": _gw_dy_words(d, plan) * MAX_THREADS,
                  "part": min(d.G, CHUNKS) * mp * op}
     elif d is not None:  # the direct mode: the weight packed once, each thread's image and stage
         ci2, mp = _cig2x(d, plan.mode == "direct_amx"), _direct_mp(d, plan.mr)
@@ -566,9 +592,9 @@ def _layout(gm: Gemm, plan: Bf16Plan, isa: VectorISA, d: Direct | None = None) -
 
 
 def _gw_rows(d: Direct, plan: Bf16Plan) -> int:
-    """Rows (c, kh, kw) of the direct grad-weight's sums: whole row tiles (direct_amx: of channels
-    at each tap)."""
-    return _gw_channels(d, plan) * d.KH * d.KW if plan.mode == "direct_amx" else _round_up(d.CI * d.KH * d.KW, plan.mr)
+    """Rows of the direct grad-weight's sums: (c, kh, kw) in whole row tiles; direct_amx: (tap, o),
+    the output channels in whole row tiles at each tap."""
+    return d.KH * d.KW * _round_up(d.OC, plan.mr) if plan.mode == "direct_amx" else _round_up(d.CI * d.KH * d.KW, plan.mr)
 
 
 def _pairs(K: int, plan: Bf16Plan) -> int:
@@ -639,8 +665,10 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
 
 
 def _check_direct_rows(d: Direct, plan: Bf16Plan, isa: VectorISA) -> None:
-    if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(d.OC, plan.nv * isa.lanes):
-        raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {d.OC} output channels in whole vectors")
+    cols = d.CI if plan.mode == "direct_amx" else d.OC  # the sums' columns
+    if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(cols, plan.nv * isa.lanes):
+        raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {cols} {'input' if cols == d.CI and plan.mode == 'direct_amx' else 'output'} "
+                         f"channels in whole tiles of {plan.nv * isa.lanes}")
     if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
         raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
 
@@ -730,9 +758,9 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
     amx = plan.mode == "direct_amx"
     if plan.mode in ("direct", "direct_amx") and d.kind == "conv2d_grad_weight":
         lay = _layout(gm, plan, isa, d)
-        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d, plan)}, **common,
-                       XPLANE=_gw_x_plane(d, amx), MP=_gw_rows(d, plan), amx=amx,
-                       OP=_round_up(d.OC, plan.nv * isa.lanes), bias=False, relu=False,
+        code = _render("bf16_direct_gw.j2", isa, d=d, lay={**lay, "x_words": _gw_x_words(d, plan), "dy_words": _gw_dy_words(d, plan)}, **common,
+                       XPLANE=_gw_x_plane(d, amx), MP=_gw_rows(d, plan), amx=amx, XA=_gw_pair_positions(d),
+                       OP=_gw_cols(plan), bias=False, relu=False,
                        relu_mask=False, mask_in_copy=False, PARALLEL=_parallel("G * O * HO * WO * C * KH * KW"))
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), ["dy", "x", None, None, "out", "scratch"]
     if plan.mode in ("direct", "direct_amx") and _phased(d):
