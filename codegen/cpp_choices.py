@@ -398,6 +398,12 @@ def _generated_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
     return KernelSource(name, code, 0, cpp.generated_extents(sub, spec.kind, spec.core)), [*sub.inputs, *sub.outputs]
 
 
+def _bf16_version(g: dict[str, Any]) -> int:
+    """The bf16 family's version at g: 3 for a grad-weight on AMX tiles (its direct_amx plans' rows
+    became the output channels and nb the input channels), 2 elsewhere (those records stay valid)."""
+    return 3 if g["kind"] == "conv2d_grad_weight" and g.get("bf16_dot") == "amx" else 2
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _float32(_dot_rejects), _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
@@ -424,7 +430,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            grouped=True, code_geometry=runtime("N")),
     Family("bf16", CONVS + ("matmul",), 0, _bf16_plans(False), _bf16_rejects, _plain, _bf16_scratch, _bf16_render,
            tuning_plans=_bf16_plans(True), accepts=_fits(_bf16_scratch), version=2, grouped=True,
-           code_geometry=_bf16_code),
+           code_geometry=_bf16_code, version_of=_bf16_version),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _one_plan, _always, _plain, _pool_scratch, _pool_render),
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
     Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _no_scratch, _generated_render),
