@@ -418,8 +418,8 @@ def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
     nw = plan.nv * isa.lanes
     if d.kind == "conv2d_grad_weight":
         q2 = (d.HOUT * d.WP + 1) // 2
-        if amx:  # rows the output channels at each tap, columns the input channels
-            vectors = d.G * _gw_rows(d, plan) * _round_up(d.CI, nw) / isa.lanes * _gw_q2p(d)
+        if amx:  # rows the output channels at each tap, columns the input channels in tiles of 16
+            vectors = d.G * _gw_rows(d, plan) * _round_up(d.CI, 16) / isa.lanes * _gw_q2p(d)
         else:
             vectors = d.G * _round_up(d.CI * d.KH * d.KW, plan.mr) * _round_up(d.OC, nw) / isa.lanes * q2
     else:
@@ -439,7 +439,7 @@ def _amx_direct_plans(d: Direct, isa: VectorISA, tune: bool) -> list[Bf16Plan]:
     out = []
     for mr, nw in AMX_TILES:
         if tune or ((mr == 32) == (rows > 16) and nw == 16):
-            nb = _round_up(d.CI, nw) if gw else _direct_rows(d, _direct_mp(d, mr), nw)
+            nb = _round_up(d.CI, 16) if gw else _direct_rows(d, _direct_mp(d, mr), nw)
             out.append(Bf16Plan(mr, nw // isa.lanes, nb, "amx", "direct_amx"))
     return out
 
@@ -665,10 +665,13 @@ def _check_plan(gm: Gemm, plan: Bf16Plan, isa: VectorISA, dot: str, d: Direct | 
 
 
 def _check_direct_rows(d: Direct, plan: Bf16Plan, isa: VectorISA) -> None:
-    cols = d.CI if plan.mode == "direct_amx" else d.OC  # the sums' columns
-    if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(cols, plan.nv * isa.lanes):
-        raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {cols} {'input' if cols == d.CI and plan.mode == 'direct_amx' else 'output'} "
-                         f"channels in whole tiles of {plan.nv * isa.lanes}")
+    # the sums' columns: the output channels in whole tiles; direct_amx: the input channels in
+    # whole column tiles of 16 (a plan's 32 columns are two column tiles, of any taps)
+    amx = plan.mode == "direct_amx"
+    cols, tile = (d.CI, 16) if amx else (d.OC, plan.nv * isa.lanes)
+    if d.kind == "conv2d_grad_weight" and plan.nb != _round_up(cols, tile):
+        raise ValueError(f"direct grad-weight: nb {plan.nb} is not the {cols} {'input' if amx else 'output'} "
+                         f"channels in whole tiles of {tile}")
     if d.kind != "conv2d_grad_weight" and not 1 <= plan.nb <= d.HOUT:
         raise ValueError(f"direct: {plan.nb} output rows a task, the output has {d.HOUT}")
 
