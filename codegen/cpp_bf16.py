@@ -269,6 +269,15 @@ def _cig2(d: Direct) -> int:
     return (d.CI // d.GR + 1) // 2
 
 
+def _tap_pairs(d: Direct) -> int:
+    """Pairs of taps the vector direct mode multiplies where a group has one input channel (a
+    first layer, a depthwise convolution): taps kw and kw + SW of one phase plane as a pair (x at
+    consecutive positions of the plane), else 0 (pairs of channels)."""
+    if d.CI // d.GR != 1:
+        return 0
+    return d.KH * sum(math.ceil((d.KW - b) / (2 * d.SW)) for b in range(d.PHW))
+
+
 def _cig2x(d: Direct, amx: bool) -> int:
     """Pair planes a group packs: its pairs, in whole AMX steps of 16 for the direct_amx mode."""
     return _round_up(_cig2(d), 16) if amx else _cig2(d)
@@ -423,8 +432,8 @@ def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
         else:
             vectors = d.G * _round_up(d.CI * d.KH * d.KW, plan.mr) * _round_up(d.OC, nw) / isa.lanes * q2
     else:
-        vectors = (d.G * _direct_mp(d, plan.mr) * _round_up(d.HOUT * d.WP, nw) / isa.lanes * d.KH * d.KW *
-                   _cig2x(d, amx))
+        pairs = _tap_pairs(d) if not amx and _tap_pairs(d) else d.KH * d.KW * _cig2x(d, amx)
+        vectors = d.G * _direct_mp(d, plan.mr) * _round_up(d.HOUT * d.WP, nw) / isa.lanes * pairs
     return vectors / 16 if amx else vectors
 
 
@@ -698,7 +707,8 @@ def _render_phased(name: str, gm: Gemm, d: Direct, plan: Bf16Plan, isa: VectorIS
                        OGP=_round_up(dp.OC // dp.GR, pplan.mr), PLANE=_plane(dp, nw), RB=pplan.nb,
                        SP=_stage_pitch(dp, pplan.nb, nw), bias=False, relu=False, relu_mask=relu_mask,
                        mask_in_copy=True, PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"),
-                       amx=plan.mode == "direct_amx", phase={"a": a, "b": b, "sh": d.DH, "sw": d.DW, "h": d.HOUT, "w": d.WOUT})
+                       amx=plan.mode == "direct_amx", tap_pairs=0 if plan.mode == "direct_amx" else _tap_pairs(dp),
+                       phase={"a": a, "b": b, "sh": d.DH, "sw": d.DW, "h": d.HOUT, "w": d.WOUT})
         parts.append(code if not parts else code.replace(vec_prelude(isa), "", 1))
         calls.append(f"  ember_k_{name}::p{a}{b}::run(pa, pb, bias, mask, out, scratch, images);")
     zero = ""
@@ -775,7 +785,8 @@ def render(name: str, g: dict[str, Any], plan: Bf16Plan, isa: VectorISA) -> tupl
                        OGP=_round_up(d.OC // d.GR, plan.mr), PLANE=_plane(d, plan.nv * isa.lanes), RB=plan.nb,
                        SP=_stage_pitch(d, plan.nb, plan.nv * isa.lanes),
                        bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps, mask_in_copy=True,
-                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"), amx=amx, phase=None)
+                       PARALLEL=_parallel("G * OC * HOUT * WOUT * CIG * KH * KW"), amx=amx, phase=None,
+                       tap_pairs=0 if amx else _tap_pairs(d))
         roles = [d.a_role, d.b_role, "bias" if "bias" in eps else None, "mask" if "relu_mask" in eps else None,
                  "out", "scratch"]
         return KernelSource(name, code, 4 * lay["total"], (d.G,)), roles
