@@ -426,13 +426,13 @@ def _direct_cost(d: Direct, plan: Bf16Plan, isa: VectorISA) -> float:
     amx = plan.mode == "direct_amx"
     nw = plan.nv * isa.lanes
     if d.kind == "conv2d_grad_weight":
-        q2 = (d.HOUT * d.WP + 1) // 2
         if amx:  # rows the output channels at each tap, columns the input channels in tiles of 16
             vectors = d.G * _gw_rows(d, plan) * _round_up(d.CI, 16) / isa.lanes * _gw_q2p(d)
         else:
+            q2 = (d.HOUT * d.WP + 1) // 2
             vectors = d.G * _round_up(d.CI * d.KH * d.KW, plan.mr) * _round_up(d.OC, nw) / isa.lanes * q2
     else:
-        pairs = _tap_pairs(d) if not amx and _tap_pairs(d) else d.KH * d.KW * _cig2x(d, amx)
+        pairs = (0 if amx else _tap_pairs(d)) or d.KH * d.KW * _cig2x(d, amx)
         vectors = d.G * _direct_mp(d, plan.mr) * _round_up(d.HOUT * d.WP, nw) / isa.lanes * pairs
     return vectors / 16 if amx else vectors
 
