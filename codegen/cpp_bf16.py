@@ -18,8 +18,11 @@ pairs with float32 accumulation, in five modes (the plan's `mode`, best first wh
 - `direct_amx`: the direct mode on AMX tiles (`bf16_tiles.j2`): its packed planes are B tiles as
   they lie (16 channel-pair planes a tile, 16 positions a row), each tap one tile load shifted
   along the plane, the weight packed as A tiles per tap; a group's pairs padded with zero planes
-  to whole steps of 16. Its grad-weight takes MR input channels at one tap as a tile's rows
-  (x's planes, 32 positions a row) against dy's position pairs (`pack_dy`'s layout is a B tile).
+  to whole steps of 16. Its grad-weight has the output channels as rows (dy's rows on the grid,
+  32 positions a tile row) and column tiles of 16 input channels at one tap (x in a pair layout:
+  each position's word holds it and the next), every tile row a whole aligned 64-byte load.
+  Where a group has one input channel, the vector direct mode pairs two taps of one phase plane
+  instead of the channel and a zero.
 
 In the GEMM mode each kind is read as G GEMMs C[g] (M x N) = A[g] (M x K) . B[g] (K x N) through element accessors
 (a convolution's B is its im2col, gathered while packing, never stored whole):

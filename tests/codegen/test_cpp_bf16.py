@@ -295,7 +295,8 @@ def test_one_compiled_kernel_serves_every_batch(tmp_path, dot):
 
 AMX_MODES = ("amx", "direct_amx")
 #: channels past one AMX step on both sides (40 in: 20 pairs, two steps of 16 with a zero tail; 20
-#: out: a tile of 32 rows half filled; a grad-weight's 40 channels: two tiles of 32 at each tap)
+#: out: a tile of 32 rows half filled; a grad-weight's 40 input channels: three column tiles of 16
+#: at each tap, a 32-column plan pairing them across taps)
 WIDE = ("wide_pad1", 2, 40, 9, 8, 20, 3, 3, (1, 1), (1, 1))
 AMX_RUNS = BATCH_RUNS + [(WIDE, kind, 2, (2, 1, 3)) for kind in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")]
 
