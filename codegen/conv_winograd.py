@@ -264,12 +264,10 @@ def _ctx(name: str, kind: str, g: ConvGeometry, plan: WinogradPlan, isa: VectorI
     v_pos = k.CI * b["TBP"] + _ALIGN    # a line more: the 16 points' rows are stored at once, no 4K aliasing
     v = round_up(_POSITIONS * v_pos, _ALIGN)
     per_thread = v + _POSITIONS * plan.OB * b["TG"] + plan.OB * 4 * b["TBP"] + side["WORK"]
-    ucs = round_up(b["COP"], isa.lanes)
-    u_pos = k.CI * ucs + _ALIGN
-    sc.add("u", _POSITIONS * u_pos)
+    sc.add("u", round_up(_POSITIONS * k.CI * b["COP"], _ALIGN))
     sc.add("thr", MAX_THREADS * per_thread)
-    return dict(common, **b, V_FLOATS=v, V_POS=v_pos, UCS=ucs, U_POS=u_pos, PER_THREAD=per_thread, CK=_CHUNK,
-                off=sc.offsets), sc
+    return dict(common, **b, V_FLOATS=v, V_POS=v_pos, UCS=round_up(b["COP"], isa.lanes), PER_THREAD=per_thread,
+                CK=_CHUNK, off=sc.offsets), sc
 
 
 def scratch_bytes(kind: str, g: ConvGeometry, plan: WinogradPlan, isa: VectorISA) -> int:
