@@ -20,15 +20,19 @@ and the transforms (adds and subtracts, the weights' halves) cost a few operatio
   same kernel (the ReLU-mask epilogue applied where rows are written back);
 * grad-weight (F(3x3, 2x2)): dw[o][c] = G^T [sum over tiles of (A y A^T) . (B^T d B)] G, y the 2x2
   block of dy of a tile. For each block of tile rows the team transforms the input patches (as the
-  forward) and dy's blocks, both as vectors of tiles, then splits the 16 GEMMs' (OB output x VB
-  input channels) tiles: each lane sums its stream of the block's tiles, the lanes are added by a
-  fixed tree and the block's sums to running sums in double; G^T m G at the end, in double.
+  forward) and dy's blocks, both as vectors of tiles; each point's input channels are then
+  regrouped in place so a vector holds VL channels of one tile (a register transpose per VL x VL
+  square), and the 16 GEMMs' (OB output channels x VB vectors of input channels) tiles sum the
+  block's tiles, CKT in registers (float), the block's partial sums added to running sums in
+  double; G^T m G at the end, in double. (Summing vectors of tiles instead, as before, needed a
+  tree of shuffles per block for every output: 47 -> 38 ms on airbench's 256-channel 14x14 layer
+  on a 2-core Xeon.)
 
 Accuracy (tests/codegen/test_conv_winograd.py, against float64): a forward or grad-input output
 sums C products of transformed values, CK channels a float chain (then the chains), where the
 direct kernel sums 9C in one chain, so it is more accurate (0.61-0.77x the direct kernels' RMS
 error on a 16 -> 40 channel 14x14 layer); the grad-weight's output transform cancels (G^T m G of
-sums larger than the result): 1.7x the direct kernel's error there. On full-width airbench
+sums larger than the result): 1.73x the direct kernel's error there. On full-width airbench
 (`tools/zoo_alignment.py`, docs/benchmarks.md) the step's update error against float64 over
 PyTorch float32's was 2.08 with the direct kernels, 1.09 with these summing all C in one chain,
 0.75 with chains of 32.
@@ -72,6 +76,11 @@ _MAX_RB = 64
 #: sums), and full-width airbench's eval logits went from 1.5x PyTorch float32's error to 0.78x
 #: (64: 0.88x), for a load, an add and a store a register every 32 channels (~3% of the kernel)
 _CHUNK = 32
+#: tiles the grad-weight's register tile sums before adding to the block's partial sums: on the
+#: accuracy test's layer (147 tiles a block) its error over the direct kernel's was 1.94x with 32,
+#: 1.73x with 16 (as the lane sums' before), 1.79x with 8; airbench's 256-channel 14x14 layer ran
+#: 38.6-39.1 ms with either
+_GW_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -143,22 +152,35 @@ def _block(k: _Correlation, isa: VectorISA, plan: WinogradPlan) -> dict[str, int
 
 def _gw_block(g: ConvGeometry, isa: VectorISA, plan: WinogradPlan) -> dict[str, int]:
     """A grad-weight block: its tiles in whole vectors (TBP), the output and input channels padded
-    to whole tiles (OP, CP), a row of sums (MCP: CP in whole vectors)."""
-    cp = round_up(g.C, plan.VB)
-    return dict(TBP=round_up(plan.RB * ceil_div(g.WO, 2), isa.lanes), OP=round_up(g.O, plan.OB), CP=cp,
-                MCP=round_up(cp, isa.lanes))
+    to whole tiles (OP; CP: VB vectors a tile), a row of sums (MCP)."""
+    cp = round_up(g.C, plan.VB * isa.lanes)
+    return dict(TBP=round_up(plan.RB * ceil_div(g.WO, 2), isa.lanes), OP=round_up(g.O, plan.OB), CP=cp, MCP=cp)
 
 
-def _registers(kind: str, ob: int, vb: int) -> int:
-    """Vector registers of a register tile: the forward's OB x VB accumulators, its VB loads and a
-    broadcast; the grad-weight's OB x VB accumulators and its OB + VB loads."""
-    return ob * vb + (ob + vb if kind == "conv2d_grad_weight" else vb + 1)
+def _transpose_stages(lanes: int) -> list[tuple[int, list[int], list[int]]]:
+    """The shuffles of a lanes x lanes register transpose (conv_winograd_gw.j2): for each bit h of
+    a lane index, rows i and i + h (i without h) swap the lanes with h of row i for those without
+    h of row i + h; as __builtin_shuffle masks of (row i, row i + h) for the new rows."""
+    out = []
+    h = lanes // 2
+    while h:
+        lo = [lanes + l - h if l & h else l for l in range(lanes)]
+        hi = [lanes + l if l & h else l + h for l in range(lanes)]
+        out.append((h, lo, hi))
+        h //= 2
+    return out
+
+
+def _registers(ob: int, vb: int) -> int:
+    """Vector registers of a register tile (every kind): OB x VB accumulators, VB loads and a
+    broadcast."""
+    return ob * vb + vb + 1
 
 
 def _check(name: str, kind: str, plan: WinogradPlan, isa: VectorISA) -> None:
     if not (1 <= plan.OB <= 16 and 1 <= plan.VB <= _MAX_VB and 1 <= plan.RB <= _MAX_RB):
         raise _plan_error(name, plan, f"it needs 1 <= OB <= 16, 1 <= VB <= {_MAX_VB} and 1 <= RB <= {_MAX_RB}")
-    if (regs := _registers(kind, plan.OB, plan.VB)) > isa.registers:
+    if (regs := _registers(plan.OB, plan.VB)) > isa.registers:
         raise _plan_error(name, plan, f"its tile needs {regs} vector registers, {isa.name} has {isa.registers}")
 
 
@@ -188,12 +210,13 @@ def _cost(kind: str, g: ConvGeometry, k: _Correlation, isa: VectorISA, plan: Win
     every point's weights once a block and tile group. Grad-weight: the GEMMs' steps over every
     tile (channels padded), plus a block's fixed cost."""
     blocks = ceil_div(g.N * k.TH, plan.RB)
-    if kind == "conv2d_grad_weight":   # a step: a vector of tiles, OB + VB loads, OB x VB FMAs
+    if kind == "conv2d_grad_weight":   # a step: a tile, VB loads, OB broadcasts, OB x VB FMAs
         b = _gw_block(g, isa, plan)
-        tiles = (b["OP"] // plan.OB) * (b["CP"] // plan.VB)
-        step = max(plan.OB * plan.VB, plan.OB + plan.VB) / 2 + 1.0
-        lanes = 1.5 * plan.OB * plan.VB + 2 * plan.OB   # a block's lane sums and their adds
-        return blocks * (_POSITIONS * tiles * (b["TBP"] // isa.lanes * step + lanes) + _GW_BLOCK_CYCLES)
+        tiles = (b["OP"] // plan.OB) * (b["CP"] // (plan.VB * isa.lanes))
+        sums = plan.OB * plan.VB * (isa.lanes + 2)   # a block's partial sums added in double
+        transpose = b["CP"] * b["TBP"] / isa.lanes   # a point's channels made the inner index
+        return blocks * (_POSITIONS * (tiles * (plan.RB * k.TW * _step_cycles(plan.OB, plan.VB) + sums) + transpose)
+                         + _GW_BLOCK_CYCLES)
     b = _block(k, isa, plan)
     gemm = blocks * _POSITIONS * (b["COP"] // plan.OB) * b["NTG"] * k.CI * _step_cycles(plan.OB, plan.VB)
     weights = blocks * _POSITIONS * k.CI * b["COP"] / isa.lanes * 0.25
@@ -208,7 +231,8 @@ def plans(kind: str, g: ConvGeometry, isa: VectorISA, tune: bool = False) -> lis
     gw = kind == "conv2d_grad_weight"
     # the grad-weight's tile is OB output x VB input channels (each a vector of tiles)
     tiles = [(ob, vb) for ob in range(1, 17) for vb in range(1, _MAX_VB + 1)
-             if _registers(kind, ob, vb) <= isa.registers and ob <= (g.O if gw else k.CO) and (not gw or vb <= g.C)]
+             if _registers(ob, vb) <= isa.registers and ob <= (g.O if gw else k.CO)
+             and (not gw or vb <= ceil_div(g.C, isa.lanes))]
     # transformed values a tile row: V (and the grad-weight's transformed dy)
     a_row = _POSITIONS * k.TW * (k.CI + (g.O if gw else 0))
 
@@ -254,12 +278,14 @@ def _ctx(name: str, kind: str, g: ConvGeometry, plan: WinogradPlan, isa: VectorI
     if kind == "conv2d_grad_weight":
         b = _gw_block(g, isa, plan)
         v_pos, w_pos, m_pos = b["CP"] * b["TBP"] + _ALIGN, b["OP"] * b["TBP"] + _ALIGN, b["OP"] * b["MCP"] + _ALIGN
-        per_thread = round_up(side["WORK"], _ALIGN)
+        work = round_up(side["WORK"], _ALIGN)
+        per_thread = work + isa.lanes * b["TBP"]   # the row buffers, a block of channels being transposed
         sc.add("v", _POSITIONS * v_pos)
         sc.add("wt", _POSITIONS * w_pos)
         sc.add("mw", 2 * _POSITIONS * m_pos)   # doubles
         sc.add("thr", MAX_THREADS * per_thread)
-        return dict(common, **b, V_POS=v_pos, W_POS=w_pos, M_POS=m_pos, PER_THREAD=per_thread, off=sc.offsets), sc
+        return dict(common, **b, V_POS=v_pos, W_POS=w_pos, M_POS=m_pos, PER_THREAD=per_thread, WORK_P=work,
+                    CKT=_GW_CHUNK, STAGES=_transpose_stages(isa.lanes), off=sc.offsets), sc
     b = _block(k, isa, plan)
     v_pos = k.CI * b["TBP"] + _ALIGN    # a line more: the 16 points' rows are stored at once, no 4K aliasing
     v = round_up(_POSITIONS * v_pos, _ALIGN)

@@ -404,6 +404,13 @@ def _bf16_version(g: dict[str, Any]) -> int:
     return 3 if g["kind"] == "conv2d_grad_weight" and g.get("bf16_dot") == "amx" else 2
 
 
+def _winograd_version(g: dict[str, Any]) -> int:
+    """The winograd family's version at g: 3 for a grad-weight (its plans' VB became vectors of
+    input channels: the GEMM sums tiles into lanes of channels), 2 elsewhere (those records stay
+    valid)."""
+    return 3 if g["kind"] == "conv2d_grad_weight" else 2
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("matmul_dot", ("matmul",), 0, _matmul_plans("dot", False), _float32(_dot_rejects), _never,
            _matmul_scratch(DotPlan), _matmul_render(DotPlan), tuning_plans=_matmul_plans("dot", True),
@@ -420,10 +427,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            code_geometry=_phase_code),
     # fewer multiplications than the direct kernels, more transforms: taken where measured (the
     # tuning database, or the prior its records give kernels of similar sizes), never by default
-    # version 2: the forward's GEMMs sum 32 channels at a time (more accurate, ~3% slower)
+    # version 2: the forward's GEMMs sum 32 channels at a time (more accurate, ~3% slower); 3 for
+    # the grad-weight (_winograd_version)
     Family("winograd", conv_winograd.KINDS, 1, _winograd_plans(False), _float32(_winograd_rejects), _never,
            _winograd_scratch, _winograd_render, tuning_plans=_winograd_plans(True), accepts=_fits(_winograd_scratch),
-           code_geometry=runtime("N"), version=2),
+           code_geometry=runtime("N"), version=2, version_of=_winograd_version),
     # float32 or bfloat16 operands; for bfloat16 after the bf16 family (its direct and taps modes
     # are tiled), so the generic loops serve what they do not (a strided grouped grad-input)
     Family("grouped", CONVS, 0, _one_plan, _grouped_rejects, _float32_only, _no_scratch, _grouped_render,
