@@ -120,6 +120,21 @@ def test_the_family_serves_ungrouped_3x3_stride_1_convolutions_only():
         cw.plans("conv2d", dataclasses.replace(g, KH=5, KW=5), cv.AVX2)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_the_grad_weights_register_transpose_is_a_transpose(lanes):
+    """The shuffles the grad-weight template applies to a lanes x lanes square (rows i and i + h,
+    __builtin_shuffle's two-source masks), played on NumPy rows, leave row r holding column r."""
+    rows = [np.arange(lanes) + lanes * r for r in range(lanes)]
+    for h, lo, hi in cw._transpose_stages(lanes):
+        for i in range(lanes):
+            if i & h:
+                continue
+            both = np.concatenate([rows[i], rows[i + h]])
+            rows[i], rows[i + h] = both[lo], both[hi]
+    square = np.arange(lanes * lanes).reshape(lanes, lanes)
+    np.testing.assert_array_equal(np.stack(rows), square.T)
+
+
 def test_plans_fit_the_register_file_and_refuse_what_does_not():
     g = GEOMETRIES[1][1]
     for isa in (cv.AVX2, cv.AVX512):
