@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ember.codegen import tuning_db
 from ember.frontends import compile as ember_compile
 from ember.frontends import nn, optim
 from ember.runtime import target_names
@@ -177,8 +178,11 @@ def _ember(model_name: str, device: str, init: dict[str, np.ndarray], example: t
            precision: str = "float32") -> tuple[Callable[[np.ndarray, np.ndarray], Any], SystemResult]:
     res = SystemResult(f"ember-{device}")
     previous = os.environ.get("EMBER_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as cache:
-        os.environ["EMBER_CACHE_DIR"] = cache  # an empty cache: the first compile is cold
+    # the user's tuning database lives under their cache folder: chosen before the cache moves, or
+    # a step tuned with `ember tune` would be timed with the cost model's kernels
+    tuned = tuning_db.active()
+    with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as cache, tuning_db.using(tuned):
+        os.environ["EMBER_CACHE_DIR"] = cache  # an empty compile cache: the first compile is cold
         try:
             for attempt in ("cold", "warm"):
                 model = zoo_model(model_name)

@@ -35,6 +35,32 @@ def test_bench_runs_a_zoo_model_against_pytorch(capsys):
     assert "vit_sdpa  ember-cpu" in out and "vit_sdpa  torch-eager" in out
 
 
+def test_bench_compiles_cold_but_with_the_users_tuning_database(tmp_path, monkeypatch):
+    """`ember bench` times a cold compile in an empty cache folder, yet the kernels it picks are
+    the ones `ember tune` recorded under the user's cache folder ($EMBER_CACHE_DIR/tuning)."""
+    from ember.codegen import compiler, tuning_db
+
+    user = tmp_path / "user-cache"
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(user))
+    seen = []
+
+    def fake_compile(*args, **kwargs):
+        seen.append((compiler.cache_dir(), tuning_db.active().user_dir))
+        raise RuntimeError("stop")
+
+    class Model:
+        def load_state_dict(self, state):
+            pass
+
+    monkeypatch.setattr(bench, "zoo_model", lambda name: Model())
+    monkeypatch.setattr(bench, "ember_compile", fake_compile)
+    with pytest.raises(RuntimeError, match="stop"):
+        bench._ember("cnn", "cpu", {}, None, 0.1)
+    (cache, db_dir), = seen
+    assert cache != user and db_dir == user / "tuning"
+    assert compiler.cache_dir() == user   # the user's cache folder is back afterwards
+
+
 def test_kernels_writes_a_zoo_models_sources(tmp_path, capsys):
     pytest.importorskip("torch")
     assert cli.main(["kernels", "--model", "mobilenet", "--device", "cpu", "--batch-size", "2",
