@@ -152,9 +152,9 @@ def _block(k: _Correlation, isa: VectorISA, plan: WinogradPlan) -> dict[str, int
 
 def _gw_block(g: ConvGeometry, isa: VectorISA, plan: WinogradPlan) -> dict[str, int]:
     """A grad-weight block: its tiles in whole vectors (TBP), the output and input channels padded
-    to whole tiles (OP; CP: VB vectors a tile), a row of sums (MCP)."""
+    to whole tiles (OP; CP: VB vectors a tile, also a row of sums)."""
     cp = round_up(g.C, plan.VB * isa.lanes)
-    return dict(TBP=round_up(plan.RB * ceil_div(g.WO, 2), isa.lanes), OP=round_up(g.O, plan.OB), CP=cp, MCP=cp)
+    return dict(TBP=round_up(plan.RB * ceil_div(g.WO, 2), isa.lanes), OP=round_up(g.O, plan.OB), CP=cp)
 
 
 def _transpose_stages(lanes: int) -> list[tuple[int, list[int], list[int]]]:
@@ -208,7 +208,8 @@ def _cost(kind: str, g: ConvGeometry, k: _Correlation, isa: VectorISA, plan: Win
     """Modelled cycles of a call. Forward and grad-input: the GEMMs' steps over every block (the
     padding of tiles to whole vectors and of channels to whole tiles included), plus streaming
     every point's weights once a block and tile group. Grad-weight: the GEMMs' steps over every
-    tile (channels padded), plus a block's fixed cost."""
+    tile (channels padded), the block's partial sums and channel transposes, plus a block's fixed
+    cost."""
     blocks = ceil_div(g.N * k.TH, plan.RB)
     if kind == "conv2d_grad_weight":   # a step: a tile, VB loads, OB broadcasts, OB x VB FMAs
         b = _gw_block(g, isa, plan)
@@ -229,7 +230,7 @@ def plans(kind: str, g: ConvGeometry, isa: VectorISA, tune: bool = False) -> lis
     cost model's L2 budget)."""
     k = _correlation(kind, g)
     gw = kind == "conv2d_grad_weight"
-    # the grad-weight's tile is OB output x VB input channels (each a vector of tiles)
+    # the grad-weight's tile is OB output channels x VB vectors of input channels
     tiles = [(ob, vb) for ob in range(1, 17) for vb in range(1, _MAX_VB + 1)
              if _registers(ob, vb) <= isa.registers and ob <= (g.O if gw else k.CO)
              and (not gw or vb <= ceil_div(g.C, isa.lanes))]
@@ -277,7 +278,7 @@ def _ctx(name: str, kind: str, g: ConvGeometry, plan: WinogradPlan, isa: VectorI
     sc = _Scratch()
     if kind == "conv2d_grad_weight":
         b = _gw_block(g, isa, plan)
-        v_pos, w_pos, m_pos = b["CP"] * b["TBP"] + _ALIGN, b["OP"] * b["TBP"] + _ALIGN, b["OP"] * b["MCP"] + _ALIGN
+        v_pos, w_pos, m_pos = b["CP"] * b["TBP"] + _ALIGN, b["OP"] * b["TBP"] + _ALIGN, b["OP"] * b["CP"] + _ALIGN
         work = round_up(side["WORK"], _ALIGN)
         per_thread = work + isa.lanes * b["TBP"]   # the row buffers, a block of channels being transposed
         sc.add("v", _POSITIONS * v_pos)
