@@ -347,7 +347,8 @@ def render_step(graph: Graph, profile: bool = False, isa: cpu_vector.VectorISA |
     # the compiled entry names no source line (a graph input's is where it was traced: another line
     # for another batch size): the nodes each call implements are in its dumped note
     units = cpp_units.step_units(entry(cpp_units.entry_preamble(header, fns), False), fns, header, flags,
-                                 _layout_note(graph, kernels, table, implements=True))
+                                 _layout_note(graph, kernels, table, implements=True),
+                                 cheap_flags=cpu_vector.auto_vector_flags(isa))
     return StepSource(_layout_note(graph, kernels, table) + entry(cpp_units.single_source(header_text, fns), True),
                       slots, graph.meta["arena_bytes"],
                       kernels, segments if collectives else [list(range(len(kernels)))], collectives,

@@ -156,9 +156,11 @@ def alone_unit(header: str, fn: KernelFunction, flags: tuple[str, ...]) -> Unit:
     return Unit(fn.name, _unit_source(header, [fn]), _opt(flags, fn.kind), _call_notes(fn), ", ".join(k.name for k in fn.calls))
 
 
-def kernel_units(functions: list[KernelFunction], header: str, flags: tuple[str, ...]) -> list[Unit]:
+def kernel_units(functions: list[KernelFunction], header: str, flags: tuple[str, ...],
+                 cheap_flags: tuple[str, ...] = ()) -> list[Unit]:
     """The kernels' units: a contraction alone, cheap kernels grouped (by -O level, by whether
-    they call std::, and by name into CHEAP_GROUPS); each unit's kernels in name order."""
+    they call std::, and by name into CHEAP_GROUPS) and built with `cheap_flags` added
+    (`cpu_vector.auto_vector_flags`); each unit's kernels in name order."""
     groups: dict[tuple, list[KernelFunction]] = {}
     for fn in sorted(functions, key=lambda f: f.name):
         if not alone(fn):
@@ -175,7 +177,8 @@ def kernel_units(functions: list[KernelFunction], header: str, flags: tuple[str,
         source = _unit_source(header, fns)
         name = "eg_" + hashlib.sha256(source.encode()).hexdigest()[:12]
         what = ", ".join(f"{k.name}" for f in fns for k in f.calls)
-        units.append(Unit(name, source, _opt(flags, fns[0].kind), "".join(_call_notes(f) for f in fns), what))
+        units.append(Unit(name, source, _opt(flags, fns[0].kind) + tuple(cheap_flags),
+                          "".join(_call_notes(f) for f in fns), what))
     return units
 
 
@@ -192,8 +195,8 @@ def single_source(header_text: str, functions: list[KernelFunction]) -> str:
 
 
 def step_units(entry_code: str, functions: list[KernelFunction], header: str,
-               flags: tuple[str, ...], entry_note: str = "") -> list[Unit]:
+               flags: tuple[str, ...], entry_note: str = "", cheap_flags: tuple[str, ...] = ()) -> list[Unit]:
     """All the units of a step, the entry first (compile_units dumps it as `<step>.cpp`, headed by
-    `entry_note`)."""
+    `entry_note`); the cheap kernels' groups with `cheap_flags` added."""
     return [Unit("entry", entry_code, _opt(flags, "entry"), entry_note, "the step's entry: ember_step"),
-            *kernel_units(functions, header, flags)]
+            *kernel_units(functions, header, flags, cheap_flags)]

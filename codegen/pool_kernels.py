@@ -50,6 +50,12 @@ class PoolGeometry:
             (self.HO * self.KH, self.WO * self.KW) == (self.H, self.W)
 
     @property
+    def windows_inside(self) -> bool:
+        """Whether every window lies inside the input (no padding, no ceil_mode overhang)."""
+        return self.PH == 0 and self.PW == 0 and (self.HO - 1) * self.SH + self.KH <= self.H and \
+            (self.WO - 1) * self.SW + self.KW <= self.W
+
+    @property
     def windows_disjoint(self) -> bool:
         """Whether no input element lies in two windows (each window inside its stride's tile)."""
         return self.KH <= self.SH and self.KW <= self.SW and self.PH == 0 and self.PW == 0
@@ -95,7 +101,7 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
     # N is no part of the code (the kernel takes it at run time, and parallelises at run time)
     ctx = {k: v for k, v in g.context().items() if k != "N"}
     code = environment("cpp").get_template("max_pool2d.j2").render(
-        name=name, grad=kind == "max_pool2d_grad", parallel_min=PARALLEL_MIN, tiled=g.tiles_exactly, bf16=bf16,
+        name=name, grad=kind == "max_pool2d_grad", parallel_min=PARALLEL_MIN, tiled=g.tiles_exactly, inside=g.windows_inside, bf16=bf16,
         max_threads=MAX_THREADS, **ctx)
     return (KernelSource(name, code, cpp_scratch_bytes(kind, g, bf16), (g.N,)),
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))

@@ -153,7 +153,7 @@ class CpuMeasurer:
             "  const double t0 = omp_get_wtime();", "  switch (which) {", *cases, "  default: return -1.0;", "  }",
             "  return omp_get_wtime() - t0;", "}", "}", ""])
         flags = self.flags + (cpu_vector.bf16_flags(self.isa, {cpu_vector.bf16_dot(self.isa)}) if narrow else ())
-        units = cpp_units.step_units(entry, functions, header, flags)
+        units = cpp_units.step_units(entry, functions, header, flags, cheap_flags=cpu_vector.auto_vector_flags(self.isa))
         art = compile_units(units, link_flags=cpp_units.LINK_FLAGS, name=f"tune_{sub.name}",
                             headers={header: header_text})
         lib = ctypes.CDLL(str(art.path))

@@ -289,6 +289,33 @@ def test_vectorisable_erf_is_within_two_ulp_and_keeps_its_special_values():
     assert np.isnan(got[-7]) and got[-6] == 1.0 and got[-5] == -1.0 and got[-4] == 0.0 and np.signbit(got[-3])
 
 
+def test_exp_for_normal_results_has_em_exps_bits(tmp_path):
+    """em_exp_normal (em_erf's exp, without em_exp's clamps and selects) gives em_exp's bits
+    wherever its caller may use it: every 61st float in [-87, 88], every float near 0."""
+    import ctypes
+    from ember.codegen.compiler import compile_cpp
+    from ember.codegen.cpp_units import prelude
+    from ember.codegen.cpu_vector import cxx_flags, resolve
+    name, text = prelude()
+    source = text + '''
+extern "C" int64_t mismatches(uint32_t first, uint32_t last, uint32_t stride) {
+  int64_t bad = 0;
+  for (uint64_t b = first; b <= last; b += stride) {
+    const float x = __builtin_bit_cast(float, static_cast<uint32_t>(b));
+    bad += __builtin_bit_cast(uint32_t, em_exp(x)) != __builtin_bit_cast(uint32_t, em_exp_normal(x));
+  }
+  return bad;
+}
+'''
+    lib = ctypes.CDLL(str(compile_cpp(source, flags=cxx_flags(resolve()), cache=tmp_path).path))
+    lib.mismatches.restype = ctypes.c_int64
+    bits = lambda v: int(np.array(v, np.float32).view(np.uint32))  # noqa: E731
+    assert lib.mismatches(0x80000000, bits(-87.0), 61) == 0     # negative: -0 down to -87
+    assert lib.mismatches(0, bits(88.0), 61) == 0               # positive: 0 up to 88
+    assert lib.mismatches(bits(-1e-3), bits(-1e-3) + 2_000_000, 1) == 0
+    assert lib.mismatches(bits(-18.1) - 1_000_000, bits(-18.1), 1) == 0
+
+
 @pytest.mark.parametrize("src,mid,out", [
     ((4, 6), (24,), (3, 24)),         # the reshaped coordinate splits from i % 24: ((i / 6) % 4, i % 6)
     ((2, 3, 4), (6, 4), (5, 6, 4)),   # splits from i / 4 % 6 into a coordinate and its own % 3
