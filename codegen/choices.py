@@ -85,6 +85,11 @@ class Family:
     #: geometry -> the version of the code it renders there, where a change reached only some
     #: geometries (records of the others stay valid); None: `version` everywhere
     version_of: Callable[[Geometry], int] | None = None
+    #: its plans name a `mode` whose speed differs in kind (a CPU convolution's flat or generic
+    #: loops): the prior scores the family by its timings in the mode of the plan it would run
+    #: (`family_prior`). Only such families' plans are asked for while ranking (some families'
+    #: plan lists cost seconds a step to enumerate)
+    modal: bool = False
 
     def version_at(self, g: Geometry) -> int:
         return self.version_of(g) if self.version_of is not None else self.version
@@ -176,8 +181,9 @@ class ChoiceTable:
         if len(fams) < 2 or self.features is None:
             return fams, None
         db = tuning_db.active() if db is ... else db
+        modes = {f.name: family_prior.plan_mode(plans[0]) for f in fams if f.modal and (plans := f.plans(g))}
         prior = family_prior.predict_for(db, self.target, self.device(), g,
-                                         {f.name: f.version_at(g) for f in fams}, self.features)
+                                         {f.name: f.version_at(g) for f in fams}, self.features, modes)
         if prior is None:
             return fams, None
         known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])

@@ -419,7 +419,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            _matmul_scratch(AxpyPlan), _matmul_render(AxpyPlan), tuning_plans=_matmul_plans("axpy", True),
            accepts=_fits(_matmul_scratch(AxpyPlan)), code_geometry=runtime("batch", "M", "K")),
     *(Family(name, (kind,), 0, _conv_plans(False), _float32(_always), _plain, _conv_scratch, _conv_render,
-             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), code_geometry=runtime("N"))
+             tuning_plans=_conv_plans(True), accepts=_fits(_conv_scratch), code_geometry=runtime("N"), modal=True)
       for name, kind in (("conv_forward", "conv2d"), ("conv_grad_input", "conv2d_grad_input"),
                          ("conv_grad_weight", "conv2d_grad_weight"))),
     Family("phase", CONVS, -1, _phase_plans(False), _float32(_always), _phase_preferred, _phase_scratch,

@@ -13,7 +13,11 @@ measured kernels of the same kind and precision say:
   consulted, each weighted by 4^-distance (an exact match outweighs a record at twice one size
   four to one);
 - a family's score is the weighted mean of log2(its best time / the best time of this kernel's
-  families in that record): 0 where it won, 1 where it took twice as long;
+  families in that record): 0 where it won, 1 where it took twice as long; where the plan the
+  cost model would run names a `mode` (a CPU convolution's flat or generic loops), only the
+  family's plans of that mode count (the direct family's best is its flat mode at stride 1, but
+  a stride-2 kernel gets its generic loops: scored by the family's best, they ranked first and
+  ran 6-19x slower than the tuned pick at 16 threads);
 - families with a score rank first, lowest score first; those no neighbour measured keep the
   table's structural order after them.
 
@@ -55,11 +59,14 @@ class Prior:
     nearest: float
     #: learned from every shipped record of the target, the device's own saying nothing of the kernel
     elsewhere: bool = False
+    #: family -> the mode its scores were restricted to (the mode of the plan it would run)
+    modes: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         """`prior of 3 tuned kernels (nearest 0.0): direct 1.00x, gemm 1.31x` for dumps."""
         ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
-        rel = ", ".join(f"{f} {2 ** s:.2f}x" for f, s in ranked)
+        modes = dict(self.modes)
+        rel = ", ".join(f"{f}{f' (mode={modes[f]})' if f in modes else ''} {2 ** s:.2f}x" for f, s in ranked)
         where = ", other devices' records" if self.elsewhere else ""
         return (f"prior of {self.neighbours} tuned kernel{'s' * (self.neighbours != 1)} "
                 f"(nearest {self.nearest:.1f}{where}): {rel}")
@@ -70,23 +77,45 @@ def _geometry_of(key: str) -> dict[str, Any]:
     return json.loads(key)
 
 
-def _family_times(record: tuning_db.Record, versions: Mapping[str, int]) -> dict[str, float]:
-    """The best time each family of `versions` reached in a record measured with that version."""
+def plan_mode(plan: Any) -> str | None:
+    """The `mode` a plan names (a CPU convolution's loops: flat, generic, ...), else None."""
+    return next((str(v) for k, v in plan if k == "mode"), None) if plan else None
+
+
+def _text_mode(text: str) -> str | None:
+    """The mode named in a timing's choice text, `conv_forward(mode=flat,VB=4,OB=4)`: flat."""
+    at = text.find("(mode=")
+    if at < 0:
+        at = text.find(",mode=")
+    if at < 0:
+        return None
+    rest = text[at + 6:]
+    return rest[:min((i for i in (rest.find(","), rest.find(")")) if i >= 0), default=len(rest))]
+
+
+def _family_times(record: tuning_db.Record, versions: Mapping[str, int],
+                  modes: Mapping[str, str] | None = None) -> dict[str, float]:
+    """The best time each family of `versions` reached in a record measured with that version
+    (a family of `modes`: its best over the plans of that mode)."""
     best: dict[str, float] = {}
     for text, t in record.timings_us.items():
         family = text.split("(", 1)[0]
         if family in versions and record.versions.get(family) == versions[family] and math.isfinite(t) and t > 0:
+            if modes and family in modes and _text_mode(text) != modes[family]:
+                continue
             best[family] = min(t, best.get(family, math.inf))
     return best
 
 
 def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
-            features: Features) -> Prior | None:
+            features: Features, modes: Mapping[str, str] | None = None) -> Prior | None:
     """The prior for a kernel of geometry `g` among `families` (the ones that serve it, with their
-    versions now); None when no record of its kind measured two of them. A key may hold several
-    records (`sample`): the first that compares two current families counts."""
+    versions now; `modes`: the mode of the plan a family would run, where it names one); None
+    when no record of its kind measured two of them. A key may hold several records (`sample`):
+    the first that compares two current families counts."""
+    modes = {f: m for f, m in (modes or {}).items() if m is not None and f in families}
     here = features(g)
-    near = [(math.dist(here, there), times) for there, times in _comparable(records, g, families, features)
+    near = [(math.dist(here, there), times) for there, times in _comparable(records, g, families, features, modes)
             if len(there) == len(here)]
     if not near:
         return None
@@ -99,7 +128,8 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
         for f, t in times.items():
             sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
             weights[f] = weights.get(f, 0.0) + w
-    return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0])
+    return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0],
+                 modes=tuple(sorted(modes.items())))
 
 
 def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:
@@ -109,26 +139,29 @@ def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:
 
 
 def predict_for(db: tuning_db.TuningDB | None, target: str, device: str, g: Mapping[str, Any],
-                families: Mapping[str, int], features: Features) -> Prior | None:
+                families: Mapping[str, int], features: Features,
+                modes: Mapping[str, str] | None = None) -> Prior | None:
     """`predict` over the device's sample (`sample`); where that says nothing of the kernel, over
     every shipped record of the target (marked `elsewhere`)."""
     own = sample(db, target, device)
-    prior = predict(own, g, families, features)
+    prior = predict(own, g, families, features, modes)
     if prior is None:
         every = sample(None, target, device)
-        if every is not own and (prior := predict(every, g, families, features)) is not None:
+        if every is not own and (prior := predict(every, g, families, features, modes)) is not None:
             prior = dataclasses.replace(prior, elsewhere=True)
     return prior
 
 
 def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
-                features: Features) -> list[tuple[tuple[float, ...], dict[str, float]]]:
+                features: Features, modes: Mapping[str, str] | None = None
+                ) -> list[tuple[tuple[float, ...], dict[str, float]]]:
     """(features, best time per family) of every record of g's kind and precision that compares
     two of `families`: what `predict` measures distances to. Computed once per sample, kind and
     precision where the sample is one `sample` keeps (a compile asks for every kernel of a kind
     alike)."""
     index = records.index if isinstance(records, _IndexedSample) else None
-    key = (g["kind"], "groups" in g, _precision(g), tuple(sorted(families.items())), features)
+    key = (g["kind"], "groups" in g, _precision(g), tuple(sorted(families.items())),
+           tuple(sorted((modes or {}).items())), features)
     if index is not None and key in index:
         return index[key]
     found = []
@@ -138,7 +171,7 @@ def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, in
                 _precision(other) != _precision(g):
             continue
         comparing = (t for rec in (recs if isinstance(recs, tuple) else (recs,))
-                     if len(t := _family_times(rec, families)) >= 2)
+                     if len(t := _family_times(rec, families, modes)) >= 2)
         times = next(comparing, None)
         if times is not None:
             found.append((features(other), times))
@@ -208,4 +241,4 @@ def log2_sizes(*sizes: float) -> tuple[float, ...]:
     return tuple(math.log2(max(1.0, float(s))) for s in sizes)
 
 
-__all__ = ["NEIGHBOURS", "Prior", "predict", "predict_for", "sample", "shipped_records", "log2_sizes"]
+__all__ = ["NEIGHBOURS", "Prior", "predict", "predict_for", "sample", "shipped_records", "log2_sizes", "plan_mode"]

@@ -45,6 +45,31 @@ def test_an_exact_record_decides_and_a_shape_between_two_takes_the_nearer():
     assert "skinny_narrow 1.00x, gemm 2.00x" in one.describe()
 
 
+def test_a_family_is_scored_by_the_mode_of_the_plan_it_would_run():
+    """A CPU convolution family's flat loops win at stride 1 and its generic ones lose; a strided
+    kernel gets the generic loops, so the family's stride-1 wins must not rank it first there
+    (scored by the family's best, the cost model ran ResNet-8's stride-2 layers 6-19x slower
+    than tuned at 16 threads)."""
+    from ember.codegen import cpp_choices
+    g1 = dict(kind="conv2d", epilogues=(), isa="avx512", N=64, C=32, H=28, W=28, O=32, KH=3, KW=3,
+              stride=(1, 1), padding=(1, 1), HO=28, WO=28)
+    g2 = dict(g1, stride=(2, 2), HO=14, WO=14)
+    times = {"conv_forward(mode=flat,VB=4,OB=4)": 10.0, "conv_forward(mode=generic)": 40.0, "phase(VB=2,OB=8)": 13.0}
+    records = {kernel_key(g1): Record(("conv_forward", (("mode", "flat"),)), times, {"conv_forward": 1, "phase": 1})}
+    fams, f = {"conv_forward": 1, "phase": 1}, cpp_choices.features
+    as_stride_1 = family_prior.predict(records, g2, fams, f, {"conv_forward": "flat", "phase": None})
+    assert min(as_stride_1.scores, key=as_stride_1.scores.get) == "conv_forward"
+    generic = family_prior.predict(records, g2, fams, f, {"conv_forward": "generic", "phase": None})
+    assert min(generic.scores, key=generic.scores.get) == "phase"
+    assert generic.scores["conv_forward"] == pytest.approx(np.log2(40.0 / 13.0))
+    assert "conv_forward (mode=generic) 3.08x" in generic.describe()
+    # a record that never timed the mode says nothing of the family
+    flat_only = {kernel_key(g1): Record(("conv_forward", (("mode", "flat"),)),
+                                        {k: v for k, v in times.items() if "generic" not in k}, {"conv_forward": 1, "phase": 1})}
+    assert family_prior.predict(flat_only, g2, fams, f, {"conv_forward": "generic", "phase": None}) is None
+    assert family_prior.plan_mode((("mode", "generic"),)) == "generic" and family_prior.plan_mode((("VB", 2),)) is None
+
+
 def test_records_that_compare_fewer_than_two_of_the_families_or_another_kind_say_nothing():
     g = _g(64, 10, 9216)
     records = {kernel_key(g): _record({"gemm": 5.0}),  # gemm alone: no comparison
