@@ -70,6 +70,25 @@ def test_a_family_is_scored_by_the_mode_of_the_plan_it_would_run():
     assert family_prior.plan_mode((("mode", "generic"),)) == "generic" and family_prior.plan_mode((("VB", 2),)) is None
 
 
+def test_the_cpu_table_ranks_a_strided_convolution_by_the_direct_familys_generic_loops(tmp_path):
+    """The wiring: the CPU choice table hands the prior the mode of each modal family's first plan,
+    so stride-1 records where the flat loops won do not put the direct family first at stride 2."""
+    from ember.codegen import cpp_choices
+    table = cpp_choices.TABLE
+    g1 = dict(kind="conv2d", epilogues=(), isa="avx512", N=64, C=32, H=28, W=28, O=32, KH=3, KW=3,
+              stride=(1, 1), padding=(1, 1), HO=28, WO=28)
+    g2 = dict(g1, stride=(2, 2), HO=14, WO=14)
+    versions = {f.name: f.version_at(g1) for f in table.families.values() if table.applies(f, g1) is None}
+    times = {"conv_forward(mode=flat,VB=4,OB=4)": 10.0, "conv_forward(mode=generic)": 40.0, "phase(VB=2,OB=8)": 13.0,
+             "winograd(OB=8,VB=3,RB=17)": 30.0}
+    db = TuningDB(tmp_path)
+    db.store("cpu", table.device(), kernel_key(g1), Record(("conv_forward", (("mode", "flat"),)), times, versions))
+    assert family_prior.plan_mode(table.families["conv_forward"].plans(g2)[0]) == "generic"
+    assert table.ranked(g1, db)[0].name == "conv_forward"
+    ranked, prior = table._ranked(g2, db)
+    assert ranked[0].name == "phase" and "conv_forward (mode=generic)" in prior.describe()
+
+
 def test_records_that_compare_fewer_than_two_of_the_families_or_another_kind_say_nothing():
     g = _g(64, 10, 9216)
     records = {kernel_key(g): _record({"gemm": 5.0}),  # gemm alone: no comparison
