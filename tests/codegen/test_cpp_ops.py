@@ -265,6 +265,7 @@ def test_vectorisable_exp_is_within_two_ulp_over_the_whole_range():
     assert np.abs(got[subnormal] - want[subnormal]).max() <= 2e-45
     assert np.isnan(got[-5]) and got[-4] == np.inf and got[-3] == 0.0 and got[-2] == 1.0 and got[-1] == 1.0
     assert np.all(np.isinf(got[(xs > 88.73) & np.isfinite(xs)]))
+    assert np.all(got[xs < -103.98] == 0.0)  # computed as e^0 there (no subnormal assists), then 0
 
 
 def test_vectorisable_erf_is_within_two_ulp_and_keeps_its_special_values():
