@@ -176,14 +176,25 @@ class ChoiceTable:
     def _ranked(self, g: Geometry, db: Any = ...) -> tuple[list[Family], family_prior.Prior | None]:
         """The families in the cost model's order, and the prior that ordered them (None: the
         table's structural order, no measurement of a similar kernel compared them)."""
+        def prior(versions: dict[str, int], modes: dict[str, str | None]) -> family_prior.Prior | None:
+            return family_prior.predict_for(tuning_db.active() if db is ... else db, self.target, self.device(), g,
+                                            versions, self.features, modes)
+        return self._ordered(g, prior)
+
+    def ranked_from(self, g: Geometry, records: family_prior.Sample) -> tuple[list[Family], family_prior.Prior | None]:
+        """`_ranked` with the prior learned from `records` alone (`tools/cost_model_check.py`:
+        the cost model's pick with a kernel's own record left out)."""
+        return self._ordered(g, lambda versions, modes: family_prior.predict(records, g, versions, self.features,
+                                                                             modes))
+
+    def _ordered(self, g: Geometry, predict: Callable[..., family_prior.Prior | None]
+                 ) -> tuple[list[Family], family_prior.Prior | None]:
         fams = [f for f in self.families.values() if g["kind"] in f.kinds and self.applies(f, g) is None]
         fams.sort(key=lambda f: (not f.preferred(g), f.priority))
         if len(fams) < 2 or self.features is None:
             return fams, None
-        db = tuning_db.active() if db is ... else db
         modes = {f.name: family_prior.plan_mode(plans[0]) for f in fams if f.modal and (plans := f.plans(g))}
-        prior = family_prior.predict_for(db, self.target, self.device(), g,
-                                         {f.name: f.version_at(g) for f in fams}, self.features, modes)
+        prior = predict({f.name: f.version_at(g) for f in fams}, modes)
         if prior is None:
             return fams, None
         known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])

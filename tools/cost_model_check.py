@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from ember.codegen import cpp_choices, family_prior, tuning_db
+from ember.codegen import cpp_choices, tuning_db
 
 
 def _geometry(key: str) -> dict:
@@ -40,21 +40,12 @@ def check(path: Path, held_out: dict | None = None) -> list[tuple[float | None, 
         raise SystemExit(f"{path} holds {device}'s records; this process plans for {team} threads: "
                          f"set OMP_NUM_THREADS to the file's count")
     records = tuning_db.TuningDB(None, (path.parent,)).records("cpu", device)
-    table = cpp_choices.TABLE
+    geometries = {key: _geometry(key) for key in records}
+    sample = {k: r for k, r in records.items() if not _matches(geometries[k], held_out)}
     rows = []
     for key, rec in records.items():
-        g = _geometry(key)
-        fams = [f for f in table.families.values() if g["kind"] in f.kinds and table.applies(f, g) is None]
-        if len(fams) < 1:
-            continue
-        fams.sort(key=lambda f: (not f.preferred(g), f.priority))
-        others = {k: r for k, r in records.items() if k != key and not _matches(_geometry(k), held_out)}
-        modes = {f.name: family_prior.plan_mode(plans[0]) for f in fams if f.modal and (plans := f.plans(g))}
-        prior = family_prior.predict(others, g, {f.name: f.version_at(g) for f in fams}, table.features, modes) \
-            if len(fams) > 1 else None
-        if prior is not None:
-            fams = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name]) + \
-                [f for f in fams if f.name not in prior.scores]
+        g = geometries[key]
+        fams, _ = cpp_choices.TABLE.ranked_from(g, {k: r for k, r in sample.items() if k != key})
         pick = next(((f.name, plans[0]) for f in fams if (plans := f.plans(g))), None)
         if pick is None:
             continue
