@@ -82,6 +82,10 @@ class Family:
     #: the kernel renders a reused plan (its run-time sizes may let it take plans `accepts`
     #: refuses, e.g. a split count made for another length); None: `fits`
     accepts_reused: Callable[[Geometry, Plan], bool] | None = None
+    #: the plan a step of another batch size stamps where it takes one of this family's (any of
+    #: its plans): the generated kinds' kernels are rendered on run-time sizes there, a kernel
+    #: the first step of a model holds its sizes in. None: the plan taken as it is
+    reused_plan: Plan | None = None
     #: geometry -> the version of the code it renders there, where a change reached only some
     #: geometries (records of the others stay valid); None: `version` everywhere
     version_of: Callable[[Geometry], int] | None = None
@@ -102,7 +106,13 @@ class Family:
         return plan in self.all_plans(g) if ok is None else ok
 
     def fits_reused(self, g: Geometry, plan: Plan) -> bool:
+        if self.reused_plan is not None and plan == self.reused_plan:
+            return True
         return self.accepts_reused(g, plan) if self.accepts_reused is not None else self.fits(g, plan)
+
+    def as_reused(self, plan: Plan) -> Plan:
+        """The plan a step of another batch size runs where it takes `plan` from a step of this one."""
+        return self.reused_plan if self.reused_plan is not None else plan
 
 
 @dataclass(frozen=True)
@@ -280,7 +290,7 @@ class ChoiceTable:
                 for f, key in keys:
                     plan = shared.get(f"{sub.name}@{key}" if own else key)
                     if plan is not None and f.fits_reused(g, plan):
-                        return Decision((f.name, plan), "reused: the plan of this kernel at another batch size"
+                        return Decision((f.name, f.as_reused(plan)), "reused: the plan of this kernel at another batch size"
                                         if own else "reused: the plan of a kernel of the same code")
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
             rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))

@@ -24,7 +24,7 @@ from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
 from .indexing import delinearize
 from .lowering import (C_OPERATORS, Body, Extent, Spelling, bound, c_literal, column_sum, generated_extent,
-                       has_narrow, lower_pointwise, lower_reduction, max_elements)
+                       has_narrow, lower_pointwise, lower_reduction, max_elements, reduced_axes)
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -104,8 +104,9 @@ def _index_type(sub: Graph) -> str:
     return "int" if max_elements(sub) < 2**31 else "int64_t"
 
 
-def render_pointwise(name: str, sub: Graph, fixed: bool = False) -> tuple[str, tuple[int, int, int],
-                                                                        tuple[int, int, int], tuple[tuple[str, int], ...]]:
+def render_pointwise(name: str, sub: Graph, fixed: bool = False,
+                     runtime: bool = False) -> tuple[str, tuple[int, int, int], tuple[int, int, int],
+                                                     tuple[tuple[str, int], ...]]:
     """(code, grid, block, by-value arguments): one thread an element. Where the batch would be
     its bound alone, the domain's leading extent is an argument (`generated_extent`), so the code
     is the same at every batch size. A kernel with constants that are counts over the batch (a
@@ -113,11 +114,13 @@ def render_pointwise(name: str, sub: Graph, fixed: bool = False) -> tuple[str, t
     division per element), and reductions hold their sizes: with every generated kernel taking
     the batch at run time, ResNet-8's step measured 10% slower on an H200 (docs/benchmarks.md).
     A `fixed` domain (the kernel writes parameters and state alone) holds its sizes: no batch
-    changes them."""
+    changes them. With `runtime` (a step whose plans came from a step of another batch size)
+    constants over the batch are computed from the argument too: every such step's kernel is
+    the same text."""
     index = _index_type(sub)
     extent = generated_extent(sub, "pointwise", fixed=fixed)
     low = lower_pointwise(sub, SPELLING, index_type=index, extent=extent)
-    if extent is not None and any(_names(line, extent.var) for line in low.body + [v for *_, v in low.stores]):
+    if extent is not None and not runtime and any(_names(line, extent.var) for line in low.body + [v for *_, v in low.stores]):
         extent = None
         low = lower_pointwise(sub, SPELLING, index_type=index)
     code = ENV.get_template("pointwise.j2").render(name=name, numel=bound(low.numel, extent),
@@ -156,18 +159,55 @@ class ReductionKernel:
     #: (function, grid, block, roles after the subgraph's inputs and outputs: scratch, counters)
     launches: tuple[tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[str, ...]], ...]
     scratch_bytes: int
+    #: by-value arguments of every launch, after its buffers: the run-time extent (`runtime`)
+    scalars: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReductionLayout:
+    """How a reduction kernel spreads its work: `mode` "thread" (a thread an output), "lanes"
+    (`lanes` lanes of a warp an output), "block" (a block an output) or "split" (`splits` blocks
+    an output, each `chunk` of the outermost reduced loop)."""
+    mode: str
+    lanes: int = 0
+    splits: int = 1
+    chunk: int = 0
+
+
+def reduction_layout(sub: Graph, core: int, low: Any, runtime: bool = False) -> ReductionLayout:
+    """The layout of a reduction kernel at this step's sizes. With `runtime` (the kernel takes
+    the batch at run time, `render_reduction`), one that does not depend on the batch, so the
+    kernel is the same text at every batch size: where the batch is reduced, split whenever the
+    outputs alone are too few blocks (the split count, at most `_split_count`, is the launch's
+    and may be 1), else a block an output; where it is kept (the outputs grow with it), a thread,
+    lanes or a block an output as the reduced length says, never split."""
+    lanes = _lanes_per_output(sub, core, low) if low.reduced <= PER_THREAD_MAX else 0
+    if runtime and 0 in reduced_axes(sub, core):
+        if _splittable(low):
+            return ReductionLayout("split", 0, *_even_chunks(low.loops[0][1], _split_count(low)))
+        return ReductionLayout("block")
+    if low.reduced <= PER_THREAD_MAX:
+        return ReductionLayout("lanes", lanes) if lanes else ReductionLayout("thread")
+    splits, chunk = (1, 0) if runtime else _split_plan(low)
+    return ReductionLayout("split", 0, splits, chunk) if splits > 1 else ReductionLayout("block")
+
+
+def _splittable(low: Any) -> bool:
+    """Whether the split kernels serve a reduction: sums and maxima (no argmax) over at least two
+    loops, whose outputs alone are too few blocks to fill the GPU."""
+    return low.op in ("sum", "max", "mixed") and not any(a.op == "argmax" for a in low.accs) and bool(low.acc_type) \
+        and len(low.loops) >= 2 and low.outputs < REDUCTION_BLOCKS_PER_SM * current().multiprocessors
 
 
 def _split_count(low: Any) -> int:
-    """How many blocks share one output: 1 unless the outputs alone are too few blocks to fill the GPU,
-    each output has elements enough for several blocks (REDUCTION_MIN_PER_BLOCK each), and the
-    outermost reduced loop (the batch, for a bias gradient) can be cut into chunks. The split
-    kernels walk one flat counter, so a short innermost loop splits too (BatchNorm's backward over
-    5x5 planes of 512 images: 32 blocks of one output each took 52 us of a 505 us step on an H200)."""
-    target_blocks = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
-    if low.op not in ("sum", "max", "mixed") or any(a.op == "argmax" for a in low.accs) or not low.acc_type \
-            or len(low.loops) < 2 or low.outputs >= target_blocks:
+    """How many blocks share one output: 1 unless it is `_splittable`, each output has elements
+    enough for several blocks (REDUCTION_MIN_PER_BLOCK each), and the outermost reduced loop (the
+    batch, for a bias gradient) can be cut into chunks. The split kernels walk one flat counter,
+    so a short innermost loop splits too (BatchNorm's backward over 5x5 planes of 512 images: 32
+    blocks of one output each took 52 us of a 505 us step on an H200)."""
+    if not _splittable(low):
         return 1
+    target_blocks = REDUCTION_BLOCKS_PER_SM * current().multiprocessors
     outer = low.loops[0][1]
     return max(1, min(outer, math.ceil(target_blocks / low.outputs), low.reduced // REDUCTION_MIN_PER_BLOCK))
 
@@ -213,51 +253,85 @@ def _acc_bytes(low: Any) -> int:
     return {"float": 4, "double": 8}.get(low.acc_type, 8)
 
 
-def render_reduction(name: str, sub: Graph, core: int) -> ReductionKernel:
-    """A reduction kernel, with every pass and output of a kernel that has several (see lowering)."""
+def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) -> ReductionKernel:
+    """A reduction kernel, with every pass and output of a kernel that has several (see lowering).
+    With `runtime`, the leading extent of its operand (the batch) is its last argument and its
+    layout one that does not depend on it (`reduction_layout`): the text a step of any batch size
+    renders, what a step whose plans came from a step of another batch size runs. The kernels a
+    step chose for itself hold their sizes: with every generated kernel taking the batch at run
+    time, ResNet-8's step measured 10% slower on an H200 (docs/benchmarks.md)."""
     index = _index_type(sub)
-    low = lower_reduction(sub, core, SPELLING, index_type=index)
-    per_thread = low.reduced <= PER_THREAD_MAX
-    flat_index = low.loops[0][0] if low.loops else "0"  # argmax runs one flat loop
+    extent = generated_extent(sub, "reduction", core) if runtime else None
+    low = lower_reduction(sub, core, SPELLING, index_type=index, extent=extent)
+    layout = reduction_layout(sub, core, low, runtime=extent is not None)
+    # the sizes as the code spells them: the batch's (the outermost reduced loop where it is
+    # reduced, the outputs where it is kept) an expression of the argument on run-time sizes
+    loops: list[tuple[str, int | str]] = list(low.loops)
+    reduced: int | str = low.reduced
+    outputs: int | str = low.outputs
+    batch_reduced = extent is not None and 0 in reduced_axes(sub, core)
+    if batch_reduced:
+        loops[0] = (loops[0][0], extent.times(loops[0][1]))
+        reduced = extent.times(low.reduced)
+    elif extent is not None:
+        outputs = extent.times(low.outputs)
     accs = low.accs
-    common = dict(name=name, ops="+".join(dict.fromkeys(a.op for a in accs)), reduced=low.reduced, loops=low.loops,
-                  outputs=low.outputs, out_type=_out_types(sub), params=_signature(sub), passes=low.passes,
-                  accs=accs, epilogue=low.epilogue, results=low.results, threads=THREADS, index=index)
-    lanes = _lanes_per_output(sub, core, low) if per_thread else 0
-    per_thread = per_thread and not lanes
-    splits, chunk = _split_plan(low)
-    if splits > 1:
-        outer = low.loops[0][1]
+    common = dict(name=name, ops="+".join(dict.fromkeys(a.op for a in accs)), reduced=reduced, loops=loops,
+                  outputs=outputs, out_type=_out_types(sub, None if batch_reduced else extent),
+                  params=_signature(sub, extent, index),
+                  passes=low.passes, accs=accs, epilogue=low.epilogue, results=low.results, threads=THREADS,
+                  index=index)
+    scalars = _scalars(extent, index)
+    if layout.mode == "split":
         first = low.loops[0][0]
-        flat_vars = _flat_loop_vars([(f"{first}_off", chunk)] + list(low.loops[1:]), index)
+        flat_vars = _flat_loop_vars([(f"{first}_off", layout.chunk)] + list(low.loops[1:]), index)
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
         # the earlier results each launch reads (a pass's, then the epilogue's): only those are combined
         names = [set(_IDENTIFIER.findall(" ".join(p.pre + [x for level in p.levels for x in level]
                                                   + [a.value for a in p.accs]))) for p in low.passes]
         names.append(set(_IDENTIFIER.findall(" ".join(low.epilogue + [v for _, v in low.results]))))
-        code = ENV.get_template("reduction_split.j2").render(**common, splits=splits, chunk=chunk, outer=outer,
-                                                             used=names,
-                                                             inner=math.prod(size for _, size in low.loops[1:]),
-                                                             flat_vars=flat_vars, acc_type=low.acc_type,
-                                                             slot={a.acc: k for k, a in enumerate(accs)})
-        last = len(low.passes) - 1
-        launches = tuple((f"{name}_part{k}", (low.outputs, splits, 1), (THREADS, 1, 1),
-                          ("scratch",) + ((cuda_kernels.counter_role(low.outputs),) if k == last else ()))
+        slot = {a.acc: k for k, a in enumerate(accs)}
+        if extent is None:
+            splits, chunk, last = str(layout.splits), str(layout.chunk), f"{layout.splits - 1}u"
+            base = {acc: str(k * layout.splits * low.outputs) for acc, k in slot.items()}
+        else:  # the split count is the launch's (gridDim.y), each split's share of the loop follows
+            splits, last = "(int)gridDim.y", "gridDim.y - 1u"
+            chunk = f"(({loops[0][1]} + (int)gridDim.y - 1) / (int)gridDim.y)"
+            base = {acc: "0" if k == 0 else f"{k * low.outputs} * (int)gridDim.y" for acc, k in slot.items()}
+        code = ENV.get_template("reduction_split.j2").render(
+            **dict(common, params=_signature(sub, None, index)), scalar_params=_scalar_params(extent, index),
+            splits=splits, chunk=chunk, outer=loops[0][1], last_split=last, base=base, used=names,
+            # a split count the compiler does not know is at least 1 let it move an epilogue's
+            # multiply out of its fma (an SGD update 1 ulp off its own kernel's: test_cuda_batch_extents)
+            assume="" if extent is None else "__builtin_assume((int)gridDim.y >= 1);",
+            inner=math.prod(size for _, size in low.loops[1:]), flat_vars=flat_vars, acc_type=low.acc_type)
+        last_pass = len(low.passes) - 1
+        launches = tuple((f"{name}_part{k}", (low.outputs, layout.splits, 1), (THREADS, 1, 1),
+                          ("scratch",) + ((cuda_kernels.counter_role(low.outputs),) if k == last_pass else ()))
                          for k in range(len(low.passes)))
-        return ReductionKernel(code, launches, _split_scratch(low, splits))
+        return ReductionKernel(code, launches, _split_scratch(low, layout.splits), scalars)
     # A block an output walks the reduced elements either as nested loops with the innermost
     # (contiguous, where the layout allows) split across the threads, which needs no division
     # and coalesces, or, when the innermost extent is too short to occupy the threads, as one flat
-    # counter divided back into loop variables.
+    # counter divided back into loop variables. (On run-time sizes an innermost loop that holds
+    # the batch is walked nested whatever its length.)
     argmax = any(a.op == "argmax" for a in accs)
+    lanes = layout.lanes
     group = lanes or THREADS  # the threads that share an output
-    nested = not argmax and len(low.loops) > 0 and low.loops[-1][1] >= group // 2
-    code = ENV.get_template("reduction.j2").render(**common, per_thread=per_thread, lanes=lanes, nested=nested,
-                                                   argmax=argmax, loop_vars=_flat_loop_vars(low.loops, index),
-                                                   flat_index=flat_index, group=group)
-    grid = (math.ceil(low.outputs / THREADS), 1, 1) if per_thread else \
+    nested = not argmax and len(low.loops) > 0 and (
+        low.loops[-1][1] >= group // 2 or (extent is not None and isinstance(loops[-1][1], str)))
+    code = ENV.get_template("reduction.j2").render(**common, per_thread=layout.mode == "thread", lanes=lanes,
+                                                   nested=nested, argmax=argmax,
+                                                   loop_vars=_flat_loop_vars(low.loops, index),
+                                                   flat_index=low.loops[0][0] if low.loops else "0", group=group)
+    grid = (math.ceil(low.outputs / THREADS), 1, 1) if layout.mode == "thread" else \
         (math.ceil(low.outputs / (THREADS // lanes)), 1, 1) if lanes else (low.outputs, 1, 1)
-    return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), ()),), 0)
+    return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), ()),), 0, scalars)
+
+
+def _scalar_params(extent: Extent | None, index: str) -> str:
+    """A kernel's by-value parameters after its buffers (and its own scratch and counters)."""
+    return f", const {index} {extent.var}" if extent is not None else ""
 
 
 def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEpilogue | None:
@@ -296,25 +370,33 @@ def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_ke
     return kernel, {**inputs, "out": "out"}
 
 
-def render_loss(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str]]:
+def render_loss(name: str, sub: Graph, spec: KernelSpec,
+                runtime: bool | None = None) -> tuple[cuda_kernels.CudaKernel, dict[str, str]]:
     """The softmax cross-entropy kernel for a `softmax_xent` spec (the loss, one block: its sum
     has a fixed tree) or the gradient kernel for a `softmax_xent_grad` one (dlogits, one thread a
-    row over many blocks), and its roles."""
+    row over many blocks), and its roles; with `runtime` (default: as its plan says), the rows a
+    by-value argument."""
     n_rows, n_cls = sub.type(sub.inputs[f"in{spec.role('logits')}"]).shape
+    runtime = cuda_choices.runtime_plan(spec) if runtime is None else runtime
     roles = {"logits": f"in{spec.role('logits')}", "labels": f"in{spec.role('labels')}"}
     if spec.kind == "softmax_xent_grad":
-        return cuda_kernels.render_softmax_cross_entropy_grad(name, N=n_rows, C=n_cls), {**roles, "dlogits": "out"}
-    kernel = cuda_kernels.render_softmax_cross_entropy(name, N=n_rows, C=n_cls)
+        return (cuda_kernels.render_softmax_cross_entropy_grad(name, N=n_rows, C=n_cls, runtime_rows=runtime),
+                {**roles, "dlogits": "out"})
+    kernel = cuda_kernels.render_softmax_cross_entropy(name, N=n_rows, C=n_cls, runtime_rows=runtime)
     return kernel, {**roles, "loss": "out"}
 
 
-def reduction_facts(sub: Graph, core: int) -> dict[str, int]:
+def reduction_facts(sub: Graph, core: int) -> dict[str, Any]:
     """What the reduction families decide on, from the lowering (no rendering): the scratch bytes
-    of the one-plan family's split partials, and, for a column sum (`column_sum`), its rows,
+    of the one-plan family's split partials (and, under "runtime", of its kernel on run-time
+    sizes: a dict, which no database key reads), and, for a column sum (`column_sum`), its rows,
     contiguous outputs and sums (which the `columns` family serves)."""
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
-    splits, _ = _split_plan(low)
-    facts = {"reduction_scratch": _split_scratch(low, splits) if splits > 1 else 0}
+    facts: dict[str, Any] = {}
+    for runtime in (False, True):
+        layout = reduction_layout(sub, core, low, runtime=runtime)
+        scratch = _split_scratch(low, layout.splits) if layout.mode == "split" else 0
+        facts.update({"runtime": {"scratch": scratch}} if runtime else {"reduction_scratch": scratch})
     if column_sum(low, sub, core, COLUMN_MIN_OUTPUTS):
         facts.update(rows=low.loops[0][1], outputs=low.outputs, sums=len(low.accs))
     return facts
@@ -373,7 +455,7 @@ def render_reduction_choice(name: str, sub: Graph, spec: KernelSpec) -> Reductio
     splits) or the general one (`render_reduction`)."""
     if spec.choice is not None and spec.choice[0] == "columns":
         return render_columns(name, sub, spec.core, dict(spec.choice[1])["splits"])
-    return render_reduction(name, sub, spec.core)
+    return render_reduction(name, sub, spec.core, runtime=cuda_choices.runtime_plan(spec))
 
 
 def prelude(bf16: bool = False) -> str:
@@ -422,8 +504,9 @@ def render_step(graph: Graph) -> CudaStepSource:
             args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + tuple(node_of[k] for k in sub.outputs)
             if spec.kind == "pointwise":
                 # an update of parameters and state alone keeps their sizes in its code (no batch)
-                fixed = all(graph.notes(m).get("storage") in ("parameter", "state") for m in graph.results(n))
-                code, grid, block, scalars = render_pointwise(name, sub, fixed=fixed)
+                fixed = _writes_state_alone(graph, n)
+                code, grid, block, scalars = render_pointwise(name, sub, fixed=fixed,
+                                                              runtime=cuda_choices.runtime_plan(spec))
                 launches.append(LaunchArgs(name, grid, block, 0, args, name, scalars))
             else:
                 red = render_reduction_choice(name, sub, spec)
@@ -432,7 +515,8 @@ def render_step(graph: Graph) -> CudaStepSource:
                                          f"the plan reserved {spec.scratch_bytes}")
                 code = red.code
                 for function, grid, block, extra in red.launches:
-                    launches.append(LaunchArgs(function, grid, block, 0, args + tuple((role, n) for role in extra), name))
+                    launches.append(LaunchArgs(function, grid, block, 0, args + tuple((role, n) for role in extra), name,
+                                               red.scalars))
         else:
             if spec.kind in ("softmax_xent", "softmax_xent_grad"):
                 kernel, roles = render_loss(name, sub, spec)
@@ -470,23 +554,56 @@ def render_step(graph: Graph) -> CudaStepSource:
 REUSED_WHY = "reused: the plan of this kernel at another batch size"
 
 
+#: the contraction families whose kernels a step that took their plans renders on run-time sizes
+#: (`cuda_choices.runtime_sizes`): another text than the first step's
+RUNTIME_VARIANTS = frozenset({"gemm", "grouped", "thin", "skinny_narrow"})
+
+
+def _writes_state_alone(graph: Graph, n: int) -> bool:
+    """Whether a fused kernel writes parameters and optimizer state alone (no batch in its sizes)."""
+    return all(graph.notes(m).get("storage") in ("parameter", "state") for m in graph.results(n))
+
+
+def _reused_variant(graph: Graph, n: int) -> tuple[str, tuple[str, ...]] | None:
+    """(code, functions) of a kernel as a step of another batch size that takes its plan renders
+    it, where that is another text: a GEMM or a generated kernel (pointwise, reduction, loss) on
+    run-time sizes; None for the others (their code holds the batch: a later step plans its own)."""
+    spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
+    if spec.choice is None or cuda_choices.runtime_plan(spec):
+        return None
+    name = sub.name
+    if spec.choice[0] in RUNTIME_VARIANTS:
+        if cuda_choices.runtime_sizes(spec):
+            return None
+        kernel, _ = render_contraction(name, sub, dataclasses.replace(spec, why=REUSED_WHY))
+        return kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))
+    if spec.kind == "pointwise":
+        if _writes_state_alone(graph, n):
+            return None
+        return render_pointwise(name, sub, runtime=True)[0], (name,)
+    if spec.kind == "reduction":
+        red = render_reduction(name, sub, spec.core, runtime=True)
+        return red.code, tuple(dict.fromkeys(f for f, *_ in red.launches))
+    if spec.kind in ("softmax_xent", "softmax_xent_grad"):
+        kernel, _ = render_loss(name, sub, spec, runtime=True)
+        return kernel.code, tuple(la.function for la in kernel.launches)
+    return None
+
+
 def reused_variants(graph: Graph) -> list[tuple[str, tuple[str, ...]]]:
-    """The units (code, functions) of this step's GEMM-family kernels as a step of another batch
-    size that takes their plans renders them (on run-time sizes, kernels whose code is the same
-    up to their name one function, as `render_step` makes them): what a later batch size of the
-    model will look for in the module cache, so a build can make them ahead."""
+    """The units (code, functions) of this step's kernels as a step of another batch size that
+    takes their plans renders them (GEMMs and the generated kinds on run-time sizes; kernels
+    whose code is the same up to their name one function, as `render_step` makes them): what a
+    later batch size of the model will look for in the module cache, so a build can make them
+    ahead. A kernel whose variant is its own text is among them too (the build finds it)."""
     units: list[tuple[str, tuple[str, ...]]] = []
     defined: set[str] = set()
     for n in graph.meta["schedule"]:
-        if graph.op(n) != "fused":
+        if graph.op(n) != "fused" or (variant := _reused_variant(graph, n)) is None:
             continue
-        spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
-        if spec.choice is None or spec.choice[0] != "gemm" or cuda_choices.runtime_sizes(spec):
-            continue
-        kernel, _ = render_contraction(sub.name, sub, dataclasses.replace(spec, why=REUSED_WHY))
-        functions = tuple(dict.fromkeys(la.function for la in kernel.launches))
-        canonical = kernel.code.replace(sub.name, "\0")
+        code, functions = variant
+        canonical = code.replace(graph.attrs(n)["graph"].name, "\0")
         if canonical not in defined:
             defined.add(canonical)
-            units.append((cuda_kernels.with_grid_dependency(kernel.code), functions))
+            units.append((cuda_kernels.with_grid_dependency(code), functions))
     return units

@@ -33,6 +33,7 @@ from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small
 from . import grouped_conv
 from . import pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
+from .choices import runtime as without_sizes
 from .device import current
 from .cuda_kernels import CudaKernel, GemmPlan, Launch
 from .shapes import pair, round_up
@@ -214,6 +215,22 @@ def bf16_roles(sub: Graph, spec: KernelSpec) -> frozenset[str]:
     names = {"mask": "mask_src"} if spec.kind == "conv2d_grad_input" else {}
     roles = {names.get(role, role): sub.inputs[f"in{i}"] for role, i in spec.roles} | {"out": sub.outputs["out"]}
     return frozenset(r for r, n in roles.items() if sub.type(n).dtype.name == "bfloat16")
+
+
+#: the plan of a generated kernel (pointwise, reduction, loss) that a step of another batch size
+#: took from one of this model's steps: rendered on run-time sizes (`cuda.render_reduction`)
+RUNTIME: Plan = (("sizes", "runtime"),)
+
+
+def runtime_plan(spec: KernelSpec) -> bool:
+    """Whether a generated kernel is rendered on run-time sizes (its stamped plan is `RUNTIME`)."""
+    return spec.choice is not None and tuple(spec.choice[1]) == RUNTIME
+
+
+def _generated_code(g: dict[str, Any]) -> dict[str, Any]:
+    """What a generated kernel on run-time sizes is keyed by among reused plans: its kind (its
+    code is the subgraph's; the facts of a reduction's layout at this size are left out)."""
+    return {k: v for k, v in g.items() if k in ("kind", "epilogues", "tf32")}
 
 
 def runtime_sizes(spec: KernelSpec) -> bool:
@@ -436,7 +453,15 @@ def _matmul_args(g: dict[str, Any], spec: KernelSpec, epilogue: Any) -> dict[str
 
 def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_direct.render_matmul_thin(name, trans_a=g["trans_a"], trans_b=g["trans_b"], rows=dict(plan)["RM"],
-                                          bf16_roles=bf16_roles(sub, spec), **_matmul_args(g, spec, epilogue))
+                                          bf16_roles=bf16_roles(sub, spec), runtime_rows=runtime_sizes(spec),
+                                          **_matmul_args(g, spec, epilogue))
+
+
+def _thin_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A thin plan of another batch size fits: its kernel takes the rows at run time, and any
+    rows a block serve any M."""
+    fields = dict(plan)
+    return set(fields) == {"RM"} and isinstance(fields["RM"], int) and fields["RM"] >= 1
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:
@@ -490,7 +515,18 @@ def _split_scratch(g: dict[str, Any], plan: Plan) -> int:
 def _narrow_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return cuda_skinny.render_matmul_narrow(name, trans_a=bool(g["trans_a"]), trans_b=bool(g["trans_b"]),
                                             plan=cuda_skinny.NarrowPlan(**dict(plan)), bf16_roles=bf16_roles(sub, spec),
-                                            **_matmul_args(g, spec, epilogue))
+                                            runtime_rows=runtime_sizes(spec), **_matmul_args(g, spec, epilogue))
+
+
+def _narrow_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A narrow plan of another batch size fits: its kernel takes the rows at run time, and its
+    tiling of k (the same K) and rows serves any M."""
+    try:
+        p = cuda_skinny.NarrowPlan(**dict(plan))
+    except TypeError:
+        return False
+    return min(p.RT, p.RG, p.V, p.U, p.S, p.KC) >= 1 and g["K"] % p.V == 0 and p.S * p.KC >= g["K"] \
+        and -(-g["M"] // p.rows) <= 65535
 
 
 def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
@@ -556,7 +592,16 @@ def _grouped_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], 
     eps = spec.epilogues
     return grouped_conv.render_cuda(name, g["kind"], _grouped_geometry(g), bias="bias" in eps, relu="relu" in eps,
                                     relu_mask="relu_mask" in eps, epilogue=epilogue, splits=dict(plan).get("splits", 0),
-                                    bf16_roles=bf16_roles(sub, spec))
+                                    bf16_roles=bf16_roles(sub, spec), runtime_images=runtime_sizes(spec))
+
+
+def _grouped_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A grouped plan of another batch size fits: its kernel takes the images at run time and its
+    grad-weight's split count serves any (a share of none adds zeros)."""
+    fields = dict(plan)
+    if g["kind"] != "conv2d_grad_weight":
+        return not fields
+    return set(fields) == {"splits"} and isinstance(fields["splits"], int) and fields["splits"] >= 0
 
 
 # -- pool and the generated kinds: one family each
@@ -585,17 +630,18 @@ def _generated(module_function: str) -> Callable[..., CudaKernel]:
     def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
         from . import cuda
         args = tuple(sub.inputs) + tuple(sub.outputs)
+        runtime = plan == RUNTIME
         if module_function == "pointwise":
-            code, grid, block, scalars = cuda.render_pointwise(name, sub)
+            code, grid, block, scalars = cuda.render_pointwise(name, sub, runtime=runtime)
             return CudaKernel(name, code, (Launch(name, grid, block, 0, args, scalars),), 0)
         if module_function == "reduction":
-            return _reduction_kernel(name, sub, cuda.render_reduction(name, sub, spec.core))
-        return cuda.render_loss(name, sub, spec)[0]
+            return _reduction_kernel(name, sub, cuda.render_reduction(name, sub, spec.core, runtime=runtime))
+        return cuda.render_loss(name, sub, spec, runtime=runtime)[0]
     return render
 
 
 def _reduction_scratch(g: dict[str, Any], plan: Plan) -> int:
-    return g["reduction_scratch"]
+    return g["runtime"]["scratch"] if plan == RUNTIME else g["reduction_scratch"]
 
 
 def _columns_rejects(g: dict[str, Any]) -> str | None:
@@ -636,7 +682,7 @@ def _reduction_kernel(name: str, sub: Graph, red: Any) -> CudaKernel:
     """A rendered reduction (`cuda.ReductionKernel`) as a CudaKernel: its roles in0.. out.., then
     each launch's own (scratch, counters)."""
     args = tuple(sub.inputs) + tuple(sub.outputs)
-    return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + extra)
+    return CudaKernel(name, red.code, tuple(Launch(f, grid, block, 0, args + extra, red.scalars)
                                             for f, grid, block, extra in red.launches), red.scratch_bytes)
 
 
@@ -681,9 +727,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts,
            version_of=_direct_tc_version),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
-           _thin_rejects, _plain, _no_scratch, _thin_render),
+           _thin_rejects, _plain, _no_scratch, _thin_render, code_geometry=without_sizes("M", "operands"),
+           accepts_reused=_thin_accepts_reused),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,
-           _narrow_render, tuning_plans=_narrow_candidates),
+           _narrow_render, tuning_plans=_narrow_candidates, code_geometry=without_sizes("M", "operands"),
+           accepts_reused=_narrow_accepts_reused),
     Family("skinny_short", ("matmul",), 4, _short_plans, _short_rejects, _never, _split_scratch,
            _short_render),
     # under precision "tf32" its plans use mma.sync; bfloat16 operands (precision "bf16") run on
@@ -695,16 +743,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("winograd", CONVS, 7, _winograd_plans, cuda_winograd.serves, _never, _winograd_scratch, _winograd_render,
            tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
-           grouped=True),
+           grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
            version=2),
-    Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise")),
-    Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction")),
+    # the generated kinds: a step whose plans came from a step of another batch size renders them
+    # on run-time sizes (RUNTIME), one text for every later batch size
+    Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise"),
+           code_geometry=_generated_code, reused_plan=RUNTIME),
+    Family("reduction", ("reduction",), 0, _one_plan, _always, _plain, _reduction_scratch, _generated("reduction"),
+           code_geometry=_generated_code, reused_plan=RUNTIME),
     # column sums row by row: taken where measured, never by default
     Family("columns", ("reduction",), 1, _columns_plans, _columns_rejects, _never, _columns_scratch, _columns_render,
            tuning_plans=_columns_tuning, accepts=_columns_accepts),
     Family("loss", ("softmax_xent", "softmax_xent_grad"), 0, _one_plan, _always, _plain, _no_scratch,
-           _generated("loss")),
+           _generated("loss"), code_geometry=_generated_code, reused_plan=RUNTIME),
 )}
 
 

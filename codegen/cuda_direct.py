@@ -279,11 +279,13 @@ def thin_rows(M: int, N: int) -> int:
 
 def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                        bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
-                       rows: int | None = None, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
+                       rows: int | None = None, bf16_roles: frozenset[str] = frozenset(),
+                       runtime_rows: bool = False) -> CudaKernel | None:
     """out = op(a) @ b [+ bias][relu][epilogue] for K <= 16, b row-major (K, N), N % 4 == 0, one
     batch: roles a, b, [bias], out; None where the shape does not suit. `bf16_roles`: the roles
     holding bfloat16 (precision "bf16"; with a or b among them the value is rounded to bfloat16
-    before the epilogue, as the interpreter computes it)."""
+    before the epilogue, as the interpreter computes it). `runtime_rows`: M a by-value argument,
+    one text for every batch size."""
     if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
         return None
     threads, col_blocks = _thin_threads(N)
@@ -292,12 +294,13 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     grid = (col_blocks, ceil_div(M, RM), 1)
     code = _env.get_template("matmul_thin.j2").render(
-        name=name, description=f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}){' +bias' if bias else ''}"
-                               f"{' +relu' if relu else ''}",
-        M=M, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
+        name=name, description=f"matmul ({'M' if runtime_rows else M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N})"
+                               f"{' +bias' if bias else ''}{' +relu' if relu else ''}",
+        M="M" if runtime_rows else M, runtime=runtime_rows, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
         roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         bf16=bool({"a", "b"} & bf16_roles), signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles))
-    return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles),), 0)
+    scalars = (("int", M),) if runtime_rows else ()
+    return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles, scalars),), 0)
 
 
 __all__ = ["DirectPlan", "direct_plan", "thin_rows", "direct_forward_plan", "direct_grad_weight_plan", "render_direct", "render_direct_grad_weight",

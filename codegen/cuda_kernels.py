@@ -656,34 +656,51 @@ def _float_literal(v: float) -> str:
     return repr(v) + "f" if ("." in repr(v) or "e" in repr(v)) else repr(v) + ".0f"
 
 
-def render_softmax_cross_entropy(name: str, *, N: int, C: int) -> CudaKernel:
+#: a loss kernel's 1/N on run-time rows, as the specialised kernels' literal is (rounded from
+#: double to float)
+_INV_ROWS = "(float)(1.0 / (double)n)"
+
+
+def render_softmax_cross_entropy(name: str, *, N: int, C: int, runtime_rows: bool = False) -> CudaKernel:
     """loss = mean_i (logsumexp(z_i) - z_i[label_i]): roles logits (N,C) fp32, labels (N,) int64,
     loss (scalar). One block (up to 1024 threads, one row per thread per pass) so the mean has a
     fixed summation tree; an out-of-range label contributes a zero one-hot row (as ``one_hot``
-    does). The gradient is `render_softmax_cross_entropy_grad`."""
+    does). The gradient is `render_softmax_cross_entropy_grad`. `runtime_rows`: N a by-value
+    argument (256 threads whatever it is), one text for every batch size."""
     _check_name(name)
     check_positive(N=N, C=C)
     threads = 32
     while threads < N and threads < 1024:
         threads *= 2
-    code = _render("softmax_cross_entropy.j2", name=name, N=N, C=C, threads=threads, inv_n=_float_literal(1.0 / N))
-    return CudaKernel(name, code, (Launch(f"{name}_loss", (1, 1, 1), (threads, 1, 1), 0, ("logits", "labels", "loss")),), 0)
+    if runtime_rows:
+        threads = 256
+    code = _render("softmax_cross_entropy.j2", name=name, N="n" if runtime_rows else N, C=C, threads=threads,
+                   inv_n=_INV_ROWS if runtime_rows else _float_literal(1.0 / N), runtime_rows=runtime_rows)
+    scalars = (("int", N),) if runtime_rows else ()
+    return CudaKernel(name, code, (Launch(f"{name}_loss", (1, 1, 1), (threads, 1, 1), 0, ("logits", "labels", "loss"),
+                                          scalars),), 0)
 
 
-def render_softmax_cross_entropy_grad(name: str, *, N: int, C: int, grad_scale: float | None = None) -> CudaKernel:
+def render_softmax_cross_entropy_grad(name: str, *, N: int, C: int, grad_scale: float | None = None,
+                                      runtime_rows: bool = False) -> CudaKernel:
     """dlogits = (softmax(z) - onehot) * grad_scale (default 1/N, the gradient of the mean): roles
     logits (N,C), labels (N,) int64, dlogits (N,C); one thread a row over as many blocks as the
-    rows need (the rows are independent, unlike the loss's mean)."""
+    rows need (the rows are independent, unlike the loss's mean). `runtime_rows`: N a by-value
+    argument (128 threads a block), one text for every batch size (the default scale only)."""
     _check_name(name)
     check_positive(N=N, C=C)
+    if runtime_rows and grad_scale is not None:
+        raise ValueError("a loss gradient on run-time rows scales by 1/N alone")
     if grad_scale is None:
         grad_scale = 1.0 / N
-    threads = 128 if N >= 128 else 32 * ceil_div(N, 32)
+    threads = 128 if N >= 128 or runtime_rows else 32 * ceil_div(N, 32)
     blocks = ceil_div(N, threads)
-    code = _render("softmax_cross_entropy_grad.j2", name=name, N=N, C=C, threads=threads, blocks=blocks,
-                   grad_scale=_float_literal(grad_scale))
+    code = _render("softmax_cross_entropy_grad.j2", name=name, N="n" if runtime_rows else N, C=C, threads=threads,
+                   blocks="(n + 127) / 128" if runtime_rows else blocks, runtime_rows=runtime_rows,
+                   grad_scale=_INV_ROWS if runtime_rows else _float_literal(grad_scale))
+    scalars = (("int", N),) if runtime_rows else ()
     return CudaKernel(name, code, (Launch(f"{name}_grad", (blocks, 1, 1), (threads, 1, 1), 0,
-                                          ("logits", "labels", "dlogits")),), 0)
+                                          ("logits", "labels", "dlogits"), scalars),), 0)
 
 
 def render_sgd_update(name: str, *, numel: int, lr: float, momentum: float = 0.0,

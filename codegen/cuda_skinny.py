@@ -19,6 +19,7 @@ Each renderer returns None where a shape does not suit (codegen then uses the GE
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, _check_name, _reduce_groups,
@@ -93,39 +94,44 @@ def _reduce_launch(name: str, S: int, outs: int, args: tuple[str, ...]) -> tuple
 
 def _split_kernel(name: str, kind: str, grid: tuple[int, int, int], threads: int, S: int, roles: tuple[str, ...],
                   inputs: tuple[str, ...], unrestricted: tuple[str, ...], bf16_roles: frozenset[str] = frozenset(),
-                  **template: object) -> CudaKernel:
+                  runtime_rows: int | None = None, **template: object) -> CudaKernel:
     """A skinny kernel from template matmul_<kind>: its main launch NAME_<kind> and, with S > 1 k
     splits, the split-sum launch reading the S partials of each output from scratch. `bf16_roles`:
     the roles holding bfloat16 (with a or b among them the value is rounded to bfloat16 before the
-    epilogue, as the interpreter computes it)."""
-    M, N = template["M"], template["N"]
+    epilogue, as the interpreter computes it). `runtime_rows`: this step's M, which the kernels
+    take as a by-value argument (the template's M is then its name)."""
+    M, N = runtime_rows or template["M"], template["N"]
     split = S > 1
     args = roles + (("scratch",) if split else ())
-    launches = [Launch(f"{name}_{kind}", grid, (threads, 1, 1), 0, args)]
+    scalars = (("int", M),) if runtime_rows else ()
+    launches = [Launch(f"{name}_{kind}", grid, (threads, 1, 1), 0, args, scalars)]
     ctx = dict(rg=1, rg_lanes=1, rgrid=1)
     if split:
         reduce, ctx = _reduce_launch(name, S, M * N, args)
-        launches.append(reduce)
+        launches.append(dataclasses.replace(reduce, scalars=scalars))
     template_name = {"narrow": "matmul_narrow.j2", "shortm": "matmul_short_m.j2"}[kind]
     code = _env.get_template(template_name).render(
         name=name, S=S, grid=grid, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
+        runtime=runtime_rows is not None,
         bf16=bool({"a", "b"} & bf16_roles), signature=kernel_signature(roles, inputs, unrestricted, split, bf16_roles),
         **template, **ctx)
     scratch = round_up(4 * S * M * N, SCRATCH_ALIGN) if split else 0
     return CudaKernel(name, code, tuple(launches), scratch)
 
 
-def _description(M: int, N: int, K: int, trans_a: bool, trans_b: bool, bias: bool, relu: bool) -> str:
+def _description(M: int | str, N: int, K: int, trans_a: bool, trans_b: bool, bias: bool, relu: bool) -> str:
     return (f"matmul ({M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N}{'^T' if trans_b else ''})"
             f"{' +bias' if bias else ''}{' +relu' if relu else ''}")
 
 
 def render_matmul_narrow(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool, batch: int = 1,
                          bias: bool = False, relu: bool = False, epilogue: PointwiseEpilogue | None = None,
-                         plan: NarrowPlan | None = None, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
+                         plan: NarrowPlan | None = None, bf16_roles: frozenset[str] = frozenset(),
+                         runtime_rows: bool = False) -> CudaKernel | None:
     """out = a @ b^T [+ bias][relu][epilogue] for N <= 16, a stored (M, K) and b (N, K), one batch:
     roles a, b, [bias], out; None where the shape does not suit (trans_a, b stored (K, N), a
-    batch, more columns)."""
+    batch, more columns). `runtime_rows`: M a by-value argument of both launches, one text for
+    every batch size (the plan's tiling and k splits whatever M is)."""
     _check_name(name)
     if trans_a or not trans_b or batch != 1 or N > NARROW_MAX_N or min(M, N, K) < 1 or M * max(N, K) >= 2**40:
         return None
@@ -136,9 +142,10 @@ def render_matmul_narrow(name: str, *, M: int, N: int, K: int, trans_a: bool, tr
     roles = ("a", "b") + (("bias",) if bias else ()) + ("out",)
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     return _split_kernel(name, "narrow", (plan.S, row_blocks, 1), 32 * plan.RG, plan.S, roles, inputs, unrestricted,
-                         bf16_roles,
-                         M=M, N=N, K=K, RT=plan.RT, RG=plan.RG, V=plan.V, U=plan.U, KC=plan.KC, bias=bias, relu=relu,
-                         pw=epilogue, description=_description(M, N, K, trans_a, trans_b, bias, relu))
+                         bf16_roles, runtime_rows=M if runtime_rows else None,
+                         M="M" if runtime_rows else M, N=N, K=K, RT=plan.RT, RG=plan.RG, V=plan.V, U=plan.U, KC=plan.KC,
+                         bias=bias, relu=relu, pw=epilogue,
+                         description=_description("M" if runtime_rows else M, N, K, trans_a, trans_b, bias, relu))
 
 
 @dataclass(frozen=True)

@@ -136,14 +136,16 @@ def cuda_scratch_bytes(kind: str, g: ConvGeometry, splits: int) -> int:
 
 def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, relu: bool = False,
                 relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None, splits: int = 0,
-                bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+                bf16_roles: frozenset[str] = frozenset(), runtime_images: bool = False) -> CudaKernel:
     """The CUDA kernel of `kind`: one thread an output element (forward, grad-input); the
     grad-weight with `splits` (`cuda_grad_weight_splits`) by taps, a block a filter and a share of
     the images (then, above 1, a launch adding the shares in order), with 0 a block a weight. Roles
     as the GEMM templates': x, w, [bias], out / dy, w, [mask_src], out / x, dy, out. `bf16_roles`:
     the roles whose buffers hold bfloat16 (precision "bf16"): read as floats, the products summed
     in float32 and the convolution's value rounded to bfloat16 (the bias add rounded again), as the
-    interpreter has them."""
+    interpreter has them. `runtime_images`: the images N a by-value argument of every launch (a
+    grad-weight's share of them computed from it, its split count the plan's), one text for every
+    batch size."""
     _check(name, kind)
     roles = {"conv2d": ("x", "w") + (("bias",) if bias else ()) + ("out",),
              "conv2d_grad_input": ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",),
@@ -161,16 +163,18 @@ def render_cuda(name: str, kind: str, g: ConvGeometry, *, bias: bool = False, re
         grid = (ceil_div(g.N * (g.O * g.HO * g.WO if kind == "conv2d" else g.C * g.H * g.W), CUDA_THREADS), 1, 1)
     ptr = {r: "em_bf16_in" if r in bf16_roles else "float* __restrict__" for r in ("x", "w", "dy")}
     code = environment("cuda").get_template("grouped_conv.j2").render(
-        name=name, kind=kind, description=_description(kind, g), bias=bias, relu=relu, relu_mask=relu_mask,
+        name=name, kind=kind, description=_description(kind, g, "N" if runtime_images else None), bias=bias,
+        relu=relu, relu_mask=relu_mask, runtime=runtime_images,
         threads=CUDA_THREADS, roles=roles, inputs=inputs, unrestricted=unrestricted, pw=epilogue,
         taps=taps, splits=splits, chunk=ceil_div(g.N, splits) if taps else 0, bf16_roles=bf16_roles,
         bf16=bool(set(operands) & bf16_roles), ptr=ptr,
         signature=kernel_signature(roles, inputs, unrestricted, scratch > 0, bf16_roles), **dataclasses.asdict(g))
     args = roles + (("scratch",) if scratch else ())
-    launches = [Launch(f"{name}_grouped", grid, (CUDA_THREADS, 1, 1), 0, args)]
+    scalars = (("int", g.N),) if runtime_images else ()
+    launches = [Launch(f"{name}_grouped", grid, (CUDA_THREADS, 1, 1), 0, args, scalars)]
     if scratch:
         launches.append(Launch(f"{name}_combine", (ceil_div(filters * g.KH * g.KW, CUDA_THREADS), 1, 1),
-                               (CUDA_THREADS, 1, 1), 0, args))
+                               (CUDA_THREADS, 1, 1), 0, args, scalars))
     return CudaKernel(name, code, tuple(launches), scratch)
 
 

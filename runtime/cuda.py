@@ -233,14 +233,14 @@ def _arch(cp: Any) -> str:
 
 def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ...]) -> threading.Thread | None:
     """Starts building, on a thread of its own, the modules a step of this model at another batch
-    size will ask for that this one did not build (its GEMMs on run-time sizes,
-    `cuda_codegen.reused_variants`), so the last partial batch or an inference at another size
-    finds them: NVRTC runs without the GIL, so the steps this process launches meanwhile wait on
-    nothing but its second compile slot. Only for a step that took no plan of another (the
-    first of a model). Opt-in (`EMBER_PREFETCH=1`) until it is measured on a GPU: written and
-    tested without one (session 13), no device time was left to run it. A failure here costs
-    nothing: the later build compiles what it misses (and raises what NVRTC rejects)."""
-    if graph.meta.get("kernel_reuse") or os.environ.get("EMBER_PREFETCH", "0") != "1":
+    size will ask for that this one did not build (its GEMMs and generated kernels on run-time
+    sizes, `cuda_codegen.reused_variants`), so the last partial batch or an inference at another
+    size finds them: rendered here, compiled as one build on the NVRTC workers (other processes)
+    where they run, else on this process's threads, which run NVRTC without the GIL. Only for a
+    step that took no plan of another (the first of a model); `EMBER_PREFETCH=0` turns it off. A
+    failure here costs nothing: the later build compiles what it misses (and raises what NVRTC
+    rejects)."""
+    if graph.meta.get("kernel_reuse") or os.environ.get("EMBER_PREFETCH", "1") == "0":
         return None
     device = compile_device()
 
@@ -248,15 +248,14 @@ def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ..
         try:
             with using(device):
                 units = cuda_codegen.reused_variants(graph)
-            for code, functions in units:
-                if _exiting.is_set():
-                    return
-                cuda_modules.prefetch(cp, [prelude + code], options, names=[functions[0]])
+            if units and not _exiting.is_set():
+                cuda_modules.prefetch(cp, [prelude + code for code, _ in units], options,
+                                      names=[functions[0] for _, functions in units])
         except Exception:  # noqa: BLE001 (ahead-of-time work: the build that needs a module makes it)
             pass
 
-    # Not a daemon: the interpreter's exit waits for the module in NVRTC, then the thread stops
-    # (`_exiting`), rather than unloading libraries under it.
+    # Not a daemon: the interpreter's exit waits for the build in NVRTC (or stops it before it
+    # starts, `_exiting`), rather than unloading libraries under it.
     thread = threading.Thread(target=build, name="ember-cuda-prefetch")
     thread.start()
     return thread

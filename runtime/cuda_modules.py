@@ -137,20 +137,25 @@ def _store(root: Path, shard: Path, key: str, source: str, image: bytes, options
 
 def prefetch(cp: Any, sources: list[str], options: tuple[str, ...], *, names: list[str],
              cache: Path | None = None) -> int:
-    """Builds into the cache the sources it does not hold, one after another, loading nothing:
-    modules a later build is expected to ask for (`runtime/cuda.py`: a step's GEMMs as a step of
-    another batch size renders them), made while this process does other work. A source NVRTC
-    rejects is left out (the build that needs it raises). Returns how many were built."""
+    """Builds into the cache the sources it does not hold, loading nothing: modules a later build
+    is expected to ask for (`runtime/cuda.py`: a step's kernels as a step of another batch size
+    renders them), made while this process does other work. The misses are compiled together
+    as a build's are (`nvrtc_workers`: the worker processes where they run, else this process's
+    two threads). A source NVRTC rejects is left out (the build that needs it raises). Returns
+    how many were built."""
     options = tuple(options) + IMPLIED_OPTIONS
     version = nvrtc_version(cp)
     root = Path(cache) if cache is not None else compiler.cache_dir()
-    built = 0
+    misses = []
     for source, name in zip(sources, names):
         key = module_key(source, options, version)
         shard = root / KIND / key[:2]
-        if _read_hit(shard / f"{key}.cubin", shard / f"{key}.json") is not None:
-            continue
-        image, _ = _nvrtc_cubin(cp, source, options, f"{name}.cu")
+        if _read_hit(shard / f"{key}.cubin", shard / f"{key}.json") is None:
+            misses.append((key, shard, source, name))
+    jobs = [(source, options, f"{name}.cu") for _, _, source, name in misses]
+    results = nvrtc_workers.compile_all(jobs, version, lambda job: _nvrtc_cubin(cp, *job)) if jobs else []
+    built = 0
+    for (key, shard, source, _), (image, _) in zip(misses, results):
         if image:
             _store(root, shard, key, source, image, options, version, warn=False)
             built += 1

@@ -48,6 +48,7 @@ inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 namespace ember_emu {
 thread_local dim3 thread_idx, block_idx;
+dim3 grid_dim;  // the launch's (a split reduction on run-time sizes reads its split count there)
 std::barrier<>* block_barrier = nullptr;
 std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 struct WarpTable { unsigned a[32][4]; unsigned b[32][2]; float c[32][4]; alignas(8) unsigned char shfl[32][8]; };
@@ -72,10 +73,12 @@ inline void shfl_barrier(unsigned warp, unsigned mask) {
 }  // namespace ember_emu
 #define threadIdx ember_emu::thread_idx
 #define blockIdx ember_emu::block_idx
+#define gridDim ember_emu::grid_dim
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __builtin_assume(...) ((void)0)
 #define __restrict__
 #define __shared__ static
 #define __align__(n) alignas(n)
@@ -179,6 +182,7 @@ namespace ember_emu {
 template <typename F>
 void run_grid(F body, int gx, int gy, int gz, int threads, int static_slots, size_t dyn_bytes) {
   arena.assign((size_t)static_slots * (SLOT / 4) + dyn_bytes / 4 + 1, NAN);
+  grid_dim = dim3{(unsigned)gx, (unsigned)gy, (unsigned)gz};
   std::barrier<> bb(threads);
   block_barrier = &bb;
   const int warps = (threads + 31) / 32;

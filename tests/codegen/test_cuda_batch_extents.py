@@ -91,7 +91,8 @@ def test_an_update_fused_into_a_batch_reduction_contracts_as_the_update_alone(tm
     world of one unfuses it and must give the same bits (tests/e2e/test_cuda_data_parallel.py).
     A run-time bound on the loop over the batch broke it once: the compiler, not knowing the loop
     runs, moved the multiply into the loop's exit and left a mul and a sub (a bias 1 ulp off on
-    the H200)."""
+    the H200). The same on run-time sizes (a later batch size's kernels, split by their launch's
+    count: the compiler is told it is at least 1)."""
     from nvcc import nvcc_or_skip
     nvcc = nvcc_or_skip()
     planned = plan_for(train_graph(cnn(0), (8, 1, 28, 28)), "cuda", simplify=True)
@@ -100,7 +101,11 @@ def test_an_update_fused_into_a_batch_reduction_contracts_as_the_update_alone(tm
                and any(planned.notes(m).get("storage") == "parameter" for m in planned.results(n))]
     assert len(updates) >= 2  # the biases' gradients, each with its update
     for n in updates:
-        name = planned.attrs(n)["graph"].name
+        sub, spec = planned.attrs(n)["graph"], planned.attrs(n)["kernel"]
+        name = sub.name
         (code,) = [code for code, functions in source.units if name in functions]
         ptx = _ptx_entries(nvcc, source.prelude + code, tmp_path)[name]
         assert "fma.rn.f32" in ptx and "sub.f32" not in ptx, f"{name}:\n{ptx[-1500:]}"
+        runtime = cuda.render_reduction(name, sub, spec.core, runtime=True)
+        for function, ptx in _ptx_entries(nvcc, source.prelude + runtime.code, tmp_path).items():
+            assert "fma.rn.f32" in ptx and "sub.f32" not in ptx, f"{function} on run-time sizes:\n{ptx[-1500:]}"

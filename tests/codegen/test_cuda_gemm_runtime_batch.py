@@ -216,8 +216,10 @@ def test_a_reused_gemm_plan_fits_by_its_tile_and_a_stored_one_only_as_the_cost_m
 
 
 def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders(gemm_and_direct):
-    """`cuda.reused_variants` of ResNet-8's step at 8 (what its executor builds ahead) are exactly
-    the GEMM units of its step at 5 given 8's plans: a later batch size finds every one of them."""
+    """`cuda.reused_variants` of ResNet-8's step at 8 (what its executor builds ahead): every unit
+    of its step at 5 given 8's plans is one of 8's own or one of them, except those of families
+    whose code holds the batch (Winograd, small windows, the skinny matmuls: a later step plans
+    them itself); GEMMs and the generated kinds (pointwise, reductions) all are."""
     import ember.runtime
     from ember.codegen import cuda
     from ember.frontends.training.recipes import build_model
@@ -229,17 +231,32 @@ def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders(gemm_
     later_graph = train_graph(build_model("resnet8"), (5, 1, 28, 28))
     later_graph.meta["kernel_reuse"] = target.reusable(first)
     later = run_passes(later_graph, target.passes())
-    ahead = cuda.reused_variants(first)
-    gemm_units = {code for code, functions in cuda.render_step(later).units if any(f.endswith("_gemm") for f in functions)}
-    assert len(ahead) >= 12 and {code for code, _ in ahead} == gemm_units
-    assert cuda.reused_variants(later) == []  # a later step's GEMMs are the variants already
+    ahead = {code for code, _ in cuda.reused_variants(first)}
+    own = {code for code, _ in cuda.render_step(first).units}
+    units = cuda.render_step(later).units
+    family = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].choice[0]
+              for n in later.g if later.op(n) == "fused" and later.attrs(n)["kernel"].choice is not None}
+    kinds = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].kind for n in later.g if later.op(n) == "fused"}
+    missing = {functions[0]: family[functions[0].rsplit("_", 1)[0] if functions[0] not in family else functions[0]]
+               for code, functions in units if code not in own | ahead}
+    assert set(missing.values()) <= {"winograd", "small_window", "skinny_narrow", "skinny_short", "thin"}, missing
+    found = {f for code, functions in units if code in ahead - own for f in functions}
+    assert {kinds[f.rsplit("_", 1)[0]] if f not in kinds else kinds[f] for f in found} >= {
+        "conv2d", "conv2d_grad_input", "conv2d_grad_weight", "pointwise", "reduction"}
+    # built ahead and not run: a kernel the later step plans for itself (a thin matmul the first
+    # step's record gave another family), a few at most
+    assert len(ahead - own) >= 30 and len(ahead - own - {code for code, _ in units}) <= 3
+    # a later step's kernels are the variants already, but for those it planned itself
+    why = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].why for n in later.g if later.op(n) == "fused"}
+    again = [functions[0].rsplit("_", 1)[0] for _, functions in cuda.reused_variants(later)]
+    assert len(again) <= 3 and not any(why[name].startswith("reused") for name in again), again
 
 
 def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_does_not(monkeypatch):
     """The CUDA executor's build ahead (`runtime/cuda._prefetch_reused`), with NVRTC faked: the
-    first step of a model hands `cuda_modules.prefetch` its GEMMs' run-time-size units, one at a
-    time, on a thread that ends, where EMBER_PREFETCH=1 asks for it; a step that took another's
-    plans, and the default (off until measured on a GPU), start nothing."""
+    first step of a model hands `cuda_modules.prefetch` its kernels' run-time-size units as one
+    build, on a thread that ends; a step that took another's plans, and EMBER_PREFETCH=0, start
+    nothing."""
     import ember.runtime
     from ember.codegen import cuda
     from ember.frontends.training.recipes import build_model
@@ -249,17 +266,19 @@ def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_doe
 
     target = ember.runtime.target("cuda")
     first = run_passes(train_graph(build_model("resnet8"), (8, 1, 28, 28)), target.passes())
-    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None  # off by default
-    monkeypatch.setenv("EMBER_PREFETCH", "1")
     asked = []
     monkeypatch.setattr(runtime_cuda.cuda_modules, "prefetch",
-                        lambda cp, sources, options, names: asked.extend(zip(names, sources)) or len(sources))
+                        lambda cp, sources, options, names: asked.append(list(zip(names, sources))) or len(sources))
+    monkeypatch.setenv("EMBER_PREFETCH", "0")
+    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
+    monkeypatch.delenv("EMBER_PREFETCH")
     thread = runtime_cuda._prefetch_reused(object(), first, "// prelude\n", ("-arch=sm_90",))
     thread.join(timeout=120)
     assert not thread.is_alive() and not thread.daemon
     want = cuda.reused_variants(first)
-    assert [source for _, source in asked] == ["// prelude\n" + code for code, _ in want]
-    assert [name for name, _ in asked] == [functions[0] for _, functions in want]
+    (build,) = asked
+    assert [source for _, source in build] == ["// prelude\n" + code for code, _ in want]
+    assert [name for name, _ in build] == [functions[0] for _, functions in want]
     first.meta["kernel_reuse"] = target.reusable(first)
     assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
 

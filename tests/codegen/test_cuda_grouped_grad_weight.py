@@ -64,3 +64,51 @@ def test_a_depthwise_layers_images_are_split_until_the_gpu_is_busy():
     assert grouped_conv.cuda_grad_weight_splits(geo, 132) == 16   # 32 filters x 16 shares of 4 images
     small = dataclasses.replace(geo, N=2, H=7, W=7, HO=7, WO=7)
     assert grouped_conv.cuda_grad_weight_splits(small, 132) == 1  # too few positions to share
+
+
+def _forward_and_grad_input(n, c, h, w, o, k, stride, pad, groups):
+    g = Graph("fw")
+    at = dict(stride=(stride, stride), padding=(pad, pad), groups=groups)
+    x, wt = g.add_input("x", TensorType((n, c, h, w))), g.add_input("w", TensorType((o, c // groups, *k)))
+    y = g.add("conv2d", [x, wt], **at)
+    g.set_output("out", y)
+    dy = g.add_input("dy", g.type(y))
+    g.set_output("dx", g.add("conv2d_grad_input", [dy, wt], input_shape=(n, c, h, w), **at))
+    return g, grouped_conv.geometry((n, c, h, w), (o, c // groups, *k), at)
+
+
+@pytest.mark.parametrize("kind", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_a_grouped_kernel_on_run_time_images_is_one_text_at_every_batch(kind, tmp_path):
+    """What a step whose plans came from a step of another batch size runs: the images a by-value
+    argument of every launch, one text at 7 and 2 images, the grad-weight keeping the first's
+    split count (4 shares of 2 images: two add nothing), the interpreter's values at both."""
+    texts = set()
+    for n in (7, 2):
+        if kind == "conv2d_grad_weight":
+            graph, geo = _case(n, 6, 9, 7, 6, (3, 3), 2, 1, 6)
+            kernel = grouped_conv.render_cuda("gw", kind, geo, splits=4, runtime_images=True)
+            want_key, got_key, fixed = "gw", "out", ("w",)
+        else:
+            graph, geo = _forward_and_grad_input(n, 6, 9, 7, 6, (3, 3), 2, 1, 6)
+            kernel = grouped_conv.render_cuda("gx", kind, geo, runtime_images=True)
+            want_key, got_key, fixed = ("out", "out", ("dy",)) if kind == "conv2d" else ("dx", "out", ())
+        assert all(ln.scalars == (("int", n),) for ln in kernel.launches)
+        texts.add(kernel.code)
+        ins = {k: rng.standard_normal(graph.type(v).shape).astype(np.float32) for k, v in graph.inputs.items()}
+        want = run(graph, ins).outputs[want_key]
+        bufs = {k: v for k, v in ins.items() if k not in fixed} | {got_key: np.full(want.shape, np.nan, np.float32)}
+        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"{kind}{n}"), 0, kernel, bufs)
+        np.testing.assert_allclose(bufs[got_key], want, rtol=1e-5, atol=1e-4)
+    assert len(texts) == 1
+
+
+def test_a_grouped_plan_of_another_batch_size_fits_and_renders_on_run_time_images():
+    from ember.codegen import cuda_choices
+    grouped = cuda_choices.FAMILIES["grouped"]
+    g = dict(kind="conv2d_grad_weight", epilogues=frozenset(), tf32=False, N=64, C=32, H=14, W=14, O=32, KH=3, KW=3,
+             stride=(1, 1), padding=(1, 1), groups=32, HO=14, WO=14)
+    (plan,) = cuda_choices._grouped_plans(g)
+    small = dict(g, N=3)
+    assert grouped.fits_reused(small, plan) and not grouped.fits_reused(small, (("splits", "many"),))
+    assert grouped.fits_reused(dict(g, kind="conv2d"), ()) and not grouped.fits_reused(dict(g, kind="conv2d"), plan)
+    assert grouped.code_geometry(g) == grouped.code_geometry(small)

@@ -111,3 +111,34 @@ def test_identical_kernels_are_one_function_and_every_unit_compiles_alone(tmp_pa
         paths.append(tmp_path / f"unit{i}.cu")
         paths[-1].write_text(source.prelude + code)
     _compile_all(nvcc, paths)
+
+
+@pytest.mark.parametrize("model", ["resnet8", "mobilenet"])
+def test_the_variants_a_later_batch_size_runs_compile_with_nvcc(model, tmp_path):
+    """A model's kernels as a step of another batch size renders them (`reused_variants`: GEMMs,
+    grouped convolutions, reductions, pointwise kernels and the loss on run-time sizes), one
+    source, warning-free."""
+    import numpy as np
+
+    from ember.codegen.cuda import prelude, reused_variants
+    from ember.frontends import nn, optim, plan
+    from ember.frontends.training.recipes import build_model
+
+    nvcc = nvcc_or_skip()
+    if model == "mobilenet":
+        pytest.importorskip("torch")
+        from ember.frontends.training.zoo import ember_zoo_model
+        net = ember_zoo_model(model, seed=0)
+    else:
+        net = build_model(model)
+    example = (np.zeros((8, 1, 28, 28), np.float32), np.zeros(8, np.int64))
+    graph = next(g for k, g in plan(net, nn.CrossEntropyLoss(), optim.SGD(lr=0.1, momentum=0.9),
+                                    example, device="cuda").items() if k.startswith("train"))
+    units = reused_variants(graph)
+    functions = {f for _, fs in units for f in fs}
+    assert any(f.endswith("_loss") for f in functions) and any(f.endswith("_grad") for f in functions)
+    assert any(f.endswith("_reduction_part0") for f in functions) and any(f.endswith("_gemm") for f in functions)
+    assert (model == "mobilenet") == any(f.endswith("_grouped") for f in functions)
+    path = tmp_path / "variants.cu"
+    path.write_text(prelude() + "".join(code for code, _ in units))
+    _compile_all(nvcc, [path])

@@ -1,0 +1,199 @@
+"""The generated CUDA kinds (reductions, the softmax cross-entropy loss and its gradient, pointwise
+kernels with counts over the batch) on run-time sizes, without a GPU: what a step whose plans came
+from a step of another batch size runs (its plan `cuda_choices.RUNTIME`), so the first step of a
+model can build them ahead (`cuda.reused_variants`) and a later batch size compiles none of them.
+Each is rendered at two batch sizes: one text, the batch a by-value argument; at both sizes it
+gives the interpreter's values in the CPU emulation of its own source (cuda_emulator.py), a split
+reduction too, whose split count is its launch's (gridDim.y, 1 at a small batch)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import cuda_emulator
+from ember.codegen import cuda, cuda_choices
+from ember.ir import Graph, TensorType, run
+from models import plan_for
+from test_multi_output_kernels import _inputs, _normalise
+
+rng = np.random.default_rng(17)
+
+
+def _argmax_rows(shape: tuple[int, ...]) -> Graph:
+    g = Graph("argmax_rows")
+    x = g.add_input("x", TensorType(shape))
+    g.set_output("i", g.add("cast", [g.add("argmax", [x], axis=1)], dtype="float32"))
+    return g
+
+
+def _sum_leading(shape: tuple[int, ...], axes: tuple[int, ...]) -> Graph:
+    """sum(x * x) over `axes` (the leading one among them), scaled by 1/count: a bias gradient's
+    or a loss mean's shape, the count over the batch computed from the argument."""
+    g = Graph("sum_leading")
+    x = g.add_input("x", TensorType(shape))
+    count = g.add_constant(float(np.prod([shape[a] for a in axes])), "float32")
+    g.set_output("s", g.add("div", [g.add("sum", [g.add("mul", [x, x])], axes=axes), count]))
+    return g
+
+
+# (graph at a batch size, the batch sizes): the batch reduced (split or a block an output, one loop
+# or several) or kept (lanes, a thread, a block an output), and an argmax's flat walk
+CASES = {
+    "batch-norm": (lambda n: _normalise((n, 3, 6, 7), (0, 2, 3)), (5, 2)),
+    "batch-norm-split": (lambda n: _normalise((n, 4, 16, 16), (0, 2, 3)), (37, 3)),
+    "layer-norm": (lambda n: _normalise((n, 5, 50), (2,)), (6, 2)),
+    "layer-norm-short": (lambda n: _normalise((n, 5, 7), (2,)), (6, 3)),
+    "layer-norm-long": (lambda n: _normalise((n, 3, 300), (2,)), (4, 2)),
+    "bias-gradient": (lambda n: _sum_leading((n, 6), (0,)), (40, 3)),
+    "column-sums": (lambda n: _sum_leading((n, 5, 8), (0, 1)), (9, 2)),
+    # outputs enough to fill the GPU (H200: 8 blocks a multiprocessor): a block an output, flat
+    "wide": (lambda n: _sum_leading((n, 1100, 2), (0, 2)), (3, 2)),
+    "argmax": (lambda n: _argmax_rows((n, 70)), (5, 3)),
+}
+
+
+def _runtime_reduction(graph: Graph) -> tuple[Graph, cuda_emulator.CudaKernel]:
+    planned = plan_for(graph, "cuda")
+    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "reduction"]
+    sub, spec = planned.attrs(node)["graph"], planned.attrs(node)["kernel"]
+    choice = ("reduction", cuda_choices.RUNTIME)
+    kernel = cuda_choices.render(sub.name, sub, dataclasses.replace(spec, choice=choice), choice)
+    assert kernel.scratch_bytes == cuda_choices.scratch_bytes(sub, spec, choice)
+    return sub, kernel
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_reduction_on_run_time_sizes_is_one_text_and_the_interpreters_values(case, tmp_path):
+    make, batches = CASES[case]
+    texts = set()
+    for batch in batches:
+        sub, kernel = _runtime_reduction(make(batch))
+        texts.add(kernel.code)
+        assert all(ln.scalars == (("int", batch),) for ln in kernel.launches), kernel.launches
+        inputs = {k: np.ascontiguousarray(v) for k, v in _inputs(sub).items()}
+        cuda_emulator.check_against_interpreter(sub, kernel, inputs, tmp_path, f"{case}{batch}", rtol=2e-5, atol=2e-5)
+    assert len(texts) == 1
+
+
+def test_a_split_reductions_count_is_its_launchs():
+    """BatchNorm's statistics over 37 images of 16x16 split (the count follows the batch, one
+    split at 3 images), the code reading gridDim.y: the same text either way."""
+    make, _ = CASES["batch-norm-split"]
+    (big_sub, big), (_, small) = _runtime_reduction(make(37)), _runtime_reduction(make(3))
+    assert big.code == small.code and "gridDim.y" in big.code
+    assert big.launches[0].grid[1] > 1 and small.launches[0].grid[1] == 1
+    assert big.scratch_bytes > small.scratch_bytes > 0
+
+
+@pytest.mark.parametrize("rows", [5, 300])
+def test_the_loss_and_its_gradient_on_run_time_rows(rows, tmp_path):
+    """One text at 5 and 300 rows; loss and dlogits as the float64 reference (1/N as the
+    specialised kernels' literal: the same bits for the gradient)."""
+    from ember.codegen import cuda_kernels as ck
+    classes = 10
+    z = rng.normal(0, 3, (rows, classes)).astype(np.float32)
+    labels = rng.integers(0, classes, rows).astype(np.int64)
+    labels[0] = classes  # out of range: a one-hot row of zeros
+    loss, grad = (ck.render_softmax_cross_entropy("kl", N=rows, C=classes, runtime_rows=True),
+                  ck.render_softmax_cross_entropy_grad("kg", N=rows, C=classes, runtime_rows=True))
+    assert loss.code == ck.render_softmax_cross_entropy("kl", N=7, C=classes, runtime_rows=True).code
+    assert grad.code == ck.render_softmax_cross_entropy_grad("kg", N=7, C=classes, runtime_rows=True).code
+    special = ck.render_softmax_cross_entropy_grad("s", N=rows, C=classes)
+    z64 = z.astype(np.float64)
+    p = np.exp(z64 - z64.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    onehot = np.zeros_like(p)
+    valid = labels < classes
+    onehot[np.arange(rows)[valid], labels[valid]] = 1
+    want_loss = -(np.log(p) * onehot).sum() / rows
+    lib = cuda_emulator.build([loss, grad, special], tmp_path, f"loss{rows}")
+    got = {}
+    for index, kernel, out in ((0, loss, "loss"), (1, grad, "dlogits"), (2, special, "dlogits")):
+        b = {"logits": z, "labels": labels, out: np.full((1,) if out == "loss" else z.shape, np.nan, np.float32)}
+        _run_with_int64(lib, index, kernel, b)
+        got[index] = b[out]
+    np.testing.assert_allclose(got[0][0], want_loss, rtol=2e-6)
+    np.testing.assert_allclose(got[1], (p - onehot) / rows, rtol=2e-5, atol=1e-7)
+    np.testing.assert_array_equal(got[1], got[2])
+
+
+def _run_with_int64(lib, index, kernel, bufs) -> None:
+    """`cuda_emulator.run` for the loss kernels, whose labels are int64 (its checks take float buffers)."""
+    import ctypes
+    entry = getattr(lib, f"emu_launch_{index}")
+    for i, ln in enumerate(kernel.launches):
+        arrays = [bufs[r] for r in ln.args]
+        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        entry(ctypes.c_int(i), ptrs)
+
+
+def test_a_later_steps_generated_kernels_take_run_time_sizes_and_the_first_builds_them_ahead():
+    """ResNet-8's step at 6 given the plans of its step at 4: every reduction and every pointwise
+    kernel not writing parameters alone is stamped RUNTIME (its scratch reserved as its kernel
+    needs: `render_step` checks) and is a unit `reused_variants` of the step at 4 built."""
+    import ember.runtime
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    from models import train_graph
+
+    target = ember.runtime.target("cuda")
+    first = run_passes(train_graph(build_model("resnet8"), (4, 1, 28, 28)), target.passes())
+    later_graph = train_graph(build_model("resnet8"), (6, 1, 28, 28))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    later = run_passes(later_graph, target.passes())
+    ahead = {code for code, _ in cuda.reused_variants(first)}
+    source = cuda.render_step(later)
+    by_function = {f: code for code, functions in source.units for f in functions}
+    generated = [n for n in later.g if later.op(n) == "fused" and later.attrs(n)["kernel"].kind in ("pointwise", "reduction")
+                 and not cuda._writes_state_alone(later, n)]
+    assert len(generated) >= 20
+    for n in generated:
+        spec, name = later.attrs(n)["kernel"], later.attrs(n)["graph"].name
+        assert spec.choice[1] == cuda_choices.RUNTIME and spec.why.startswith("reused"), (name, spec.choice, spec.why)
+        for la in source.launches:
+            if la.kernel == name:
+                assert la.scalars == (("int", 6),) and by_function[la.function] in ahead, name
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_the_thin_matmul_on_run_time_rows(trans_a, tmp_path):
+    """A linear layer's grad-input (K = 10 classes) as a later batch size runs it: one text at
+    37 and 5 rows (a block's rows the first's plan), the float64 product's values at both."""
+    from ember.codegen import cuda_direct
+    texts = set()
+    for m in (37, 5):
+        kernel = cuda_direct.render_matmul_thin("th", M=m, N=24, K=10, trans_a=trans_a, trans_b=False, rows=8,
+                                                runtime_rows=True)
+        assert kernel.launches[0].scalars == (("int", m),) and kernel.launches[0].grid[1] == -(-m // 8)
+        texts.add(kernel.code)
+        a = rng.standard_normal((10, m) if trans_a else (m, 10)).astype(np.float32)
+        b = rng.standard_normal((10, 24)).astype(np.float32)
+        bufs = dict(a=a, b=b, out=np.full((m, 24), np.nan, np.float32))
+        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"thin{m}{trans_a}"), 0, kernel, bufs)
+        want = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(bufs["out"], want, rtol=1e-5, atol=1e-5)
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_narrow_matmul_on_run_time_rows(splits, tmp_path):
+    """A linear layer's forward (N = 10 classes, a long K) as a later batch size runs it: one
+    text at 37 and 3 rows (the first's tiling and k splits), the float64 product (+ bias) at both."""
+    from ember.codegen import cuda_skinny
+    plan = cuda_skinny.narrow_plan(37, 10, 384, splits=splits)
+    assert plan.S == splits
+    texts = set()
+    for m in (37, 3):
+        kernel = cuda_skinny.render_matmul_narrow("nw", M=m, N=10, K=384, trans_a=False, trans_b=True, bias=True,
+                                                  plan=plan, runtime_rows=True)
+        assert all(ln.scalars == (("int", m),) for ln in kernel.launches) and len(kernel.launches) == (splits > 1) + 1
+        texts.add(kernel.code)
+        a, b = rng.standard_normal((m, 384)).astype(np.float32), rng.standard_normal((10, 384)).astype(np.float32)
+        bias = rng.standard_normal(10).astype(np.float32)
+        bufs = dict(a=a, b=b, bias=bias, out=np.full((m, 10), np.nan, np.float32))
+        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"narrow{m}{splits}"), 0, kernel, bufs)
+        np.testing.assert_allclose(bufs["out"], a.astype(np.float64) @ b.T.astype(np.float64) + bias, rtol=1e-5,
+                                   atol=1e-4)
+    assert len(texts) == 1
