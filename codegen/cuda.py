@@ -556,7 +556,7 @@ REUSED_WHY = "reused: the plan of this kernel at another batch size"
 
 #: the contraction families whose kernels a step that took their plans renders on run-time sizes
 #: (`cuda_choices.runtime_sizes`): another text than the first step's
-RUNTIME_VARIANTS = frozenset({"gemm", "grouped", "thin", "skinny_narrow"})
+RUNTIME_VARIANTS = frozenset({"gemm", "grouped", "thin", "skinny_narrow", "small_window"})
 
 
 def _writes_state_alone(graph: Graph, n: int) -> bool:

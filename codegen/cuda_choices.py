@@ -428,12 +428,23 @@ def _small_scratch(g: dict[str, Any], plan: Plan) -> int:
 
 def _small_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     sp = cuda_small_conv.SmallPlan(**dict(plan))
+    rt = runtime_sizes(spec)
     if g["kind"] == "conv2d":
         return cuda_small_conv.render_small_forward(name, **_conv_args(g), bias="bias" in spec.epilogues,
                                                     relu="relu" in spec.epilogues, epilogue=epilogue, plan=sp,
-                                                    bf16_roles=bf16_roles(sub, spec))
+                                                    bf16_roles=bf16_roles(sub, spec), runtime_images=rt)
     return cuda_small_conv.render_small_grad_weight(name, **_conv_args(g), epilogue=epilogue, plan=sp,
-                                                    bf16_roles=bf16_roles(sub, spec))
+                                                    bf16_roles=bf16_roles(sub, spec), runtime_images=rt)
+
+
+def _small_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+    """A small-window plan of another batch size fits: its tiling holds no image count (the
+    forward's images are its grid's, the grad-weight's blocks share whatever units there are)."""
+    try:
+        sp = cuda_small_conv.SmallPlan(**dict(plan))
+    except TypeError:
+        return False
+    return min(sp.OT, sp.RB, sp.TL, sp.blocks, sp.V) >= 1 and g["O"] % sp.OT == 0 and g["WO"] % sp.V == 0
 
 
 # -- thin, skinny_narrow, skinny_short: matmuls that are passes over memory
@@ -715,7 +726,8 @@ def features(g: dict[str, Any]) -> tuple[float, ...]:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("small_window", ("conv2d", "conv2d_grad_weight"), 0, _small_plans, _small_rejects,
-           _small_preferred, _small_scratch, _small_render),
+           _small_preferred, _small_scratch, _small_render, code_geometry=without_sizes("N"),
+           accepts_reused=_small_accepts_reused),
     Family("direct", CONVS, 1, _direct_plans, _direct_rejects, _never, _direct_scratch, _direct_render,
            accepts_reused=_direct_accepts_reused, code_geometry=_direct_code),
     # TF32 is a property of a family: the ones with a tensor-core path say so by the geometries

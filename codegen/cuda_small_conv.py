@@ -129,10 +129,12 @@ def small_forward_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO: in
 def render_small_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int, stride=(1, 1),
                          padding=(0, 0), bias: bool = False, relu: bool = False,
                          epilogue: PointwiseEpilogue | None = None, plan: SmallPlan | None = None,
-                         min_blocks: int = 0, bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
+                         min_blocks: int = 0, bf16_roles: frozenset[str] = frozenset(),
+                         runtime_images: bool = False) -> CudaKernel | None:
     """out = conv2d(x, w) [+ bias][relu][epilogue] for a small window (C*KH*KW <= 32): roles x,
     w, [bias], out; None where the geometry does not suit. `bf16_roles`: the roles holding
-    bfloat16 (precision "bf16": widened as read, the value rounded to bfloat16 before the epilogue)."""
+    bfloat16 (precision "bf16": widened as read, the value rounded to bfloat16 before the epilogue).
+    `runtime_images`: the text holds no N (the images are the grid's), one for every batch size."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if plan is None:
         plan = small_forward_plan(N, C, O, KH, KW, HO, WO, sh, W, pw_, sw)
@@ -144,9 +146,10 @@ def render_small_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, K
     threads = plan.threads(O)
     grid = (N * ceil_div(HO, plan.RB), 1, 1)
     code = _env.get_template("small_conv_fwd.j2").render(
-        name=name, description=f"conv2d forward x({N},{C},{H},{W}) w({O},{C},{KH},{KW}) stride ({sh},{sw}) "
-                               f"padding ({ph},{pw_}){' +bias' if bias else ''}{' +relu' if relu else ''}",
-        N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw_, HO=HO, WO=WO, OT=plan.OT, V=plan.V,
+        name=name, description=f"conv2d forward x({'N' if runtime_images else N},{C},{H},{W}) w({O},{C},{KH},{KW}) "
+                               f"stride ({sh},{sw}) padding ({ph},{pw_}){' +bias' if bias else ''}"
+                               f"{' +relu' if relu else ''}",
+        runtime=runtime_images, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw_, HO=HO, WO=WO, OT=plan.OT, V=plan.V,
         RB=plan.RB, TL=plan.TL, WS=WS, threads=threads, grid=grid, min_blocks=min_blocks, roles=roles, inputs=inputs,
         unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles),
         bias=bias, relu=relu, pw=epilogue, bf16_roles=bf16_roles, bf16=bool({"x", "w"} & bf16_roles))
@@ -198,11 +201,13 @@ def small_grad_weight_plan(N: int, C: int, O: int, KH: int, KW: int, HO: int, WO
 def render_small_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                              stride=(1, 1), padding=(0, 0), epilogue: PointwiseEpilogue | None = None,
                              plan: SmallPlan | None = None, min_blocks: int | None = None,
-                             bf16_roles: frozenset[str] = frozenset()) -> CudaKernel | None:
+                             bf16_roles: frozenset[str] = frozenset(), runtime_images: bool = False) -> CudaKernel | None:
     """dw = conv2d_grad_weight(x, dy) [epilogue] for few weights (O*C*KH*KW <= 512): roles x, dy,
     out (O,C,KH,KW); None where the geometry does not suit. Two launches: per-block partials in
     scratch, then their fixed-order sum and the epilogue (with bfloat16 operands among
-    `bf16_roles`, the sum rounded to bfloat16 first)."""
+    `bf16_roles`, the sum rounded to bfloat16 first). `runtime_images`: N a by-value argument of
+    the first launch (the plan's blocks share the units whatever their number), one text for
+    every batch size."""
     sh, sw, ph, pw_, HO, WO = _conv_geometry(name, N, C, H, W, O, KH, KW, stride, padding)
     if plan is None:
         plan = small_grad_weight_plan(N, C, O, KH, KW, HO, WO, sh, W, pw_, sw)
@@ -211,19 +216,21 @@ def render_small_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: in
     WS = _staged_width(W, pw_, WO, KW, sw, plan.V)
     roles, inputs, unrestricted = with_epilogue(("x", "dy", "out"), ("x", "dy"), epilogue)
     outs = O * C * KH * KW
+    n = "N" if runtime_images else N
     rg = _reduce_groups(plan.blocks)
     threads = plan.threads(O)
     code = _env.get_template("small_conv_gw.j2").render(
-        name=name, description=f"conv2d grad-weight x({N},{C},{H},{W}) dy({N},{O},{HO},{WO}) stride ({sh},{sw}) "
+        name=name, description=f"conv2d grad-weight x({n},{C},{H},{W}) dy({n},{O},{HO},{WO}) stride ({sh},{sw}) "
                                f"padding ({ph},{pw_})",
-        N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw_, HO=HO, WO=WO, OT=plan.OT, V=plan.V,
+        runtime=runtime_images, N=N, C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw_, HO=HO, WO=WO, OT=plan.OT, V=plan.V,
         RB=plan.RB, TL=plan.TL, WS=WS, threads=threads, blocks=plan.blocks,
         min_blocks=min_blocks or max(1, gw_threads_per_sm(current()) // threads), roles=roles, inputs=inputs,
         unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), rg=rg,
         rgrid=ceil_div(outs, 32), pw=epilogue, bf16_roles=bf16_roles, bf16=bool({"x", "dy"} & bf16_roles))
     args = roles + ("scratch",)
     scratch = round_up(4 * plan.blocks * outs, SCRATCH_ALIGN)
-    return CudaKernel(name, code, (Launch(f"{name}_small", (plan.blocks, 1, 1), (threads, 1, 1), 0, args),
+    scalars = (("int", N),) if runtime_images else ()
+    return CudaKernel(name, code, (Launch(f"{name}_small", (plan.blocks, 1, 1), (threads, 1, 1), 0, args, scalars),
                                    Launch(f"{name}_reduce", (ceil_div(outs, 32), 1, 1), (32 * rg, 1, 1), 0, args)),
                       scratch)
 

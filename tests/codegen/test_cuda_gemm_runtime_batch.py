@@ -218,8 +218,8 @@ def test_a_reused_gemm_plan_fits_by_its_tile_and_a_stored_one_only_as_the_cost_m
 def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders(gemm_and_direct):
     """`cuda.reused_variants` of ResNet-8's step at 8 (what its executor builds ahead): every unit
     of its step at 5 given 8's plans is one of 8's own or one of them, except those of families
-    whose code holds the batch (Winograd, small windows, the skinny matmuls: a later step plans
-    them itself); GEMMs and the generated kinds (pointwise, reductions) all are."""
+    whose code holds the batch (Winograd, the short-M matmul) or that the later step plans
+    itself (a first step's tuned family of those); GEMMs and the generated kinds (pointwise, reductions) all are."""
     import ember.runtime
     from ember.codegen import cuda
     from ember.frontends.training.recipes import build_model
@@ -234,20 +234,22 @@ def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders(gemm_
     ahead = {code for code, _ in cuda.reused_variants(first)}
     own = {code for code, _ in cuda.render_step(first).units}
     units = cuda.render_step(later).units
-    family = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].choice[0]
-              for n in later.g if later.op(n) == "fused" and later.attrs(n)["kernel"].choice is not None}
-    kinds = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].kind for n in later.g if later.op(n) == "fused"}
-    missing = {functions[0]: family[functions[0].rsplit("_", 1)[0] if functions[0] not in family else functions[0]]
-               for code, functions in units if code not in own | ahead}
-    assert set(missing.values()) <= {"winograd", "small_window", "skinny_narrow", "skinny_short", "thin"}, missing
+    specs = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"] for n in later.g if later.op(n) == "fused"}
+
+    def spec_of(function: str):
+        return specs[function] if function in specs else specs[function.rsplit("_", 1)[0]]
+
+    missing = {functions[0]: spec_of(functions[0]) for code, functions in units if code not in own | ahead}
+    assert missing and all(s.choice[0] in ("winograd", "skinny_short") or not s.why.startswith("reused")
+                           for s in missing.values()), {f: (s.choice[0], s.why) for f, s in missing.items()}
     found = {f for code, functions in units if code in ahead - own for f in functions}
-    assert {kinds[f.rsplit("_", 1)[0]] if f not in kinds else kinds[f] for f in found} >= {
-        "conv2d", "conv2d_grad_input", "conv2d_grad_weight", "pointwise", "reduction"}
+    assert {spec_of(f).kind for f in found} >= {"conv2d", "conv2d_grad_input", "conv2d_grad_weight", "pointwise",
+                                                "reduction"}
     # built ahead and not run: a kernel the later step plans for itself (a thin matmul the first
     # step's record gave another family), a few at most
     assert len(ahead - own) >= 30 and len(ahead - own - {code for code, _ in units}) <= 3
     # a later step's kernels are the variants already, but for those it planned itself
-    why = {later.attrs(n)["graph"].name: later.attrs(n)["kernel"].why for n in later.g if later.op(n) == "fused"}
+    why = {name: s.why for name, s in specs.items()}
     again = [functions[0].rsplit("_", 1)[0] for _, functions in cuda.reused_variants(later)]
     assert len(again) <= 3 and not any(why[name].startswith("reused") for name in again), again
 

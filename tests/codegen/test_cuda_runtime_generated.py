@@ -197,3 +197,34 @@ def test_the_narrow_matmul_on_run_time_rows(splits, tmp_path):
         np.testing.assert_allclose(bufs["out"], a.astype(np.float64) @ b.T.astype(np.float64) + bias, rtol=1e-5,
                                    atol=1e-4)
     assert len(texts) == 1
+
+
+def test_the_small_window_convolutions_on_run_time_images(tmp_path):
+    """The MNIST CNN's first layer (1 -> 8 channels, 3x3) as a later batch size runs it: forward
+    and grad-weight one text at 5 and 2 images, the grad-weight's blocks the first's (at 2 images
+    more blocks than units: some add nothing), the float64 references at both."""
+    import cuda_refs
+    from ember.codegen import cuda_small_conv as sc
+    shape = dict(C=1, H=12, W=12, O=8, KH=3, KW=3, stride=(1, 1), padding=(1, 1))
+    fwd_plan = sc.small_forward_plan(5, 1, 8, 3, 3, 12, 12, 1, 12, 1, 1)
+    gw_plan = sc.small_grad_weight_plan(5, 1, 8, 3, 3, 12, 12, 1, 12, 1, 1)
+    texts: dict[str, set] = {"fwd": set(), "gw": set()}
+    for n in (5, 2):
+        g = dict(shape, N=n)
+        fwd = sc.render_small_forward("sf", **g, bias=True, plan=fwd_plan, runtime_images=True)
+        gw = sc.render_small_grad_weight("sg", **g, plan=gw_plan, runtime_images=True)
+        texts["fwd"].add(fwd.code)
+        texts["gw"].add(gw.code)
+        assert gw.launches[0].scalars == (("int", n),) and gw.launches[0].grid[0] == gw_plan.blocks
+        x = rng.standard_normal((n, 1, 12, 12)).astype(np.float32)
+        w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+        b = rng.standard_normal(8).astype(np.float32)
+        dy = rng.standard_normal((n, 8, 12, 12)).astype(np.float32)
+        lib = cuda_emulator.build([fwd, gw], tmp_path, f"small{n}")
+        out = dict(x=x, w=w, bias=b, out=np.full((n, 8, 12, 12), np.nan, np.float32))
+        cuda_emulator.run(lib, 0, fwd, out)
+        np.testing.assert_allclose(out["out"], cuda_refs.conv_fwd_ref(x, w, b, g, False), rtol=1e-5, atol=1e-5)
+        grads = dict(x=x, dy=dy, out=np.full((8, 1, 3, 3), np.nan, np.float32))
+        cuda_emulator.run(lib, 1, gw, grads)
+        np.testing.assert_allclose(grads["out"], cuda_refs.conv_grad_weight_ref(x, dy, g)[0], rtol=1e-5, atol=1e-4)
+    assert len(texts["fwd"]) == len(texts["gw"]) == 1

@@ -123,6 +123,36 @@ def test_per_step_from_the_same_weights_matches_pytorch(name, steps):
     assert np.median(ratios) <= 1.5, ratios
 
 
+@pytest.mark.parametrize("name", ["cnn", "resnet8"])
+def test_a_later_batch_sizes_step_matches_pytorch_from_the_same_weights(name):
+    """A step at 37 images compiled after the one at 64 takes its plans: its GEMMs, reductions,
+    loss and pointwise kernels run on run-time sizes (the variants the first step builds ahead).
+    Per step from the same weights, as above (the parameters alone: BatchNorm's running
+    statistics are no update)."""
+    torch = pytest.importorskip("torch")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from ember.codegen.cuda_choices import RUNTIME
+    xs, ys = _batches(name, 8, batch=37, seed=2)
+    step = _step(name)
+    ratios = []
+    for x, y in zip(xs, ys):
+        before = {k: v.astype(np.float64) for k, v in step.state_dict().items()}
+        loss32, upd32 = _torch_step(name, step.state_dict(), x, y, torch.float32, "cuda")
+        _, upd64 = _torch_step(name, before, x, y, torch.float64, "cpu")
+        loss = step(x, y)
+        assert abs(loss - loss32) <= 1e-5 * max(1.0, abs(loss32))
+        after = step.state_dict()
+        num_e = sum(np.sum(((after[k] - before[k]) - (upd64[k] - before[k])) ** 2) for k in upd64)
+        num_t = sum(np.sum(((upd32[k] - before[k]) - (upd64[k] - before[k])) ** 2) for k in upd64)
+        ratios.append(np.sqrt(num_e) / max(np.sqrt(num_t), 1e-30))
+    assert np.median(ratios) <= 1.5, ratios
+    (later,) = [g for types, (g, _) in step._steps.items() if types[0].shape[0] == 37]
+    specs = [later.attrs(n)["kernel"] for n in later.g if later.op(n) == "fused"]
+    assert sum(s.choice is not None and tuple(s.choice[1]) == RUNTIME for s in specs) >= 5
+    assert sum(s.why.startswith("reused") for s in specs) >= len(specs) // 2
+
+
 @pytest.mark.parametrize("name,steps,bound", [("mlp", 200, 1e-5), ("cnn", 200, 1e-3)])
 def test_free_running_stays_within_the_envelope(name, steps, bound):
     torch = pytest.importorskip("torch")
