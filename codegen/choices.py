@@ -82,9 +82,10 @@ class Family:
     #: the kernel renders a reused plan (its run-time sizes may let it take plans `accepts`
     #: refuses, e.g. a split count made for another length); None: `fits`
     accepts_reused: Callable[[Geometry, Plan], bool] | None = None
-    #: the plan a step of another batch size stamps where it takes one of this family's (any of
-    #: its plans): the generated kinds' kernels are rendered on run-time sizes there, a kernel
-    #: the first step of a model holds its sizes in. None: the plan taken as it is
+    #: the plan a step of another batch size stamps where it takes this kernel's own (the same
+    #: kernel at another batch size; never another kernel's of the same code geometry): the
+    #: generated kinds' kernels are rendered on run-time sizes there, where the first step of a
+    #: model holds its sizes. None: the plan taken as it is, also from another kernel
     reused_plan: Plan | None = None
     #: geometry -> the version of the code it renders there, where a change reached only some
     #: geometries (records of the others stay valid); None: `version` everywhere
@@ -249,18 +250,25 @@ class ChoiceTable:
         batch-dependent sizes at run time: what `decide(reuse=)` of a step of another batch size
         takes, so that its kernels are the same code. Each kernel is there under its name and key
         (the same graph at another batch size names its kernels alike) and, the first of a key,
-        under the key alone (another graph: inference beside training)."""
+        under the key alone (another graph: inference beside training). A kernel of a kind whose
+        general family renders on run-time sizes (`reused_plan`) is there as that family's
+        whichever served it here (a column sum row by row): a later step runs it on run-time
+        sizes."""
         out: dict[str, Plan] = {}
         for n in graph.topo_order():
             if graph.op(n) != "fused" or (spec := graph.attrs(n)["kernel"]).choice is None:
                 continue
-            f = self.families.get(spec.choice[0])
+            f, plan = self.families.get(spec.choice[0]), spec.choice[1]
+            if f is not None and f.code_geometry is None:
+                f = next((h for h in self.families.values() if h.reused_plan is not None and spec.kind in h.kinds), None)
+                plan = f.reused_plan if f is not None else plan
             if f is None or f.code_geometry is None:
                 continue
             sub = graph.attrs(n)["graph"]
             key = self.reuse_key(f, self._geometry(sub, spec))
-            out.setdefault(f"{sub.name}@{key}", spec.choice[1])
-            out.setdefault(key, spec.choice[1])
+            out.setdefault(f"{sub.name}@{key}", plan)
+            if f.reused_plan is None:
+                out.setdefault(key, plan)
         return tuple(out.items())
 
     def decide(self, sub: Graph, spec: KernelSpec, db: Any = ..., reuse: Any = ()) -> Decision:
@@ -288,6 +296,8 @@ class ChoiceTable:
             keys = [(f, self.reuse_key(f, g)) for f in ranked if f.code_geometry is not None]
             for own in (True, False):
                 for f, key in keys:
+                    if not own and f.reused_plan is not None:
+                        continue  # a generated kernel's code is its own subgraph: no other kernel's plan makes it shared
                     plan = shared.get(f"{sub.name}@{key}" if own else key)
                     if plan is not None and f.fits_reused(g, plan):
                         return Decision((f.name, f.as_reused(plan)), "reused: the plan of this kernel at another batch size"

@@ -228,3 +228,28 @@ def test_the_small_window_convolutions_on_run_time_images(tmp_path):
         cuda_emulator.run(lib, 1, gw, grads)
         np.testing.assert_allclose(grads["out"], cuda_refs.conv_grad_weight_ref(x, dy, g)[0], rtol=1e-5, atol=1e-4)
     assert len(texts["fwd"]) == len(texts["gw"]) == 1
+
+
+def test_a_column_sum_of_the_first_step_runs_on_run_time_sizes_at_a_later_batch():
+    """A bias gradient the first step ran row by row (the `columns` family, which holds its
+    sizes): a step of another batch size runs it as the general reduction on run-time sizes, the
+    unit the first step built ahead."""
+    import ember.runtime
+    from ember.passes.pipeline import run_passes
+    target = ember.runtime.target("cuda")
+
+    def reduction(graph):
+        (n,) = [n for n in graph.g if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind == "reduction"]
+        return graph.attrs(n)["kernel"]
+
+    with cuda_choices.force(reduction="columns"):
+        first = run_passes(_sum_leading((64, 40), (0,)), target.passes())
+    assert reduction(first).choice[0] == "columns"
+    later_graph = _sum_leading((7, 40), (0,))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    later = run_passes(later_graph, target.passes())
+    spec = reduction(later)
+    assert spec.choice == ("reduction", cuda_choices.RUNTIME) and spec.why.startswith("reused"), spec
+    ahead = {code for code, _ in cuda.reused_variants(first)}
+    (unit,) = [code for code, functions in cuda.render_step(later).units if any("reduction" in f for f in functions)]
+    assert unit in ahead
