@@ -298,7 +298,11 @@ class CudaExecutor:
         self.functions.update({la.function: self._collective(la.function[len(cuda_codegen.COLLECTIVE_PREFIX):])
                                for la in collectives})
         self.compile_seconds = time.perf_counter() - t0
-        self.prefetch = _prefetch_reused(cp, graph, self.source.prelude, options)
+        # the build ahead starts once the step's graph is captured (`_replay`): its rendering
+        # holds the GIL, which cost a cold compile 0.05-0.25 s on an H100 host when it ran beside
+        # the rest of it, and the first 50 steps 30-55 ms once where it starts now
+        self.prefetch: threading.Thread | None = None
+        self._build_ahead = (cp, graph, self.source.prelude, options)
         # where the time went (the frontend adds its passes' seconds; `ember mnist --verbose`)
         self.compile_stats: dict[str, float | int] = {
             "render_s": round(rendered - t0, 4), "compiler_s": round(time.perf_counter() - rendered, 4),
@@ -419,6 +423,7 @@ class CudaExecutor:
                 finally:
                     self._graph = self.stream.end_capture()
                 self._graph.launch(self.stream)
+                self.prefetch = _prefetch_reused(*self._build_ahead)
             else:
                 self._launch_all(rings=True)
                 self._warm = True
