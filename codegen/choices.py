@@ -258,18 +258,37 @@ class ChoiceTable:
         for n in graph.topo_order():
             if graph.op(n) != "fused" or (spec := graph.attrs(n)["kernel"]).choice is None:
                 continue
-            f, plan = self.families.get(spec.choice[0]), spec.choice[1]
-            if f is not None and f.code_geometry is None:
-                f = next((h for h in self.families.values() if h.reused_plan is not None and spec.kind in h.kinds), None)
-                plan = f.reused_plan if f is not None else plan
-            if f is None or f.code_geometry is None:
-                continue
             sub = graph.attrs(n)["graph"]
+            if (reused := self.reused_choice(sub, spec)) is None:
+                continue
+            f, plan = reused
             key = self.reuse_key(f, self._geometry(sub, spec))
             out.setdefault(f"{sub.name}@{key}", plan)
-            if f.reused_plan is None:
+            if f.reused_plan is None and f.name == spec.choice[0]:
                 out.setdefault(key, plan)
         return tuple(out.items())
+
+    def reused_choice(self, sub: Graph, spec: KernelSpec) -> tuple[Family, Plan] | None:
+        """The (family, plan) a step of this model at another batch size takes for this chosen
+        kernel (`reusable`, `decide(reuse=)`): its own, where its family takes the batch-dependent
+        sizes at run time; a generated kind's general family on run-time sizes, whichever family
+        served it here (a column sum row by row); else the first-ranked family that takes them,
+        with its best plan here (a Winograd convolution's later batch sizes run the GEMM on
+        run-time sizes, which the first step builds ahead, not a Winograd kernel of their own:
+        a step of the last partial batch is worth no compile); None where no family does."""
+        f = self.families.get(spec.choice[0]) if spec.choice is not None else None
+        if f is None:
+            return None
+        if f.code_geometry is not None:
+            return f, spec.choice[1]
+        for h in self.families.values():
+            if h.reused_plan is not None and spec.kind in h.kinds:
+                return h, h.reused_plan
+        g = self._geometry(sub, spec)
+        for h in self._ranked(g)[0]:
+            if h.code_geometry is not None and (plans := h.plans(g)):
+                return h, plans[0]
+        return None
 
     def decide(self, sub: Graph, spec: KernelSpec, db: Any = ..., reuse: Any = ()) -> Decision:
         """The (family, plan) that serves this kernel, and why. `db`: the tuning database to read

@@ -569,13 +569,16 @@ def _reused_variant(graph: Graph, n: int) -> tuple[str, tuple[str, ...]] | None:
     it, where that is another text: a GEMM or a generated kernel (pointwise, reduction, loss) on
     run-time sizes; None for the others (their code holds the batch: a later step plans its own)."""
     spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
-    if spec.choice is None or cuda_choices.runtime_plan(spec):
+    if spec.choice is None or cuda_choices.runtime_plan(spec) or cuda_choices.runtime_sizes(spec):
         return None
     name = sub.name
-    if spec.choice[0] in RUNTIME_VARIANTS:
-        if cuda_choices.runtime_sizes(spec):
-            return None
-        kernel, _ = render_contraction(name, sub, dataclasses.replace(spec, why=REUSED_WHY))
+    reused = cuda_choices.TABLE.reused_choice(sub, spec)
+    if reused is not None and reused[0].reused_plan is None \
+            and (reused[0].name in RUNTIME_VARIANTS or reused[0].name != spec.choice[0]):
+        # a contraction on run-time sizes, or one whose family the later step takes instead
+        # of this kernel's (a direct kernel's text is the same at every size: new only then)
+        choice = (reused[0].name, tuple(reused[1]))
+        kernel, _ = render_contraction(name, sub, dataclasses.replace(spec, choice=choice, why=REUSED_WHY))
         return kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))
     if spec.kind == "pointwise":
         if _writes_state_alone(graph, n):
