@@ -290,6 +290,46 @@ def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_doe
     assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
 
 
+def test_the_build_ahead_starts_once_when_the_steps_graph_is_captured(monkeypatch):
+    """`CudaExecutor._replay` with CUDA faked: the first call runs the launches (no build ahead:
+    its rendering would hold the GIL beside the rest of a cold compile, 0.05-0.25 s on an H100
+    host), the second captures the graph and starts the build ahead, later replays start
+    nothing more."""
+    from ember.runtime import cuda as runtime_cuda
+
+    started, launched = [], []
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            launched.append("capture")
+
+        def end_capture(self):
+            return Graph()
+
+    class Graph:
+        def launch(self, stream):
+            launched.append("replay")
+
+    monkeypatch.setattr(runtime_cuda, "_prefetch_reused", lambda *args: started.append(args) or "thread")
+    ex = runtime_cuda.CudaExecutor.__new__(runtime_cuda.CudaExecutor)
+    ex._graph, ex.stream, ex.prefetch, ex._build_ahead = None, Stream(), None, ("cp", "graph", "prelude", ())
+    ex._launch_all = lambda rings=False: launched.append("launches")
+    ex._replay()
+    assert launched == ["launches"] and started == [] and ex.prefetch is None
+    ex._replay()
+    assert launched == ["launches", "capture", "launches", "replay"] and started == [("cp", "graph", "prelude", ())]
+    assert ex.prefetch == "thread"
+    ex._replay()
+    ex._replay()
+    assert launched[-2:] == ["replay", "replay"] and len(started) == 1
+
+
 def test_plan_candidates_are_remembered_per_problem_and_device():
     from ember.codegen import device
     args = dict(M=64, N=3136, K=144, batch=16, a_kfast=False, b_kfast=True)
