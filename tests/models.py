@@ -79,6 +79,19 @@ def plan_for(graph, device: str, *, simplify: bool = False):
     return run_passes(graph, passes if simplify else [p for p in passes if p[0] != "simplify"])
 
 
+def first_and_later(model: str, first_batch: int, later_batch: int, device: str = "cuda") -> tuple:
+    """A recipe model's training step planned at `first_batch`, and at `later_batch` given the
+    first one's kernel plans (`Target.reusable`, as `compile` gives them to a later batch size)."""
+    import ember.runtime
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    target = ember.runtime.target(device)
+    first = run_passes(train_graph(build_model(model), (first_batch, 1, 28, 28)), target.passes())
+    later_graph = train_graph(build_model(model), (later_batch, 1, 28, 28))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    return first, run_passes(later_graph, target.passes())
+
+
 def run_compiled(graph, device: str, inputs: dict, params: dict | None = None) -> tuple[object, dict]:
     """Plans `graph` for `device`, runs it once on `inputs`; returns (plan, outputs as NumPy arrays)."""
     import ember.runtime

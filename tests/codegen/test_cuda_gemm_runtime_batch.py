@@ -221,17 +221,10 @@ def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders():
     the batch in its code, Winograd, is taken as the first-ranked family that does not), but for
     a kernel or two the later step plans itself; GEMMs and the generated kinds (pointwise,
     reductions) all are."""
-    import ember.runtime
     from ember.codegen import cuda
-    from ember.frontends.training.recipes import build_model
-    from ember.passes.pipeline import run_passes
-    from models import train_graph
+    from models import first_and_later
 
-    target = ember.runtime.target("cuda")
-    first = run_passes(train_graph(build_model("resnet8"), (8, 1, 28, 28)), target.passes())
-    later_graph = train_graph(build_model("resnet8"), (5, 1, 28, 28))
-    later_graph.meta["kernel_reuse"] = target.reusable(first)
-    later = run_passes(later_graph, target.passes())
+    first, later = first_and_later("resnet8", 8, 5)
     ahead = {code for code, _ in cuda.reused_variants(first)}
     own = {code for code, _ in cuda.render_step(first).units}
     units = cuda.render_step(later).units

@@ -133,16 +133,9 @@ def test_a_later_steps_generated_kernels_take_run_time_sizes_and_the_first_build
     """ResNet-8's step at 6 given the plans of its step at 4: every reduction and every pointwise
     kernel not writing parameters alone is stamped RUNTIME (its scratch reserved as its kernel
     needs: `render_step` checks) and is a unit `reused_variants` of the step at 4 built."""
-    import ember.runtime
-    from ember.frontends.training.recipes import build_model
-    from ember.passes.pipeline import run_passes
-    from models import train_graph
+    from models import first_and_later
 
-    target = ember.runtime.target("cuda")
-    first = run_passes(train_graph(build_model("resnet8"), (4, 1, 28, 28)), target.passes())
-    later_graph = train_graph(build_model("resnet8"), (6, 1, 28, 28))
-    later_graph.meta["kernel_reuse"] = target.reusable(first)
-    later = run_passes(later_graph, target.passes())
+    first, later = first_and_later("resnet8", 4, 6)
     ahead = {code for code, _ in cuda.reused_variants(first)}
     source = cuda.render_step(later)
     by_function = {f: code for code, functions in source.units for f in functions}
