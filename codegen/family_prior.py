@@ -23,16 +23,18 @@ measured kernels of the same kind and precision say:
 
 The records are the active database's for this device (the user's, then the shipped ones); for
 a device with none, every shipped record of the target (another GPU's relative speeds beat none).
-Where the device's records say nothing of a kernel (no record of its kind compares two of its
-families: a device tuned in one precision only, whose bfloat16 records never measured a float32
-kernel's families), `predict_for` asks every shipped record of the target too, and the prior says
-so in dumps.
+`predict_for` also weighs the shipped records of the target's other devices (another GPU, another
+thread count) among the device's own, each as if `ELSEWHERE` farther than its sizes put it: a
+record of the same kernel on another GPU outranks the device's own records of shapes 2x or more
+away in one size. A device tuned on other models only had nothing but far records for a new
+model's kernels, and they chose worse than another device's records of those very kernels
+(docs/benchmarks.md, session 30: the H100's float32 CNN at batch 1024). Dumps count the
+consulted records of other devices.
 A family's timings in a record whose version of it is not the family's version now are stale and
 left out, as the exact lookup (`tuning_db.lookup`) leaves the whole record out.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -46,6 +48,11 @@ from . import tuning_db
 #: records consulted per kernel: enough to average out one noisy measurement, few enough that
 #: far-away shapes do not outvote the near ones
 NEIGHBOURS = 3
+#: how much farther a record of another device counts than one of the device's own of the same
+#: sizes (the distance of a factor of two in one size): near enough that another GPU's record of
+#: the very kernel wins over the device's own records of other models, far enough that the
+#: device's own of the same shape wins over it
+ELSEWHERE = 1.0
 
 Features = Callable[[Mapping[str, Any]], tuple[float, ...]]
 
@@ -57,8 +64,8 @@ class Prior:
     #: how many records were consulted and the nearest one's distance
     neighbours: int
     nearest: float
-    #: learned from every shipped record of the target, the device's own saying nothing of the kernel
-    elsewhere: bool = False
+    #: how many of the consulted records were measured on other devices (shipped records of the target)
+    elsewhere: int = 0
     #: family -> the mode its scores were restricted to (the mode of the plan it would run)
     modes: tuple[tuple[str, str], ...] = ()
 
@@ -67,7 +74,8 @@ class Prior:
         ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
         modes = dict(self.modes)
         rel = ", ".join(f"{f}{f' (mode={modes[f]})' if f in modes else ''} {2 ** s:.2f}x" for f, s in ranked)
-        where = ", other devices' records" if self.elsewhere else ""
+        where = (f", {'all' if self.elsewhere == self.neighbours else self.elsewhere} of them other devices' records"
+                 if self.elsewhere else "")
         return (f"prior of {self.neighbours} tuned kernel{'s' * (self.neighbours != 1)} "
                 f"(nearest {self.nearest:.1f}{where}): {rel}")
 
@@ -113,23 +121,36 @@ def predict(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
     versions now; `modes`: the mode of the plan a family would run, where it names one); None
     when no record of its kind measured two of them. A key may hold several records (`sample`):
     the first that compares two current families counts."""
-    modes = {f: m for f, m in (modes or {}).items() if m is not None and f in families}
+    modes = _modes(families, modes)
+    return _weigh([(d, times, False) for _, d, times in _near(records, g, families, features, modes)], modes)
+
+
+def _modes(families: Mapping[str, int], modes: Mapping[str, str | None] | None) -> dict[str, str]:
+    return {f: m for f, m in (modes or {}).items() if m is not None and f in families}
+
+
+def _near(records: Sample, g: Mapping[str, Any], families: Mapping[str, int], features: Features,
+          modes: Mapping[str, str]) -> list[tuple[str, float, dict[str, float]]]:
+    """(key, distance, best time per family) of every record comparable with g."""
     here = features(g)
-    near = [(math.dist(here, there), times) for there, times in _comparable(records, g, families, features, modes)
-            if len(there) == len(here)]
+    return [(key, math.dist(here, there), times)
+            for key, there, times in _comparable(records, g, families, features, modes) if len(there) == len(here)]
+
+
+def _weigh(near: list[tuple[float, dict[str, float], bool]], modes: Mapping[str, str]) -> Prior | None:
+    """The prior from the `NEIGHBOURS` nearest of (distance, times, measured elsewhere)."""
     if not near:
         return None
-    near.sort(key=lambda dt: dt[0])
-    near = near[:NEIGHBOURS]
+    near = sorted(near, key=lambda dte: dte[0])[:NEIGHBOURS]
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
-    for distance, times in near:
+    for distance, times, _ in near:
         w, best = 4.0 ** -distance, min(times.values())
         for f, t in times.items():
             sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
             weights[f] = weights.get(f, 0.0) + w
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0],
-                 modes=tuple(sorted(modes.items())))
+                 elsewhere=sum(e for _, _, e in near), modes=tuple(sorted(modes.items())))
 
 
 def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:
@@ -141,21 +162,22 @@ def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:
 def predict_for(db: tuning_db.TuningDB | None, target: str, device: str, g: Mapping[str, Any],
                 families: Mapping[str, int], features: Features,
                 modes: Mapping[str, str] | None = None) -> Prior | None:
-    """`predict` over the device's sample (`sample`); where that says nothing of the kernel, over
-    every shipped record of the target (marked `elsewhere`)."""
+    """`predict` over the device's sample (`sample`) and the shipped records of the target's other
+    devices, those `ELSEWHERE` farther (counted in `elsewhere`)."""
+    modes = _modes(families, modes)
     own = sample(db, target, device)
-    prior = predict(own, g, families, features, modes)
-    if prior is None:
-        every = sample(None, target, device)
-        if every is not own and (prior := predict(every, g, families, features, modes)) is not None:
-            prior = dataclasses.replace(prior, elsewhere=True)
-    return prior
+    near = [(d, times, False) for _, d, times in _near(own, g, families, features, modes)]
+    every = sample(None, target, device)
+    if every is not own:  # (a device with no records of its own learns from every shipped one already)
+        near += [(d + ELSEWHERE, times, True) for key, d, times in _near(every, g, families, features, modes)
+                 if key not in own]
+    return _weigh(near, modes)
 
 
 def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, int],
                 features: Features, modes: Mapping[str, str] | None = None
-                ) -> list[tuple[tuple[float, ...], dict[str, float]]]:
-    """(features, best time per family) of every record of g's kind and precision that compares
+                ) -> list[tuple[str, tuple[float, ...], dict[str, float]]]:
+    """(key, features, best time per family) of every record of g's kind and precision that compares
     two of `families`: what `predict` measures distances to. Computed once per sample, kind and
     precision where the sample is one `sample` keeps (a compile asks for every kernel of a kind
     alike)."""
@@ -174,7 +196,7 @@ def _comparable(records: Sample, g: Mapping[str, Any], families: Mapping[str, in
                      if len(t := _family_times(rec, families, modes)) >= 2)
         times = next(comparing, None)
         if times is not None:
-            found.append((features(other), times))
+            found.append((rkey, features(other), times))
     if index is not None:
         index[key] = found
     return found

@@ -10,6 +10,13 @@ again for "warm"; "new batch" compiles the training step for another batch size 
 process (whose cache holds the first one), as the last partial batch of an epoch does. Wall seconds
 of `compile()` and `precompile()` alone (the data is random); a zoo model is imported from PyTorch
 before the clock starts.
+
+    python tools/compile_time.py --device cuda --zoo --trained 3   # the cold process trains 3 steps too
+
+By default the cold process only compiles, so on CUDA the warm process's new batch builds every
+module on run-time sizes itself (what a `precompile` for another size costs where no step of the
+model ever ran); with `--trained` the cold process runs steps after its compile, as a training run
+does, and what the first steps build ahead is in the cache the new batch finds.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import numpy as np
 from ember.frontends import compile, nn, optim
 from ember.frontends.training.recipes import MODELS, build_model
 from ember.frontends.training.zoo import ZOO, ember_zoo_model
-name, device, batch, second = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+name, device, batch, second, trained = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 if name.startswith("zoo:"):
     entry = ZOO[name[4:]]
     shape, model = entry.input_shape, ember_zoo_model(entry.name, seed=0)
@@ -49,11 +56,23 @@ if profile_to:
 t = time.perf_counter()
 step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=device)
 first = time.perf_counter() - t
+for _ in range(trained):  # training steps after the compile, off the clock (what a training run leaves in the cache)
+    step(x, y)
+if trained:  # a training run lasts longer than the build ahead its first steps start; these steps do not
+    import threading
+    for thread in threading.enumerate():
+        if thread.name == "ember-cuda-prefetch":
+            thread.join()
 again = None
+modules_built = None
 if second:
+    from ember.codegen import compiler
+    before = compiler.cache_stats("nvrtc")
     t = time.perf_counter()
     step.precompile((second, *shape))
     again = time.perf_counter() - t
+    after = compiler.cache_stats("nvrtc")
+    modules_built = after["misses"] + after["rebuilds"] - before["misses"] - before["rebuilds"]
 if profile_to:
     import io, pstats
     profiler.disable()
@@ -65,17 +84,18 @@ if profile_to:
 stats = getattr(step, "compile_stats", None)
 later = [s for k, s in step.all_compile_stats.items() if second and k.startswith(f"{second}x")] \
     if hasattr(step, "all_compile_stats") else []
-print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "stats": stats if isinstance(stats, dict) else None,
+print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "modules_built": modules_built, "stats": stats if isinstance(stats, dict) else None,
                   "new_batch_stats": later[0] if later else None}))
 """
 
 
-def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "") -> dict:
+def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "",
+         trained: int = 0) -> dict:
     # CuPy's own cache too, for any CuPy kernel the run uses (ember's modules are under <cache>/nvrtc)
     env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
     if profile_to:
         env["EMBER_COMPILE_TIME_PROFILE"] = profile_to
-    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second), str(trained)], env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{model} on {device} failed:\n{out.stderr[-3000:]}")
@@ -90,6 +110,10 @@ def main() -> int:
     p.add_argument("--zoo", action="store_true", help="every zoo model (at its benchmark batch size), not --models")
     p.add_argument("--batch", type=int, default=64, help="the first batch size of the recipe models")
     p.add_argument("--new-batch", type=int, default=7, help="the batch size compiled after a warm start")
+    p.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                   help="the cold process also runs this many training steps after its compile, off the clock, as a "
+                        "training run would before a later process starts (on CUDA the second one starts building "
+                        "what another batch size will ask for; the process waits for that build at exit)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write a cProfile summary of each cold and warm (+ new batch) run to DIR/MODEL_{cold,warm}.txt")
@@ -105,19 +129,21 @@ def main() -> int:
             t = time.perf_counter()
             profile = (lambda run: os.path.join(args.cprofile, f"{model.replace(':', '_')}_{run}.txt")) \
                 if args.cprofile else (lambda run: "")
-            cold = _run(model, args.device, batch, cache, profile_to=profile("cold"))
+            cold = _run(model, args.device, batch, cache, profile_to=profile("cold"), trained=args.trained)
             cold_wall = time.perf_counter() - t
             warm = _run(model, args.device, batch, cache, second=args.new_batch, profile_to=profile("warm"))
-        row = {"model": model, "device": args.device, "batch": batch, "cold_s": round(cold["compile_s"], 3),
+        row = {"model": model, "device": args.device, "batch": batch, "trained": args.trained,
+               "cold_s": round(cold["compile_s"], 3),
                "cold_process_s": round(cold_wall, 3), "warm_s": round(warm["compile_s"], 3),
                "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"], "warm_stats": warm["stats"],
-               "new_batch_stats": warm["new_batch_stats"],
+               "new_batch_stats": warm["new_batch_stats"], "new_batch_modules_built": warm["modules_built"],
                "device_init_s": warm["device_init_s"]}
         rows.append(row)
         nb = warm["new_batch_stats"] or {}
-        built = f" ({nb['objects_built']} objects built)" if "objects_built" in nb else ""
+        built = f" ({nb['objects_built']} objects built)" if "objects_built" in nb else \
+            f" ({warm['modules_built']} modules built)" if args.device.startswith("cuda") else ""
         print(f"{model:12s} {args.device:5s} batch {batch:4d}: cold {row['cold_s']:7.2f} s  warm {row['warm_s']:6.2f} s  "
-              f"batch {args.new_batch} after warm {row['new_batch_s']:6.2f} s{built}"
+              f"batch {args.new_batch} after warm{' (cold trained)' if args.trained else ''} {row['new_batch_s']:6.2f} s{built}"
               + (f"  (device init {row['device_init_s']:.2f} s apart)" if row["device_init_s"] is not None else ""),
               flush=True)
     if args.json:

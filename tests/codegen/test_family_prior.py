@@ -132,20 +132,46 @@ def test_records_of_another_precision_say_nothing():
     assert p.neighbours == 1 and min(p.scores, key=p.scores.get) == "skinny_narrow"
 
 
-def test_where_the_devices_records_say_nothing_of_a_kernel_every_shipped_record_is_asked(tmp_path):
+def _other_devices(monkeypatch, records: dict) -> None:
+    """The target's shipped records of every device (`family_prior.sample(None, ...)`) are `records`."""
+    monkeypatch.setitem(family_prior._SHIPPED, "cuda", family_prior._IndexedSample(records))
+
+
+def test_where_the_devices_records_say_nothing_of_a_kernel_other_devices_records_decide(tmp_path, monkeypatch):
     """A device tuned in one precision only (here: its one record is of another kind) still ranks
     an untuned kernel's families by what other devices measured (the shipped records), and the
-    dump says where the prior came from; a record of its own that compares them wins over those."""
+    dump says where the prior came from; a record of its own of the kernel wins over those."""
     g = _g(1024, 10, 9216)
+    _other_devices(monkeypatch, {kernel_key(g): _record({"gemm": 9.0, "skinny_narrow": 5.0})})
     db = TuningDB(tmp_path / "user", ())
     db.store("cuda", "H100 test", kernel_key(dict(g, kind="conv2d")), _record({"gemm": 5.0, "skinny_narrow": 1.0}))
     assert family_prior.predict(family_prior.sample(db, "cuda", "H100 test"), g, FAMS, cuda_choices.features) is None
     p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
-    assert p is not None and p.elsewhere and "other devices' records" in p.describe()
+    assert p is not None and p.elsewhere == 1 and p.nearest == family_prior.ELSEWHERE
+    assert min(p.scores, key=p.scores.get) == "skinny_narrow" and "all of them other devices' records" in p.describe()
     db.store("cuda", "H100 test", kernel_key(g), _record({"gemm": 5.0, "skinny_narrow": 9.0}))
     p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
-    assert not p.elsewhere and p.nearest == 0.0 and min(p.scores, key=p.scores.get) == "gemm"
-    assert "other devices" not in p.describe()
+    assert p.nearest == 0.0 and p.elsewhere == 0 and min(p.scores, key=p.scores.get) == "gemm"
+    assert "other devices" not in p.describe()  # (another device's record of a kernel the device has is not asked)
+
+
+def test_another_devices_record_of_the_kernel_outranks_the_devices_own_far_records(tmp_path, monkeypatch):
+    """A device tuned on other models has only far records of a new model's kernels (here 16x and 32x
+    the rows away): another GPU's record of the very kernel decides, as if `ELSEWHERE` away; the
+    device's own record of a shape twice as far as that wins again (a factor of two in M is 1)."""
+    g = _g(1024, 10, 9216)
+    _other_devices(monkeypatch, {kernel_key(g): _record({"gemm": 9.0, "skinny_narrow": 5.0})})
+    db = TuningDB(tmp_path / "user", ())
+    for rows in (16384, 32768):
+        db.store("cuda", "H100 test", kernel_key(_g(rows, 10, 9216)), _record({"gemm": 5.0, "skinny_narrow": 9.0}))
+    p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
+    assert min(p.scores, key=p.scores.get) == "skinny_narrow" and p.elsewhere == 1 and p.neighbours == 3
+    db.store("cuda", "H100 test", kernel_key(_g(2048, 10, 9216)), _record({"gemm": 5.0, "skinny_narrow": 9.0}))
+    p = family_prior.predict_for(db, "cuda", "H100 test", g, FAMS, cuda_choices.features)
+    assert min(p.scores, key=p.scores.get) == "gemm" and p.nearest == 1.0
+    # a device with no records of its own learns from every shipped record at its plain distance
+    p = family_prior.predict_for(TuningDB(tmp_path / "empty", ()), "cuda", "H100 test", g, FAMS, cuda_choices.features)
+    assert p.nearest == 0.0 and p.elsewhere == 0 and min(p.scores, key=p.scores.get) == "skinny_narrow"
 
 
 def _cnn_graph(batch):
@@ -164,9 +190,10 @@ def _linear_forward(graph):
 
 
 @pytest.mark.parametrize("winner", ["gemm", "skinny_narrow"])
-def test_the_table_follows_a_neighbouring_measurement_and_says_so(tmp_path, winner):
+def test_the_table_follows_a_neighbouring_measurement_and_says_so(tmp_path, monkeypatch, winner):
     """A database with one measured neighbour (the same layer at batch 64): an untuned batch 96
     takes the family that won there, and its stamp names the prior."""
+    _other_devices(monkeypatch, {})  # (no other device's records: the shipped ones would be weighed in)
     with tuning_db.using(None):
         sub, spec = _linear_forward(_cnn_graph(64))
     g = cuda_choices._geometry(sub, spec)
