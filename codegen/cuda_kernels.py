@@ -493,11 +493,13 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
                  c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
                  bf16_roles: frozenset[str] = frozenset(), runtime: frozenset[str] = frozenset(),
-                 **ctx) -> CudaKernel:
+                 pair_roles: tuple[str, str] | None = None, **ctx) -> CudaKernel:
     """`runtime`: the sizes among M, K, BATCH the code takes as by-value arguments (the ones a
     batch size changes), so one text serves every batch size; with K, the split chunk too (the
     plan's split count is kept: at a shorter K trailing splits add zeros). `description` must
-    then hold none of their values."""
+    then hold none of their values. `pair_roles`: the roles of the A and B operands, for a
+    template whose loaders read a bfloat16 operand's (k, k + 1) pair at once (`load_a2`,
+    `load_b2`: gemm.j2), used where that role is bfloat16."""
     # bfloat16 operands (their roles in `bf16_roles`, as any other bfloat16 buffer's): read as
     # floats, multiplied on the bfloat16 tensor cores (mma.m16n8k16), accumulated in fp32,
     # rounded before the epilogue
@@ -550,7 +552,9 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                    signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32, bf16=bf16,
                    bf16_roles=bf16_roles,
                    wgm=warp_grid[0] if warp_grid else 0, wgn=warp_grid[1] if warp_grid else 0,
-                   a_pad=a_pad, b_pad=b_pad, **ctx)
+                   a_pad=a_pad, b_pad=b_pad,
+                   pair_a=bf16 and pair_roles is not None and pair_roles[0] in bf16_roles,
+                   pair_b=bf16 and pair_roles is not None and pair_roles[1] in bf16_roles, **ctx)
     launches = [Launch(f"{name}_gemm", grid, (plan.threads, 1, 1), 0, args, scalars)]
     if splits > 1:
         launches.append(Launch(f"{name}_reduce", (rgrid, 1, 1), (32 * rg, 1, 1), 0, args, scalars))
@@ -617,7 +621,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
         a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32,
-        bf16_roles=bf16_roles,
+        bf16_roles=bf16_roles, pair_roles=("dy", "x"),
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
 

@@ -286,6 +286,12 @@ GEMM_CASES = [
     ("conv_gi", dict(N=2, C=6, H=10, W=10, O=16, KH=3, KW=3, stride=2, padding=(1, 1)), False, False),
     ("conv_gw", dict(N=2, C=8, H=7, W=7, O=8, KH=3, KW=3, stride=1, padding=(1, 1)), True, False),
     ("conv_gw", dict(N=3, C=4, H=9, W=8, O=6, KH=3, KW=3, stride=2, padding=(0, 1)), False, True),
+    # the loaders' (k, k + 1) pairs: a pair across rows and images (odd planes), an odd K (the
+    # last pair's high half outside), the no-padding pixel table (ptab) and the padded gather
+    ("conv_gw", dict(N=3, C=4, H=7, W=7, O=8, KH=3, KW=3, stride=1, padding=(0, 0)), False, False),
+    ("conv_gw", dict(N=2, C=4, H=8, W=9, O=8, KH=3, KW=3, stride=1, padding=(0, 0)), True, True),
+    ("conv_gw", dict(N=3, C=4, H=5, W=5, O=6, KH=3, KW=3, stride=1, padding=(1, 1)), False, False),
+    ("conv_gw", dict(N=3, C=5, H=6, W=7, O=6, KH=3, KW=3, stride=1, padding=(1, 1)), True, True),
 ]
 
 
