@@ -76,8 +76,9 @@ class Family:
     #: geometry -> the part of it its kernels' code depends on, where they take the rest at run
     #: time (the images N of a convolution, the rows M of a matmul: `runtime`): a plan of it
     #: serves any geometry with the same part, so a step of another batch size may take it
-    #: (`reusable`, `decide(reuse=)`) and share the kernel. None: the code holds every size
-    code_geometry: Callable[[Geometry], Geometry] | None = None
+    #: (`reusable`, `decide(reuse=)`) and share the kernel. None (or None at a geometry): the code
+    #: holds every size (there)
+    code_geometry: Callable[[Geometry], Geometry | None] | None = None
     #: (geometry, plan) -> whether a plan of a step of another batch size fits this geometry, as
     #: the kernel renders a reused plan (its run-time sizes may let it take plans `accepts`
     #: refuses, e.g. a split count made for another length); None: `fits`
@@ -110,6 +111,10 @@ class Family:
         if self.reused_plan is not None and plan == self.reused_plan:
             return True
         return self.accepts_reused(g, plan) if self.accepts_reused is not None else self.fits(g, plan)
+
+    def runtime_code(self, g: Geometry) -> Geometry | None:
+        """`code_geometry` at g: None where the family's code there holds every size."""
+        return None if self.code_geometry is None else self.code_geometry(g)
 
     def as_reused(self, plan: Plan) -> Plan:
         """The plan a step of another batch size runs where it takes `plan` from a step of this one."""
@@ -243,7 +248,7 @@ class ChoiceTable:
     def reuse_key(self, f: Family, g: Geometry) -> str:
         """A kernel's key among the plans a step shares with steps of other batch sizes: its
         geometry without the sizes its family takes at run time."""
-        return f"{f.name}:" + tuning_db.kernel_key(f.code_geometry(g))
+        return f"{f.name}:" + tuning_db.kernel_key(f.runtime_code(g))
 
     def reusable(self, graph: Graph) -> tuple[tuple[str, Plan], ...]:
         """(reuse key, plan) of every kernel of a selected graph whose family takes its
@@ -279,14 +284,14 @@ class ChoiceTable:
         f = self.families.get(spec.choice[0]) if spec.choice is not None else None
         if f is None:
             return None
-        if f.code_geometry is not None:
+        g = self._geometry(sub, spec)
+        if f.runtime_code(g) is not None:
             return f, spec.choice[1]
         for h in self.families.values():
             if h.reused_plan is not None and spec.kind in h.kinds:
                 return h, h.reused_plan
-        g = self._geometry(sub, spec)
         for h in self._ranked(g)[0]:
-            if h.code_geometry is not None and (plans := h.plans(g)):
+            if h.runtime_code(g) is not None and (plans := h.plans(g)):
                 return h, plans[0]
         return None
 
@@ -312,7 +317,7 @@ class ChoiceTable:
             # this kernel's own plan first, whichever family it is (so it stays the same code),
             # then any kernel's of the same code geometry (inference beside training)
             shared = dict(reuse)
-            keys = [(f, self.reuse_key(f, g)) for f in ranked if f.code_geometry is not None]
+            keys = [(f, self.reuse_key(f, g)) for f in ranked if f.runtime_code(g) is not None]
             for own in (True, False):
                 for f, key in keys:
                     if not own and f.reused_plan is not None:

@@ -301,10 +301,11 @@ def _direct_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     return g["N"] <= 65535 and cuda_direct.direct_plan_fits(p, geo["CI"], geo["WO_"], geo["CO"], g["KH"], g["KW"])
 
 
-def _direct_code(g: dict[str, Any]) -> dict[str, Any]:
+def _direct_code(g: dict[str, Any]) -> dict[str, Any] | None:
     """What a direct kernel's code depends on: not the images of a forward or grad-input (the
-    grid's y); a grad-weight's code holds them."""
-    return g if g["kind"] == "conv2d_grad_weight" else {k: v for k, v in g.items() if k != "N"}
+    grid's y); a grad-weight's code holds them (None: a step of another batch size takes the
+    first-ranked family that does not, `ChoiceTable.reused_choice`, whose variant is built ahead)."""
+    return None if g["kind"] == "conv2d_grad_weight" else {k: v for k, v in g.items() if k != "N"}
 
 
 def _direct_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -632,7 +633,8 @@ def _pool_plans(g: dict[str, Any]) -> list[Plan]:
 def _pool_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     x_t = sub.type(sub.operands(spec.core)[0])
     return pool_kernels.render_cuda(name, spec.kind, pool_kernels.geometry(x_t.shape, sub.attrs(spec.core)),
-                                    bf16=g.get("dtype") == "bfloat16", tile=dict(plan).get("mode") == "tile")
+                                    bf16=g.get("dtype") == "bfloat16", tile=dict(plan).get("mode") == "tile",
+                                    runtime_images=runtime_sizes(spec))
 
 
 def _generated(module_function: str) -> Callable[..., CudaKernel]:
@@ -756,8 +758,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
+    # a step that took its plan from a step of another batch size renders it on run-time images
     Family("pool", tuple(pool_kernels.POOL_KINDS), 0, _pool_plans, _always, _plain, _no_scratch, _pool_render,
-           version=2),
+           version=2, code_geometry=without_sizes("N")),
     # the generated kinds: a step whose plans came from a step of another batch size renders them
     # on run-time sizes (RUNTIME), one text for every later batch size
     Family("pointwise", ("pointwise",), 0, _one_plan, _always, _plain, _no_scratch, _generated("pointwise"),

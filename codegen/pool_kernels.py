@@ -107,10 +107,12 @@ def render_cpp(name: str, kind: str, g: PoolGeometry, bf16: bool = False) -> tup
             (["x", "dy", "out"] if kind == "max_pool2d_grad" else ["x", "out"]))
 
 
-def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile: bool = False) -> CudaKernel:
+def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile: bool = False,
+                runtime_images: bool = False) -> CudaKernel:
     """The CUDA kernel of `kind` (on bfloat16 values with `bf16`): one thread an output (forward)
     or, for the gradient, an input element (summing in float, rounded once) or, with `tile` (windows
-    that do not overlap), a window's tile of SH x SW inputs."""
+    that do not overlap), a window's tile of SH x SW inputs. `runtime_images`: the images N a
+    by-value argument, so one text serves every batch size."""
     _check_name(name)
     if kind not in POOL_KINDS:
         raise ValueError(f"unknown pooling kernel {kind!r}; expected one of {POOL_KINDS}")
@@ -119,9 +121,11 @@ def render_cuda(name: str, kind: str, g: PoolGeometry, bf16: bool = False, tile:
         raise ValueError(f"{name}: the tile mode is a gradient's, of windows that do not overlap; got {kind} with "
                          f"kernel {g.KH}x{g.KW}, stride {g.SH}x{g.SW}, padding {g.PH}x{g.PW}")
     code = environment("cuda").get_template("max_pool2d.j2").render(name=name, grad=grad, threads=CUDA_THREADS,
-                                                                    bf16=bf16, tile=tile, **g.context())
+                                                                    bf16=bf16, tile=tile, runtime=runtime_images,
+                                                                    **g.context())
     items = g.N * g.C * (ceil_div(g.H, g.SH) * ceil_div(g.W, g.SW) if tile else g.H * g.W if grad else g.HO * g.WO)
     function = f"{name}_{'grad' if grad else 'fwd'}"
     roles = ("x", "dy", "out") if grad else ("x", "out")
+    scalars = (("int", g.N),) if runtime_images else ()
     return CudaKernel(name, code, (Launch(function, (ceil_div(items, CUDA_THREADS), 1, 1), (CUDA_THREADS, 1, 1), 0,
-                                          roles),), 0)
+                                          roles, scalars),), 0)

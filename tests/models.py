@@ -79,14 +79,20 @@ def plan_for(graph, device: str, *, simplify: bool = False):
     return run_passes(graph, passes if simplify else [p for p in passes if p[0] != "simplify"])
 
 
-def first_and_later(model: str, first_batch: int, later_batch: int, device: str = "cuda") -> tuple:
+def first_and_later(model: str, first_batch: int, later_batch: int, device: str = "cuda",
+                    first_untuned: bool = False) -> tuple:
     """A recipe model's training step planned at `first_batch`, and at `later_batch` given the
-    first one's kernel plans (`Target.reusable`, as `compile` gives them to a later batch size)."""
+    first one's kernel plans (`Target.reusable`, as `compile` gives them to a later batch size);
+    `first_untuned`: the first step planned without a tuning database (the cost model alone)."""
+    import contextlib
+
     import ember.runtime
+    from ember.codegen import tuning_db
     from ember.frontends.training.recipes import build_model
     from ember.passes.pipeline import run_passes
     target = ember.runtime.target(device)
-    first = run_passes(train_graph(build_model(model), (first_batch, 1, 28, 28)), target.passes())
+    with tuning_db.using(None) if first_untuned else contextlib.nullcontext():
+        first = run_passes(train_graph(build_model(model), (first_batch, 1, 28, 28)), target.passes())
     later_graph = train_graph(build_model(model), (later_batch, 1, 28, 28))
     later_graph.meta["kernel_reuse"] = target.reusable(first)
     return first, run_passes(later_graph, target.passes())

@@ -8,6 +8,7 @@ gradient bit for bit (the first maximum in row-major order, NaN wins, 0 + dy).""
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -108,3 +109,31 @@ def test_both_modes_compile_with_nvcc(emulated, tmp_path):
                    + pool_kernels.render_cuda("b", "max_pool2d_grad", pool_kernels.geometry(
                        (2, 3, 24, 24), _attrs((2, 2), (2, 2))), bf16=True, tile=True).code)
     assert_compiles(nvcc_or_skip(), src)
+
+
+@pytest.mark.parametrize("tile", [False, True], ids=["gather", "tile"])
+def test_pooling_on_run_time_images_is_one_text_and_the_interpreters_values(tile, tmp_path):
+    """What a step of a later batch size runs (the first step's plan, `cuda_choices.runtime_sizes`):
+    the forward and the gradient take the images as a by-value argument, one text at 3 images and
+    at 1, and the interpreter's values at both (the gradient bit for bit)."""
+    attrs = _attrs((2, 2), (2, 2), ceil=True)
+    texts: dict[str, set] = {"fwd": set(), "grad": set()}
+    for n in (3, 1):
+        shape = (n, 4, 9, 10)
+        g = pool_kernels.geometry(shape, attrs)
+        fwd = pool_kernels.render_cuda("pf", "max_pool2d", g, runtime_images=True)
+        grad = pool_kernels.render_cuda("pg", "max_pool2d_grad", g, tile=tile, runtime_images=True)
+        assert fwd.launches[0].scalars == grad.launches[0].scalars == (("int", n),)
+        texts["fwd"].add(fwd.code)
+        texts["grad"].add(grad.code)
+        x, dy = _inputs(shape, attrs, np.random.default_rng(n))
+        lib = cuda_emulator.build([fwd, grad], tmp_path, f"pool_rt{n}{tile}")
+        out = np.full((n, 4, g.HO, g.WO), 7.0, np.float32)
+        cuda_emulator.run(lib, 0, fwd, dict(x=x, out=out))
+        out_type = types.SimpleNamespace(shape=out.shape)  # (the interpreter's pooling reads its output's shape)
+        np.testing.assert_array_equal(out, interpreter.IMPLS["max_pool2d"]((x,), attrs, out_type))
+        dx = np.full(x.shape, np.nan, np.float32)
+        cuda_emulator.run(lib, 1, grad, dict(x=x, dy=dy, out=dx))
+        ref = interpreter.IMPLS["max_pool2d_grad"]((x, dy), attrs, None)
+        assert np.array_equal(dx.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+    assert len(texts["fwd"]) == len(texts["grad"]) == 1

@@ -246,3 +246,27 @@ def test_a_column_sum_of_the_first_step_runs_on_run_time_sizes_at_a_later_batch(
     ahead = {code for code, _ in cuda.reused_variants(first)}
     (unit,) = [code for code, functions in cuda.render_step(later).units if any("reduction" in f for f in functions)]
     assert unit in ahead
+
+
+@pytest.mark.parametrize("model, first_untuned, families", [
+    ("cnn", False, set()), ("resnet8", False, set()), ("lenet5", False, set()),
+    ("cnn", True, {("conv2d_grad_input", "winograd")}),
+    # a direct grad-weight (whose code holds the images, the direct forward's does not) and Winograd
+    ("resnet8", True, {("conv2d_grad_weight", "direct"), ("conv2d", "winograd")}),
+])
+def test_a_later_batch_size_compiles_nothing_the_first_step_neither_built_nor_built_ahead(model, first_untuned, families):
+    """Every unit of a step at another batch size given the first step's plans is one of the
+    first step's own or of what it builds ahead (`reused_variants`), whichever families the first
+    step took (`families`: some it must have taken, so the case covers them): where a family's
+    code holds the batch (a direct grad-weight, Winograd), the later step takes the first-ranked
+    family that does not, with the plan exported for it. (A first batch of 16 or fewer is left
+    out: a linear layer's weight gradient, whose K is the batch, then runs on `thin`, whose code
+    holds K.)"""
+    from models import first_and_later
+
+    first, later = first_and_later(model, 32, 5, first_untuned=first_untuned)
+    took = {(first.attrs(n)["kernel"].kind, first.attrs(n)["kernel"].choice[0]) for n in first.g if first.op(n) == "fused"}
+    assert families <= took, took
+    built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
+    missing = [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
+    assert not missing, missing

@@ -113,11 +113,11 @@ def test_identical_kernels_are_one_function_and_every_unit_compiles_alone(tmp_pa
     _compile_all(nvcc, paths)
 
 
-@pytest.mark.parametrize("model", ["resnet8", "mobilenet"])
+@pytest.mark.parametrize("model", ["resnet8", "mobilenet", "lenet5"])
 def test_the_variants_a_later_batch_size_runs_compile_with_nvcc(model, tmp_path):
     """A model's kernels as a step of another batch size renders them (`reused_variants`: GEMMs,
-    grouped convolutions, reductions, pointwise kernels and the loss on run-time sizes), one
-    source, warning-free."""
+    grouped convolutions, max pooling, reductions, pointwise kernels and the loss on run-time
+    sizes), one source, warning-free."""
     import numpy as np
 
     from ember.codegen.cuda import prelude, reused_variants
@@ -139,6 +139,7 @@ def test_the_variants_a_later_batch_size_runs_compile_with_nvcc(model, tmp_path)
     assert any(f.endswith("_loss") for f in functions) and any(f.endswith("_grad") for f in functions)
     assert any(f.endswith("_reduction_part0") for f in functions) and any(f.endswith("_gemm") for f in functions)
     assert (model == "mobilenet") == any(f.endswith("_grouped") for f in functions)
+    assert (model == "lenet5") == any("_max_pool2d_" in f for f in functions)
     path = tmp_path / "variants.cu"
     path.write_text(prelude() + "".join(code for code, _ in units))
     _compile_all(nvcc, [path])
