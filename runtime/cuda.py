@@ -236,11 +236,13 @@ def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ..
     size will ask for that this one did not build (its GEMMs and generated kernels on run-time
     sizes, `cuda_codegen.reused_variants`), so the last partial batch or an inference at another
     size finds them: rendered here, compiled as one build on the NVRTC workers (other processes)
-    where they run, else on this process's threads, which run NVRTC without the GIL. Only for a
-    step that took no plan of another (the first of a model); `EMBER_PREFETCH=0` turns it off. A
+    where they run, else on this process's threads, which run NVRTC without the GIL. Every step
+    builds ahead: an inference step beside training (which took the training step's plans) its
+    own kernels' variants, so inference at another size finds them; a later batch size, whose
+    kernels already take run-time sizes, little or nothing. `EMBER_PREFETCH=0` turns it off. A
     failure here costs nothing: the later build compiles what it misses (and raises what NVRTC
     rejects)."""
-    if graph.meta.get("kernel_reuse") or os.environ.get("EMBER_PREFETCH", "1") == "0":
+    if os.environ.get("EMBER_PREFETCH", "1") == "0":
         return None
     device = compile_device()
 

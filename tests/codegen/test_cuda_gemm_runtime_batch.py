@@ -252,11 +252,11 @@ def test_the_variants_built_ahead_are_the_units_a_later_batch_size_renders():
     assert len(again) <= 3 and not any(why[name].startswith("reused") for name in again), again
 
 
-def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_does_not(monkeypatch):
+def test_a_step_builds_its_reused_variants_on_a_thread(monkeypatch):
     """The CUDA executor's build ahead (`runtime/cuda._prefetch_reused`), with NVRTC faked: the
     first step of a model hands `cuda_modules.prefetch` its kernels' run-time-size units as one
-    build, on a thread that ends; a step that took another's plans, and EMBER_PREFETCH=0, start
-    nothing."""
+    build, on a thread that ends; a step of another batch size given its plans builds none of
+    them again (its kernels take run-time sizes); EMBER_PREFETCH=0 starts nothing."""
     import ember.runtime
     from ember.codegen import cuda
     from ember.frontends.training.recipes import build_model
@@ -279,8 +279,13 @@ def test_a_first_step_builds_its_reused_variants_on_a_thread_and_a_later_one_doe
     (build,) = asked
     assert [source for _, source in build] == ["// prelude\n" + code for code, _ in want]
     assert [name for name, _ in build] == [functions[0] for _, functions in want]
-    first.meta["kernel_reuse"] = target.reusable(first)
-    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
+    later_graph = train_graph(build_model("resnet8"), (5, 1, 28, 28))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    later = run_passes(later_graph, target.passes())
+    asked.clear()
+    thread = runtime_cuda._prefetch_reused(object(), later, "", ())
+    thread.join(timeout=120)
+    assert sum(len(build) for build in asked) == len(cuda.reused_variants(later)) <= 3
 
 
 def test_the_build_ahead_starts_once_when_the_steps_graph_is_captured(monkeypatch):

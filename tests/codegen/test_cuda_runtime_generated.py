@@ -270,3 +270,40 @@ def test_a_later_batch_size_compiles_nothing_the_first_step_neither_built_nor_bu
     built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
     missing = [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
     assert not missing, missing
+
+
+def test_inference_at_another_size_compiles_nothing_the_steps_before_it_did_not_build_ahead():
+    """ResNet-8 in eval mode: an inference step at 64 beside the training step at 64 takes its
+    plans, and each builds its variants ahead (`runtime/cuda._prefetch_reused` builds for every
+    step); an inference step at 7 then finds every unit among those steps' own and their variants
+    (without the inference step's own variants, most of them would be new)."""
+    import ember.runtime
+    from ember.frontends.tracing import example_type, trace
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    from models import train_graph
+
+    target = ember.runtime.target("cuda")
+    model = build_model("resnet8")
+    training = run_passes(train_graph(model, (64, 1, 28, 28)), target.passes())
+    model.eval()
+    plans: dict = {}
+
+    def inference(batch: int) -> Graph:
+        forward = trace(model, example_type(np.zeros((batch, 1, 28, 28), np.float32)), name="inference")
+        forward.meta["precision"] = "float32"
+        forward.meta["kernel_reuse"] = tuple(plans.items())
+        return run_passes(forward, target.passes())
+
+    for key, plan in target.reusable(training):
+        plans.setdefault(key, plan)
+    beside = inference(64)
+    for key, plan in target.reusable(beside):
+        plans.setdefault(key, plan)
+    later = inference(7)
+    built = {code for step in (training, beside) for code, _ in cuda.render_step(step).units}
+    ahead = {code for code, _ in cuda.reused_variants(training)}
+    units = cuda.render_step(later).units
+    assert len([1 for code, _ in units if code not in built | ahead]) >= 3  # the inference step's own variants matter
+    ahead |= {code for code, _ in cuda.reused_variants(beside)}
+    assert not [functions[0] for code, functions in units if code not in built | ahead]
