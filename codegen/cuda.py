@@ -469,6 +469,47 @@ def _kernel_own(role: str) -> bool:
     return cuda_kernels.scratch_offset(role) is not None or cuda_kernels.counter_words(role) is not None
 
 
+def _kernel_launches(graph: Graph, n: int, spec: KernelSpec, check_scratch: bool = True) -> tuple[str, list[LaunchArgs]]:
+    """The code of fused kernel `n` as `spec` chooses it (its own, or the variant a step of another
+    batch size renders: `_reused_variant`), and its launches bound to the graph's nodes; with
+    `check_scratch`, the scratch its kernel needs must be what the plan reserved."""
+    sub = graph.attrs(n)["graph"]
+    name = sub.name
+    operands = graph.operands(n)
+    node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {
+        out: ("node", m) for out, m in zip(sub.outputs, graph.results(n))}
+    launches: list[LaunchArgs] = []
+    if spec.kind in ("pointwise", "reduction"):
+        args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + tuple(node_of[k] for k in sub.outputs)
+        if spec.kind == "pointwise":
+            # an update of parameters and state alone keeps their sizes in its code (no batch)
+            fixed = _writes_state_alone(graph, n)
+            code, grid, block, scalars = render_pointwise(name, sub, fixed=fixed, runtime=cuda_choices.runtime_plan(spec))
+            launches.append(LaunchArgs(name, grid, block, 0, args, name, scalars))
+        else:
+            red = render_reduction_choice(name, sub, spec)
+            if check_scratch and red.scratch_bytes != spec.scratch_bytes:
+                raise AssertionError(f"{name}: reduction needs {red.scratch_bytes} scratch bytes, "
+                                     f"the plan reserved {spec.scratch_bytes}")
+            code = red.code
+            for function, grid, block, extra in red.launches:
+                launches.append(LaunchArgs(function, grid, block, 0, args + tuple((role, n) for role in extra), name,
+                                           red.scalars))
+        return code, launches
+    if spec.kind in ("softmax_xent", "softmax_xent_grad"):
+        kernel, roles = render_loss(name, sub, spec)
+    else:
+        kernel, roles = render_contraction(name, sub, spec)
+    if check_scratch and kernel.scratch_bytes != spec.scratch_bytes:
+        raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
+                             f"the plan reserved {spec.scratch_bytes}")
+    for launch in kernel.launches:
+        args = tuple((roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]] for r in launch.args)
+        launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
+                                   launch.scalars))
+    return kernel.code, launches
+
+
 def render_step(graph: Graph) -> CudaStepSource:
     """Every kernel of a fused, memory-planned graph in one CUDA source, and the launches in order.
 
@@ -485,9 +526,6 @@ def render_step(graph: Graph) -> CudaStepSource:
             continue
         spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
         name = sub.name
-        operands = graph.operands(n)
-        node_of = {f"in{i}": ("node", o) for i, o in enumerate(operands)} | {
-            name: ("node", m) for name, m in zip(sub.outputs, graph.results(n))}
         implements = graph.notes(n).get("implements", [])
         header = f"// ---- {name}: {spec.describe()} -> {graph.type(n)}\n" + "".join(f"//   implements {line}\n" for line in implements)
         if spec.kind == "collective":
@@ -496,48 +534,17 @@ def render_step(graph: Graph) -> CudaStepSource:
                 raise NotImplementedError(f"the CUDA step runs all_reduce over the whole world only, not "
                                           f"{sub.op(spec.core)!r} over {attrs.get('group')!r} (%{n}, at {graph.loc(n)})")
             # no kernel: the runtime's communicator (NCCL) reduces in0 into out on the step's stream
+            node_of = {"in0": ("node", graph.operands(n)[0]), "out": ("node", graph.results(n)[0])}
             launches.append(LaunchArgs(f"{COLLECTIVE_PREFIX}{attrs['reduce']}", (0, 0, 0), (0, 0, 0), 0,
                                        (node_of["in0"], node_of["out"]), name))
             kernels.append((name, spec.describe(), implements))
             continue
-        if spec.kind in ("pointwise", "reduction"):
-            args = tuple(node_of[f"in{i}"] for i in range(len(operands))) + tuple(node_of[k] for k in sub.outputs)
-            if spec.kind == "pointwise":
-                # an update of parameters and state alone keeps their sizes in its code (no batch)
-                fixed = _writes_state_alone(graph, n)
-                code, grid, block, scalars = render_pointwise(name, sub, fixed=fixed,
-                                                              runtime=cuda_choices.runtime_plan(spec))
-                launches.append(LaunchArgs(name, grid, block, 0, args, name, scalars))
-            else:
-                red = render_reduction_choice(name, sub, spec)
-                if red.scratch_bytes != spec.scratch_bytes:
-                    raise AssertionError(f"{name}: reduction needs {red.scratch_bytes} scratch bytes, "
-                                         f"the plan reserved {spec.scratch_bytes}")
-                code = red.code
-                for function, grid, block, extra in red.launches:
-                    launches.append(LaunchArgs(function, grid, block, 0, args + tuple((role, n) for role in extra), name,
-                                               red.scalars))
-        else:
-            if spec.kind in ("softmax_xent", "softmax_xent_grad"):
-                kernel, roles = render_loss(name, sub, spec)
-            else:
-                kernel, roles = render_contraction(name, sub, spec)
-            if kernel.scratch_bytes != spec.scratch_bytes:
-                raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
-                                     f"the plan reserved {spec.scratch_bytes}")
-            code = kernel.code
-            for launch in kernel.launches:
-                args = tuple((roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]]
-                             for r in launch.args)
-                launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
-                                           launch.scalars))
-        mine = [i for i, la in enumerate(launches) if la.kernel == name]
-        functions = tuple(dict.fromkeys(launches[i].function for i in mine))
+        code, mine = _kernel_launches(graph, n, spec)
+        functions = tuple(dict.fromkeys(la.function for la in mine))
         canonical = code.replace(name, "\0") if all(f.startswith(name) for f in functions) else None
         if canonical is not None and canonical in defined:
             first = defined[canonical]
-            for i in mine:
-                launches[i] = dataclasses.replace(launches[i], function=first + launches[i].function[len(name):])
+            mine = [dataclasses.replace(la, function=first + la.function[len(name):]) for la in mine]
             parts.append(header + f"// (the same code as {first}: its functions are launched)\n")
         else:
             if canonical is not None:
@@ -545,6 +552,7 @@ def render_step(graph: Graph) -> CudaStepSource:
             code = cuda_kernels.with_grid_dependency(code)
             units.append((code, functions))
             parts.append(header + code)
+        launches.extend(mine)
         kernels.append((name, spec.describe(), implements))
     return CudaStepSource("\n".join(parts), launches, graph.meta["arena_bytes"], kernels, shared, units)
 
@@ -566,31 +574,23 @@ def _writes_state_alone(graph: Graph, n: int) -> bool:
 
 def _reused_variant(graph: Graph, n: int) -> tuple[str, tuple[str, ...]] | None:
     """(code, functions) of a kernel as a step of another batch size that takes its plan renders
-    it, where that is another text: a GEMM or a generated kernel (pointwise, reduction, loss) on
-    run-time sizes; None for the others (their code holds the batch: a later step plans its own)."""
+    it, where that is another text: a contraction or a pooling on run-time sizes, or a generated
+    kernel (pointwise, reduction, loss) on run-time sizes; None for the others (a direct forward's
+    text is the same at every size)."""
     spec, sub = graph.attrs(n)["kernel"], graph.attrs(n)["graph"]
     if spec.choice is None or cuda_choices.runtime_plan(spec) or cuda_choices.runtime_sizes(spec):
         return None
-    name = sub.name
     reused = cuda_choices.TABLE.reused_choice(sub, spec)
-    if reused is not None and reused[0].reused_plan is None \
-            and (reused[0].name in RUNTIME_VARIANTS or reused[0].name != spec.choice[0]):
-        # a contraction on run-time sizes, or one whose family the later step takes instead
-        # of this kernel's (a direct kernel's text is the same at every size: new only then)
-        choice = (reused[0].name, tuple(reused[1]))
-        kernel, _ = render_contraction(name, sub, dataclasses.replace(spec, choice=choice, why=REUSED_WHY))
-        return kernel.code, tuple(dict.fromkeys(la.function for la in kernel.launches))
-    if spec.kind == "pointwise":
-        if _writes_state_alone(graph, n):
-            return None
-        return render_pointwise(name, sub, runtime=True)[0], (name,)
-    if spec.kind == "reduction":
-        red = render_reduction(name, sub, spec.core, runtime=True)
-        return red.code, tuple(dict.fromkeys(f for f, *_ in red.launches))
-    if spec.kind in ("softmax_xent", "softmax_xent_grad"):
-        kernel, _ = render_loss(name, sub, spec, runtime=True)
-        return kernel.code, tuple(la.function for la in kernel.launches)
-    return None
+    if reused is None:
+        return None
+    family, plan = reused
+    if family.reused_plan is None and family.name not in RUNTIME_VARIANTS and family.name == spec.choice[0]:
+        return None
+    if spec.kind == "pointwise" and _writes_state_alone(graph, n):
+        return None  # (its code holds no batch: the same text at every size)
+    variant = dataclasses.replace(spec, choice=(family.name, tuple(family.as_reused(plan))), why=REUSED_WHY)
+    code, launches = _kernel_launches(graph, n, variant, check_scratch=False)
+    return code, tuple(dict.fromkeys(la.function for la in launches))
 
 
 def reused_variants(graph: Graph) -> list[tuple[str, tuple[str, ...]]]:
