@@ -231,6 +231,19 @@ def _arch(cp: Any) -> str:
     return f"sm_{cp.cuda.Device().compute_capability}"  # CuPy gives "90" for compute capability 9.0
 
 
+#: the name of the threads that build ahead (`wait_for_builds_ahead`)
+PREFETCH_THREAD = "ember-cuda-prefetch"
+
+
+def wait_for_builds_ahead(timeout: float | None = None) -> None:
+    """Returns once every build ahead this process started has ended (or `timeout` seconds
+    passed): a benchmark waits for them so that their rendering, which holds the GIL, does not
+    delay the launches it times; a tool waits so that what they build is in the cache."""
+    for thread in threading.enumerate():
+        if thread.name == PREFETCH_THREAD and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
 def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ...]) -> threading.Thread | None:
     """Starts building, on a thread of its own, the modules a step of this model at another batch
     size will ask for that this one did not build (its GEMMs and generated kernels on run-time
@@ -258,7 +271,7 @@ def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ..
 
     # Not a daemon: the interpreter's exit waits for the build in NVRTC (or stops it before it
     # starts, `_exiting`), rather than unloading libraries under it.
-    thread = threading.Thread(target=build, name="ember-cuda-prefetch")
+    thread = threading.Thread(target=build, name=PREFETCH_THREAD)
     thread.start()
     return thread
 

@@ -58,11 +58,9 @@ step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=
 first = time.perf_counter() - t
 for _ in range(trained):  # training steps after the compile, off the clock (what a training run leaves in the cache)
     step(x, y)
-if trained:  # a training run lasts longer than the build ahead its first steps start; these steps do not
-    import threading
-    for thread in threading.enumerate():
-        if thread.name == "ember-cuda-prefetch":
-            thread.join()
+if trained and device.startswith("cuda"):  # a training run outlasts the build ahead its first steps start
+    from ember.runtime.cuda import wait_for_builds_ahead
+    wait_for_builds_ahead()
 again = None
 modules_built = None
 if second:

@@ -56,6 +56,8 @@ def main() -> None:
         _cpu(args)
         return
     import cupy as cp  # after the arguments: --help works without a GPU
+
+    from ember.runtime.cuda import wait_for_builds_ahead
     from cuda_step_overhead import events_per_step  # a sibling script: its folder is on the path
     rows = []
     for case in args.cases.split(","):
@@ -76,6 +78,7 @@ def main() -> None:
         run = lambda i: step.run(xs[i % 8], ys[i % 8], check_labels=False)  # noqa: E731
         for i in range(30):
             run(i)
+        wait_for_builds_ahead()  # (their rendering holds the GIL: launches timed beside it wait)
         graph = step._steps[step._example][0]
         specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         why = Counter(s.why.split(":")[0] for s in specs if s.choice is not None)

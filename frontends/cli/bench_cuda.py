@@ -129,6 +129,8 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
                    tf32: bool = False, bf16: bool = False, seed: int = 0, profile: bool = False,
                    max_autotune: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     import cupy as cp
+
+    from ember.runtime.cuda import wait_for_builds_ahead
     try:
         import torch
         have_torch = torch.cuda.is_available()
@@ -167,6 +169,7 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
             for fn_name, fn in systems:  # warm-up: compile, capture, caches
                 for i in range(20):
                     fn(i)
+            wait_for_builds_ahead()  # (their rendering holds the GIL: launches timed beside it wait)
             cp.cuda.Device().synchronize()
             for r in range(rounds):
                 for sys_name, fn in systems:

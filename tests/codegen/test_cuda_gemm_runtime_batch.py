@@ -340,3 +340,24 @@ def test_plan_candidates_are_remembered_per_problem_and_device():
         l4 = ck.plan_candidates(**args)
         fresh = ck._plan_candidates(**args)
     assert len(ck._CANDIDATES) == entries + 1 and l4 == fresh != again
+
+
+def test_waiting_for_the_builds_ahead_returns_when_they_end():
+    """`wait_for_builds_ahead` (what `ember bench` calls before it times) joins every thread that
+    builds ahead and no other."""
+    import threading
+
+    from ember.runtime import cuda as runtime_cuda
+
+    release, release_other = threading.Event(), threading.Event()
+    build = threading.Thread(target=lambda: release.wait(5), name=runtime_cuda.PREFETCH_THREAD)
+    other = threading.Thread(target=lambda: release_other.wait(5), name="user-thread")
+    build.start()
+    other.start()
+    runtime_cuda.wait_for_builds_ahead(timeout=0.05)
+    assert build.is_alive()  # (the timeout: still building)
+    threading.Timer(0.05, release.set).start()
+    runtime_cuda.wait_for_builds_ahead()
+    assert not build.is_alive() and other.is_alive()
+    release_other.set()
+    other.join()
