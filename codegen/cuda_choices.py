@@ -288,7 +288,8 @@ def _direct_plans(g: dict[str, Any]) -> list[Plan]:
 
 def _direct_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     """A forward or grad-input plan of another batch size fits where it tiles the geometry (the
-    images are the grid's y alone); a grad-weight's must be the cost model's here."""
+    images are the grid's y alone); a grad-weight's must be the cost model's here (no step takes
+    one from another batch size: its code holds the images, `_direct_code`)."""
     if g["kind"] == "conv2d_grad_weight" or _direct_rejects(g) is not None:
         return plan in _direct_plans(g)
     try:
