@@ -471,8 +471,8 @@ def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
 
 
 def _thin_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
-    """A thin plan of another batch size fits: its kernel takes the rows at run time, and any
-    rows a block serve any M."""
+    """A thin plan of another batch size fits: its kernel takes the rows and K at run time (the
+    family serves the geometry: K <= 16), and any rows a block serve any M."""
     fields = dict(plan)
     return set(fields) == {"RM"} and isinstance(fields["RM"], int) and fields["RM"] >= 1
 
@@ -742,7 +742,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts,
            version_of=_direct_tc_version),
     Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
-           _thin_rejects, _plain, _no_scratch, _thin_render, code_geometry=without_sizes("M", "operands"),
+           _thin_rejects, _plain, _no_scratch, _thin_render, code_geometry=without_sizes("M", "K", "operands"),
            accepts_reused=_thin_accepts_reused),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,
            _narrow_render, tuning_plans=_narrow_candidates, code_geometry=without_sizes("M", "operands"),

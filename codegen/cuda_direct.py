@@ -284,8 +284,9 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     """out = op(a) @ b [+ bias][relu][epilogue] for K <= 16, b row-major (K, N), N % 4 == 0, one
     batch: roles a, b, [bias], out; None where the shape does not suit. `bf16_roles`: the roles
     holding bfloat16 (precision "bf16"; with a or b among them the value is rounded to bfloat16
-    before the epilogue, as the interpreter computes it). `runtime_rows`: M a by-value argument,
-    one text for every batch size."""
+    before the epilogue, as the interpreter computes it). `runtime_rows`: M and K by-value
+    arguments (a batch size sets the rows of a layer's input, or K of its weight gradient), one
+    text for every batch size."""
     if K > THIN_MAX_K or N % 4 or trans_b or batch != 1 or M * N >= 2**31:
         return None
     threads, col_blocks = _thin_threads(N)
@@ -294,12 +295,13 @@ def render_matmul_thin(name: str, *, M: int, N: int, K: int, trans_a: bool, tran
     roles, inputs, unrestricted = with_epilogue(roles, ("a", "b", "bias"), epilogue)
     grid = (col_blocks, ceil_div(M, RM), 1)
     code = _env.get_template("matmul_thin.j2").render(
-        name=name, description=f"matmul ({'M' if runtime_rows else M}x{K}{'^T' if trans_a else ''}) @ ({K}x{N})"
-                               f"{' +bias' if bias else ''}{' +relu' if relu else ''}",
-        M="M" if runtime_rows else M, runtime=runtime_rows, N=N, K=K, RM=RM, threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
+        name=name, description=f"matmul ({'M' if runtime_rows else M}x{'K' if runtime_rows else K}{'^T' if trans_a else ''}) "
+                               f"@ ({'K' if runtime_rows else K}x{N}){' +bias' if bias else ''}{' +relu' if relu else ''}",
+        M="M" if runtime_rows else M, runtime=runtime_rows, N=N, K="K" if runtime_rows else K, kmax=THIN_MAX_K, RM=RM,
+        threads=threads, grid=grid, trans_a=trans_a, bias=bias, relu=relu, pw=epilogue,
         roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         bf16=bool({"a", "b"} & bf16_roles), signature=kernel_signature(roles, inputs, unrestricted, False, bf16_roles))
-    scalars = (("int", M),) if runtime_rows else ()
+    scalars = (("int", M), ("int", K)) if runtime_rows else ()
     return CudaKernel(name, code, (Launch(f"{name}_thin", grid, (threads, 1, 1), 0, roles, scalars),), 0)
 
 

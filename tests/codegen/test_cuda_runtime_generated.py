@@ -152,19 +152,20 @@ def test_a_later_steps_generated_kernels_take_run_time_sizes_and_the_first_build
 
 @pytest.mark.parametrize("trans_a", [False, True])
 def test_the_thin_matmul_on_run_time_rows(trans_a, tmp_path):
-    """A linear layer's grad-input (K = 10 classes) as a later batch size runs it: one text at
-    37 and 5 rows (a block's rows the first's plan), the float64 product's values at both."""
+    """A linear layer's grad-input (K = 10 classes, M the batch) and weight gradient (K the batch)
+    as a later batch size runs them: one text at 37 rows and K = 10, 5 rows and K = 7, 16 and 16
+    (a block's rows the first's plan), the float64 product's values at each."""
     from ember.codegen import cuda_direct
     texts = set()
-    for m in (37, 5):
-        kernel = cuda_direct.render_matmul_thin("th", M=m, N=24, K=10, trans_a=trans_a, trans_b=False, rows=8,
+    for m, k in ((37, 10), (5, 7), (16, 16)):
+        kernel = cuda_direct.render_matmul_thin("th", M=m, N=24, K=k, trans_a=trans_a, trans_b=False, rows=8,
                                                 runtime_rows=True)
-        assert kernel.launches[0].scalars == (("int", m),) and kernel.launches[0].grid[1] == -(-m // 8)
+        assert kernel.launches[0].scalars == (("int", m), ("int", k)) and kernel.launches[0].grid[1] == -(-m // 8)
         texts.add(kernel.code)
-        a = rng.standard_normal((10, m) if trans_a else (m, 10)).astype(np.float32)
-        b = rng.standard_normal((10, 24)).astype(np.float32)
+        a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+        b = rng.standard_normal((k, 24)).astype(np.float32)
         bufs = dict(a=a, b=b, out=np.full((m, 24), np.nan, np.float32))
-        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"thin{m}{trans_a}"), 0, kernel, bufs)
+        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"thin{m}{k}{trans_a}"), 0, kernel, bufs)
         want = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
         np.testing.assert_allclose(bufs["out"], want, rtol=1e-5, atol=1e-5)
     assert len(texts) == 1
@@ -248,23 +249,24 @@ def test_a_column_sum_of_the_first_step_runs_on_run_time_sizes_at_a_later_batch(
     assert unit in ahead
 
 
-@pytest.mark.parametrize("model, first_untuned, families", [
-    ("cnn", False, set()), ("resnet8", False, set()), ("lenet5", False, set()),
-    ("cnn", True, {("conv2d_grad_input", "winograd")}),
+@pytest.mark.parametrize("model, first_batch, first_untuned, families", [
+    ("cnn", 32, False, set()), ("resnet8", 32, False, set()), ("lenet5", 32, False, set()),
+    ("cnn", 32, True, {("conv2d_grad_input", "winograd")}),
     # a direct grad-weight (whose code holds the images, the direct forward's does not) and Winograd
-    ("resnet8", True, {("conv2d_grad_weight", "direct"), ("conv2d", "winograd")}),
+    ("resnet8", 32, True, {("conv2d_grad_weight", "direct"), ("conv2d", "winograd")}),
+    # a first batch of 16 or fewer: the linear layer's weight gradient (K = the batch) on `thin`
+    ("cnn", 8, False, {("matmul", "thin")}),
 ])
-def test_a_later_batch_size_compiles_nothing_the_first_step_neither_built_nor_built_ahead(model, first_untuned, families):
+def test_a_later_batch_size_compiles_nothing_the_first_step_neither_built_nor_built_ahead(
+        model, first_batch, first_untuned, families):
     """Every unit of a step at another batch size given the first step's plans is one of the
     first step's own or of what it builds ahead (`reused_variants`), whichever families the first
     step took (`families`: some it must have taken, so the case covers them): where a family's
     code holds the batch (a direct grad-weight, Winograd), the later step takes the first-ranked
-    family that does not, with the plan exported for it. (A first batch of 16 or fewer is left
-    out: a linear layer's weight gradient, whose K is the batch, then runs on `thin`, whose code
-    holds K.)"""
+    family that does not, with the plan exported for it."""
     from models import first_and_later
 
-    first, later = first_and_later(model, 32, 5, first_untuned=first_untuned)
+    first, later = first_and_later(model, first_batch, 5, first_untuned=first_untuned)
     took = {(first.attrs(n)["kernel"].kind, first.attrs(n)["kernel"].choice[0]) for n in first.g if first.op(n) == "fused"}
     assert families <= took, took
     built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
