@@ -12,6 +12,7 @@ of `compile()` and `precompile()` alone (the data is random); a zoo model is imp
 before the clock starts.
 
     python tools/compile_time.py --device cuda --zoo --trained 3   # the cold process trains 3 steps too
+    python tools/compile_time.py --device cuda --models resnet8 --inference 7   # and inference at 7 after 64
 
 By default the cold process only compiles, so on CUDA the warm process's new batch builds every
 module on run-time sizes itself (what a `precompile` for another size costs where no step of the
@@ -35,6 +36,7 @@ from ember.frontends import compile, nn, optim
 from ember.frontends.training.recipes import MODELS, build_model
 from ember.frontends.training.zoo import ZOO, ember_zoo_model
 name, device, batch, second, trained = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+inference_batch = int(sys.argv[6])
 if name.startswith("zoo:"):
     entry = ZOO[name[4:]]
     shape, model = entry.input_shape, ember_zoo_model(entry.name, seed=0)
@@ -71,6 +73,22 @@ if second:
     again = time.perf_counter() - t
     after = compiler.cache_stats("nvrtc")
     modules_built = after["misses"] + after["rebuilds"] - before["misses"] - before["rebuilds"]
+inference = None
+if inference_batch:
+    # inference at the first batch size a few times (its graph captured: its build ahead starts),
+    # then at another size, as an evaluation loop with a last partial batch does
+    from ember.codegen import compiler
+    model.eval()
+    for _ in range(3):
+        step.inference(x)
+    if device.startswith("cuda"):
+        from ember.runtime.cuda import wait_for_builds_ahead
+        wait_for_builds_ahead()
+    before = compiler.cache_stats("nvrtc")
+    t = time.perf_counter()
+    step.inference(np.zeros((inference_batch, *shape), np.float32))
+    inference = {"s": time.perf_counter() - t,
+                 "modules_built": sum(compiler.cache_stats("nvrtc")[k] - before[k] for k in ("misses", "rebuilds"))}
 if profile_to:
     import io, pstats
     profiler.disable()
@@ -82,18 +100,19 @@ if profile_to:
 stats = getattr(step, "compile_stats", None)
 later = [s for k, s in step.all_compile_stats.items() if second and k.startswith(f"{second}x")] \
     if hasattr(step, "all_compile_stats") else []
-print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "modules_built": modules_built, "stats": stats if isinstance(stats, dict) else None,
+print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "modules_built": modules_built,
+                  "inference": inference, "stats": stats if isinstance(stats, dict) else None,
                   "new_batch_stats": later[0] if later else None}))
 """
 
 
 def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "",
-         trained: int = 0) -> dict:
+         trained: int = 0, inference_batch: int = 0) -> dict:
     # CuPy's own cache too, for any CuPy kernel the run uses (ember's modules are under <cache>/nvrtc)
     env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
     if profile_to:
         env["EMBER_COMPILE_TIME_PROFILE"] = profile_to
-    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second), str(trained)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second), str(trained), str(inference_batch)], env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{model} on {device} failed:\n{out.stderr[-3000:]}")
@@ -112,6 +131,10 @@ def main() -> int:
                    help="the cold process also runs this many training steps after its compile, off the clock, as a "
                         "training run would before a later process starts (on CUDA the second one starts building "
                         "what another batch size will ask for; the process waits for that build at exit)")
+    p.add_argument("--inference", type=int, default=0, metavar="BATCH",
+                   help="also, in the warm process after the new batch: the model in eval mode, inference at the "
+                        "first batch size three times (waiting for its build ahead on CUDA), then at this batch "
+                        "size, timed (the modules it built counted)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write a cProfile summary of each cold and warm (+ new batch) run to DIR/MODEL_{cold,warm}.txt")
@@ -129,12 +152,14 @@ def main() -> int:
                 if args.cprofile else (lambda run: "")
             cold = _run(model, args.device, batch, cache, profile_to=profile("cold"), trained=args.trained)
             cold_wall = time.perf_counter() - t
-            warm = _run(model, args.device, batch, cache, second=args.new_batch, profile_to=profile("warm"))
+            warm = _run(model, args.device, batch, cache, second=args.new_batch, profile_to=profile("warm"),
+                        inference_batch=args.inference)
         row = {"model": model, "device": args.device, "batch": batch, "trained": args.trained,
                "cold_s": round(cold["compile_s"], 3),
                "cold_process_s": round(cold_wall, 3), "warm_s": round(warm["compile_s"], 3),
                "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"], "warm_stats": warm["stats"],
                "new_batch_stats": warm["new_batch_stats"], "new_batch_modules_built": warm["modules_built"],
+               "inference": warm["inference"],
                "device_init_s": warm["device_init_s"]}
         rows.append(row)
         nb = warm["new_batch_stats"] or {}
@@ -142,7 +167,10 @@ def main() -> int:
             f" ({warm['modules_built']} modules built)" if args.device.startswith("cuda") else ""
         print(f"{model:12s} {args.device:5s} batch {batch:4d}: cold {row['cold_s']:7.2f} s  warm {row['warm_s']:6.2f} s  "
               f"batch {args.new_batch} after warm{' (cold trained)' if args.trained else ''} {row['new_batch_s']:6.2f} s{built}"
-              + (f"  (device init {row['device_init_s']:.2f} s apart)" if row["device_init_s"] is not None else ""),
+              + (f"  (device init {row['device_init_s']:.2f} s apart)" if row["device_init_s"] is not None else "")
+              + (f"  inference at {args.inference} {warm['inference']['s']:.2f} s"
+                 + (f" ({warm['inference']['modules_built']} modules built)" if args.device.startswith("cuda") else "")
+                 if warm["inference"] else ""),
               flush=True)
     if args.json:
         with open(args.json, "w") as f:
