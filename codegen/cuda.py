@@ -534,9 +534,8 @@ def render_step(graph: Graph) -> CudaStepSource:
                 raise NotImplementedError(f"the CUDA step runs all_reduce over the whole world only, not "
                                           f"{sub.op(spec.core)!r} over {attrs.get('group')!r} (%{n}, at {graph.loc(n)})")
             # no kernel: the runtime's communicator (NCCL) reduces in0 into out on the step's stream
-            node_of = {"in0": ("node", graph.operands(n)[0]), "out": ("node", graph.results(n)[0])}
             launches.append(LaunchArgs(f"{COLLECTIVE_PREFIX}{attrs['reduce']}", (0, 0, 0), (0, 0, 0), 0,
-                                       (node_of["in0"], node_of["out"]), name))
+                                       (("node", graph.operands(n)[0]), ("node", graph.results(n)[0])), name))
             kernels.append((name, spec.describe(), implements))
             continue
         code, mine = _kernel_launches(graph, n, spec)

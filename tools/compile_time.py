@@ -63,21 +63,26 @@ for _ in range(trained):  # training steps after the compile, off the clock (wha
 if trained and device.startswith("cuda"):  # a training run outlasts the build ahead its first steps start
     from ember.runtime.cuda import wait_for_builds_ahead
     wait_for_builds_ahead()
+from ember.codegen import compiler
+
+
+def modules_built_since(before):
+    now = compiler.cache_stats("nvrtc")
+    return sum(now[k] - before[k] for k in ("misses", "rebuilds"))
+
+
 again = None
 modules_built = None
 if second:
-    from ember.codegen import compiler
     before = compiler.cache_stats("nvrtc")
     t = time.perf_counter()
     step.precompile((second, *shape))
     again = time.perf_counter() - t
-    after = compiler.cache_stats("nvrtc")
-    modules_built = after["misses"] + after["rebuilds"] - before["misses"] - before["rebuilds"]
+    modules_built = modules_built_since(before)
 inference = None
 if inference_batch:
     # inference at the first batch size a few times (its graph captured: its build ahead starts),
     # then at another size, as an evaluation loop with a last partial batch does
-    from ember.codegen import compiler
     model.eval()
     for _ in range(3):
         step.inference(x)
@@ -87,8 +92,7 @@ if inference_batch:
     before = compiler.cache_stats("nvrtc")
     t = time.perf_counter()
     step.inference(np.zeros((inference_batch, *shape), np.float32))
-    inference = {"s": time.perf_counter() - t,
-                 "modules_built": sum(compiler.cache_stats("nvrtc")[k] - before[k] for k in ("misses", "rebuilds"))}
+    inference = {"s": time.perf_counter() - t, "modules_built": modules_built_since(before)}
 if profile_to:
     import io, pstats
     profiler.disable()
