@@ -170,6 +170,10 @@ class ChoiceTable:
         finally:
             self._forced.reset(token)
 
+    def forced(self) -> dict[str, str]:
+        """The families `force` holds kernels to here (kind -> family; empty outside a block)."""
+        return dict(self._forced.get())
+
     @property
     def _label(self) -> str:
         return {"cuda": "CUDA", "cpu": "CPU"}.get(self.target, self.target)

@@ -6,7 +6,7 @@ This is what makes a warm `compile()` a trace, a hash and a load.
 The key is everything the result depends on: the traced graph as text (its ops, types, attributes
 and provenance, which kernel headers quote) and the bytes of its constants, the passes and their
 configuration (optimizer, precision, target), the device the kernels are chosen for, the tuning
-database that chooses them, and the code of ember itself (every module and template), so a
+database that chooses them, the families a `force` block holds kernels to, and the code of ember itself (every module and template), so a
 changed pass or template never serves an old plan. What cannot be keyed reliably is not cached:
 a data-parallel step (its communicator), a step compiled with dumps (the passes must run to
 write them), or a pass whose configuration prints an object address. `EMBER_PLAN_CACHE=0`
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.codegen import tuning_db
+from ember.codegen import cpp_choices, cuda_choices, tuning_db
 from ember.codegen.compiler import cache_dir
 from ember.ir import Graph, format_graph
 from ember.passes.pipeline import write_atomic
@@ -103,6 +103,8 @@ def step_key(forward: Graph, passes: Sequence[tuple[str, Any]], *, target: Any, 
             h.update(value.tobytes())
     db = tuning_db.active()
     h.update(b"no-db" if db is None else db.fingerprint(target.name, device).encode())
+    for table in (cpp_choices.TABLE, cuda_choices.TABLE):  # a step compiled inside `force` chose by it
+        h.update(repr(sorted(table.forced().items())).encode())
     return h.hexdigest()
 
 

@@ -74,6 +74,19 @@ def test_what_the_plan_depends_on_changes_the_key():
     assert _compile(_fresh(2.0)).compile_stats["plan_cached"] is True
 
 
+def test_a_compile_inside_force_does_not_take_a_plan_chosen_without_it():
+    """`force` (experiments, comparisons) changes the kernels' families: a plan cached by an
+    unforced compile of the same model must not serve it, nor its plan serve a later unforced one."""
+    from ember.codegen import cpp_choices
+    plain = _compile(_fresh())
+    with cpp_choices.force(matmul="matmul_axpy"):
+        forced = _compile(_fresh())
+        assert forced.compile_stats["plan_cached"] is False
+        assert _compile(_fresh()).compile_stats["plan_cached"] is True   # the same force: its own entry
+    assert _compile(_fresh()).compile_stats["plan_cached"] is True       # the unforced entry again
+    assert _losses(plain) == pytest.approx(_losses(forced), rel=1e-5)
+
+
 def test_a_damaged_entry_is_a_miss_and_a_dump_bypasses_the_cache(tmp_path):
     _compile(_fresh())
     for entry in (tmp_path / "cache" / "plans").rglob("*.pkl"):
