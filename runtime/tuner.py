@@ -8,7 +8,10 @@ reference: a candidate whose result differs from it by more than rounding (relat
 result's magnitude, `TOLERANCE` per precision) or is not finite is refused and recorded as such;
 the fastest of the rest wins. Each kernel's record is written as soon as it is measured, so a
 run stopped by its budget or by the user resumes where it stopped; kernels with the same key
-(the same convolution twice, or shared by another model) are measured once.
+(the same convolution twice, or shared by another model) are measured once. A record that lacks a
+family serving its kernel now (added since) is measured again for that family alone, beside the
+reference and the record's winner (measured again, in the same run, so that the comparison is
+fair), and the record keeps its other timings.
 """
 from __future__ import annotations
 
@@ -174,8 +177,11 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         else:
             if instrument is None:
                 instrument = measurer()  # type: ignore[operator]
+            earlier = None if retune else db.lookup(table.target, device, key, versions)
+            if earlier is not None and not table.fits(sub, spec, earlier.choice):
+                earlier = None  # its winner no longer fits: every candidate again
             rep = _measure_one(sub, spec, cands, key, versions, instrument, db, table, device,
-                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed)
+                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed, earlier)
         seen.setdefault(key, rep)
         reports.append(rep)
         if progress is not None:
@@ -185,8 +191,16 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
 
 def _measure_one(sub: Graph, spec: KernelSpec, cands: list[Choice], key: str, versions: dict[str, int],
                  measurer: Measurer, db: tuning_db.TuningDB, table: ChoiceTable, device: str, tolerance: float,
-                 seed: int) -> KernelReport:
-    trials = measurer.measure(sub, spec, cands, seed=seed)
+                 seed: int, earlier: tuning_db.Record | None = None) -> KernelReport:
+    """Measures the candidates (those of the families `earlier` lacks, with the reference and its
+    winner, where a record of the kernel lacks some) and stores the record."""
+    measured = cands
+    if earlier is not None:
+        new = _unmeasured_families(earlier, cands)
+        measured = [c for i, c in enumerate(cands) if i == 0 or c[0] in new or c == earlier.choice]
+        if earlier.choice not in measured:
+            measured.append(earlier.choice)
+    trials = measurer.measure(sub, spec, measured, seed=seed)
     by_choice = {t.choice: t for t in trials}
     reference = by_choice.get(cands[0])
     rejected: dict[str, str] = {}
@@ -205,6 +219,10 @@ def _measure_one(sub: Graph, spec: KernelSpec, cands: list[Choice], key: str, ve
         raise RuntimeError(f"tuning {sub.name} ({spec.describe()}): no candidate ran: "
                            + "; ".join(f"{c}: {w}" for c, w in list(rejected.items())[:3]))
     best = min((t for t in trials if choice_text(t.choice) in timings), key=lambda t: t.time_us)
+    if earlier is not None:  # the families measured before keep their timings (and refusals)
+        old = set(timings) | set(rejected)
+        timings = {**{c: t for c, t in earlier.timings_us.items() if c not in old}, **timings}
+        rejected = {**{c: w for c, w in earlier.rejected.items() if c not in old}, **rejected}
     db.store(table.target, device, key, Record(best.choice, timings, versions, rejected))
     default_us = timings.get(choice_text(cands[0]))
     return KernelReport(sub.name, spec.kind, key, "measured", best.choice, timings[choice_text(best.choice)],

@@ -30,9 +30,11 @@ class FakeMeasurer:
     def __init__(self, corrupt=lambda sub, choice: False, fastest=None):
         self.calls = 0
         self.corrupt, self.fastest = corrupt, fastest
+        self.asked = []  # the candidates of each call
 
     def measure(self, sub, spec, choices, *, seed=0):
         self.calls += 1
+        self.asked.append(list(choices))
         rng = np.random.default_rng(seed)
         inputs = {k: rng.standard_normal(sub.type(n).shape).astype(np.float32) for k, n in sub.inputs.items()}
         ref = interpreter.run(sub, inputs).outputs["out"]
@@ -116,14 +118,31 @@ def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None
 
 def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measured_again(tmp_path):
     """A family added after a kernel was tuned (its record's versions lack it) is compared by the
-    next `ember tune` without --retune; the other kernels' records are reused."""
+    next `ember tune` without --retune, its candidates alone beside the reference and the record's
+    winner; the record keeps the other families' timings; the other kernels' records are reused."""
+    before = {}
+
     def drop_gemm(record):
         assert "gemm" in record["versions"]
         del record["versions"]["gemm"]   # as if gemm had come after the record
+        for text in [t for t in record["timings_us"] if t.startswith("gemm(")]:
+            del record["timings_us"][text]
+        before.update(record)
 
     conv, path, again, report = _retune_after_editing_a_conv_record(tmp_path, drop_gemm)
     assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
-    assert "gemm" in json.loads(path.read_text())["records"][conv]["versions"]
+    after = json.loads(path.read_text())["records"][conv]
+    assert "gemm" in after["versions"]
+    asked = again.asked[0]
+    winner = (before["family"], tuple(tuple(p) for p in before["plan"]))
+    others = {f for f, _ in asked[1:]} - {"gemm"}
+    assert any(f == "gemm" for f, _ in asked) and winner in asked
+    assert others <= {winner[0]} and sum(f != "gemm" for f, _ in asked[1:]) <= 1, asked
+    assert set(before["timings_us"]) < set(after["timings_us"])  # the old timings kept, gemm's added
+    assert all(t.startswith("gemm(") or after["timings_us"][t] == before["timings_us"][t]
+               for t in after["timings_us"] if t not in {choice_text(c) for c in asked})
+    best = min(after["timings_us"], key=after["timings_us"].get)
+    assert choice_text((after["family"], tuple(tuple(p) for p in after["plan"]))) == best
 
 
 def test_a_record_whose_plan_select_would_refuse_is_measured_again(tmp_path):
