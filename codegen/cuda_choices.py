@@ -548,35 +548,25 @@ def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
                                              **_matmul_args(g, spec, epilogue))
 
 
-# -- winograd: 3x3 stride-1 convolutions by Winograd's minimal filtering, around batched GEMMs (cuda_winograd)
+# -- winograd, winograd4: 3x3 stride-1 convolutions by Winograd's minimal filtering F(m x m, 3x3),
+# m = 2 or 4, around batched GEMMs (cuda_winograd)
 
-def _winograd_gemm(g: dict[str, Any]) -> dict[str, Any]:
-    """The kernel's batched product as a matmul geometry (what the GEMM family's planner and
-    checks read)."""
-    return dict(kind="matmul", epilogues=(), tf32=False, **cuda_winograd.problem(g))
+def _winograd_family(name: str, m: int, priority: int) -> Family:
+    def gemm(g: dict[str, Any]) -> dict[str, Any]:
+        """The kernel's batched product as a matmul geometry (what the GEMM family's planner and
+        checks read)."""
+        return dict(kind="matmul", epilogues=(), tf32=False, **cuda_winograd.problem(g, m))
 
+    def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+        eps = spec.epilogues
+        return cuda_winograd.render(name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
+                                    relu_mask="relu_mask" in eps, epilogue=epilogue, m=m)
 
-def _winograd_plans(g: dict[str, Any]) -> list[Plan]:
-    return [_pairs(cuda_winograd.plans(g)[0])]
-
-
-def _winograd_tuning(g: dict[str, Any]) -> list[Plan]:
-    return gemm_candidates(_winograd_gemm(g))
-
-
-def _winograd_accepts(g: dict[str, Any], plan: Plan) -> bool:
-    return _gemm_accepts(_winograd_gemm(g), plan)
-
-
-def _winograd_scratch(g: dict[str, Any], plan: Plan) -> int:
-    return cuda_winograd.scratch_bytes(g, GemmPlan(**dict(plan)))
-
-
-def _winograd_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan,
-                     epilogue: Any) -> CudaKernel:
-    eps = spec.epilogues
-    return cuda_winograd.render(name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
-                                relu_mask="relu_mask" in eps, epilogue=epilogue)
+    # fewer multiply-adds, transforms through memory: taken where measured, never by default
+    return Family(name, CONVS, priority, lambda g: [_pairs(cuda_winograd.plans(g, m=m)[0])],
+                  lambda g: cuda_winograd.serves(g, m), _never,
+                  lambda g, plan: cuda_winograd.scratch_bytes(g, GemmPlan(**dict(plan)), m), render,
+                  tuning_plans=lambda g: gemm_candidates(gemm(g)), accepts=lambda g, plan: _gemm_accepts(gemm(g), plan))
 
 
 # -- grouped: convolutions with groups > 1, depthwise included (generic kernels, grouped_conv)
@@ -754,9 +744,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code,
            accepts_reused=_gemm_accepts_reused),
-    # fewer multiply-adds, transforms through memory: taken where measured, never by default
-    Family("winograd", CONVS, 7, _winograd_plans, cuda_winograd.serves, _never, _winograd_scratch, _winograd_render,
-           tuning_plans=_winograd_tuning, accepts=_winograd_accepts),
+    _winograd_family("winograd", 2, 7),
+    # F(4x4, 3x3): 1.78x fewer products than F(2x2), smaller transformed operands, more rounding
+    _winograd_family("winograd4", 4, 8),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

@@ -69,11 +69,11 @@ def _covers(family: str, g: dict, kernel) -> None:
         assert main.grid == (g["N"] * math.ceil(g["HO"] / consts["RB"]), 1, 1)
     elif family == "thin":
         assert main.grid[0] * main.block[0] * 4 >= g["N"] and main.grid[1] * consts["RM"] >= g["M"]
-    elif family == "winograd":  # the last launch: a thread a 2x2 output block (a 3x3 weight) of every channel
-        last = kernel.launches[-1]
+    elif family in ("winograd", "winograd4"):  # the last launch: a thread an m x m output block (a 3x3 weight) of every channel
+        last, m = kernel.launches[-1], 2 if family == "winograd" else 4
         blocks = g["O"] * g["C"] if g["kind"] == "conv2d_grad_weight" else \
             g["N"] * (g["C"] if g["kind"] == "conv2d_grad_input" else g["O"]) * \
-            math.ceil(g["HO" if g["kind"] == "conv2d" else "H"] / 2) * math.ceil(g["WO" if g["kind"] == "conv2d" else "W"] / 2)
+            math.ceil(g["HO" if g["kind"] == "conv2d" else "H"] / m) * math.ceil(g["WO" if g["kind"] == "conv2d" else "W"] / m)
         assert last.grid[0] * last.block[0] >= blocks > (last.grid[0] - 1) * last.block[0]
     elif family in ("skinny_narrow", "skinny_short") or kernel.scratch_bytes:
         # split partials (or per-block partials): the reduce launch writes every output

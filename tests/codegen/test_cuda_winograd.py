@@ -1,11 +1,12 @@
-"""The CUDA `winograd` family (codegen/cuda_winograd.py) without a GPU: its kernels (the transforms
-and the GEMM skeleton's batched matmul on regions of the scratch block) run in the CPU emulation of
-their own source (cuda_emulator.py) against float64 references, for the three kinds with their
-epilogues (the forward's bias and ReLU, the grad-input's ReLU mask, a generated pointwise
-epilogue), odd and even planes, padding 0-2, channels past the GEMM's tiles, with and without
-split-K; nvcc compiles them for sm_90; the choice table offers the family for 3x3 stride-1
-ungrouped float32 convolutions only and never picks it without a measurement. On a GPU the
-kernels run in tests/codegen/test_cuda_winograd_gpu.py."""
+"""The CUDA `winograd` and `winograd4` families (codegen/cuda_winograd.py, F(2x2, 3x3) and F(4x4,
+3x3)) without a GPU: their kernels (the transforms and the GEMM skeleton's batched matmul on regions
+of the scratch block) run in the CPU emulation of their own source (cuda_emulator.py) against
+float64 references, for the three kinds with their epilogues (the forward's bias and ReLU, the
+grad-input's ReLU mask, a generated pointwise epilogue), odd and even planes (planes that are not
+whole tiles), padding 0-2, channels past the GEMM's tiles, with and without split-K; nvcc compiles
+them for sm_90; the choice table offers the families for 3x3 stride-1 ungrouped float32
+convolutions only and never picks them without a measurement. On a GPU the kernels run in
+tests/codegen/test_cuda_winograd_gpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,22 +32,24 @@ CASES = [(kind, _geometry(kind, *sizes)) for kind in KIND for sizes in (
     (3, 17, 8, 6, 20, 0),    # no padding; channels past a tile
     (1, 4, 5, 5, 3, 2),      # padding 2 (the grad-input's correlation crops)
 )]
+#: the output tile of each family: F(m x m, 3x3)
+TILES = {"winograd": 2, "winograd4": 4}
 
 
-def _plan(g: dict, split: bool | None = None):
+def _plan(g: dict, split: bool | None = None, m: int = 2):
     """The planner's best plan, or its best with (or without) split-K."""
-    plans = cuda_winograd.plans(g, top=400)
+    plans = cuda_winograd.plans(g, top=400, m=m)
     if split is not None:
         plans = [p for p in plans if (p.splits > 1) == split]
     return plans[0]
 
 
-def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None = None) -> None:
+def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None = None, m: int = 2) -> None:
     kind = g["kind"]
     extra = {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True),
              "conv2d_grad_weight": dict(bias=False)}[kind]
-    kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, **{k: v for k, v in extra.items() if v})
-    assert kernel.scratch_bytes == cuda_winograd.scratch_bytes(g, plan)
+    kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, m=m, **{k: v for k, v in extra.items() if v})
+    assert kernel.scratch_bytes == cuda_winograd.scratch_bytes(g, plan, m)
     assert all(scratch_offset(r) is None or scratch_offset(r) < kernel.scratch_bytes
                for la in kernel.launches for r in la.args)
     lib = cuda_emulator.build([kernel], tmp_path, tag)
@@ -59,41 +62,55 @@ def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None =
                                err_msg=f"{kind} {g} {plan}")
 
 
+@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{k}_{i % 3}" for i, (k, _) in enumerate(CASES)])
-def test_winograd_kernels_match_float64_in_the_emulation(case, tmp_path):
+def test_winograd_kernels_match_float64_in_the_emulation(case, m, tmp_path):
     kind, g = CASES[case]
-    _run(g, _plan(g), tmp_path, f"w{case}")
+    _run(g, _plan(g, m=m), tmp_path, f"w{case}", m=m)
 
 
+@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
 @pytest.mark.parametrize("kind", list(KIND))
-def test_split_k_and_a_generated_epilogue(kind, tmp_path):
+def test_split_k_and_a_generated_epilogue(kind, m, tmp_path):
     """The grad-weight's product sums over the tiles: with split-K its partials are summed in
     split order by the GEMM's second launch, on another region of the scratch; a generated
     pointwise epilogue (here red * 0.5) is applied where each output is stored."""
-    g = _geometry(kind, 4, 6, 9, 9, 8, 1)
+    side = 9 if m == 2 else 17  # the grad-weight's reduction over the tiles long enough to split
+    g = _geometry(kind, 4, 6, side, side, 8, 1)
     half = PointwiseEpilogue(body=(), result="red * 0.5f", inputs=())
     split = kind == "conv2d_grad_weight"
-    _run(g, _plan(g, split=split if split else None), tmp_path, f"s{kind}", epilogue=half)
+    _run(g, _plan(g, split=split if split else None, m=m), tmp_path, f"s{kind}", epilogue=half, m=m)
 
 
-def test_the_kernels_compile_for_sm_90(tmp_path):
+@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
+def test_the_kernels_compile_for_sm_90(m, tmp_path):
     nvcc = nvcc_tool.nvcc_or_skip()
     for i, (kind, g) in enumerate(CASES[::3] + [("big", _geometry("conv2d", 64, 256, 14, 14, 256, 1))]):
         g = dict(g, kind="conv2d") if kind == "big" else g
-        kernel = cuda_winograd.render(f"k{i}", g, _plan(g), bias=g["kind"] == "conv2d", relu=g["kind"] == "conv2d",
-                                      relu_mask=g["kind"] == "conv2d_grad_input")
+        kernel = cuda_winograd.render(f"k{i}", g, _plan(g, m=m), bias=g["kind"] == "conv2d", relu=g["kind"] == "conv2d",
+                                      relu_mask=g["kind"] == "conv2d_grad_input", m=m)
         src = tmp_path / f"k{i}.cu"
         src.write_text(kernel.code)
         nvcc_tool.assert_compiles(nvcc, src)
 
 
-def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only():
-    g = dict(_geometry("conv2d", 64, 256, 14, 14, 256, 1), epilogues=("bias",))
-    fam = cuda_choices.FAMILIES["winograd"]
+@pytest.mark.parametrize("family", list(TILES))
+def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only(family):
+    """F(2x2) wherever the operands are float32; F(4x4), which rounds several times more, only
+    where precision "tf32" allows more rounding than float32's."""
+    g = dict(_geometry("conv2d", 64, 256, 14, 14, 256, 1), epilogues=("bias",), tf32=family == "winograd4")
+    fam = cuda_choices.FAMILIES[family]
     assert cuda_choices.TABLE.applies(fam, g) is None
+    if family == "winograd4":
+        assert "tf32" in cuda_choices.TABLE.applies(fam, dict(g, tf32=False))
+    else:
+        assert cuda_choices.TABLE.applies(fam, dict(g, tf32=True)) is None
     assert fam.preferred(g) is False  # taken where measured only
     assert fam.all_plans(g) and fam.fits(g, fam.plans(g)[0]) and len(fam.all_plans(g)) > 1
-    assert fam.scratch(g, fam.plans(g)[0]) > 2 * 16 * 256 * 64 * 49 * 4   # V and M for the whole batch
+    # V and M for the whole batch: (m+2)^2 points of every tile
+    m = TILES[family]
+    tiles = 64 * (-(-14 // m)) ** 2
+    assert fam.scratch(g, fam.plans(g)[0]) > 2 * (m + 2) ** 2 * 256 * tiles * 4
     for other, why in ((dict(g, stride=(2, 2)), "ungrouped 3x3"), (dict(g, KH=5, KW=5), "ungrouped 3x3"),
                        (dict(g, groups=2), "ungrouped"), (dict(g, dtype="bfloat16"), "float32")):
         assert why in (cuda_choices.TABLE.applies(fam, other) or ""), other
@@ -101,16 +118,17 @@ def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only():
     assert "GB of scratch" in cuda_choices.TABLE.applies(fam, huge)
 
 
+@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
 @pytest.mark.parametrize("kind", list(KIND))
-def test_nan_and_inf_give_the_direct_sums_non_finite_values(kind, tmp_path):
+def test_nan_and_inf_give_the_direct_sums_non_finite_values(kind, m, tmp_path):
     """A NaN or an infinity among the operands sets the kernel's flag and its last launch computes
     its outputs by the direct sums: NaN, +inf and -inf where the float64 reference has them (not the
     NaN Winograd's transforms would spread over a tile), the other values as close as ever."""
     g = _geometry(kind, 3, 5, 7, 8, 6, 1)
     extra = {"conv2d": dict(bias=True, relu=False), "conv2d_grad_input": dict(relu_mask=False),
              "conv2d_grad_weight": dict(bias=False)}[kind]
-    kernel = cuda_winograd.render("k", g, _plan(g), bias=kind == "conv2d")
-    lib = cuda_emulator.build([kernel], tmp_path, f"nf{kind}")
+    kernel = cuda_winograd.render("k", g, _plan(g, m=m), bias=kind == "conv2d", m=m)
+    lib = cuda_emulator.build([kernel], tmp_path, f"nf{kind}{m}")
     spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
     ins, _, lengths = cuda_refs.make_case(KIND[kind], spec, extra, rng)
     src = "x" if kind != "conv2d_grad_input" else "dy"
