@@ -16,6 +16,7 @@ fair), and the record keeps its other timings.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,19 @@ def _close(out: np.ndarray | tuple[np.ndarray, ...], ref: np.ndarray | tuple[np.
         return next((f"output {i}: {why}" for i, why in whys if why is not None), None)
     if out.shape != ref.shape:
         return f"shape {out.shape}, expected {ref.shape}"
+    # Every value finite (the common case) in a few passes, no copies: a non-finite value in
+    # either makes the difference or the scale non-finite, and falls through to the masked check.
+    # (A convolution's output at batch 1024 is 51M values: the masked check took 0.8 s of the
+    # host a candidate, of 15-35 s a kernel.) The float32 difference's rounding is 2^-24 of it.
+    floats = np.issubdtype(out.dtype, np.floating) and np.issubdtype(ref.dtype, np.floating) and out.size
+    if floats:
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.subtract(out, ref)
+            np.abs(diff, out=diff)
+            err, scale = float(np.max(diff)), float(np.max(np.abs(ref)))
+    if floats and math.isfinite(err) and math.isfinite(scale):
+        err /= scale or 1.0
+        return None if err <= tolerance else f"differs from the reference by {err:.1e} of its magnitude (> {tolerance:g})"
     if not np.all(np.isfinite(out) == np.isfinite(ref)):
         return "non-finite values where the reference has none"
     finite = np.isfinite(ref)

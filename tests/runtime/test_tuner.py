@@ -196,6 +196,32 @@ def test_a_kernel_of_several_outputs_is_checked_output_by_output():
     assert _close((ref[0],), ref, 1e-5) == "not the reference's outputs"
 
 
+def test_the_check_against_the_reference_on_finite_and_non_finite_values():
+    """Rounding passes and a wrong value fails, relative to the reference's largest magnitude; a
+    non-finite value passes only where the reference has one (NaN where it has NaN, an infinity
+    where it has one); a difference too large for float32 is still a difference; integer outputs
+    are compared as numbers."""
+    from ember.runtime.tuner import _close
+    ref = np.linspace(-3, 3, 1000, dtype=np.float32)
+    assert _close(ref * np.float32(1 + 1e-6), ref, 1e-5) is None
+    assert "differs from the reference by 1.0e-02" in _close(ref + np.float32(0.03), ref, 1e-5)
+    bad = ref.copy()
+    bad[5] = np.nan
+    assert _close(bad, ref, 1e-5) == "non-finite values where the reference has none"
+    bad[5] = np.inf
+    assert _close(bad, ref, 1e-5) == "non-finite values where the reference has none"
+    with_inf = ref.copy()
+    with_inf[[7, 9]] = [np.inf, np.nan]
+    same = with_inf.copy()
+    same[0] *= np.float32(1 + 1e-6)
+    assert _close(same, with_inf, 1e-5) is None        # the finite values compared, by their own scale
+    assert "differs" in _close(np.where(np.isfinite(with_inf), with_inf + 1, with_inf), with_inf, 1e-5)
+    huge = np.array([3e38, -3e38], np.float32)
+    assert "differs" in _close(-huge, huge, 1e-5)        # the float32 difference overflows
+    idx = np.arange(10, dtype=np.int64)
+    assert _close(idx.copy(), idx, 1e-5) is None and "differs" in _close(idx[::-1].copy(), idx, 1e-5)
+
+
 def test_the_budget_bounds_the_run(tmp_path):
     db = TuningDB(tmp_path)
     measurer = FakeMeasurer()
