@@ -557,9 +557,9 @@ def _winograd_family(name: str, m: int, priority: int) -> Family:
         checks read)."""
         return dict(kind="matmul", epilogues=(), tf32=False, **cuda_winograd.problem(g, m))
 
-    def render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    def render(kernel_name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
         eps = spec.epilogues
-        return cuda_winograd.render(name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
+        return cuda_winograd.render(kernel_name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
                                     relu_mask="relu_mask" in eps, epilogue=epilogue, m=m)
 
     # fewer multiply-adds, transforms through memory: taken where measured, never by default

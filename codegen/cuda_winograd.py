@@ -111,9 +111,9 @@ def _regions(g: dict[str, Any], plan: GemmPlan, m: int) -> tuple[int, int, int, 
     k, p, positions = _correlation(g, m), problem(g, m), TRANSFORMS[m].positions
     a = positions * (k["CO"] * k["T"] if g["kind"] == "conv2d_grad_weight" else k["CI"] * k["CO"])
     b = positions * k["CI"] * k["T"]
-    m = p["batch"] * p["M"] * p["N"]
+    products = p["batch"] * p["M"] * p["N"]
     offs, at = [], 0
-    for floats in (a, b, m, 1):
+    for floats in (a, b, products, 1):
         offs.append(at)
         at += round_up(4 * floats, SCRATCH_ALIGN)
     gemm = gemm_scratch_bytes(plan, p["M"], p["N"], p["batch"])

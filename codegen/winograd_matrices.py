@@ -20,6 +20,7 @@ gave 1.89e-6 and 1.61e-6 (F(2, 3): 2.8e-7 and 3.8e-7; the direct sums 1.6e-7 and
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -61,9 +62,9 @@ def toom_cook(points: tuple[Fraction, ...], m: int, r: int) -> tuple[Matrix, Mat
     for q in points:
         poly = _times(poly, [-q, Fraction(1)])
     bt.append(tuple(poly))
-    # Signs: a row of B^T that starts negative is negated with its row of G (a finite point's) or its
-    # column of A^T (infinity's), the products unchanged, so no transform negates a value only for
-    # the next one to negate it back.
+    # Signs, a convention: every row of B^T starts positive (one that starts negative is negated
+    # with its row of G, a finite point's, or its column of A^T, infinity's: the products are
+    # unchanged). F(2, 3)'s input transform then has the textbook's rows up to one sign.
     at = [list(row) for row in at]
     for j, row in enumerate(bt):
         if next(c for c in row if c) < 0:
@@ -90,7 +91,7 @@ class Transform:
     def positions(self) -> int:
         return self.alpha ** 2
 
-    @property
+    @functools.cached_property
     def matrices(self) -> tuple[Matrix, Matrix, Matrix]:
         return toom_cook(self.points, self.m, 3)
 

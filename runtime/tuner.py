@@ -125,21 +125,21 @@ def _close(out: np.ndarray | tuple[np.ndarray, ...], ref: np.ndarray | tuple[np.
         return next((f"output {i}: {why}" for i, why in whys if why is not None), None)
     if out.shape != ref.shape:
         return f"shape {out.shape}, expected {ref.shape}"
-    # Every value finite (the common case) in a few passes, no copies: a non-finite value in
-    # either makes the difference or the scale non-finite, and falls through to the masked check.
-    # (A convolution's output at batch 1024 is 51M values: the masked check took 0.8 s of the
-    # host a candidate, of 15-35 s a kernel.) The float32 difference's rounding is 2^-24 of it.
+    # Every value finite (the common case): a few passes and one temporary, no masked copies. A
+    # non-finite value in either makes the difference or the scale non-finite and falls through to
+    # the masked check (a convolution's output at batch 1024 is 51M values: that check takes 0.8 s
+    # of this 2-core Xeon a candidate). The float32 difference's rounding is 2^-24 of it.
     floats = np.issubdtype(out.dtype, np.floating) and np.issubdtype(ref.dtype, np.floating) and out.size
     if floats:
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.subtract(out, ref)
             np.abs(diff, out=diff)
-            err, scale = float(np.max(diff)), float(np.max(np.abs(ref)))
+            err, scale = float(np.max(diff)), float(np.maximum(np.max(ref), -np.min(ref)))
     if floats and math.isfinite(err) and math.isfinite(scale):
         err /= scale or 1.0
         return None if err <= tolerance else f"differs from the reference by {err:.1e} of its magnitude (> {tolerance:g})"
     if not np.all(np.isfinite(out) == np.isfinite(ref)):
-        return "non-finite values where the reference has none"
+        return "non-finite values where the reference's are finite, or finite where its are not"
     finite = np.isfinite(ref)
     scale = float(np.max(np.abs(ref[finite]), initial=0.0)) or 1.0
     err = float(np.max(np.abs(out[finite].astype(np.float64) - ref[finite]), initial=0.0)) / scale
@@ -181,21 +181,20 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
     for done, (sub, spec, cands) in enumerate(work, 1):
         key = table.key(sub, spec)
         versions = table.versions(sub, spec)
+        rec = None if retune else db.lookup(table.target, device, key, versions)
+        if rec is not None and not table.fits(sub, spec, rec.choice):
+            rec = None  # its winner no longer fits: every candidate again
         if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
-        elif not retune and (rec := db.lookup(table.target, device, key, versions)) is not None \
-                and not _unmeasured_families(rec, cands) and table.fits(sub, spec, rec.choice):
+        elif rec is not None and not _unmeasured_families(rec, cands):
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
         elif time.perf_counter() - t0 >= budget_s:
             rep = KernelReport(sub.name, spec.kind, key, "budget", candidates=len(cands))
         else:
             if instrument is None:
                 instrument = measurer()  # type: ignore[operator]
-            earlier = None if retune else db.lookup(table.target, device, key, versions)
-            if earlier is not None and not table.fits(sub, spec, earlier.choice):
-                earlier = None  # its winner no longer fits: every candidate again
             rep = _measure_one(sub, spec, cands, key, versions, instrument, db, table, device,
-                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed, earlier)
+                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed, rec)
         seen.setdefault(key, rep)
         reports.append(rep)
         if progress is not None:
@@ -233,12 +232,29 @@ def _measure_one(sub: Graph, spec: KernelSpec, cands: list[Choice], key: str, ve
         raise RuntimeError(f"tuning {sub.name} ({spec.describe()}): no candidate ran: "
                            + "; ".join(f"{c}: {w}" for c, w in list(rejected.items())[:3]))
     best = min((t for t in trials if choice_text(t.choice) in timings), key=lambda t: t.time_us)
-    if earlier is not None:  # the families measured before keep their timings (and refusals)
-        old = set(timings) | set(rejected)
-        timings = {**{c: t for c, t in earlier.timings_us.items() if c not in old}, **timings}
-        rejected = {**{c: w for c, w in earlier.rejected.items() if c not in old}, **rejected}
-    db.store(table.target, device, key, Record(best.choice, timings, versions, rejected))
+    stored_timings, stored_rejected = timings, rejected
+    if earlier is not None:
+        stored_timings, stored_rejected = _with_earlier(earlier, timings, rejected, cands)
+    db.store(table.target, device, key, Record(best.choice, stored_timings, versions, stored_rejected))
     default_us = timings.get(choice_text(cands[0]))
     return KernelReport(sub.name, spec.kind, key, "measured", best.choice, timings[choice_text(best.choice)],
                         cands[0], default_us, len(trials), rejected)
+
+
+def _with_earlier(earlier: tuning_db.Record, timings: dict[str, float], rejected: dict[str, str],
+                  cands: list[Choice]) -> tuple[dict[str, float], dict[str, str]]:
+    """This run's timings and refusals with the earlier record's for the candidates not measured
+    again (those still among `cands`). The earlier timings are scaled by how the earlier winner,
+    measured in both runs, moved between them (the GPU's clocks, another process), so that they
+    compare with this run's and the winner's stays the smallest; where the earlier winner has no
+    time this run, they are left out."""
+    again = timings.get(choice_text(earlier.choice))
+    current = {choice_text(c) for c in cands}
+    kept = {c: w for c, w in earlier.rejected.items() if c in current and c not in timings and c not in rejected}
+    if again is None or not earlier.time_us:
+        return timings, {**kept, **rejected}
+    drift = again / earlier.time_us
+    old = {c: round(t * drift, 3) for c, t in earlier.timings_us.items()
+           if c in current and c not in timings and c not in rejected}
+    return {**old, **timings}, {**kept, **rejected}
 

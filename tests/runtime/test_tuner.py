@@ -27,9 +27,9 @@ def _fake_us(choice) -> float:
 
 
 class FakeMeasurer:
-    def __init__(self, corrupt=lambda sub, choice: False, fastest=None):
+    def __init__(self, corrupt=lambda sub, choice: False, fastest=None, slower=1.0):
         self.calls = 0
-        self.corrupt, self.fastest = corrupt, fastest
+        self.corrupt, self.fastest, self.slower = corrupt, fastest, slower
         self.asked = []  # the candidates of each call
 
     def measure(self, sub, spec, choices, *, seed=0):
@@ -43,7 +43,7 @@ class FakeMeasurer:
             out = ref.copy()
             if self.corrupt(sub, c):
                 out.reshape(-1)[: max(1, out.size // 4)] += 1.0  # a quarter of the outputs wrong
-            t = 0.5 if self.fastest is not None and self.fastest(sub, c) else _fake_us(c)
+            t = 0.5 if self.fastest is not None and self.fastest(sub, c) else _fake_us(c) * self.slower
             trials.append(Trial(c, t, out))
         return trials
 
@@ -98,10 +98,10 @@ def test_a_second_run_reuses_the_database_and_measures_nothing(tmp_path):
         assert third.calls > 0
 
 
-def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None):
+def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None, again=None):
     """Tunes the graph, lets `edit` change its first conv2d record in the database file (`edited`
-    then checks it, by the record's key), tunes again without --retune; returns (that key, the
-    database file, the second measurer, its report)."""
+    then checks it, by the record's key), tunes again without --retune (with `again`, default a
+    FakeMeasurer); returns (that key, the database file, the second measurer, its report)."""
     db = TuningDB(tmp_path)
     with tuning_db.using(db):
         tune_graph(_graph(), table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db)
@@ -111,7 +111,7 @@ def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None
         edit(data["records"][conv])
         path.write_text(json.dumps(data))
         edited(conv)
-        again = FakeMeasurer()
+        again = again or FakeMeasurer()
         report = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=again, db=TuningDB(tmp_path))
     return conv, path, again, report
 
@@ -119,7 +119,9 @@ def _retune_after_editing_a_conv_record(tmp_path, edit, edited=lambda conv: None
 def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measured_again(tmp_path):
     """A family added after a kernel was tuned (its record's versions lack it) is compared by the
     next `ember tune` without --retune, its candidates alone beside the reference and the record's
-    winner; the record keeps the other families' timings; the other kernels' records are reused."""
+    winner; the record keeps the other families' timings, scaled by how the winner's moved between
+    the runs (here the GPU runs 1.5x slower the second time), and their refusals; the other
+    kernels' records are reused."""
     before = {}
 
     def drop_gemm(record):
@@ -127,9 +129,12 @@ def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measure
         del record["versions"]["gemm"]   # as if gemm had come after the record
         for text in [t for t in record["timings_us"] if t.startswith("gemm(")]:
             del record["timings_us"][text]
-        before.update(record)
+        loser = next(t for t in record["timings_us"] if t != choice_text((record["family"], record["plan"])))
+        record["rejected"][loser] = "refused earlier"
+        del record["timings_us"][loser]
+        before.update(json.loads(json.dumps(record)))
 
-    conv, path, again, report = _retune_after_editing_a_conv_record(tmp_path, drop_gemm)
+    conv, path, again, report = _retune_after_editing_a_conv_record(tmp_path, drop_gemm, again=FakeMeasurer(slower=1.5))
     assert again.calls == 1 and report.measured == 1 and report.reused == len(report.kernels) - 1
     after = json.loads(path.read_text())["records"][conv]
     assert "gemm" in after["versions"]
@@ -138,11 +143,16 @@ def test_a_record_that_never_measured_a_family_serving_the_kernel_now_is_measure
     others = {f for f, _ in asked[1:]} - {"gemm"}
     assert any(f == "gemm" for f, _ in asked) and winner in asked
     assert others <= {winner[0]} and sum(f != "gemm" for f, _ in asked[1:]) <= 1, asked
-    assert set(before["timings_us"]) < set(after["timings_us"])  # the old timings kept, gemm's added
-    assert all(t.startswith("gemm(") or after["timings_us"][t] == before["timings_us"][t]
-               for t in after["timings_us"] if t not in {choice_text(c) for c in asked})
+    measured_now = {choice_text(c) for c in asked}
+    assert set(before["timings_us"]) - measured_now <= set(after["timings_us"])
+    for text, us in before["timings_us"].items():
+        if text not in measured_now:  # kept, scaled as the winner's time moved
+            assert after["timings_us"][text] == pytest.approx(us * 1.5, rel=1e-3)
+    assert set(before["rejected"]) <= set(after["rejected"])
     best = min(after["timings_us"], key=after["timings_us"].get)
     assert choice_text((after["family"], tuple(tuple(p) for p in after["plan"]))) == best
+    conv_report = next(k for k in report.kernels if k.status == "measured")
+    assert "refused earlier" not in conv_report.rejected.values()  # this run's refusals only
 
 
 def test_a_record_whose_plan_select_would_refuse_is_measured_again(tmp_path):
@@ -198,18 +208,19 @@ def test_a_kernel_of_several_outputs_is_checked_output_by_output():
 
 def test_the_check_against_the_reference_on_finite_and_non_finite_values():
     """Rounding passes and a wrong value fails, relative to the reference's largest magnitude; a
-    non-finite value passes only where the reference has one (NaN where it has NaN, an infinity
-    where it has one); a difference too large for float32 is still a difference; integer outputs
-    are compared as numbers."""
+    non-finite value passes only where the reference has a non-finite value (any: NaN and the
+    infinities are not told apart), a finite one only where its is finite; a difference too
+    large for float32 is still a difference; integer outputs are compared as numbers."""
     from ember.runtime.tuner import _close
     ref = np.linspace(-3, 3, 1000, dtype=np.float32)
     assert _close(ref * np.float32(1 + 1e-6), ref, 1e-5) is None
     assert "differs from the reference by 1.0e-02" in _close(ref + np.float32(0.03), ref, 1e-5)
     bad = ref.copy()
     bad[5] = np.nan
-    assert _close(bad, ref, 1e-5) == "non-finite values where the reference has none"
+    assert _close(bad, ref, 1e-5).startswith("non-finite values where the reference's are finite")
     bad[5] = np.inf
-    assert _close(bad, ref, 1e-5) == "non-finite values where the reference has none"
+    assert _close(bad, ref, 1e-5).startswith("non-finite values where the reference's are finite")
+    assert _close(ref, bad, 1e-5).startswith("non-finite values where the reference's are finite")
     with_inf = ref.copy()
     with_inf[[7, 9]] = [np.inf, np.nan]
     same = with_inf.copy()
