@@ -16,7 +16,9 @@ G^T [(A y A^T) . (B^T d B)] G for the m x m block y of dy above it (the same ide
 The points decide the rounding: F(2, 3) takes 0, 1, -1 (entries 0, +-1, 1/2, exact); F(4, 3) takes
 0, 1, -1, 1/2, -2, whose float32 error on a 64-channel layer (a NumPy model of the transforms, RMS
 against float64) was 1.26e-6 forward and 1.09e-6 for the weight gradient where Lavin's 0, +-1, +-2
-gave 1.89e-6 and 1.61e-6 (F(2, 3): 2.8e-7 and 3.8e-7; the direct sums 1.6e-7 and 2.3e-7).
+gave 1.89e-6 and 1.61e-6 (F(2, 3): 2.8e-7 and 3.8e-7; the direct sums 1.6e-7 and 2.3e-7). F(3, 3)
+at 0, 1, -1 and 1/2 (or 2, or -1/2) rounds nearly as much as F(4, 3) (1.0e-6 both ways): any point
+past 0 and +-1 costs it, which is why only F(2, 3) keeps to float32's contract (`cuda_winograd`).
 """
 from __future__ import annotations
 
