@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -52,6 +53,7 @@ def main() -> None:
     if args.runtime_sizes:
         from ember.codegen import cuda_choices
         cuda_choices.runtime_sizes = lambda spec: True
+        os.environ["EMBER_PLAN_CACHE"] = "0"  # a cached plan holds the source rendered without it
     if args.device == "cpu":
         _cpu(args)
         return
@@ -110,7 +112,6 @@ def _prefer(names: list[str], device: str) -> None:
     them), in this process, before any tuning record of such a kernel: unlike `force`, a kernel
     they cannot serve keeps its usual choice."""
     import dataclasses
-    import os
 
     from ember.codegen import cpp_choices, cuda_choices
     table = (cuda_choices if device == "cuda" else cpp_choices).TABLE
