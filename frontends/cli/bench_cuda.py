@@ -197,9 +197,11 @@ def run_cuda_bench(models: list[str], batches: list[int], *, steps: int = 200, r
     return report
 
 
-def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
+def kernel_profile(step: Any, repeats: int = 50, shares: bool = True) -> list[dict[str, Any]]:
     """Each launch of the training step timed alone with CUDA events (median of `repeats`), with its
-    achieved share of fp32 peak where it is a contraction."""
+    achieved share of fp32 peak where it is a contraction, and (`shares`) what it adds to the
+    step's graph (`step_time_without_each_kernel`: the step replayed once per kernel, minutes at
+    batch 1024)."""
     import cupy as cp
     executor = step._steps[step._example][1]
     graph = executor.graph
@@ -240,13 +242,16 @@ def kernel_profile(step: Any, repeats: int = 50) -> list[dict[str, Any]]:
     by_kernel: dict[str, float] = {}
     for row in rows:
         by_kernel[row["kernel"]] = by_kernel.get(row["kernel"], 0.0) + row["us"]
-    in_graph = step_time_without_each_kernel(executor)
+    in_graph = step_time_without_each_kernel(executor) if shares else None
     out = []
     for kernel, us in by_kernel.items():
         pct = 100 * flops[kernel] / (us * 1e-6) / (FP32_PEAK_TFLOPS * 1e12) if kernel in flops else None
         gbps = traffic[kernel] / (us * 1e-6) / 1e9
-        out.append({"kernel": kernel, "us": us, "pct_fp32_peak": pct, "bytes": traffic[kernel], "gb_per_s": gbps,
-                    "pct_hbm": 100 * gbps / HBM_GB_PER_S, "step_share_us": in_graph["full"] - in_graph[kernel]})
+        row = {"kernel": kernel, "us": us, "pct_fp32_peak": pct, "bytes": traffic[kernel], "gb_per_s": gbps,
+               "pct_hbm": 100 * gbps / HBM_GB_PER_S, "tflops": flops[kernel] / us / 1e6 if kernel in flops else None}
+        if in_graph is not None:
+            row["step_share_us"] = in_graph["full"] - in_graph[kernel]
+        out.append(row)
     return out
 
 
