@@ -6,11 +6,12 @@ This is what makes a warm `compile()` a trace, a hash and a load.
 The key is everything the result depends on: the traced graph as text (its ops, types, attributes
 and provenance, which kernel headers quote) and the bytes of its constants, the passes and their
 configuration (optimizer, precision, target), the device the kernels are chosen for, the tuning
-database that chooses them, the families a `force` block holds kernels to, and the code of ember itself (every module and template), so a
-changed pass or template never serves an old plan. What cannot be keyed reliably is not cached:
-a data-parallel step (its communicator), a step compiled with dumps (the passes must run to
-write them), or a pass whose configuration prints an object address. `EMBER_PLAN_CACHE=0`
-turns the cache off (the test suite does, so that tests which patch a pass see it run).
+database that chooses them, the families a `force` block holds kernels to, and the code of ember
+itself (every module and template), so a changed pass or template never serves an old plan.
+What cannot be keyed reliably is not cached: a data-parallel step (its communicator), a step
+compiled with dumps (the passes must run to write them), or a pass whose configuration prints an
+object address. `EMBER_PLAN_CACHE=0` turns the cache off (the test suite does, so that tests
+which patch a pass see it run).
 
 Entries are pickles under `$EMBER_CACHE_DIR/plans/`, written atomically; an unreadable entry is a
 miss, and an entry that cannot be written costs time only.

@@ -11,7 +11,7 @@ run stopped by its budget or by the user resumes where it stopped; kernels with 
 (the same convolution twice, or shared by another model) are measured once. A record that lacks a
 family serving its kernel now (added since) is measured again for that family alone, beside the
 reference and the record's winner (measured again, in the same run, so that the comparison is
-fair), and the record keeps its other timings.
+fair), and the record keeps its other timings, scaled by how the winner's moved between the runs.
 """
 from __future__ import annotations
 
@@ -248,13 +248,12 @@ def _with_earlier(earlier: tuning_db.Record, timings: dict[str, float], rejected
     measured in both runs, moved between them (the GPU's clocks, another process), so that they
     compare with this run's and the winner's stays the smallest; where the earlier winner has no
     time this run, they are left out."""
+    not_again = {choice_text(c) for c in cands} - set(timings) - set(rejected)
+    kept = {c: w for c, w in earlier.rejected.items() if c in not_again}
     again = timings.get(choice_text(earlier.choice))
-    current = {choice_text(c) for c in cands}
-    kept = {c: w for c, w in earlier.rejected.items() if c in current and c not in timings and c not in rejected}
     if again is None or not earlier.time_us:
         return timings, {**kept, **rejected}
     drift = again / earlier.time_us
-    old = {c: round(t * drift, 3) for c, t in earlier.timings_us.items()
-           if c in current and c not in timings and c not in rejected}
+    old = {c: round(t * drift, 3) for c, t in earlier.timings_us.items() if c in not_again}
     return {**old, **timings}, {**kept, **rejected}
 
