@@ -243,19 +243,25 @@ class _Compiled:
         from the plan cache where it holds this trace (`frontends/plan_cache.py`), else the passes
         run (tuning first, with `tune`). extra None: not cacheable (a data-parallel step)."""
         key = None
-        if self.target.prepare_build is not None:
-            self.target.prepare_build(forward)
         if extra is not None and dump is None and self.tune_budget_s is None and plan_cache.enabled():
             device = self.target.device_model() if self.target.device_model is not None else ""
             key = plan_cache.step_key(forward, passes, target=self.target, device=device, profile=self.profile,
                                       extra=f"{extra};precision={self.precision}")
             if key is not None and (found := plan_cache.load(key, forward)) is not None:
+                if self.target.prepare_build is not None:
+                    self.target.prepare_build(forward, (found[1],))
                 return found[0], found[1], None
+        if self.target.prepare_build is not None:
+            # a step that takes the plans of the steps compiled so far (another batch size,
+            # inference beside training) is their sources' variants
+            reused = [executor for _, executor in self._compiled()] if "kernel_reuse" in forward.meta else []
+            self.target.prepare_build(forward, tuple(getattr(e, "source", None) for e in reused))
         return self._tuned(lambda: run_passes(forward, passes, dump_dir=dump)), None, key
 
-    def _compiled_graphs(self) -> list[Graph]:
-        """The planned graphs of the steps compiled so far, in the order they were compiled."""
-        return [g for g, _ in self._inference.values()]
+    def _compiled(self) -> list[tuple[Graph, Executor]]:
+        """The planned graphs and executors of the steps compiled so far, in the order they were
+        compiled."""
+        return list(self._inference.values())
 
     def _reuse_plans(self, forward: Graph) -> str:
         """Gives a new step (another batch size, or inference beside training) the kernel plans of
@@ -269,7 +275,7 @@ class _Compiled:
             return ""
         plans: dict[str, Any] = {}
         decided: dict[Any, bool] = {}
-        for graph in self._compiled_graphs():
+        for graph, _ in self._compiled():
             for key, plan in self.target.reusable(graph):
                 plans.setdefault(key, plan)
             if graph.name == forward.name:
@@ -439,8 +445,8 @@ class TrainStep(_Compiled):
         self._epoch = model_epoch()  # the model as adopted; a later assignment in it changes this
         self.sync_ranks()  # every rank starts from rank 0's parameters and state (checked by hash)
 
-    def _compiled_graphs(self) -> list[Graph]:
-        return [g for g, _ in self._steps.values()] + super()._compiled_graphs()
+    def _compiled(self) -> list[tuple[Graph, Executor]]:
+        return list(self._steps.values()) + super()._compiled()
 
     @property
     def all_compile_stats(self) -> dict[str, dict[str, Any]]:

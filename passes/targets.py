@@ -95,11 +95,12 @@ class Target:
     storage: Callable[..., Any] | None = None
     #: () -> None, or raises a one-line error when the target cannot run here (no GPU, ...)
     available: Callable[[], None] | None = None
-    #: (traced graph) -> None: called when a step is about to be built, from its passes or from a
-    #: cached plan, so the target can start what its compiler needs meanwhile (CUDA: NVRTC worker
-    #: processes, for a graph large enough to need them: up by the time a later batch size of the
-    #: model compiles, even where this step's kernels were all cached)
-    prepare_build: Callable[[Graph], None] | None = None
+    #: (traced graph, sources) -> None: called when a step is about to be built, so the target can
+    #: start what its compiler needs meanwhile (CUDA: NVRTC worker processes, for a graph large
+    #: enough to need them). `sources`: the generated sources its kernels come from, where they
+    #: are known: the cached plan's own, or those of the steps whose plans it takes (a later batch
+    #: size); empty for a step planned afresh. A target may skip the work where those are built.
+    prepare_build: Callable[[Graph, tuple[Any, ...]], None] | None = None
     #: (index) -> None: makes unit `index` of a target with several ("cuda:1") the one this
     #: process runs on, or raises a one-line error; None: the target takes no index
     select_device: Callable[[int], None] | None = None

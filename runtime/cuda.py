@@ -204,7 +204,22 @@ def expected_modules(traced: Graph) -> int:
     return 3 * contractions + (len(traced) - contractions) // 10
 
 
-def _prepare_build(traced: Graph) -> None:
+def _step_options(cp: Any) -> tuple[str, ...]:
+    return ("-std=c++17", f"-arch={_arch(cp)}")
+
+
+def _prepare_build(traced: Graph, sources: tuple[Any, ...] = ()) -> None:
+    """Starts the NVRTC workers while the passes run, unless the step's kernels come from
+    `sources` (a cached plan's, or the steps' whose plans it takes) whose builds ahead all ran to
+    their end: their variants for any batch size are in the cache then, and workers starting beside
+    a later batch size's passes only slowed them (0.27-0.32 s without, 0.39-0.46 with; H100 host,
+    docs/benchmarks.md). Unmarked, they start: a model never stepped (nothing built ahead) gets
+    them up early for its later batch size (0.85-0.89 s against 1.25-1.39 s without)."""
+    if sources and all(s is not None for s in sources):
+        cp = _cupy()
+        options = _step_options(cp)
+        if all(cuda_modules.built_ahead(cp, s.code, options) for s in sources):
+            return
     nvrtc_workers.prestart(expected_modules(traced))
     cuda_modules.warm(_cupy)
 
@@ -244,7 +259,8 @@ def wait_for_builds_ahead(timeout: float | None = None) -> None:
             thread.join(timeout)
 
 
-def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ...]) -> threading.Thread | None:
+def _prefetch_reused(cp: Any, graph: Graph, source: cuda_codegen.CudaStepSource,
+                     options: tuple[str, ...]) -> threading.Thread | None:
     """Starts building, on a thread of its own, the modules a step of this model at another batch
     size will ask for that this one did not build (its GEMMs and generated kernels on run-time
     sizes, `cuda_codegen.reused_variants`), so the last partial batch or an inference at another
@@ -263,9 +279,9 @@ def _prefetch_reused(cp: Any, graph: Graph, prelude: str, options: tuple[str, ..
         try:
             with using(device):
                 units = cuda_codegen.reused_variants(graph)
-            if units and not _exiting.is_set():
-                cuda_modules.prefetch(cp, [prelude + code for code, _ in units], options,
-                                      names=[functions[0] for _, functions in units])
+            if not _exiting.is_set():
+                cuda_modules.prefetch(cp, [source.prelude + code for code, _ in units], options,
+                                      names=[functions[0] for _, functions in units], step_code=source.code)
         except Exception:  # noqa: BLE001 (ahead-of-time work: the build that needs a module makes it)
             pass
 
@@ -297,7 +313,7 @@ class CudaExecutor:
         self.source = source if source is not None else render_step(graph)  # given: from the plan cache
         rendered = time.perf_counter()
         self.arch = _arch(cp)
-        options = ("-std=c++17", f"-arch={self.arch}")
+        options = _step_options(cp)
         if dump_dir is not None:
             out = Path(dump_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -317,7 +333,7 @@ class CudaExecutor:
         # holds the GIL, which cost a cold compile 0.05-0.25 s on an H100 host when it ran beside
         # the rest of it, and the first 50 steps 30-55 ms once where it starts now
         self.prefetch: threading.Thread | None = None
-        self._build_ahead = (cp, graph, self.source.prelude, options)
+        self._build_ahead = (cp, graph, self.source, options)
         # where the time went (the frontend adds its passes' seconds; `ember mnist --verbose`)
         self.compile_stats: dict[str, float | int] = {
             "render_s": round(rendered - t0, 4), "compiler_s": round(time.perf_counter() - rendered, 4),

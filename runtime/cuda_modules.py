@@ -6,6 +6,8 @@ Layout, beside the C++ cache (`codegen/compiler.py`, DESIGN.md "Caching"):
     <cache>/nvrtc/<key[:2]>/<key>.json    metadata: sha256 of the cubin, options, NVRTC version
     <cache>/nvrtc/<key[:2]>/<key>.cu      the source it was built from
     <cache>/failed/<key>.cu               a source NVRTC rejected, kept for the error message
+    <cache>/nvrtc/ahead/<key>             a step (keyed as a module of its whole source is) whose
+                                          variants for other batch sizes were built ahead
 
 Why not CuPy's own cache (`RawModule`): its key includes the output of NVRTC preprocessing an
 empty source, done once per process and option set, and that one compile was ~0.2 s, nearly all
@@ -135,14 +137,38 @@ def _store(root: Path, shard: Path, key: str, source: str, image: bytes, options
                           "rebuilt in every process; set EMBER_CACHE_DIR to a writable folder", stacklevel=3)
 
 
+def _ahead_marker(root: Path, step_code: str, options: tuple[str, ...], version: tuple[int, int]) -> Path:
+    return root / KIND / "ahead" / module_key(step_code, tuple(options) + IMPLIED_OPTIONS, version)
+
+
+def built_ahead(cp: Any, step_code: str, options: tuple[str, ...], cache: Path | None = None) -> bool:
+    """Whether a `prefetch` for the step of this whole source (`CudaStepSource.code`) and options
+    ran to its end into this cache, in this process or an earlier one: a later batch size of the
+    step then finds its modules there."""
+    root = Path(cache) if cache is not None else compiler.cache_dir()
+    return _ahead_marker(root, step_code, options, nvrtc_version(cp)).exists()
+
+
 def prefetch(cp: Any, sources: list[str], options: tuple[str, ...], *, names: list[str],
-             cache: Path | None = None) -> int:
+             cache: Path | None = None, step_code: str | None = None) -> int:
     """Builds into the cache the sources it does not hold, loading nothing: modules a later build
     is expected to ask for (`runtime/cuda.py`: a step's kernels as a step of another batch size
     renders them), made while this process does other work. The misses are compiled together
     as a build's are (`nvrtc_workers`: the worker processes where they run, else this process's
-    two threads). A source NVRTC rejects is left out (the build that needs it raises). Returns
-    how many were built."""
+    two threads). A source NVRTC rejects is left out (the build that needs it raises). With
+    `step_code` (the source of the step these are variants of), its end is marked for
+    `built_ahead`. Returns how many were built."""
+    built = _prefetch(cp, sources, options, names, cache)
+    if step_code is not None:
+        root = Path(cache) if cache is not None else compiler.cache_dir()
+        try:
+            pipeline.write_atomic(_ahead_marker(root, step_code, options, nvrtc_version(cp)), "")
+        except OSError:
+            pass  # unmarked: a later process starts NVRTC workers it may not need, nothing else
+    return built
+
+
+def _prefetch(cp: Any, sources: list[str], options: tuple[str, ...], names: list[str], cache: Path | None) -> int:
     options = tuple(options) + IMPLIED_OPTIONS
     version = nvrtc_version(cp)
     root = Path(cache) if cache is not None else compiler.cache_dir()

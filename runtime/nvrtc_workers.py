@@ -7,9 +7,10 @@ in worker processes as well: with 8 of them, ResNet-8's 57 units took 0.21-0.23 
 start and its first NVRTC call costs another ~0.5 s); session 17 measured them on a warm host and
 kept them on by default (docs/benchmarks.md, "NVRTC in worker processes by default"). A worker
 now makes its first NVRTC call (a tiny program) before it says it is ready, so that cost is
-paid while the passes run: the workers are started before them (`Target.prepare_build`; on a
-cached plan too, so they are up when a later batch size of the model compiles), and this
-process's threads take jobs until the workers are up.
+paid while the passes run: the workers are started before them (`Target.prepare_build`, for a
+step planned afresh that reuses no other step's plans; a cached plan or a later batch size, whose
+modules were built before or ahead, starts them only when its build finds enough missing), and
+this process's threads take jobs until the workers are up.
 
 With workers, the misses go to a queue that the threads and the workers drain together: the
 threads start at once, each worker joins when its interpreter is up. A worker is `python -c` of

@@ -11,6 +11,8 @@ shorter K leaves trailing splits that add zeros) and a batched, transposed matmu
 K), each with split-K where the case has it, plus one TF32 tensor-core case."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -268,23 +270,31 @@ def test_a_step_builds_its_reused_variants_on_a_thread(monkeypatch):
     target = ember.runtime.target("cuda")
     first = run_passes(train_graph(build_model("resnet8"), (8, 1, 28, 28)), target.passes())
     asked = []
-    monkeypatch.setattr(runtime_cuda.cuda_modules, "prefetch",
-                        lambda cp, sources, options, names: asked.append(list(zip(names, sources))) or len(sources))
+    marked = []
+
+    def prefetch(cp, sources, options, names, step_code):
+        asked.append(list(zip(names, sources)))
+        marked.append(step_code)
+        return len(sources)
+
+    monkeypatch.setattr(runtime_cuda.cuda_modules, "prefetch", prefetch)
+    source = SimpleNamespace(prelude="// prelude\n", code="// the step\n")
     monkeypatch.setenv("EMBER_PREFETCH", "0")
-    assert runtime_cuda._prefetch_reused(object(), first, "", ()) is None
+    assert runtime_cuda._prefetch_reused(object(), first, source, ()) is None
     monkeypatch.delenv("EMBER_PREFETCH")
-    thread = runtime_cuda._prefetch_reused(object(), first, "// prelude\n", ("-arch=sm_90",))
+    thread = runtime_cuda._prefetch_reused(object(), first, source, ("-arch=sm_90",))
     thread.join(timeout=120)
     assert not thread.is_alive() and not thread.daemon
     want = cuda.reused_variants(first)
     (build,) = asked
+    assert marked == [source.code]  # the step marked as built ahead (`cuda_modules.built_ahead`)
     assert [source for _, source in build] == ["// prelude\n" + code for code, _ in want]
     assert [name for name, _ in build] == [functions[0] for _, functions in want]
     later_graph = train_graph(build_model("resnet8"), (5, 1, 28, 28))
     later_graph.meta["kernel_reuse"] = target.reusable(first)
     later = run_passes(later_graph, target.passes())
     asked.clear()
-    thread = runtime_cuda._prefetch_reused(object(), later, "", ())
+    thread = runtime_cuda._prefetch_reused(object(), later, source, ())
     thread.join(timeout=120)
     assert sum(len(build) for build in asked) == len(cuda.reused_variants(later)) <= 3
 
@@ -317,12 +327,12 @@ def test_the_build_ahead_starts_once_when_the_steps_graph_is_captured(monkeypatc
 
     monkeypatch.setattr(runtime_cuda, "_prefetch_reused", lambda *args: started.append(args) or "thread")
     ex = runtime_cuda.CudaExecutor.__new__(runtime_cuda.CudaExecutor)
-    ex._graph, ex.stream, ex.prefetch, ex._build_ahead = None, Stream(), None, ("cp", "graph", "prelude", ())
+    ex._graph, ex.stream, ex.prefetch, ex._build_ahead = None, Stream(), None, ("cp", "graph", "source", ())
     ex._launch_all = lambda rings=False: launched.append("launches")
     ex._replay()
     assert launched == ["launches"] and started == [] and ex.prefetch is None
     ex._replay()
-    assert launched == ["launches", "capture", "launches", "replay"] and started == [("cp", "graph", "prelude", ())]
+    assert launched == ["launches", "capture", "launches", "replay"] and started == [("cp", "graph", "source", ())]
     assert ex.prefetch == "thread"
     ex._replay()
     ex._replay()

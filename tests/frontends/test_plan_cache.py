@@ -118,15 +118,23 @@ def test_the_tuning_database_and_the_device_take_part_in_the_key(tmp_path):
     assert len(keys) == 5
 
 
-def test_the_target_prepares_a_build_from_a_cached_plan_too(monkeypatch):
-    """`Target.prepare_build` runs for a cached plan as for the passes (CUDA starts its NVRTC workers
-    there, so they are up when a later batch size of the model compiles), once a compile."""
+def test_the_target_is_told_where_a_steps_kernels_come_from(monkeypatch):
+    """`Target.prepare_build` (CUDA starts its NVRTC workers there unless those kernels were all
+    built ahead) gets no sources for a step planned afresh, the cached plan's source for a cached
+    plan, and the compiled steps' sources for a later batch size that takes their plans."""
     import dataclasses
 
     from ember.passes import targets
     prepared = []
     cpu = targets.get("cpu")
-    monkeypatch.setitem(targets._TARGETS, "cpu", dataclasses.replace(cpu, prepare_build=prepared.append))
-    assert _compile(_fresh()).compile_stats["plan_cached"] is False and len(prepared) == 1
-    assert _compile(_fresh()).compile_stats["plan_cached"] is True and len(prepared) == 2
-    assert all(g.name == prepared[0].name for g in prepared)
+    monkeypatch.setitem(targets._TARGETS, "cpu", dataclasses.replace(
+        cpu, prepare_build=lambda graph, sources: prepared.append((graph.name, sources))))
+    first = _compile(_fresh())
+    assert first.compile_stats["plan_cached"] is False and prepared == [("train_step", ())]
+    step = _compile(_fresh())
+    assert step.compile_stats["plan_cached"] is True and len(prepared) == 2
+    (_, executor), = step._steps.values()
+    assert prepared[1][1] == (executor.source,) and executor.source is not None
+    x, _ = _data()
+    step.precompile((x.shape[0] - 1, *x.shape[1:]))
+    assert len(prepared) == 3 and prepared[2][1] == (executor.source,)

@@ -234,6 +234,80 @@ def test_prefetch_into_a_cache_that_cannot_be_written_is_silent(tmp_path, monkey
     assert not cuda_modules._write_warned.is_set()
 
 
+def test_a_build_ahead_run_to_its_end_marks_its_step_for_that_cache_options_and_nvrtc(tmp_path):
+    """`prefetch(..., step_code=)` marks the step whose variants it built (even with none to
+    build); `built_ahead` finds the mark for the same step source, options and NVRTC version in
+    the same cache only."""
+    step = "// the whole step\n" + SOURCE
+    assert not cuda_modules.built_ahead(fake_cupy(), step, OPTIONS, cache=tmp_path)
+    cuda_modules.prefetch(fake_cupy(), [SOURCE], OPTIONS, names=["a"], cache=tmp_path, step_code=step)
+    assert cuda_modules.built_ahead(fake_cupy(), step, OPTIONS, cache=tmp_path)
+    assert (tmp_path / "nvrtc" / "ahead").is_dir() and entry(tmp_path)  # the module entry beside it
+    assert not cuda_modules.built_ahead(fake_cupy(), step + "// another\n", OPTIONS, cache=tmp_path)
+    assert not cuda_modules.built_ahead(fake_cupy(), step, ("-std=c++17", "-arch=sm_80"), cache=tmp_path)
+    cuda_modules._version_of.cache_clear()
+    assert not cuda_modules.built_ahead(fake_cupy(version=(13, 1)), step, OPTIONS, cache=tmp_path)
+    assert not cuda_modules.built_ahead(fake_cupy(), step, OPTIONS, cache=tmp_path / "elsewhere")
+    nothing = "// a step with nothing to build ahead\n"
+    assert cuda_modules.prefetch(fake_cupy(), [], OPTIONS, names=[], cache=tmp_path, step_code=nothing) == 0
+    assert cuda_modules.built_ahead(fake_cupy(), nothing, OPTIONS, cache=tmp_path)
+
+
+def test_the_nvrtc_workers_start_unless_every_step_the_build_comes_from_was_built_ahead(monkeypatch, tmp_path):
+    """The CUDA target's `prepare_build`: a step planned afresh (no sources), a source unknown or
+    one whose build ahead never ended starts the workers; sources all marked do not."""
+    from ember.runtime import cuda as runtime_cuda
+    cp = fake_cupy()
+    cp.cuda.Device = lambda: SimpleNamespace(compute_capability="90")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime_cuda, "_cupy", lambda: cp)
+    started = []
+    monkeypatch.setattr(runtime_cuda.nvrtc_workers, "prestart", lambda expected=None: started.append(expected))
+    built, unbuilt = SimpleNamespace(code="// built ahead\n"), SimpleNamespace(code="// never stepped\n")
+    cuda_modules.prefetch(cp, [], OPTIONS, names=[], step_code=built.code)
+    for sources, starts in (((), True), ((built,), False), ((built, built), False), ((unbuilt,), True),
+                            ((built, unbuilt), True), ((None,), True), ((built, None), True)):
+        started.clear()
+        runtime_cuda._prepare_build(Graph("traced"), sources)
+        assert bool(started) == starts, sources
+
+
+@pytest.mark.cuda
+def test_a_stepped_models_build_ahead_is_marked_and_its_warm_compile_and_later_batch_start_no_workers(
+        tmp_path, monkeypatch):
+    """On the GPU: a cold compile of the CNN starts the NVRTC workers; its captured steps build
+    ahead and mark the step; then a compile from the plan cache and a later batch size start none
+    and build no module."""
+    from ember.frontends import compile, nn, optim
+    from ember.frontends.training import build_model
+    from ember.runtime import cuda as runtime_cuda
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EMBER_PLAN_CACHE", "1")
+    started = []
+    monkeypatch.setattr(runtime_cuda.nvrtc_workers, "prestart", lambda expected=None: started.append(expected))
+    x, y = np.zeros((32, 1, 28, 28), np.float32), np.zeros(32, np.int64)
+
+    def fresh():
+        return compile(build_model("cnn"), nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y),
+                       device="cuda")
+
+    step = fresh()
+    assert started[0] is not None  # `_prepare_build`'s, with the modules expected (the build's own follow)
+    for _ in range(3):
+        step(x, y)
+    runtime_cuda.wait_for_builds_ahead()
+    (_, executor), = step._steps.values()
+    cp = runtime_cuda._cupy()
+    assert cuda_modules.built_ahead(cp, executor.source.code, runtime_cuda._step_options(cp))
+    started.clear()
+    warm = fresh()
+    assert warm.compile_stats["plan_cached"] is True
+    before = compiler.cache_stats("nvrtc")["misses"]
+    warm.precompile((5, 1, 28, 28))
+    assert started == [] and compiler.cache_stats("nvrtc")["misses"] == before
+
+
 def test_the_nvrtc_warm_up_is_opt_in_once_a_process_and_runs_beside_the_passes(monkeypatch):
     """`cuda_modules.warm` (EMBER_NVRTC_WARM=1, called by the target's prepare_build): this
     process's first NVRTC call, an empty kernel, on a thread that ends; once a process; nothing
