@@ -23,6 +23,7 @@ chooses another); the database is keyed by its name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -137,11 +138,12 @@ def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
 TUNE_TOP, TUNE_SPREAD = 8, 300
 
 
-def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
-    """The GEMM plans worth measuring for this kernel, the cost model's pick first."""
+def gemm_candidates(g: dict[str, Any], x3: bool = False) -> list[Plan]:
+    """The GEMM plans worth measuring for this kernel, the cost model's pick first (`x3`: those
+    of the 3xTF32 path, family gemm_x3)."""
     p = _gemm_problem(g)
     ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                          b_kfast=p["b_kfast"], tf32=g["tf32"], bf16="dtype" in g)
+                                          b_kfast=p["b_kfast"], tf32=g["tf32"] or x3, bf16="dtype" in g, x3=x3)
     chosen = list(map(_pairs, ranked[:TUNE_TOP]))  # the first is `_gemm_plans`' pick: the same ranking
     if "dtype" in g:  # bfloat16: the tiles (and k-tiles of 32) that fit once a k pair is one word
         chosen += map(_pairs, cuda_kernels.plan_candidates(
@@ -158,7 +160,7 @@ def gemm_candidates(g: dict[str, Any]) -> list[Plan]:
     return list(dict.fromkeys(chosen))[:3 * TUNE_TOP]
 
 
-def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
+def _gemm_accepts(g: dict[str, Any], plan: Plan, x3: bool = False) -> bool:
     """A stored GEMM plan fits when the cost model finds it feasible as it is (the same splits):
     a step's own kernels hold K and the split chunk in their code."""
     p, fields = _gemm_problem(g), dict(plan)
@@ -166,18 +168,18 @@ def _gemm_accepts(g: dict[str, Any], plan: Plan) -> bool:
         gp = GemmPlan(**fields)
     except TypeError:
         return False
-    mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
+    mk = cuda_kernels.mma_k(g["tf32"] or x3, "dtype" in g)
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     q = cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                p["a_kfast"], p["b_kfast"], "dtype" in g)
+                                p["a_kfast"], p["b_kfast"], "dtype" in g, x3)
     return q is not None and _pairs(q) == plan
 
 
 _TILES = frozenset(cuda_kernels._tile_candidates())
 
 
-def _gemm_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
+def _gemm_accepts_reused(g: dict[str, Any], plan: Plan, x3: bool = False) -> bool:
     """A GEMM plan of another batch size fits where its tile is one the templates build and is
     feasible (registers, shared memory, the tensor cores' warp grid) and its grid within CUDA's
     limits: a reused plan's kernel takes M, K and the split chunk at run time, so its split count
@@ -189,13 +191,13 @@ def _gemm_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
         return False
     if (gp.BM, gp.BN, gp.TM, gp.TN) not in _TILES or gp.BK < 1 or gp.splits < 1:
         return False
-    mk = cuda_kernels.mma_k(g["tf32"], "dtype" in g)
+    mk = cuda_kernels.mma_k(g["tf32"] or x3, "dtype" in g)
     if mk and (gp.BK % mk or cuda_kernels.tf32_warp_grid(gp.BM, gp.BN, gp.threads) is None):
         return False
     if p["batch"] * gp.splits > 65535 or -(-p["N"] // gp.BN) > 65535:
         return False
     return cuda_kernels._gemm_cost(p["M"], p["N"], p["K"], p["batch"], gp.BM, gp.BN, gp.BK, gp.TM, gp.TN, gp.splits,
-                                   p["a_kfast"], p["b_kfast"], "dtype" in g) is not None
+                                   p["a_kfast"], p["b_kfast"], "dtype" in g, x3) is not None
 
 
 def _gemm_code(g: dict[str, Any]) -> dict[str, Any]:
@@ -242,22 +244,35 @@ def runtime_sizes(spec: KernelSpec) -> bool:
     return spec.why.startswith("reused")
 
 
-def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
-    gp, tf32, eps = GemmPlan(**dict(plan)), g["tf32"], spec.epilogues
-    low = bf16_roles(sub, spec)
-    rt = runtime_sizes(spec)
+def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any,
+                 x3: bool = False) -> CudaKernel:
+    gp, eps = GemmPlan(**dict(plan)), spec.epilogues
+    common = dict(epilogue=epilogue, tf32=g["tf32"], plan=gp, bf16_roles=bf16_roles(sub, spec),
+                  runtime_batch=runtime_sizes(spec), x3=x3)
     if g["kind"] == "matmul":
         return cuda_kernels.render_matmul(name, M=g["M"], N=g["N"], K=g["K"], trans_a=g["trans_a"],
                                           trans_b=g["trans_b"], batch=g["batch"], bias="bias" in eps,
-                                          relu="relu" in eps, epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
+                                          relu="relu" in eps, **common)
     if g["kind"] == "conv2d":
-        return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps,
-                                                  epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
+        return cuda_kernels.render_conv2d_forward(name, **_conv_args(g), bias="bias" in eps, relu="relu" in eps, **common)
     if g["kind"] == "conv2d_grad_input":
-        return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps,
-                                                     epilogue=epilogue, tf32=tf32, plan=gp, bf16_roles=low, runtime_batch=rt)
-    return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, epilogue=epilogue, tf32=tf32,
-                                                  plan=gp, bf16_roles=low, runtime_batch=rt)
+        return cuda_kernels.render_conv2d_grad_input(name, **_conv_args(g), relu_mask="relu_mask" in eps, **common)
+    return cuda_kernels.render_conv2d_grad_weight(name, **_conv_args(g), bias=False, **common)
+
+
+# -- gemm_x3: the GEMM skeleton's 3xTF32 path, float32 contractions on TF32 tensor cores
+
+def _x3_rejects(g: dict[str, Any]) -> str | None:
+    if g["tf32"] or g.get("dtype") == "bfloat16":
+        return ("it computes float32 products on TF32 tensor cores (3xTF32): precision 'float32' only (under "
+                "'tf32' one TF32 product is what is asked for; bfloat16 operands have their own mma)")
+    return _gemm_rejects(g)
+
+
+def _x3_plans(g: dict[str, Any]) -> list[Plan]:
+    p = _gemm_problem(g)
+    return [_pairs(cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
+                                                b_kfast=p["b_kfast"], tf32=True, x3=True)[0])]
 
 
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
@@ -744,6 +759,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemm", CONVS + ("matmul",), 5, _gemm_plans, _gemm_rejects, _plain, _gemm_scratch, _gemm_render,
            tuning_plans=gemm_candidates, accepts=_gemm_accepts, code_geometry=_gemm_code,
            accepts_reused=_gemm_accepts_reused),
+    # float32 on TF32 tensor cores, three products an operand pair (accuracy: docs/precision.md);
+    # taken where measured, never by default
+    Family("gemm_x3", CONVS + ("matmul",), 9, _x3_plans, _x3_rejects, _never, _gemm_scratch,
+           functools.partial(_gemm_render, x3=True), tuning_plans=lambda g: gemm_candidates(g, x3=True)[:TUNE_TOP * 2],
+           accepts=functools.partial(_gemm_accepts, x3=True), code_geometry=_gemm_code,
+           accepts_reused=functools.partial(_gemm_accepts_reused, x3=True)),
     _winograd_family("winograd", 2, 7),
     # F(4x4, 3x3): 1.78x fewer products than F(2x2), smaller transformed operands, more rounding
     _winograd_family("winograd4", 4, 8),

@@ -231,8 +231,8 @@ def _pick_bk(K: int) -> int:
     return 16 if K < 4096 else 32
 
 
-def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast, bf16: bool = False):
-    tile = _tile_model(BM, BN, BK, TM, TN, current(), 2 if bf16 else 1)
+def _gemm_cost(M, N, K, batch, BM, BN, BK, TM, TN, splits, a_kfast, b_kfast, bf16: bool = False, x3: bool = False):
+    tile = _tile_model(BM, BN, BK, TM, TN, current(), 2 if bf16 else 1, x3)
     return None if tile is None else _split_cost(M, N, K, batch, tile, splits)
 
 
@@ -253,15 +253,17 @@ class _TileModel:
 
 
 @functools.lru_cache(maxsize=4096)  # a handful of k-tile depths x the tile candidates x devices
-def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word: int = 1) -> _TileModel | None:
+def _tile_model(BM: int, BN: int, BK: int, TM: int, TN: int, dev: Any, k_a_word: int = 1,
+                x3: bool = False) -> _TileModel | None:
     """`k_a_word`: the k values a staged register and shared-memory word holds (bfloat16: 2, a
-    pair), so a slot of the next tile's registers, and 4 bytes of shared memory, serve that many."""
+    pair), so a slot of the next tile's registers, and 4 bytes of shared memory, serve that many.
+    `x3` (3xTF32): each operand fragment twice (big and small) and a fragment's partial sums."""
     threads = (BM // TM) * (BN // TN)
     kw = BK // k_a_word
     la = ceil_div(BM * kw, threads)
     lb = ceil_div(BN * kw, threads)
     # Accumulators, operand vectors, the prefetched next tile and its hoisted gather offsets.
-    regs = TM * TN + TM + TN + 3 * (la + lb) + 24
+    regs = TM * TN + TM + TN + 3 * (la + lb) + 24 + ((TM + TN + 4) if x3 else 0)
     if regs > 200 or la + lb > 20:
         return None  # would spill (measured with ptxas -v: la + lb = 36 spills at 64 threads)
     regs = round_up(regs, 8)
@@ -369,29 +371,30 @@ _CANDIDATES: dict[tuple, tuple[GemmPlan, ...]] = {}
 
 def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
                     min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
-                    bf16: bool = False, pair_words: bool = False) -> list[GemmPlan]:
+                    bf16: bool = False, pair_words: bool = False, x3: bool = False) -> list[GemmPlan]:
     """Every feasible plan for C (batch, M, N) = A (M, K) @ B (K, N), best estimate first (for
     tf32 and bf16: tiles the tensor-core warp grid can split, k-tiles a multiple of the
     instruction's k; ranked by the fp32 model, which over-weights the FMAs but orders the gathers
     and waves alike). `pair_words` (bf16): registers and shared memory counted as the kernel
     stages them, a k pair a word, with k-tiles of 32 beside the usual depth: the larger tiles
     this admits are for the tuner to measure (as the cost model's pick they measured slower on
-    an H200: ResNet-8 at batch 256 +9%, airbench +6%, untuned)."""
-    key = (M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows, allow_split, tf32, bf16, pair_words, current())
+    an H200: ResNet-8 at batch 256 +9%, airbench +6%, untuned). `x3` (with tf32): the 3xTF32 kernels'
+    registers counted (family gemm_x3)."""
+    key = (M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows, allow_split, tf32, bf16, pair_words, x3, current())
     if key not in _CANDIDATES:
         if len(_CANDIDATES) > 4096:
             _CANDIDATES.clear()
         _CANDIDATES[key] = tuple(_plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
                                                   min_threads_for_rows=min_threads_for_rows,
                                                   allow_split=allow_split, tf32=tf32, bf16=bf16,
-                                                  pair_words=pair_words))
+                                                  pair_words=pair_words, x3=x3))
     return list(_CANDIDATES[key])
 
 
 def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_kfast: bool,
                      min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
-                     bf16: bool = False, pair_words: bool = False, _min_tile: tuple[int, int] = (8, 4)
-                     ) -> list[GemmPlan]:
+                     bf16: bool = False, pair_words: bool = False, x3: bool = False,
+                     _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
     mk = mma_k(tf32, bf16)
     BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
     # bfloat16 stages k in pairs, so a k-tile of 32 holds the registers and shared memory of
@@ -422,7 +425,7 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                 s = ceil_div(target, tiles)
                 if 1 < s <= K // (2 * BK):
                     split_opts.add(s)
-        tile = _tile_model(BM, BN, BK, TM, TN, dev, 2 if words else 1)
+        tile = _tile_model(BM, BN, BK, TM, TN, dev, 2 if words else 1, x3)
         if tile is None:
             continue
         for s in sorted(split_opts):
@@ -434,7 +437,7 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
     if not out and mk and _min_tile != (32, 32):  # a tiny GEMM: the smallest tensor-core tiles, mostly empty
         return _plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
                                 min_threads_for_rows=min_threads_for_rows, allow_split=allow_split, tf32=tf32,
-                                bf16=bf16, pair_words=pair_words, _min_tile=(32, 32))
+                                bf16=bf16, pair_words=pair_words, x3=x3, _min_tile=(32, 32))
     assert out
     return out
 
@@ -493,20 +496,24 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                  b_kfast: bool, rowsum: bool = False, plan: GemmPlan | None = None,
                  c_nfast: bool = False, epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
                  bf16_roles: frozenset[str] = frozenset(), runtime: frozenset[str] = frozenset(),
-                 pair_roles: tuple[str, str] | None = None, **ctx) -> CudaKernel:
+                 pair_roles: tuple[str, str] | None = None, x3: bool = False, **ctx) -> CudaKernel:
     """`runtime`: the sizes among M, K, BATCH the code takes as by-value arguments (the ones a
     batch size changes), so one text serves every batch size; with K, the split chunk too (the
     plan's split count is kept: at a shorter K trailing splits add zeros). `description` must
     then hold none of their values. `pair_roles`: the roles of the A and B operands, for a
     template whose loaders read a bfloat16 operand's (k, k + 1) pair at once (`load_a2`,
-    `load_b2`: gemm.j2), used where that role is bfloat16."""
+    `load_b2`: gemm.j2), used where that role is bfloat16. `x3`: float32 operands as three TF32
+    products each (3xTF32, family gemm_x3) on the TF32 path's warp tiles."""
+    if x3 and (tf32 or set(inputs[:2]) & bf16_roles):
+        raise ValueError("3xTF32 is for float32 operands under precision 'float32' (not with tf32 or bfloat16)")
+    tf32 = tf32 or x3
     # bfloat16 operands (their roles in `bf16_roles`, as any other bfloat16 buffer's): read as
     # floats, multiplied on the bfloat16 tensor cores (mma.m16n8k16), accumulated in fp32,
     # rounded before the epilogue
     bf16 = bool(set(inputs[:2]) & bf16_roles)
     if plan is None:
-        plan = plan_gemm(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
-                         min_threads_for_rows=rowsum, tf32=tf32, bf16=bf16)
+        plan = plan_candidates(M, N, K, batch, a_kfast=a_kfast, b_kfast=b_kfast,
+                               min_threads_for_rows=rowsum, tf32=tf32, bf16=bf16, x3=x3)[0]
     mk = mma_k(tf32, bf16)
     warp_grid = tf32_warp_grid(plan.BM, plan.BN, plan.threads) if mk else None
     if mk and (warp_grid is None or plan.BK % mk):
@@ -549,7 +556,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
                    rt_init="".join(f", {m}" for _, m in members), align=SCRATCH_ALIGN // 4,
                    part_off=part_off, rsum_off=rsum_off, roles=roles, inputs=inputs,
                    a_kfast=a_kfast, b_kfast=b_kfast, rowsum=rowsum, c_nfast=c_nfast, grid=grid, rgrid=rgrid,
-                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32, bf16=bf16,
+                   signature=sig, rg=rg, pw=epilogue, unrestricted=unrestricted, tf32=tf32, bf16=bf16, x3=x3,
                    bf16_roles=bf16_roles,
                    wgm=warp_grid[0] if warp_grid else 0, wgn=warp_grid[1] if warp_grid else 0,
                    a_pad=a_pad, b_pad=b_pad,
@@ -566,7 +573,7 @@ def _render_gemm(template: str, name: str, *, description: str, M: int, N: int, 
 def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int, KW: int,
                           stride=(1, 1), padding=(0, 0), bias: bool, relu: bool, plan: GemmPlan | None = None,
                           epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                          bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
+                          bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False, x3: bool = False) -> CudaKernel:
     """out = relu?(conv2d(x, w) + bias?): roles x (N,C,H,W), w (O,C,KH,KW), [bias (O,)],
     out (N,O,HO,WO). Implicit GEMM with M = N*HO*WO, N = O, K = C*KH*KW. `runtime_batch`: the
     images N (so M) are a by-value argument, the code the same for every batch size."""
@@ -579,14 +586,14 @@ def render_conv2d_forward(name: str, *, N: int, C: int, H: int, W: int, O: int, 
         M=N * HO * WO, N=O, K=C * KH * KW, batch=1, roles=roles, inputs=("x", "w", "bias"),
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
-        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, x3=x3, bf16_roles=bf16_roles)
 
 
 def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                              KW: int, stride=(1, 1), padding=(0, 0),
                              relu_mask: bool = False, plan: GemmPlan | None = None,
                              epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                             bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
+                             bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False, x3: bool = False) -> CudaKernel:
     """dx = conv2d_grad_input(dy, w) [* (mask_src > 0)]: roles dy (N,O,HO,WO), w (O,C,KH,KW),
     [mask_src (N,C,H,W)], out (N,C,H,W). Implicit GEMM with M = N*H*W, N = C, K = O*KH*KW; strided,
     one such GEMM per phase (`grad_input_gemm`); `runtime_batch` as `render_conv2d_forward`'s."""
@@ -601,13 +608,13 @@ def render_conv2d_grad_input(name: str, *, N: int, C: int, H: int, W: int, O: in
         a_kfast=False, b_kfast=True, plan=plan,
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO,
         HQ=ceil_div(H, sh), WQ=ceil_div(W, sw), TH=ceil_div(KH, sh), TW=ceil_div(KW, sw),
-        relu_mask=relu_mask, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
+        relu_mask=relu_mask, epilogue=epilogue, tf32=tf32, x3=x3, bf16_roles=bf16_roles)
 
 
 def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: int, KH: int,
                               KW: int, stride=(1, 1), padding=(0, 0), bias: bool, plan: GemmPlan | None = None,
                               epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                              bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
+                              bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False, x3: bool = False) -> CudaKernel:
     """dw = conv2d_grad_weight(x, dy) [, db = sum of dy over N, HO, WO]: roles x (N,C,H,W),
     dy (N,O,HO,WO), out (O,C,KH,KW), [db (O,)]. Implicit GEMM with M = O, N = C*KH*KW,
     K = N*HO*WO, deterministic split-K; db is the row sum of the A operand, fused.
@@ -620,7 +627,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
         description=f"conv2d grad-weight x({n},{C},{H},{W}) dy({n},{O},{HO},{WO}) stride ({sh},{sw}) "
                     f"padding ({ph},{pw}){' +db' if bias else ''}",
         M=O, N=C * KH * KW, K=N * HO * WO, batch=1, roles=roles, inputs=("x", "dy"),
-        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32,
+        a_kfast=True, b_kfast=True, rowsum=bias, plan=plan, c_nfast=True, epilogue=epilogue, tf32=tf32, x3=x3,
         bf16_roles=bf16_roles, pair_roles=("dy", "x"),
         C=C, H=H, W=W, O=O, KH=KH, KW=KW, SH=sh, SW=sw, PH=ph, PW=pw, HO=HO, WO=WO)
 
@@ -630,7 +637,7 @@ def render_conv2d_grad_weight(name: str, *, N: int, C: int, H: int, W: int, O: i
 def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: bool,
                   batch: int = 1, bias: bool = False, relu: bool = False, plan: GemmPlan | None = None,
                   epilogue: PointwiseEpilogue | None = None, tf32: bool = False,
-                  bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False) -> CudaKernel:
+                  bf16_roles: frozenset[str] = frozenset(), runtime_batch: bool = False, x3: bool = False) -> CudaKernel:
     """out[b] = relu?(op(a[b]) @ op(b[b]) + bias?): roles a, b, [bias (N,)], out (batch,M,N).
     a is stored (batch,M,K), or (batch,K,M) with trans_a; b (batch,K,N), or (batch,N,K) with
     trans_b; all row-major contiguous. `runtime_batch`: batch, M and K (any of which a batch
@@ -648,7 +655,7 @@ def render_matmul(name: str, *, M: int, N: int, K: int, trans_a: bool, trans_b: 
                     f"({k_}x{N}{'^T' if trans_b else ''}){' +bias' if bias else ''}{' +relu' if relu else ''}",
         M=M, N=N, K=K, batch=batch, roles=roles, inputs=("a", "b", "bias"),
         a_kfast=not trans_a, b_kfast=trans_b, plan=plan, c_nfast=True, trans_a=trans_a, trans_b=trans_b,
-        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, bf16_roles=bf16_roles)
+        bias=bias, relu=relu, epilogue=epilogue, tf32=tf32, x3=x3, bf16_roles=bf16_roles)
 
 
 # --------------------------------------------------------------------------- loss, update

@@ -73,6 +73,31 @@ def tf32_kernels():
     return out
 
 
+def x3_kernels():
+    """The GEMM contractions again as 3xTF32 (family gemm_x3: float32 on TF32 tensor cores), held to
+    the float32 kernels' tolerance: the MNIST convolutions at batch 64, the odd geometries' and
+    the odd matmuls."""
+    out = []
+    for cname, g in MNIST_CONVS.items():
+        spec = dict(N=64, **g)
+        out.append((ck.render_conv2d_forward(f"{cname}_fwd_x3", bias=True, relu=True, x3=True, **spec),
+                    ("conv_fwd", spec, dict(bias=True, relu=True))))
+        out.append((ck.render_conv2d_grad_weight(f"{cname}_gw_x3", bias=True, x3=True, **spec),
+                    ("conv_gw", spec, dict(bias=True))))
+        out.append((ck.render_conv2d_grad_input(f"{cname}_gi_x3", relu_mask=True, x3=True, **spec),
+                    ("conv_gi", spec, dict(relu_mask=True))))
+    for i, g in enumerate(ODD_CONVS):
+        out.append((ck.render_conv2d_forward(f"odd{i}_fwd_x3", bias=True, relu=False, x3=True, **g),
+                    ("conv_fwd", g, dict(bias=True, relu=False))))
+        out.append((ck.render_conv2d_grad_weight(f"odd{i}_gw_x3", bias=True, x3=True, **g),
+                    ("conv_gw", g, dict(bias=True))))
+        out.append((ck.render_conv2d_grad_input(f"odd{i}_gi_x3", relu_mask=False, x3=True, **g),
+                    ("conv_gi", g, dict(relu_mask=False))))
+    for i, m in enumerate(ODD_MATMULS):
+        out.append((ck.render_matmul(f"oddmm{i}_x3", x3=True, **m), ("matmul", m, {})))
+    return out
+
+
 def direct_kernels(batches=(64, 1024)):
     """The direct (stride-1) convolutions of `cuda_direct`: conv2 of the MNIST CNN and every odd
     stride-1 geometry (padding, 1x1, 5x5, 7x7, column tails) that has a direct plan."""
@@ -224,6 +249,7 @@ def all_kernels(batches=(64, 1024)):
     for n, C in ((1, 1), (7, 3), (2000, 17)):
         out.append((ck.render_softmax_cross_entropy(f"sce_odd_{n}_{C}", N=n, C=C), ("sce", dict(N=n, C=C), {})))
     out += tf32_kernels()
+    out += x3_kernels()
     out += direct_kernels(batches)
     out += direct_tc_kernels(batches)
     out += skinny_kernels(batches)

@@ -58,7 +58,7 @@ def _covers(family: str, g: dict, kernel) -> None:
     """The main launch of a kernel of `family` covers every output of geometry `g`."""
     consts = {k: int(v) for k, v in re.findall(r"\b([A-Z_][A-Z0-9_]*) = (\d+)\b", kernel.code)}
     main = kernel.launches[0]
-    if family == "gemm":
+    if family in ("gemm", "gemm_x3"):
         p = cuda_choices._gemm_problem(g)
         assert main.grid == (math.ceil(p["M"] / consts["BM"]), math.ceil(p["N"] / consts["BN"]),
                              p["batch"] * consts["SPLITS"])
