@@ -566,7 +566,9 @@ def _short_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pl
 # -- winograd, winograd4: 3x3 stride-1 convolutions by Winograd's minimal filtering F(m x m, 3x3),
 # m = 2 or 4, around batched GEMMs (cuda_winograd)
 
-def _winograd_family(name: str, m: int, priority: int) -> Family:
+def _winograd_family(name: str, m: int, priority: int, x3: bool = False) -> Family:
+    """`x3`: the batched GEMM as 3xTF32 (float32 products on TF32 tensor cores, gemm_x3's path),
+    for precision "float32" only."""
     def gemm(g: dict[str, Any]) -> dict[str, Any]:
         """The kernel's batched product as a matmul geometry (what the GEMM family's planner and
         checks read)."""
@@ -575,13 +577,18 @@ def _winograd_family(name: str, m: int, priority: int) -> Family:
     def render(kernel_name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
         eps = spec.epilogues
         return cuda_winograd.render(kernel_name, g, GemmPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
-                                    relu_mask="relu_mask" in eps, epilogue=epilogue, m=m)
+                                    relu_mask="relu_mask" in eps, epilogue=epilogue, m=m, x3=x3)
 
+    def rejects(g: dict[str, Any]) -> str | None:
+        if x3 and g["tf32"]:
+            return "its GEMM computes float32 products as 3xTF32: precision 'float32' only"
+        return cuda_winograd.serves(g, m)
+
+    tuning = (lambda g: gemm_candidates(gemm(g), x3=True)[:TUNE_TOP * 2]) if x3 else (lambda g: gemm_candidates(gemm(g)))
     # fewer multiply-adds, transforms through memory: taken where measured, never by default
-    return Family(name, CONVS, priority, lambda g: [_pairs(cuda_winograd.plans(g, m=m)[0])],
-                  lambda g: cuda_winograd.serves(g, m), _never,
+    return Family(name, CONVS, priority, lambda g: [_pairs(cuda_winograd.plans(g, m=m, x3=x3)[0])], rejects, _never,
                   lambda g, plan: cuda_winograd.scratch_bytes(g, GemmPlan(**dict(plan)), m), render,
-                  tuning_plans=lambda g: gemm_candidates(gemm(g)), accepts=lambda g, plan: _gemm_accepts(gemm(g), plan))
+                  tuning_plans=tuning, accepts=lambda g, plan: _gemm_accepts(gemm(g), plan, x3=x3))
 
 
 # -- grouped: convolutions with groups > 1, depthwise included (generic kernels, grouped_conv)
@@ -768,6 +775,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _winograd_family("winograd", 2, 7),
     # F(4x4, 3x3): 1.78x fewer products than F(2x2), smaller transformed operands, more rounding
     _winograd_family("winograd4", 4, 8),
+    # F(2x2, 3x3) with its GEMM as 3xTF32 (float32)
+    _winograd_family("winograd_x3", 2, 10, x3=True),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

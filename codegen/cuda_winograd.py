@@ -98,11 +98,12 @@ def problem(g: dict[str, Any], m: int = 2) -> dict[str, Any]:
     return dict(M=k["CO"], N=k["T"], K=k["CI"], batch=positions, trans_a=True, trans_b=False)
 
 
-def plans(g: dict[str, Any], top: int = 1, m: int = 2) -> list[GemmPlan]:
-    """The GEMM planner's best `top` plans for the kernel's batched product."""
+def plans(g: dict[str, Any], top: int = 1, m: int = 2, x3: bool = False) -> list[GemmPlan]:
+    """The GEMM planner's best `top` plans for the kernel's batched product (`x3`: on the GEMM's
+    3xTF32 path, family winograd_x3)."""
     p = problem(g, m)
     return plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=not p["trans_a"],
-                           b_kfast=p["trans_b"])[:top]
+                           b_kfast=p["trans_b"], tf32=x3, x3=x3)[:top]
 
 
 def _regions(g: dict[str, Any], plan: GemmPlan, m: int) -> tuple[int, int, int, int, int, int]:
@@ -125,9 +126,11 @@ def scratch_bytes(g: dict[str, Any], plan: GemmPlan, m: int = 2) -> int:
 
 
 def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, relu: bool = False,
-           relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None, m: int = 2) -> CudaKernel:
+           relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None, m: int = 2,
+           x3: bool = False) -> CudaKernel:
     """The kernel of F(m x m, 3x3): roles x, w, [bias], out (forward), dy, w, [mask_src], out
-    (grad-input) or x, dy, out (grad-weight), then a generated epilogue's, and the scratch block."""
+    (grad-input) or x, dy, out (grad-weight), then a generated epilogue's, and the scratch block.
+    `x3`: its batched GEMM on TF32 tensor cores as 3xTF32 (the transforms stay float32 FMAs)."""
     kind = g["kind"]
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
@@ -154,7 +157,7 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
         signature=kernel_signature(roles, inputs, unrestricted, True), src=src, flip=kind == "conv2d_grad_input",
         bias=bias, relu=relu, relu_mask=relu_mask, pw=epilogue)
     mm = render_matmul(f"{name}_mm", M=p["M"], N=p["N"], K=p["K"], trans_a=p["trans_a"], trans_b=p["trans_b"],
-                       batch=p["batch"], plan=plan)
+                       batch=p["batch"], plan=plan, x3=x3)
     # the matmul's operands, product and split partials are regions of this kernel's scratch block
     regions = {"a": scratch_role(off_a), "b": scratch_role(off_b), "out": scratch_role(off_m),
                "scratch": scratch_role(off_gemm)}

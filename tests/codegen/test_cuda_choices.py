@@ -69,8 +69,8 @@ def _covers(family: str, g: dict, kernel) -> None:
         assert main.grid == (g["N"] * math.ceil(g["HO"] / consts["RB"]), 1, 1)
     elif family == "thin":
         assert main.grid[0] * main.block[0] * 4 >= g["N"] and main.grid[1] * consts["RM"] >= g["M"]
-    elif family in ("winograd", "winograd4"):  # the last launch: a thread an m x m output block (a 3x3 weight) of every channel
-        last, m = kernel.launches[-1], 2 if family == "winograd" else 4
+    elif family in ("winograd", "winograd4", "winograd_x3"):  # the last launch: a thread an m x m output block (a 3x3 weight) of every channel
+        last, m = kernel.launches[-1], 4 if family == "winograd4" else 2
         blocks = g["O"] * g["C"] if g["kind"] == "conv2d_grad_weight" else \
             g["N"] * (g["C"] if g["kind"] == "conv2d_grad_input" else g["O"]) * \
             math.ceil(g["HO" if g["kind"] == "conv2d" else "H"] / m) * math.ceil(g["WO" if g["kind"] == "conv2d" else "W"] / m)

@@ -1,5 +1,5 @@
-"""The CUDA `winograd` and `winograd4` families (codegen/cuda_winograd.py, F(2x2, 3x3) and F(4x4,
-3x3)) without a GPU: their kernels (the transforms and the GEMM skeleton's batched matmul on regions
+"""The CUDA `winograd`, `winograd4` and `winograd_x3` families (codegen/cuda_winograd.py, F(2x2, 3x3),
+F(4x4, 3x3), and F(2x2) with its GEMM as 3xTF32) without a GPU: their kernels (the transforms and the GEMM skeleton's batched matmul on regions
 of the scratch block) run in the CPU emulation of their own source (cuda_emulator.py) against
 float64 references, for the three kinds with their epilogues (the forward's bias and ReLU, the
 grad-input's ReLU mask, a generated pointwise epilogue), odd and even planes (planes that are not
@@ -32,23 +32,27 @@ CASES = [(kind, _geometry(kind, *sizes)) for kind in KIND for sizes in (
     (3, 17, 8, 6, 20, 0),    # no padding; channels past a tile
     (1, 4, 5, 5, 3, 2),      # padding 2 (the grad-input's correlation crops)
 )]
-#: the output tile of each family: F(m x m, 3x3)
-TILES = {"winograd": 2, "winograd4": 4}
+#: each family's output tile (F(m x m, 3x3)) and whether its GEMM is 3xTF32
+FAMILIES = {"winograd": (2, False), "winograd4": (4, False), "winograd_x3": (2, True)}
+TILES = {name: m for name, (m, x3) in FAMILIES.items() if not x3}
 
 
-def _plan(g: dict, split: bool | None = None, m: int = 2):
+def _plan(g: dict, split: bool | None = None, m: int = 2, x3: bool = False):
     """The planner's best plan, or its best with (or without) split-K."""
-    plans = cuda_winograd.plans(g, top=400, m=m)
+    plans = cuda_winograd.plans(g, top=400, m=m, x3=x3)
     if split is not None:
         plans = [p for p in plans if (p.splits > 1) == split]
     return plans[0]
 
 
-def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None = None, m: int = 2) -> None:
+def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None = None, m: int = 2,
+         x3: bool = False) -> None:
     kind = g["kind"]
     extra = {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True),
              "conv2d_grad_weight": dict(bias=False)}[kind]
-    kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, m=m, **{k: v for k, v in extra.items() if v})
+    kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, m=m, x3=x3,
+                                  **{k: v for k, v in extra.items() if v})
+    assert ("split_tf32(" in kernel.code) == x3
     assert kernel.scratch_bytes == cuda_winograd.scratch_bytes(g, plan, m)
     assert all(scratch_offset(r) is None or scratch_offset(r) < kernel.scratch_bytes
                for la in kernel.launches for r in la.args)
@@ -62,53 +66,59 @@ def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None =
                                err_msg=f"{kind} {g} {plan}")
 
 
-@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{k}_{i % 3}" for i, (k, _) in enumerate(CASES)])
-def test_winograd_kernels_match_float64_in_the_emulation(case, m, tmp_path):
+def test_winograd_kernels_match_float64_in_the_emulation(case, family, tmp_path):
     kind, g = CASES[case]
-    _run(g, _plan(g, m=m), tmp_path, f"w{case}", m=m)
+    m, x3 = FAMILIES[family]
+    _run(g, _plan(g, m=m, x3=x3), tmp_path, f"w{case}", m=m, x3=x3)
 
 
-@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kind", list(KIND))
-def test_split_k_and_a_generated_epilogue(kind, m, tmp_path):
+def test_split_k_and_a_generated_epilogue(kind, family, tmp_path):
     """The grad-weight's product sums over the tiles: with split-K its partials are summed in
     split order by the GEMM's second launch, on another region of the scratch; a generated
     pointwise epilogue (here red * 0.5) is applied where each output is stored."""
+    m, x3 = FAMILIES[family]
     side = 9 if m == 2 else 17  # the grad-weight's reduction over the tiles long enough to split
     g = _geometry(kind, 4, 6, side, side, 8, 1)
     half = PointwiseEpilogue(body=(), result="red * 0.5f", inputs=())
     split = kind == "conv2d_grad_weight"
-    _run(g, _plan(g, split=split if split else None, m=m), tmp_path, f"s{kind}", epilogue=half, m=m)
+    _run(g, _plan(g, split=split if split else None, m=m, x3=x3), tmp_path, f"s{kind}", epilogue=half, m=m, x3=x3)
 
 
-@pytest.mark.parametrize("m", TILES.values(), ids=list(TILES))
-def test_the_kernels_compile_for_sm_90(m, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_kernels_compile_for_sm_90(family, tmp_path):
     nvcc = nvcc_tool.nvcc_or_skip()
+    m, x3 = FAMILIES[family]
     for i, (kind, g) in enumerate(CASES[::3] + [("big", _geometry("conv2d", 64, 256, 14, 14, 256, 1))]):
         g = dict(g, kind="conv2d") if kind == "big" else g
-        kernel = cuda_winograd.render(f"k{i}", g, _plan(g, m=m), bias=g["kind"] == "conv2d", relu=g["kind"] == "conv2d",
-                                      relu_mask=g["kind"] == "conv2d_grad_input", m=m)
+        kernel = cuda_winograd.render(f"k{i}", g, _plan(g, m=m, x3=x3), bias=g["kind"] == "conv2d",
+                                      relu=g["kind"] == "conv2d", relu_mask=g["kind"] == "conv2d_grad_input", m=m, x3=x3)
         src = tmp_path / f"k{i}.cu"
         src.write_text(kernel.code)
         nvcc_tool.assert_compiles(nvcc, src)
 
 
-@pytest.mark.parametrize("family", list(TILES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_table_offers_it_for_3x3_stride_1_float32_convolutions_only(family):
     """F(2x2) wherever the operands are float32; F(4x4), which rounds several times more, only
-    where precision "tf32" allows more rounding than float32's."""
+    where precision "tf32" allows more rounding than float32's; F(2x2) with its GEMM as 3xTF32
+    only under precision "float32" (under "tf32", one TF32 product is what is asked for)."""
     g = dict(_geometry("conv2d", 64, 256, 14, 14, 256, 1), epilogues=("bias",), tf32=family == "winograd4")
     fam = cuda_choices.FAMILIES[family]
     assert cuda_choices.TABLE.applies(fam, g) is None
     if family == "winograd4":
         assert "tf32" in cuda_choices.TABLE.applies(fam, dict(g, tf32=False))
+    elif family == "winograd_x3":
+        assert "float32" in cuda_choices.TABLE.applies(fam, dict(g, tf32=True))
     else:
         assert cuda_choices.TABLE.applies(fam, dict(g, tf32=True)) is None
     assert fam.preferred(g) is False  # taken where measured only
     assert fam.all_plans(g) and fam.fits(g, fam.plans(g)[0]) and len(fam.all_plans(g)) > 1
     # V and M for the whole batch: (m+2)^2 points of every tile
-    m = TILES[family]
+    m = FAMILIES[family][0]
     tiles = 64 * (-(-14 // m)) ** 2
     assert fam.scratch(g, fam.plans(g)[0]) > 2 * (m + 2) ** 2 * 256 * tiles * 4
     for other, why in ((dict(g, stride=(2, 2)), "ungrouped 3x3"), (dict(g, KH=5, KW=5), "ungrouped 3x3"),

@@ -1,4 +1,4 @@
-"""The CUDA `winograd` and `winograd4` families' kernels on a GPU against float64 references (what
+"""The CUDA `winograd`, `winograd4` and `winograd_x3` families' kernels on a GPU against float64 references (what
 test_cuda_winograd.py checks in the CPU emulation, here on the device): the three kinds with their
 epilogues at small odd geometries and at airbench's 256-channel 14x14 layer (batch 8), output and
 scratch poisoned with NaN, each run twice and bit-identical. Tolerance as test_cuda_kernels_gpu:
@@ -27,13 +27,13 @@ CASES = [(kind, sizes) for kind in KIND for sizes in ((2, 5, 7, 9, 6, 1), (3, 17
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", (2, 4), ids=("winograd", "winograd4"))
+@pytest.mark.parametrize("m,x3", ((2, False), (4, False), (2, True)), ids=("winograd", "winograd4", "winograd_x3"))
 @pytest.mark.parametrize("kind,sizes", CASES, ids=[f"{k}_{s[1]}x{s[4]}_{s[2]}" for k, s in CASES])
-def test_winograd_kernels_on_the_gpu(kind, sizes, m):
+def test_winograd_kernels_on_the_gpu(kind, sizes, m, x3):
     cp = pytest.importorskip("cupy")
     g = _geometry(kind, *sizes)
-    plan = cuda_winograd.plans(g, m=m)[0]
-    kernel = cuda_winograd.render("wk", g, plan, m=m, **{k: v for k, v in EXTRA[kind].items() if v})
+    plan = cuda_winograd.plans(g, m=m, x3=x3)[0]
+    kernel = cuda_winograd.render("wk", g, plan, m=m, x3=x3, **{k: v for k, v in EXTRA[kind].items() if v})
     spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
     ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(3))
     module = cuda_refs.compile_module(cp, [kernel.code])
