@@ -177,8 +177,9 @@ def test_expected_modules_of_a_traced_step_tell_small_models_from_large():
 
 
 def test_workers_still_starting_do_not_hold_up_the_exit(fake_nvrtc_path, monkeypatch):
-    """Workers start on a cached plan too, so a short process may end before they are up: closing
-    the pool then kills them at once instead of waiting for their start (~1.3 s on a GPU host)."""
+    """Workers start before the passes (and on a cached plan never built ahead), so a short
+    process may end before they are up: closing the pool then kills them at once instead of
+    waiting for their start (~1.3 s on a GPU host)."""
     monkeypatch.setenv("FAKE_NVRTC_IMPORT_S", "20")
     pool = nvrtc_workers.WorkerPool(2)
     procs = [w.proc for w in pool._workers]
