@@ -74,3 +74,17 @@ def test_the_cpu_step_timer_times_each_precision_and_its_kernels():
     totals = [line for line in lines if "contraction kernels" in line]
     assert [line.split(":")[0].strip() for line in totals] == ["float32", "bf16"], lines
     assert sum(1 for line in lines if re.match(r" +[\d.]+ us +k\d+_matmul +bf16\(", line)) >= 3, lines
+
+
+def test_the_mma_rounding_lab_compiles_and_checks_its_arguments(tmp_path, monkeypatch):
+    """tools/mma_rounding_lab.py (run on a GPU): its kernel compiles for sm_90 warning-free, and
+    lengths the mma's k does not divide are refused before CuPy is asked for."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "codegen"))
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import mma_rounding_lab
+    import nvcc as nvcc_tool
+    src = tmp_path / "lab.cu"
+    src.write_text(mma_rounding_lab.SOURCE)
+    nvcc_tool.assert_compiles(nvcc_tool.nvcc_or_skip(), src)
+    r = _run("mma_rounding_lab.py", "--ks", "12")
+    assert r.returncode == 2 and "multiples of 8" in r.stderr
