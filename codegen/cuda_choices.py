@@ -125,10 +125,10 @@ def _gemm_rejects(g: dict[str, Any]) -> str | None:
     return None
 
 
-def _gemm_plans(g: dict[str, Any]) -> list[Plan]:
+def _gemm_plans(g: dict[str, Any], x3: bool = False) -> list[Plan]:
     p = _gemm_problem(g)
-    best = cuda_kernels.plan_gemm(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"],
-                                  tf32=g["tf32"], bf16="dtype" in g)
+    best = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"], b_kfast=p["b_kfast"],
+                                        tf32=g["tf32"], bf16="dtype" in g, x3=x3)[0]
     return [_pairs(best)]
 
 
@@ -143,7 +143,7 @@ def gemm_candidates(g: dict[str, Any], x3: bool = False) -> list[Plan]:
     of the 3xTF32 path, family gemm_x3)."""
     p = _gemm_problem(g)
     ranked = cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                          b_kfast=p["b_kfast"], tf32=g["tf32"] or x3, bf16="dtype" in g, x3=x3)
+                                          b_kfast=p["b_kfast"], tf32=g["tf32"], bf16="dtype" in g, x3=x3)
     chosen = list(map(_pairs, ranked[:TUNE_TOP]))  # the first is `_gemm_plans`' pick: the same ranking
     if "dtype" in g:  # bfloat16: the tiles (and k-tiles of 32) that fit once a k pair is one word
         chosen += map(_pairs, cuda_kernels.plan_candidates(
@@ -262,17 +262,16 @@ def _gemm_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
 
 # -- gemm_x3: the GEMM skeleton's 3xTF32 path, float32 contractions on TF32 tensor cores
 
-def _x3_rejects(g: dict[str, Any]) -> str | None:
+def _x3_precision(g: dict[str, Any]) -> str | None:
+    """Why a 3xTF32 family (gemm_x3, winograd_x3) does not serve this geometry's precision, if so."""
     if g["tf32"] or g.get("dtype") == "bfloat16":
         return ("it computes float32 products on TF32 tensor cores (3xTF32): precision 'float32' only (under "
                 "'tf32' one TF32 product is what is asked for; bfloat16 operands have their own mma)")
-    return _gemm_rejects(g)
+    return None
 
 
-def _x3_plans(g: dict[str, Any]) -> list[Plan]:
-    p = _gemm_problem(g)
-    return [_pairs(cuda_kernels.plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=p["a_kfast"],
-                                                b_kfast=p["b_kfast"], tf32=True, x3=True)[0])]
+def _x3_rejects(g: dict[str, Any]) -> str | None:
+    return _x3_precision(g) or _gemm_rejects(g)
 
 
 # -- direct: stride-1 convolutions staging input rows once a block (cuda_direct)
@@ -580,9 +579,7 @@ def _winograd_family(name: str, m: int, priority: int, x3: bool = False) -> Fami
                                     relu_mask="relu_mask" in eps, epilogue=epilogue, m=m, x3=x3)
 
     def rejects(g: dict[str, Any]) -> str | None:
-        if x3 and g["tf32"]:
-            return "its GEMM computes float32 products as 3xTF32: precision 'float32' only"
-        return cuda_winograd.serves(g, m)
+        return (_x3_precision(g) if x3 else None) or cuda_winograd.serves(g, m)
 
     tuning = (lambda g: gemm_candidates(gemm(g), x3=True)[:TUNE_TOP * 2]) if x3 else (lambda g: gemm_candidates(gemm(g)))
     # fewer multiply-adds, transforms through memory: taken where measured, never by default
@@ -768,7 +765,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            accepts_reused=_gemm_accepts_reused),
     # float32 on TF32 tensor cores, three products an operand pair (accuracy: docs/precision.md);
     # taken where measured, never by default
-    Family("gemm_x3", CONVS + ("matmul",), 9, _x3_plans, _x3_rejects, _never, _gemm_scratch,
+    Family("gemm_x3", CONVS + ("matmul",), 9, functools.partial(_gemm_plans, x3=True), _x3_rejects, _never, _gemm_scratch,
            functools.partial(_gemm_render, x3=True), tuning_plans=lambda g: gemm_candidates(g, x3=True)[:TUNE_TOP * 2],
            accepts=functools.partial(_gemm_accepts, x3=True), code_geometry=_gemm_code,
            accepts_reused=functools.partial(_gemm_accepts_reused, x3=True)),

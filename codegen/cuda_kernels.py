@@ -378,8 +378,8 @@ def plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b_
     and waves alike). `pair_words` (bf16): registers and shared memory counted as the kernel
     stages them, a k pair a word, with k-tiles of 32 beside the usual depth: the larger tiles
     this admits are for the tuner to measure (as the cost model's pick they measured slower on
-    an H200: ResNet-8 at batch 256 +9%, airbench +6%, untuned). `x3` (with tf32): the 3xTF32 kernels'
-    registers counted (family gemm_x3)."""
+    an H200: ResNet-8 at batch 256 +9%, airbench +6%, untuned). `x3`: the
+    plans on the TF32 warp tiles with the 3xTF32 kernels' registers counted (family gemm_x3)."""
     key = (M, N, K, batch, a_kfast, b_kfast, min_threads_for_rows, allow_split, tf32, bf16, pair_words, x3, current())
     if key not in _CANDIDATES:
         if len(_CANDIDATES) > 4096:
@@ -395,7 +395,7 @@ def _plan_candidates(M: int, N: int, K: int, batch: int = 1, *, a_kfast: bool, b
                      min_threads_for_rows: bool = False, allow_split: bool = True, tf32: bool = False,
                      bf16: bool = False, pair_words: bool = False, x3: bool = False,
                      _min_tile: tuple[int, int] = (8, 4)) -> list[GemmPlan]:
-    mk = mma_k(tf32, bf16)
+    mk = mma_k(tf32 or x3, bf16)
     BK = round_up(_pick_bk(K), mk) if mk else _pick_bk(K)
     # bfloat16 stages k in pairs, so a k-tile of 32 holds the registers and shared memory of
     # float32's 16: offered beside the usual depth wherever K spans two of them

@@ -103,7 +103,7 @@ def plans(g: dict[str, Any], top: int = 1, m: int = 2, x3: bool = False) -> list
     3xTF32 path, family winograd_x3)."""
     p = problem(g, m)
     return plan_candidates(p["M"], p["N"], p["K"], p["batch"], a_kfast=not p["trans_a"],
-                           b_kfast=p["trans_b"], tf32=x3, x3=x3)[:top]
+                           b_kfast=p["trans_b"], x3=x3)[:top]
 
 
 def _regions(g: dict[str, Any], plan: GemmPlan, m: int) -> tuple[int, int, int, int, int, int]:

@@ -158,9 +158,9 @@ def prefetch(cp: Any, sources: list[str], options: tuple[str, ...], *, names: li
     two threads). A source NVRTC rejects is left out (the build that needs it raises). With
     `step_code` (the source of the step these are variants of), its end is marked for
     `built_ahead`. Returns how many were built."""
-    built = _prefetch(cp, sources, options, names, cache)
+    root = Path(cache) if cache is not None else compiler.cache_dir()
+    built = _prefetch(cp, sources, options, names, root)
     if step_code is not None:
-        root = Path(cache) if cache is not None else compiler.cache_dir()
         try:
             pipeline.write_atomic(_ahead_marker(root, step_code, options, nvrtc_version(cp)), "")
         except OSError:
@@ -168,10 +168,9 @@ def prefetch(cp: Any, sources: list[str], options: tuple[str, ...], *, names: li
     return built
 
 
-def _prefetch(cp: Any, sources: list[str], options: tuple[str, ...], names: list[str], cache: Path | None) -> int:
+def _prefetch(cp: Any, sources: list[str], options: tuple[str, ...], names: list[str], root: Path) -> int:
     options = tuple(options) + IMPLIED_OPTIONS
     version = nvrtc_version(cp)
-    root = Path(cache) if cache is not None else compiler.cache_dir()
     misses = []
     for source, name in zip(sources, names):
         key = module_key(source, options, version)

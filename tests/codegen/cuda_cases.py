@@ -73,29 +73,37 @@ def tf32_kernels():
     return out
 
 
+def _contractions_again(tag: str, flags: dict, ref_flags: dict, matmuls: dict) -> list:
+    """The GEMM contractions rendered with `flags` (kernel names suffixed `_tag`), each with the
+    flags its reference and tolerance read (`ref_flags`): the MNIST convolutions at batch 64 and
+    the odd geometries (tails in every dimension, k not a multiple of 8, split-K, batched), then
+    `matmuls` and the odd matmuls."""
+    out = []
+    convs = [(cname, dict(N=64, **g)) for cname, g in MNIST_CONVS.items()]
+    convs += [(f"odd{i}", g) for i, g in enumerate(ODD_CONVS)]
+    for cname, spec in convs:
+        odd = cname.startswith("odd")
+        out.append((ck.render_conv2d_forward(f"{cname}_fwd_{tag}", bias=True, relu=not odd, **flags, **spec),
+                    ("conv_fwd", spec, dict(bias=True, relu=not odd) | ref_flags)))
+        out.append((ck.render_conv2d_grad_weight(f"{cname}_gw_{tag}", bias=True, **flags, **spec),
+                    ("conv_gw", spec, dict(bias=True) | ref_flags)))
+        out.append((ck.render_conv2d_grad_input(f"{cname}_gi_{tag}", relu_mask=not odd, **flags, **spec),
+                    ("conv_gi", spec, dict(relu_mask=not odd) | ref_flags)))
+    named = list(matmuls.items()) + [(f"oddmm{i}", m) for i, m in enumerate(ODD_MATMULS)]
+    for mname, m in named:
+        out.append((ck.render_matmul(f"{mname}_{tag}", **flags, **m), ("matmul", m, ref_flags)))
+    return out
+
+
 def x3_kernels():
     """The GEMM contractions again as 3xTF32 (family gemm_x3: float32 on TF32 tensor cores), held to
-    the float32 kernels' tolerance: the MNIST convolutions at batch 64, the odd geometries' and
-    the odd matmuls."""
-    out = []
-    for cname, g in MNIST_CONVS.items():
-        spec = dict(N=64, **g)
-        out.append((ck.render_conv2d_forward(f"{cname}_fwd_x3", bias=True, relu=True, x3=True, **spec),
-                    ("conv_fwd", spec, dict(bias=True, relu=True))))
-        out.append((ck.render_conv2d_grad_weight(f"{cname}_gw_x3", bias=True, x3=True, **spec),
-                    ("conv_gw", spec, dict(bias=True))))
-        out.append((ck.render_conv2d_grad_input(f"{cname}_gi_x3", relu_mask=True, x3=True, **spec),
-                    ("conv_gi", spec, dict(relu_mask=True))))
-    for i, g in enumerate(ODD_CONVS):
-        out.append((ck.render_conv2d_forward(f"odd{i}_fwd_x3", bias=True, relu=False, x3=True, **g),
-                    ("conv_fwd", g, dict(bias=True, relu=False))))
-        out.append((ck.render_conv2d_grad_weight(f"odd{i}_gw_x3", bias=True, x3=True, **g),
-                    ("conv_gw", g, dict(bias=True))))
-        out.append((ck.render_conv2d_grad_input(f"odd{i}_gi_x3", relu_mask=False, x3=True, **g),
-                    ("conv_gi", g, dict(relu_mask=False))))
-    for i, m in enumerate(ODD_MATMULS):
-        out.append((ck.render_matmul(f"oddmm{i}_x3", x3=True, **m), ("matmul", m, {})))
-    return out
+    the float32 kernels' tolerance (no tf32 flag for the reference)."""
+    return _contractions_again("x3", dict(x3=True), {}, {})
+
+
+def tf32_kernels():
+    """The contractions again on TF32 tensor cores (precision="tf32"), the MNIST matmuls too."""
+    return _contractions_again("tf32", dict(tf32=True), dict(tf32=True), mnist_matmuls(64))
 
 
 def direct_kernels(batches=(64, 1024)):

@@ -69,7 +69,7 @@ def test_three_tf32_products_keep_float32_accuracy_where_one_does_not(kind, g, e
 def test_the_split_k_plans_and_run_time_sizes_of_3xtf32():
     """Every plan the family offers is a tensor-core plan (warp grid, k-tiles of 8) with its
     registers counted; split-K and run-time sizes render, and the flag refuses TF32 and bfloat16."""
-    plans = ck.plan_candidates(4, 32 * 9, 6400, 1, a_kfast=True, b_kfast=True, tf32=True, x3=True)
+    plans = ck.plan_candidates(4, 32 * 9, 6400, 1, a_kfast=True, b_kfast=True, x3=True)
     assert any(p.splits > 1 for p in plans)
     assert all(p.BK % 8 == 0 and ck.tf32_warp_grid(p.BM, p.BN, p.threads) for p in plans)
     one = ck.plan_candidates(4, 32 * 9, 6400, 1, a_kfast=True, b_kfast=True, tf32=True)
