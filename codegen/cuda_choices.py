@@ -31,6 +31,7 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, cuda_winograd, family_prior
+from . import cuda_winograd_fused as winograd_fused
 from . import grouped_conv
 from . import pool_kernels
 from .choices import Choice, ChoiceTable, Family, Plan
@@ -774,6 +775,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _winograd_family("winograd4", 4, 8),
     # F(2x2, 3x3) with its GEMM as 3xTF32 (float32)
     _winograd_family("winograd_x3", 2, 10, x3=True),
+    # F(2x2, 3x3) forward and grad-input in one launch: no transformed operands through memory;
+    # taken where measured, never by default
+    Family("winograd_fused", ("conv2d", "conv2d_grad_input"), 11,
+           lambda g: [winograd_fused.stamped(winograd_fused.plans(g)[0])], winograd_fused.serves, _never,
+           lambda g, plan: winograd_fused.scratch_bytes(g), winograd_fused.family_render,
+           tuning_plans=lambda g: [winograd_fused.stamped(q) for q in winograd_fused.plans(g)]),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

@@ -88,3 +88,12 @@ def test_the_mma_rounding_lab_compiles_and_checks_its_arguments(tmp_path, monkey
     nvcc_tool.assert_compiles(nvcc_tool.nvcc_or_skip(), src)
     r = _run("mma_rounding_lab.py", "--ks", "12")
     assert r.returncode == 2 and "multiples of 8" in r.stderr
+
+
+def test_the_fused_winograd_bench_imports_its_renderers_and_needs_a_gpu():
+    """tools/winograd_fused_bench.py (run on a GPU): --help, and without CuPy or a GPU one line
+    saying so, not a traceback."""
+    assert _run("winograd_fused_bench.py", "--help").returncode == 0
+    r = _run("winograd_fused_bench.py", "--batch", "2", "--layers", "4x4x6")
+    if r.returncode != 0:  # no GPU here (CI): the one-line exit of cuda_lab.require_cupy
+        assert "needs CuPy and an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -75,6 +75,12 @@ def _covers(family: str, g: dict, kernel) -> None:
             g["N"] * (g["C"] if g["kind"] == "conv2d_grad_input" else g["O"]) * \
             math.ceil(g["HO" if g["kind"] == "conv2d" else "H"] / m) * math.ceil(g["WO" if g["kind"] == "conv2d" else "W"] / m)
         assert last.grid[0] * last.block[0] >= blocks > (last.grid[0] - 1) * last.block[0]
+    elif family == "winograd_fused":  # the last launch: BT tiles of 2x2 outputs by BCO channels a block
+        last, gi = kernel.launches[-1], g["kind"] == "conv2d_grad_input"
+        tiles = g["N"] * math.ceil(g["H" if gi else "HO"] / 2) * math.ceil(g["W" if gi else "WO"] / 2)
+        channels = g["C"] if gi else g["O"]
+        assert last.grid[0] * consts["BT"] >= tiles > (last.grid[0] - 1) * consts["BT"]
+        assert last.grid[1] * consts["BCO"] >= channels > (last.grid[1] - 1) * consts["BCO"]
     elif family in ("skinny_narrow", "skinny_short") or kernel.scratch_bytes:
         # split partials (or per-block partials): the reduce launch writes every output
         outs = g["M"] * g["N"] if "M" in g else g["O"] * g["C"] * g["KH"] * g["KW"]

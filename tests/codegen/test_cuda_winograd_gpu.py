@@ -1,4 +1,4 @@
-"""The CUDA `winograd`, `winograd4` and `winograd_x3` families' kernels on a GPU against float64 references (what
+"""The CUDA `winograd`, `winograd4`, `winograd_x3` and `winograd_fused` families' kernels on a GPU against float64 references (what
 test_cuda_winograd.py checks in the CPU emulation, here on the device): the three kinds with their
 epilogues at small odd geometries and at airbench's 256-channel 14x14 layer (batch 8), output and
 scratch poisoned with NaN, each run twice and bit-identical. Tolerance as test_cuda_kernels_gpu:
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuda_refs
-from ember.codegen import cuda_winograd
+from ember.codegen import cuda_winograd, cuda_winograd_fused
 
 KIND = {"conv2d": "conv_fwd", "conv2d_grad_input": "conv_gi", "conv2d_grad_weight": "conv_gw"}
 EXTRA = {"conv2d": dict(bias=True, relu=True), "conv2d_grad_input": dict(relu_mask=True),
@@ -36,6 +36,35 @@ def test_winograd_kernels_on_the_gpu(kind, sizes, m, x3):
     kernel = cuda_winograd.render("wk", g, plan, m=m, x3=x3, **{k: v for k, v in EXTRA[kind].items() if v})
     spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
     ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(3))
+    module = cuda_refs.compile_module(cp, [kernel.code])
+    bufs = {k: cp.asarray(v) for k, v in ins.items()}
+    got = []
+    for _ in range(2):
+        bufs["out"] = cp.full(np.shape(refs["out"]), np.nan, cp.float32)
+        scratch = cp.full(max(kernel.scratch_bytes // 4, 1), np.nan, cp.float32)
+        cuda_refs.run_launches(cp, module, kernel, bufs, scratch)
+        got.append(cp.asnumpy(bufs["out"]))
+    want = refs["out"]
+    bound = 1e-5 * np.abs(want) + 1e-5 * math.sqrt(lengths["out"])
+    err = np.abs(got[0] - want)
+    assert np.all(err <= bound), f"{kind} {sizes}: worst {float(np.max(err - bound)):.3g} over the bound, plan {plan}"
+    assert got[0].tobytes() == got[1].tobytes(), "two runs differ"
+
+
+FUSED_CASES = [(kind, sizes) for kind, sizes in CASES if kind != "conv2d_grad_weight"] + [
+    ("conv2d", (16, 64, 28, 28, 64, 1)), ("conv2d_grad_input", (16, 64, 28, 28, 64, 1))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("plan", cuda_winograd_fused.PLANS, ids=lambda q: f"{q.BT}x{q.BCO}mb{q.min_blocks}")
+@pytest.mark.parametrize("kind,sizes", FUSED_CASES, ids=[f"{k}_{s[1]}x{s[4]}_{s[2]}" for k, s in FUSED_CASES])
+def test_fused_winograd_kernels_on_the_gpu(kind, sizes, plan):
+    """The fused family (`winograd_fused`), every blocking, at the same bound, bit-identical twice."""
+    cp = pytest.importorskip("cupy")
+    g = _geometry(kind, *sizes)
+    kernel = cuda_winograd_fused.render("fk", g, plan, **{k: v for k, v in EXTRA[kind].items() if v})
+    spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
+    ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(5))
     module = cuda_refs.compile_module(cp, [kernel.code])
     bufs = {k: cp.asarray(v) for k, v in ins.items()}
     got = []
