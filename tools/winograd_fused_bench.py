@@ -63,7 +63,7 @@ def main() -> None:
                     diff = float(np.nanmax(np.abs(out - reference)) / np.max(np.abs(reference)))
                     diff = diff if not np.isnan(out).any() else float("nan")
                 gflop = 2 * args.batch * ci * co * 9 * hw * hw / 1e9
-                print(f"{layer:>12} {kind:18} {label:20} {us:10.1f} us {gflop / us * 1e3:8.0f} GFLOP/s (direct-equivalent)"
+                print(f"{layer:>12} {kind:18} {label:20} {us:10.1f} us {gflop / us * 1e3:8.1f} TFLOP/s (direct-equivalent)"
                       f"  diff {diff:.2e}", flush=True)
 
 
