@@ -47,7 +47,7 @@ from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 from .winograd_matrices import TRANSFORMS, combination
 
-__all__ = ["KINDS", "serves", "problem", "plans", "scratch_bytes", "render"]
+__all__ = ["KINDS", "serves", "correlation", "problem", "plans", "scratch_bytes", "render"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 _THREADS = 256
@@ -74,7 +74,7 @@ def serves(g: dict[str, Any], m: int = 2) -> str | None:
     return None
 
 
-def _correlation(g: dict[str, Any], m: int) -> dict[str, int]:
+def correlation(g: dict[str, Any], m: int) -> dict[str, int]:
     """The stride-1 3x3 correlation the kernel computes: CI input planes of IH x IW padded by
     (PT, PL) into CO planes of OH x OW (the grad-weight: the forward's input side, CO = O), in
     TH x TW tiles of m x m outputs an image."""
@@ -92,7 +92,7 @@ def problem(g: dict[str, Any], m: int = 2) -> dict[str, Any]:
     """The batched matmul of the kernel (M, N, K, batch (m+2)^2, operand layouts): forward and
     grad-input M[pos] (CO x T) = U[pos]^T (U stored CI x CO) @ V[pos] (CI x T); grad-weight
     S[pos] (O x C) = W[pos] (O x T) @ V[pos]^T (V stored C x T)."""
-    k, positions = _correlation(g, m), TRANSFORMS[m].positions
+    k, positions = correlation(g, m), TRANSFORMS[m].positions
     if g["kind"] == "conv2d_grad_weight":
         return dict(M=k["CO"], N=k["CI"], K=k["T"], batch=positions, trans_a=False, trans_b=True)
     return dict(M=k["CO"], N=k["T"], K=k["CI"], batch=positions, trans_a=True, trans_b=False)
@@ -109,7 +109,7 @@ def plans(g: dict[str, Any], top: int = 1, m: int = 2, x3: bool = False) -> list
 def _regions(g: dict[str, Any], plan: GemmPlan, m: int) -> tuple[int, int, int, int, int, int]:
     """Byte offsets of the scratch regions (A: U or W, B: V, M: the products, the non-finite flag,
     the GEMM's own scratch) and the total."""
-    k, p, positions = _correlation(g, m), problem(g, m), TRANSFORMS[m].positions
+    k, p, positions = correlation(g, m), problem(g, m), TRANSFORMS[m].positions
     a = positions * (k["CO"] * k["T"] if g["kind"] == "conv2d_grad_weight" else k["CI"] * k["CO"])
     b = positions * k["CI"] * k["T"]
     products = p["batch"] * p["M"] * p["N"]
@@ -134,7 +134,7 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
     kind = g["kind"]
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
-    k, p, transform = _correlation(g, m), problem(g, m), TRANSFORMS[m]
+    k, p, transform = correlation(g, m), problem(g, m), TRANSFORMS[m]
     off_a, off_b, off_m, off_flag, off_gemm, total = _regions(g, plan, m)
     if kind == "conv2d":
         roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"

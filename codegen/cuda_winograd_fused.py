@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
-from .cuda_winograd import _correlation
+from .cuda_winograd import correlation
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 from .winograd_matrices import TRANSFORMS, combination
@@ -72,14 +72,14 @@ def plans(g: dict[str, Any]) -> list[FusedPlan]:
     """Every blocking that fits, the default first: 32 x 32, or 16 channels a block where the
     output has at most 16 (a wider one would sum zeros)."""
     fit = [q for q in PLANS if q.shared_bytes() <= _SHARED_LIMIT]
-    k = _correlation(g, 2)
+    k = correlation(g, 2)
     first = FusedPlan(32, 16) if k["CO"] <= 16 else FusedPlan(32, 32)
     return [first] + [q for q in fit if q != first]
 
 
 def _regions(g: dict[str, Any]) -> tuple[int, int, int]:
     """Byte offsets of the transformed weights U[pos][ci][co] and the non-finite flag, and the total."""
-    k = _correlation(g, 2)
+    k = correlation(g, 2)
     flag = round_up(4 * 16 * k["CI"] * k["CO"], SCRATCH_ALIGN)
     return 0, flag, flag + SCRATCH_ALIGN
 
@@ -93,14 +93,14 @@ def render(name: str, g: dict[str, Any], plan: FusedPlan, *, bias: bool = False,
     """The kernel: roles x, w, [bias], out (forward) or dy, w, [mask_src], out (grad-input), then a
     generated epilogue's, and the scratch block; launches _clear, _wt (the unfused kernel's) and
     _fused."""
-    kind = g["kind"]
-    if serves(g) is not None:
-        raise ValueError(f"winograd_fused does not serve {g}: {serves(g)}")
+    kind, why_not = g["kind"], serves(g)
+    if why_not is not None:
+        raise ValueError(f"winograd_fused does not serve this convolution: {why_not}")
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the fused winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
     if plan not in PLANS or plan.shared_bytes() > _SHARED_LIMIT:
         raise ValueError(f"{name}: {plan} is not a blocking of the fused template ({PLANS})")
-    k, transform = _correlation(g, 2), TRANSFORMS[2]
+    k, transform = correlation(g, 2), TRANSFORMS[2]
     off_a, off_flag, total = _regions(g)
     if kind == "conv2d":
         roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
