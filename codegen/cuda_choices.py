@@ -779,7 +779,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # taken where measured, never by default
     Family("winograd_fused", ("conv2d", "conv2d_grad_input"), 11,
            lambda g: [winograd_fused.stamped(winograd_fused.plans(g)[0])], winograd_fused.serves, _never,
-           lambda g, plan: winograd_fused.scratch_bytes(g), winograd_fused.family_render,
+           lambda g, plan: winograd_fused.scratch_bytes(g, winograd_fused.FusedPlan(**dict(plan))), winograd_fused.family_render,
            tuning_plans=lambda g: [winograd_fused.stamped(q) for q in winograd_fused.plans(g)]),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),

@@ -40,21 +40,33 @@ class FusedPlan:
     #: blocks a multiprocessor holds (__launch_bounds__): 2 caps a thread at 128 registers, where
     #: ptxas spills 50-500 bytes a thread (sm_90), 1 lets it take up to 255 without spilling
     min_blocks: int = 1
+    #: 1: the transformed patches in two buffers, a chunk staged while the one before is summed
+    #: (one barrier a chunk), U read from the scratch (L1) in the sums, not staged; 0: one buffer
+    #: for both, staged between two barriers
+    pipelined: int = 0
 
     @property
     def KC(self) -> int:
         return _THREADS // self.BT
 
+    def _floats(self) -> tuple[int, int]:
+        """(the staged chunks, half the points' sums Ms at the end), in floats."""
+        stage = 16 * self.KC * (2 * self.BT if self.pipelined else self.BT + self.BCO)
+        return stage, 8 * self.BCO * (self.BT + 1)
+
+    def flags_at(self) -> int:
+        """Where the tile flags lie in the dynamic shared memory (floats; pipelined only)."""
+        return max(self._floats())
+
     def shared_bytes(self) -> int:
-        """The block's dynamic shared memory: the staged chunk (Vs, Us) or, at the end, half the
-        points' sums (Ms), whichever is larger."""
-        stage = 4 * 16 * self.KC * (self.BT + self.BCO)
-        exchange = 4 * 8 * self.BCO * (self.BT + 1)
-        return max(stage, exchange)
+        """The block's dynamic shared memory: the staged chunks or, at the end, half the points'
+        sums, whichever is larger (pipelined: then the tile flags)."""
+        return 4 * (self.flags_at() + (self.BT if self.pipelined else 0))
 
 
 #: the blockings the template takes: RM = BCO / 4 and RT = BT / 4 sums a thread of each point
-PLANS = tuple(FusedPlan(bt, bco, mb) for mb in (1, 2) for bt, bco in ((32, 32), (32, 16), (16, 16), (64, 16)))
+PLANS = tuple(FusedPlan(bt, bco, mb, pipe) for pipe in (0, 1) for mb in (1, 2)
+              for bt, bco in ((32, 32), (32, 16), (16, 16), (64, 16)))
 
 
 def serves(g: dict[str, Any]) -> str | None:
@@ -77,15 +89,24 @@ def plans(g: dict[str, Any]) -> list[FusedPlan]:
     return [first] + [q for q in fit if q != first]
 
 
-def _regions(g: dict[str, Any]) -> tuple[int, int, int]:
-    """Byte offsets of the transformed weights U[pos][ci][co] and the non-finite flag, and the total."""
+def _u_extents(g: dict[str, Any], plan: FusedPlan) -> tuple[int, int]:
+    """U's extents (input, output channels): padded to whole chunks and blocks where the
+    pipelined kernel reads it without checks."""
     k = correlation(g, 2)
-    flag = round_up(4 * 16 * k["CI"] * k["CO"], SCRATCH_ALIGN)
+    if plan.pipelined:
+        return round_up(k["CI"], plan.KC), round_up(k["CO"], plan.BCO)
+    return k["CI"], k["CO"]
+
+
+def _regions(g: dict[str, Any], plan: FusedPlan) -> tuple[int, int, int]:
+    """Byte offsets of the transformed weights U[pos][ci][co] and the non-finite flag, and the total."""
+    uci, uco = _u_extents(g, plan)
+    flag = round_up(4 * 16 * uci * uco, SCRATCH_ALIGN)
     return 0, flag, flag + SCRATCH_ALIGN
 
 
-def scratch_bytes(g: dict[str, Any], plan: FusedPlan | None = None) -> int:
-    return _regions(g)[2]
+def scratch_bytes(g: dict[str, Any], plan: FusedPlan) -> int:
+    return _regions(g, plan)[2]
 
 
 def render(name: str, g: dict[str, Any], plan: FusedPlan, *, bias: bool = False, relu: bool = False,
@@ -101,7 +122,8 @@ def render(name: str, g: dict[str, Any], plan: FusedPlan, *, bias: bool = False,
     if plan not in PLANS or plan.shared_bytes() > _SHARED_LIMIT:
         raise ValueError(f"{name}: {plan} is not a blocking of the fused template ({PLANS})")
     k, transform = correlation(g, 2), TRANSFORMS[2]
-    off_a, off_flag, total = _regions(g)
+    off_a, off_flag, total = _regions(g, plan)
+    uci, uco = _u_extents(g, plan)
     if kind == "conv2d":
         roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
     else:
@@ -117,20 +139,22 @@ def render(name: str, g: dict[str, Any], plan: FusedPlan, *, bias: bool = False,
         kind=kind, t=transform, lin=combination, **k, off_a=off_a // 4, off_b=0, off_m=0, off_flag=off_flag // 4,
         roles=roles, inputs=inputs, unrestricted=unrestricted, signature=kernel_signature(roles, inputs, unrestricted, True),
         src=src, flip=kind == "conv2d_grad_input", bias=bias, relu=relu, relu_mask=relu_mask, pw=epilogue,
-        fused=True, BT=plan.BT, BCO=plan.BCO, KC=plan.KC, min_blocks=plan.min_blocks)
+        fused=True, BT=plan.BT, BCO=plan.BCO, KC=plan.KC, min_blocks=plan.min_blocks, pipelined=plan.pipelined,
+        upad=bool(plan.pipelined), UCI=uci, UCO=uco, flags_at=plan.flags_at())
     args = tuple(roles) + ("scratch",)
     grid = (ceil_div(k["T"], plan.BT), ceil_div(k["CO"], plan.BCO), 1)
     if grid[0] > 2**31 - 1 or grid[1] > 65535:
         raise ValueError(f"{name}: the fused Winograd grid {grid} is too large")
     launches = (Launch(f"{name}_clear", (1, 1, 1), (32, 1, 1), 0, args),
-                Launch(f"{name}_wt", (ceil_div(k["CI"] * k["CO"], _THREADS), 1, 1), (_THREADS, 1, 1), 0, args),
+                Launch(f"{name}_wt", (ceil_div(uci * uco, _THREADS), 1, 1), (_THREADS, 1, 1), 0, args),
                 Launch(f"{name}_fused", grid, (_THREADS, 1, 1), plan.shared_bytes(), args))
     return CudaKernel(name, code, launches, total)
 
 
 def stamped(plan: FusedPlan) -> tuple[tuple[str, int], ...]:
     """A plan as the choice table stamps it."""
-    return (("BT", plan.BT), ("BCO", plan.BCO), ("min_blocks", plan.min_blocks))
+    return (("BT", plan.BT), ("BCO", plan.BCO), ("min_blocks", plan.min_blocks)) + \
+        ((("pipelined", 1),) if plan.pipelined else ())  # session 33's records name the unpipelined plans so
 
 
 def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any) -> CudaKernel:

@@ -42,7 +42,7 @@ def main() -> None:
                     "w": cp.asarray(rng.standard_normal((co, ci, 3, 3), dtype=np.float32) / np.sqrt(9 * ci))}
             kernels = [("winograd", cuda_winograd.render("u", g, cuda_winograd.plans(g)[0]))]
             for i, plan in enumerate(cuda_winograd_fused.plans(g)):
-                kernels.append((f"fused {plan.BT}x{plan.BCO} mb{plan.min_blocks}",
+                kernels.append((f"fused {plan.BT}x{plan.BCO} mb{plan.min_blocks}{' pipe' if plan.pipelined else ''}",
                                 cuda_winograd_fused.render(f"f{i}", g, plan)))
             module = cp.RawModule(code="\n".join(k.code for _, k in kernels), options=("-std=c++17",))
             reference = None

@@ -36,6 +36,7 @@ def _run(g: dict, plan: fused.FusedPlan, tmp_path, tag: str, epilogue: Pointwise
     kernel = fused.render("k", g, plan, epilogue=epilogue, **EXTRA[kind])
     assert [la.function for la in kernel.launches] == ["k_clear", "k_wt", "k_fused"]
     assert kernel.launches[-1].shared_bytes == plan.shared_bytes() <= 48 * 1024
+    assert kernel.scratch_bytes == fused.scratch_bytes(g, plan)
     lib = cuda_emulator.build([kernel], tmp_path, tag)
     ins, refs, lengths = cuda_refs.make_case(KIND[kind], _spec(g), EXTRA[kind], rng)
     bufs = dict(ins, out=np.full(np.shape(refs["out"]), np.nan, np.float32))
@@ -58,24 +59,32 @@ def test_the_fused_kernels_match_float64_in_the_emulation(case, tmp_path):
     _run(g, fused.plans(g)[0], tmp_path, f"f{case}")
 
 
-@pytest.mark.parametrize("plan", fused.PLANS, ids=lambda q: f"{q.BT}x{q.BCO}mb{q.min_blocks}")
+def _plan_id(q: fused.FusedPlan) -> str:
+    return f"{q.BT}x{q.BCO}mb{q.min_blocks}{'p' if q.pipelined else ''}"
+
+
+@pytest.mark.parametrize("plan", fused.PLANS, ids=_plan_id)
 def test_every_blocking_with_a_generated_epilogue(plan, tmp_path):
-    """More tiles than a block and channels past a block in both directions, each blocking; a
-    generated pointwise epilogue (red * 0.5) where each output is stored."""
+    """More tiles than a block and channels past a block and a chunk in both directions, each
+    blocking (a pipelined one reads U's padding, which the emulation's scratch starts as NaN: the
+    weight transform must have zeroed it); a generated pointwise epilogue (red * 0.5) where each
+    output is stored."""
     half = PointwiseEpilogue(body=(), result="red * 0.5f", inputs=())
-    kind = "conv2d_grad_input" if plan.min_blocks == 2 else "conv2d"
-    _run(_geometry(kind, 2, 19, 10, 11, 21, 1), plan, tmp_path, f"b{plan.BT}{plan.BCO}{plan.min_blocks}", epilogue=half)
+    kind = "conv2d_grad_input" if (plan.min_blocks + plan.pipelined) % 2 else "conv2d"
+    _run(_geometry(kind, 2, 19, 10, 11, 21, 1), plan, tmp_path, f"b{_plan_id(plan)}", epilogue=half)
 
 
+@pytest.mark.parametrize("pipelined", (0, 1))
 @pytest.mark.parametrize("kind", list(KIND))
-def test_a_non_finite_input_gives_its_tiles_the_direct_sums(kind, tmp_path):
+def test_a_non_finite_input_gives_its_tiles_the_direct_sums(kind, pipelined, tmp_path):
     """NaN, +inf and -inf where the float64 reference has them (not the NaN Winograd's transforms
     would spread over a tile), the other values as close as ever; a non-finite weight sends every
     tile to the direct sums."""
     g = _geometry(kind, 3, 5, 7, 8, 6, 1)
     extra = {"conv2d": dict(bias=True, relu=False), "conv2d_grad_input": dict(relu_mask=False)}[kind]
-    kernel = fused.render("k", g, fused.plans(g)[0], **{k: v for k, v in extra.items() if v})
-    lib = cuda_emulator.build([kernel], tmp_path, f"nf{kind}")
+    plan = fused.FusedPlan(32, 16, 1, pipelined)  # the pipelined kernel keeps its tile flags in dynamic shared memory
+    kernel = fused.render("k", g, plan, **{k: v for k, v in extra.items() if v})
+    lib = cuda_emulator.build([kernel], tmp_path, f"nf{kind}{pipelined}")
     src = "x" if kind == "conv2d" else "dy"
     for poison in ("input", "weight"):
         ins, _, lengths = cuda_refs.make_case(KIND[kind], _spec(g), extra, rng)
@@ -102,12 +111,12 @@ def test_a_non_finite_input_gives_its_tiles_the_direct_sums(kind, tmp_path):
 
 def test_every_blocking_compiles_for_sm_90(tmp_path):
     nvcc = nvcc_tool.nvcc_or_skip()
-    for i, plan in enumerate(fused.PLANS):
-        for kind in KIND:
-            g = _geometry(kind, 64, 256, 14, 14, 256, 1)
-            src = tmp_path / f"k{i}{kind}.cu"
-            src.write_text(fused.render(f"k{i}", g, plan, **EXTRA[kind]).code)
-            nvcc_tool.assert_compiles(nvcc, src)
+    for i, plan in enumerate(fused.PLANS):  # each blocking once, the kinds in turn (their code differs in loads only)
+        kind = list(KIND)[i % 2]
+        g = _geometry(kind, 64, 256, 14, 14, 256, 1)
+        src = tmp_path / f"k{i}{kind}.cu"
+        src.write_text(fused.render(f"k{i}", g, plan, **EXTRA[kind]).code)
+        nvcc_tool.assert_compiles(nvcc, src)
 
 
 def test_the_table_offers_it_for_3x3_stride_1_forward_and_grad_input_only():

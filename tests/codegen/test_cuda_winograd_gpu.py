@@ -56,7 +56,8 @@ FUSED_CASES = [(kind, sizes) for kind, sizes in CASES if kind != "conv2d_grad_we
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("plan", cuda_winograd_fused.PLANS, ids=lambda q: f"{q.BT}x{q.BCO}mb{q.min_blocks}")
+@pytest.mark.parametrize("plan", cuda_winograd_fused.PLANS,
+                         ids=lambda q: f"{q.BT}x{q.BCO}mb{q.min_blocks}{'p' if q.pipelined else ''}")
 @pytest.mark.parametrize("kind,sizes", FUSED_CASES, ids=[f"{k}_{s[1]}x{s[4]}_{s[2]}" for k, s in FUSED_CASES])
 def test_fused_winograd_kernels_on_the_gpu(kind, sizes, plan):
     """The fused family (`winograd_fused`), every blocking, at the same bound, bit-identical twice."""
