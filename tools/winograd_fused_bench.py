@@ -2,7 +2,7 @@
 the unfused `winograd` family (its GEMM planner's pick), on the 3x3 stride-1 layers of
 a model of the zoo, forward and grad-input (a diagnostic, not a test; `ember tune` decides).
 
-    python tools/winograd_fused_bench.py [--batch 1024] [--layers 64x64x28,64x256x14,256x256x14,256x256x7]
+    python tools/winograd_fused_bench.py [--batch 1024] [--layers 64x64x28,64x256x14,256x256x14,256x256x7] [--match 32x32]
 
 A layer is CIxCOxHW (padding 1). Each kernel's launches are captured 20 times into a CUDA graph and
 the replays timed with events (tools/cuda_lab.time_graph); each output is compared with the unfused
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--layers", default="64x64x28,64x256x14,256x256x14,256x256x7")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--match", default="", help="time only the fused blockings whose label holds this (e.g. '32x32')")
     args = ap.parse_args()
     cp = require_cupy()
     rng = np.random.default_rng(0)
@@ -42,8 +43,9 @@ def main() -> None:
                     "w": cp.asarray(rng.standard_normal((co, ci, 3, 3), dtype=np.float32) / np.sqrt(9 * ci))}
             kernels = [("winograd", cuda_winograd.render("u", g, cuda_winograd.plans(g)[0]))]
             for i, plan in enumerate(cuda_winograd_fused.plans(g)):
-                kernels.append((f"fused {plan.BT}x{plan.BCO} mb{plan.min_blocks}{' pipe' if plan.pipelined else ''}",
-                                cuda_winograd_fused.render(f"f{i}", g, plan)))
+                label = f"fused {plan.BT}x{plan.BCO} mb{plan.min_blocks}{' pipe' if plan.pipelined else ''}"
+                if args.match in label:
+                    kernels.append((label, cuda_winograd_fused.render(f"f{i}", g, plan)))
             module = cp.RawModule(code="\n".join(k.code for _, k in kernels), options=("-std=c++17",))
             reference = None
             for label, k in kernels:
