@@ -47,7 +47,7 @@ from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 from .winograd_matrices import TRANSFORMS, combination
 
-__all__ = ["KINDS", "serves", "correlation", "problem", "plans", "scratch_bytes", "render"]
+__all__ = ["KINDS", "convolution_rejects", "serves", "correlation", "problem", "plans", "scratch_bytes", "render"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 _THREADS = 256
@@ -58,14 +58,22 @@ MAX_SCRATCH = 4 << 30
 _env = environment("cuda")
 
 
-def serves(g: dict[str, Any], m: int = 2) -> str | None:
-    """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
-    if g["kind"] not in KINDS:
-        return "it serves convolutions"
+def convolution_rejects(g: dict[str, Any]) -> str | None:
+    """Why F(m x m, 3x3) cannot compute a convolution of geometry `g` (any Winograd family, fused
+    or not): its window, stride, groups or operands' precision; None where it can."""
     if (g["KH"], g["KW"]) != (3, 3) or pair(g["stride"], "stride") != (1, 1) or g.get("groups", 1) != 1:
         return "it serves ungrouped 3x3 convolutions at stride 1"
     if g.get("dtype"):
         return "it computes in float32"
+    return None
+
+
+def serves(g: dict[str, Any], m: int = 2) -> str | None:
+    """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
+    if g["kind"] not in KINDS:
+        return "it serves convolutions"
+    if (why := convolution_rejects(g)) is not None:
+        return why
     if m > 2 and not g.get("tf32"):
         return (f"F({m}x{m}, 3x3) rounds several times more than the direct sums (a float32 step's update "
                 "drifts from float64's far past PyTorch float32's): it serves precision 'tf32', which rounds more")

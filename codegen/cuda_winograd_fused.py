@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
-from .cuda_winograd import correlation
+from .cuda_winograd import convolution_rejects, correlation
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 from .winograd_matrices import TRANSFORMS, combination
@@ -73,11 +73,7 @@ def serves(g: dict[str, Any]) -> str | None:
     """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
     if g["kind"] not in KINDS:
         return "it serves the forward and grad-input of convolutions (the grad-weight sums over tiles: winograd)"
-    if (g["KH"], g["KW"]) != (3, 3) or pair(g["stride"], "stride") != (1, 1) or g.get("groups", 1) != 1:
-        return "it serves ungrouped 3x3 convolutions at stride 1"
-    if g.get("dtype"):
-        return "it computes in float32"
-    return None
+    return convolution_rejects(g)
 
 
 def plans(g: dict[str, Any]) -> list[FusedPlan]:

@@ -26,16 +26,12 @@ def _geometry(kind: str, N: int, C: int, H: int, W: int, O: int, p: int) -> dict
 CASES = [(kind, sizes) for kind in KIND for sizes in ((2, 5, 7, 9, 6, 1), (3, 17, 8, 6, 20, 0), (8, 256, 14, 14, 256, 1))]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("m,x3", ((2, False), (4, False), (2, True)), ids=("winograd", "winograd4", "winograd_x3"))
-@pytest.mark.parametrize("kind,sizes", CASES, ids=[f"{k}_{s[1]}x{s[4]}_{s[2]}" for k, s in CASES])
-def test_winograd_kernels_on_the_gpu(kind, sizes, m, x3):
-    cp = pytest.importorskip("cupy")
-    g = _geometry(kind, *sizes)
-    plan = cuda_winograd.plans(g, m=m, x3=x3)[0]
-    kernel = cuda_winograd.render("wk", g, plan, m=m, x3=x3, **{k: v for k, v in EXTRA[kind].items() if v})
+def _check_on_the_gpu(cp, g: dict, kernel, seed: int, what: str) -> None:
+    """Runs `kernel` twice on random operands (output and scratch poisoned with NaN): every output
+    within the bound of the float64 reference, and the two runs bit-identical."""
+    kind = g["kind"]
     spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
-    ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(3))
+    ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(seed))
     module = cuda_refs.compile_module(cp, [kernel.code])
     bufs = {k: cp.asarray(v) for k, v in ins.items()}
     got = []
@@ -47,8 +43,19 @@ def test_winograd_kernels_on_the_gpu(kind, sizes, m, x3):
     want = refs["out"]
     bound = 1e-5 * np.abs(want) + 1e-5 * math.sqrt(lengths["out"])
     err = np.abs(got[0] - want)
-    assert np.all(err <= bound), f"{kind} {sizes}: worst {float(np.max(err - bound)):.3g} over the bound, plan {plan}"
+    assert np.all(err <= bound), f"{what}: worst {float(np.max(err - bound)):.3g} over the bound"
     assert got[0].tobytes() == got[1].tobytes(), "two runs differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,x3", ((2, False), (4, False), (2, True)), ids=("winograd", "winograd4", "winograd_x3"))
+@pytest.mark.parametrize("kind,sizes", CASES, ids=[f"{k}_{s[1]}x{s[4]}_{s[2]}" for k, s in CASES])
+def test_winograd_kernels_on_the_gpu(kind, sizes, m, x3):
+    cp = pytest.importorskip("cupy")
+    g = _geometry(kind, *sizes)
+    plan = cuda_winograd.plans(g, m=m, x3=x3)[0]
+    kernel = cuda_winograd.render("wk", g, plan, m=m, x3=x3, **{k: v for k, v in EXTRA[kind].items() if v})
+    _check_on_the_gpu(cp, g, kernel, seed=3, what=f"{kind} {sizes}, plan {plan}")
 
 
 FUSED_CASES = [(kind, sizes) for kind, sizes in CASES if kind != "conv2d_grad_weight"] + [
@@ -64,18 +71,4 @@ def test_fused_winograd_kernels_on_the_gpu(kind, sizes, plan):
     cp = pytest.importorskip("cupy")
     g = _geometry(kind, *sizes)
     kernel = cuda_winograd_fused.render("fk", g, plan, **{k: v for k, v in EXTRA[kind].items() if v})
-    spec = {k: g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW", "stride", "padding")}
-    ins, refs, lengths = cuda_refs.make_case(KIND[kind], spec, EXTRA[kind], np.random.default_rng(5))
-    module = cuda_refs.compile_module(cp, [kernel.code])
-    bufs = {k: cp.asarray(v) for k, v in ins.items()}
-    got = []
-    for _ in range(2):
-        bufs["out"] = cp.full(np.shape(refs["out"]), np.nan, cp.float32)
-        scratch = cp.full(max(kernel.scratch_bytes // 4, 1), np.nan, cp.float32)
-        cuda_refs.run_launches(cp, module, kernel, bufs, scratch)
-        got.append(cp.asnumpy(bufs["out"]))
-    want = refs["out"]
-    bound = 1e-5 * np.abs(want) + 1e-5 * math.sqrt(lengths["out"])
-    err = np.abs(got[0] - want)
-    assert np.all(err <= bound), f"{kind} {sizes}: worst {float(np.max(err - bound)):.3g} over the bound, plan {plan}"
-    assert got[0].tobytes() == got[1].tobytes(), "two runs differ"
+    _check_on_the_gpu(cp, g, kernel, seed=5, what=f"{kind} {sizes}, plan {plan}")
