@@ -77,11 +77,13 @@ def serves(g: dict[str, Any]) -> str | None:
 
 
 def plans(g: dict[str, Any]) -> list[FusedPlan]:
-    """Every blocking that fits, the default first: 32 x 32, or 16 channels a block where the
-    output has at most 16 (a wider one would sum zeros)."""
+    """Every blocking that fits, the default first: 32 x 32 pipelined at 2 blocks a
+    multiprocessor (the fastest of the 16 on every 64-channel layer measured, docs/benchmarks.md,
+    session 34), or 16 channels a block where the output has at most 16 (a wider one would sum
+    zeros)."""
     fit = [q for q in PLANS if q.shared_bytes() <= _SHARED_LIMIT]
     k = correlation(g, 2)
-    first = FusedPlan(32, 16) if k["CO"] <= 16 else FusedPlan(32, 32)
+    first = FusedPlan(32, 16, 2, 1) if k["CO"] <= 16 else FusedPlan(32, 32, 2, 1)
     return [first] + [q for q in fit if q != first]
 
 
