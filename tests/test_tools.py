@@ -97,3 +97,30 @@ def test_the_fused_winograd_bench_imports_its_renderers_and_needs_a_gpu():
     r = _run("winograd_fused_bench.py", "--batch", "2", "--layers", "4x4x6")
     if r.returncode != 0:  # no GPU here (CI): the one-line exit of cuda_lab.require_cupy
         assert "needs CuPy and an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_tuning_moves_names_the_steps_a_record_changes(tmp_path):
+    """tools/tuning_moves.py: a user record that picks another family for the CNN's first
+    convolution on an H200 moves exactly that kernel of the CNN's batch-64 step; the shipped
+    record copied unchanged moves nothing."""
+    shipped = json.loads((TOOLS.parent / "codegen" / "tuning" / "cuda-nvidia-h200.json").read_text())
+    key = json.dumps(dict(C=1, H=28, HO=26, KH=3, KW=3, N=64, O=16, W=28, WO=26, epilogues=["bias", "relu"],
+                          kind="conv2d", padding=[0, 0], stride=[1, 1], tf32=False), separators=(",", ":"))
+    record = shipped["records"][key]
+    assert record["family"] == "gemm", "the fixture assumes the shipped record picks gemm"
+    label, _ = min(((c, us) for c, us in record["timings_us"].items() if c.startswith("direct(")), key=lambda x: x[1])
+    plan = [[k, int(v)] for k, v in (kv.split("=") for kv in label[len("direct("):-1].split(","))]
+    args = ("--gpu", "h200", "--models", "cnn", "--batch-sizes", "64", "--show")
+    for name, changed in (("same", dict(record)), ("moved", dict(record, family="direct", plan=plan))):
+        db = tmp_path / name
+        db.mkdir()
+        (db / "cuda-nvidia-h200.json").write_text(json.dumps(dict(shipped, records={key: changed})))
+        r = _run("tuning_moves.py", str(db), *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        counts = re.findall(r"h200 cnn:64\s+(\d+) of\s+(\d+) kernels change", r.stdout)
+        assert len(counts) == 1 and int(counts[0][1]) > 1, r.stdout
+        if name == "same":
+            assert counts[0][0] == "0", r.stdout
+        else:
+            assert counts[0][0] == "1" and "choice=gemm(" in r.stdout and "-> conv2d" in r.stdout \
+                and f"choice={label}" in r.stdout, r.stdout
