@@ -124,3 +124,4 @@ def test_tuning_moves_names_the_steps_a_record_changes(tmp_path):
         else:
             assert counts[0][0] == "1" and "choice=gemm(" in r.stdout and "-> conv2d" in r.stdout \
                 and f"choice={label}" in r.stdout, r.stdout
+        assert ("to time on h200: python tools/step_time.py --cases cnn:64" in r.stdout) == (name == "moved"), r.stdout

@@ -10,7 +10,8 @@ moved step is one to time with and without the records (`tools/step_time.py` und
 DIR is a tuning database folder (`ember tune --db DIR`). Every training step is planned twice
 (no compiler, no GPU): with the shipped records only, and with DIR's records as the user's
 database beside them; the plan cache is off. Prints one line a step (kernels whose choice
-differs, of how many) and, with --show, each differing kernel's two choices. Exit status 0.
+differs, of how many), with --show each differing kernel's two choices, and per device the moved
+steps as `tools/step_time.py --cases` takes them. Exit status 0.
 """
 from __future__ import annotations
 
@@ -90,11 +91,17 @@ def main() -> None:
         raise SystemExit(f"{args.db}: not a tuning database folder (no <target>-<device>.json in it)")
     before = choices(None, args.device, args.gpu, args.models, args.batch_sizes)
     after = choices(args.db, args.device, args.gpu, args.models, args.batch_sizes)
+    moved: dict[str, list[str]] = {}
     for step, changed in moves(before, after).items():
         print(f"{step:28s} {len(changed):4d} of {len(before[step]):4d} kernels change")
         if args.show:
             for old, new in changed:
                 print(f"    {old}\n -> {new}")
+        if changed:
+            where, case = step.split(" ")
+            moved.setdefault(where, []).append(case)
+    for where, cases in moved.items():  # what to time on that device, with and without the records
+        print(f"to time on {where}: python tools/step_time.py --cases {','.join(cases)}")
 
 
 if __name__ == "__main__":
