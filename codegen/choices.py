@@ -217,7 +217,7 @@ class ChoiceTable:
         prior = predict({f.name: f.version_at(g) for f in fams}, modes)
         if prior is None:
             return fams, None
-        known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.scores[f.name])
+        known = sorted((f for f in fams if f.name in prior.scores), key=lambda f: prior.order_key(f.name))
         return known + [f for f in fams if f.name not in prior.scores], prior
 
     def _geometry(self, sub: Graph, spec: KernelSpec) -> Geometry:

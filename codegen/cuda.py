@@ -563,7 +563,7 @@ REUSED_WHY = "reused: the plan of this kernel at another batch size"
 
 #: the contraction and pooling families whose kernels a step that took their plans renders on run-time sizes
 #: (`cuda_choices.runtime_sizes`): another text than the first step's
-RUNTIME_VARIANTS = frozenset({"gemm", "grouped", "thin", "skinny_narrow", "small_window", "pool"})
+RUNTIME_VARIANTS = frozenset({"gemm", "gemm_x3", "grouped", "thin", "skinny_narrow", "small_window", "pool"})
 
 
 def _writes_state_alone(graph: Graph, n: int) -> bool:

@@ -53,6 +53,9 @@ NEIGHBOURS = 3
 #: the very kernel wins over the device's own records of other models, far enough that the
 #: device's own of the same shape wins over it
 ELSEWHERE = 1.0
+#: a family whose neighbours' weight is less than this share of the best-measured family's ranks
+#: after the others: a factor of two in two sizes farther (4^-2)
+WEAK = 1 / 16
 
 Features = Callable[[Mapping[str, Any]], tuple[float, ...]]
 
@@ -68,10 +71,23 @@ class Prior:
     elsewhere: int = 0
     #: family -> the mode its scores were restricted to (the mode of the plan it would run)
     modes: tuple[tuple[str, str], ...] = ()
+    #: family -> the summed weight of the neighbours that measured it (how much evidence its score has)
+    weights: tuple[tuple[str, float], ...] = ()
+
+    def order_key(self, family: str) -> tuple[bool, float, float]:
+        """Lowest score first among the families the near records measured; a family whose
+        evidence weighs less than `WEAK` of the best-measured family's (only far records timed
+        it) after them: its score rests on kernels of other shapes (session 34: `gemm_x3`, timed
+        only in an H100 record of airbench's matmul 6 doublings away, won it and outranked
+        `skinny_short`, which had won the H200's own record of the CNN's kernel by the same
+        score to 2.6e-5). Of equal scores, the better-measured family first."""
+        weights = dict(self.weights)
+        weight = weights.get(family, 0.0)
+        return weight < WEAK * max(weights.values(), default=0.0), self.scores[family], -weight
 
     def describe(self) -> str:
         """`prior of 3 tuned kernels (nearest 0.0): direct 1.00x, gemm 1.31x` for dumps."""
-        ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
+        ranked = sorted(self.scores.items(), key=lambda kv: self.order_key(kv[0]))
         modes = dict(self.modes)
         rel = ", ".join(f"{f}{f' (mode={modes[f]})' if f in modes else ''} {2 ** s:.2f}x" for f, s in ranked)
         where = (f", {'all' if self.elsewhere == self.neighbours else self.elsewhere} of them other devices' records"
@@ -150,7 +166,8 @@ def _weigh(near: list[tuple[float, dict[str, float], bool]], modes: Mapping[str,
             sums[f] = sums.get(f, 0.0) + w * math.log2(t / best)
             weights[f] = weights.get(f, 0.0) + w
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0],
-                 elsewhere=sum(e for _, _, e in near), modes=tuple(sorted(modes.items())))
+                 elsewhere=sum(e for _, _, e in near), modes=tuple(sorted(modes.items())),
+                 weights=tuple(sorted(weights.items())))
 
 
 def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:

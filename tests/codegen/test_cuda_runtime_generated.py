@@ -249,6 +249,30 @@ def test_a_column_sum_of_the_first_step_runs_on_run_time_sizes_at_a_later_batch(
     assert unit in ahead
 
 
+def test_a_3xtf32_gemm_of_the_first_step_is_built_ahead_on_run_time_sizes():
+    """A first step whose GEMMs took `gemm_x3` (3xTF32): a step at another batch size takes those
+    plans on run-time sizes, another text, which the first step builds ahead (`reused_variants`);
+    session 34 found it missing there (a later batch compiled them again)."""
+    import ember.runtime
+    from ember.frontends.training.recipes import build_model
+    from ember.passes.pipeline import run_passes
+    from models import train_graph
+    target = ember.runtime.target("cuda")
+    with cuda_choices.force(matmul="gemm_x3"):
+        first = run_passes(train_graph(build_model("mlp"), (32, 784)), target.passes())
+    taken = {first.attrs(n)["kernel"].choice[0] for n in first.g
+             if first.op(n) == "fused" and first.attrs(n)["kernel"].kind == "matmul"}
+    assert taken == {"gemm_x3"}, taken
+    later_graph = train_graph(build_model("mlp"), (5, 784))
+    later_graph.meta["kernel_reuse"] = target.reusable(first)
+    later = run_passes(later_graph, target.passes())
+    reused = [later.attrs(n)["kernel"] for n in later.g if later.op(n) == "fused" and later.attrs(n)["kernel"].kind == "matmul"]
+    assert reused and all(k.choice[0] == "gemm_x3" and k.why.startswith("reused") for k in reused), reused
+    built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
+    missing = [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("model, first_batch, first_untuned, families", [
     ("cnn", 32, False, set()), ("resnet8", 32, False, set()), ("lenet5", 32, False, set()),
     ("cnn", 32, True, {("conv2d_grad_input", "winograd")}),
