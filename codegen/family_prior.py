@@ -18,8 +18,10 @@ measured kernels of the same kind and precision say:
   family's plans of that mode count (the direct family's best is its flat mode at stride 1, but
   a stride-2 kernel gets its generic loops: scored by the family's best, they ranked first and
   ran 6-19x slower than the tuned pick at 16 threads);
-- families with a score rank first, lowest score first; those no neighbour measured keep the
-  table's structural order after them.
+- families with a score rank first, lowest score first, except that a family whose neighbours
+  weigh less than `WEAK` of the best-measured family's (only far records timed it) ranks after
+  the well-measured ones; those no neighbour measured keep the table's structural order after
+  them.
 
 The records are the active database's for this device (the user's, then the shipped ones); for
 a device with none, every shipped record of the target (another GPU's relative speeds beat none).
