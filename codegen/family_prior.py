@@ -41,7 +41,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ class Prior:
     #: family -> the mode its scores were restricted to (the mode of the plan it would run)
     modes: tuple[tuple[str, str], ...] = ()
     #: family -> the summed weight of the neighbours that measured it (how much evidence its score has)
-    weights: tuple[tuple[str, float], ...] = ()
+    weights: dict[str, float] = field(default_factory=dict)
 
     def order_key(self, family: str) -> tuple[bool, float, float]:
         """Lowest score first among the families the near records measured; a family whose
@@ -83,9 +83,8 @@ class Prior:
         only in an H100 record of airbench's matmul 6 doublings away, won it and outranked
         `skinny_short`, which had won the H200's own record of the CNN's kernel by the same
         score to 2.6e-5). Of equal scores, the better-measured family first."""
-        weights = dict(self.weights)
-        weight = weights.get(family, 0.0)
-        return weight < WEAK * max(weights.values(), default=0.0), self.scores[family], -weight
+        weight = self.weights.get(family, 0.0)
+        return weight < WEAK * max(self.weights.values(), default=0.0), self.scores[family], -weight
 
     def describe(self) -> str:
         """`prior of 3 tuned kernels (nearest 0.0): direct 1.00x, gemm 1.31x` for dumps."""
@@ -169,7 +168,7 @@ def _weigh(near: list[tuple[float, dict[str, float], bool]], modes: Mapping[str,
             weights[f] = weights.get(f, 0.0) + w
     return Prior({f: sums[f] / weights[f] for f in sums if weights[f] > 0}, len(near), near[0][0],
                  elsewhere=sum(e for _, _, e in near), modes=tuple(sorted(modes.items())),
-                 weights=tuple(sorted(weights.items())))
+                 weights=weights)
 
 
 def _precision(g: Mapping[str, Any]) -> tuple[str, bool]:

@@ -80,18 +80,21 @@ def plan_for(graph, device: str, *, simplify: bool = False):
 
 
 def first_and_later(model: str, first_batch: int, later_batch: int, device: str = "cuda",
-                    first_untuned: bool = False) -> tuple:
+                    first_untuned: bool = False, first_force: dict | None = None) -> tuple:
     """A recipe model's training step planned at `first_batch`, and at `later_batch` given the
     first one's kernel plans (`Target.reusable`, as `compile` gives them to a later batch size);
-    `first_untuned`: the first step planned without a tuning database (the cost model alone)."""
+    `first_untuned`: the first step planned without a tuning database (the cost model alone);
+    `first_force`: kind -> the family the first step's kernels of that kind must take
+    (`cuda_choices.force`), the later step free to reuse their plans."""
     import contextlib
 
     import ember.runtime
-    from ember.codegen import tuning_db
+    from ember.codegen import cuda_choices, tuning_db
     from ember.frontends.training.recipes import build_model
     from ember.passes.pipeline import run_passes
     target = ember.runtime.target(device)
-    with tuning_db.using(None) if first_untuned else contextlib.nullcontext():
+    with tuning_db.using(None) if first_untuned else contextlib.nullcontext(), \
+            cuda_choices.force(**first_force) if first_force else contextlib.nullcontext():
         first = run_passes(train_graph(build_model(model), (first_batch, 1, 28, 28)), target.passes())
     later_graph = train_graph(build_model(model), (later_batch, 1, 28, 28))
     later_graph.meta["kernel_reuse"] = target.reusable(first)

@@ -249,27 +249,26 @@ def test_a_column_sum_of_the_first_step_runs_on_run_time_sizes_at_a_later_batch(
     assert unit in ahead
 
 
+def _not_built(first, later) -> list[str]:
+    """The later step's units that are neither the first step's own nor among what it builds
+    ahead (`reused_variants`): what a later batch size would compile."""
+    built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
+    return [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
+
+
 def test_a_3xtf32_gemm_of_the_first_step_is_built_ahead_on_run_time_sizes():
     """A first step whose GEMMs took `gemm_x3` (3xTF32): a step at another batch size takes those
     plans on run-time sizes, another text, which the first step builds ahead (`reused_variants`);
     session 34 found it missing there (a later batch compiled them again)."""
-    import ember.runtime
-    from ember.frontends.training.recipes import build_model
-    from ember.passes.pipeline import run_passes
-    from models import train_graph
-    target = ember.runtime.target("cuda")
-    with cuda_choices.force(matmul="gemm_x3"):
-        first = run_passes(train_graph(build_model("mlp"), (32, 784)), target.passes())
+    from models import first_and_later
+
+    first, later = first_and_later("cnn", 32, 5, first_force={"matmul": "gemm_x3"})
     taken = {first.attrs(n)["kernel"].choice[0] for n in first.g
              if first.op(n) == "fused" and first.attrs(n)["kernel"].kind == "matmul"}
     assert taken == {"gemm_x3"}, taken
-    later_graph = train_graph(build_model("mlp"), (5, 784))
-    later_graph.meta["kernel_reuse"] = target.reusable(first)
-    later = run_passes(later_graph, target.passes())
     reused = [later.attrs(n)["kernel"] for n in later.g if later.op(n) == "fused" and later.attrs(n)["kernel"].kind == "matmul"]
     assert reused and all(k.choice[0] == "gemm_x3" and k.why.startswith("reused") for k in reused), reused
-    built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
-    missing = [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
+    missing = _not_built(first, later)
     assert not missing, missing
 
 
@@ -293,8 +292,7 @@ def test_a_later_batch_size_compiles_nothing_the_first_step_neither_built_nor_bu
     first, later = first_and_later(model, first_batch, 5, first_untuned=first_untuned)
     took = {(first.attrs(n)["kernel"].kind, first.attrs(n)["kernel"].choice[0]) for n in first.g if first.op(n) == "fused"}
     assert families <= took, took
-    built = {code for code, _ in cuda.render_step(first).units} | {code for code, _ in cuda.reused_variants(first)}
-    missing = [functions[0] for code, functions in cuda.render_step(later).units if code not in built]
+    missing = _not_built(first, later)
     assert not missing, missing
 
 
