@@ -562,7 +562,8 @@ REUSED_WHY = "reused: the plan of this kernel at another batch size"
 
 
 #: the contraction and pooling families whose kernels a step that took their plans renders on run-time sizes
-#: (`cuda_choices.runtime_sizes`): another text than the first step's
+#: (`cuda_choices.runtime_sizes`): another text than the first step's. A hand list, so a test renders
+#: every family both ways on the zoo's kernels and fails when it disagrees (test_cuda_runtime_generated)
 RUNTIME_VARIANTS = frozenset({"gemm", "gemm_x3", "grouped", "thin", "skinny_narrow", "small_window", "pool"})
 
 

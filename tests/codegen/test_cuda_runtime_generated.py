@@ -331,3 +331,61 @@ def test_inference_at_another_size_compiles_nothing_the_steps_before_it_did_not_
     assert len([1 for code, _ in units if code not in built | ahead]) >= 3  # the inference step's own variants matter
     ahead |= {code for code, _ in cuda.reused_variants(beside)}
     assert not [functions[0] for code, functions in units if code not in built | ahead]
+
+
+def _family_renders(model: str, batch: int, precision: str = "float32") -> dict[str, set[bool]]:
+    """For every family that could serve a kernel of `model`'s CUDA training step and whose
+    plans a later batch size takes as they are, whether each of its renders there differs (up to
+    the kernel's name) between the step's own (its sizes in the code) and a reused plan's."""
+    from ember.frontends import nn, optim, plan
+    from ember.frontends.training.recipes import MODELS, build_model
+
+    if model in MODELS:
+        net = build_model(model)
+    else:
+        pytest.importorskip("torch")
+        from ember.frontends.training.zoo import ember_zoo_model
+        net = ember_zoo_model(model, seed=0)
+    example = (np.zeros((batch, 1, 28, 28), np.float32), np.zeros(batch, np.int64))
+    graph = next(g for k, g in plan(net, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda",
+                                    precision=precision).items() if k.startswith("train"))
+    table = cuda_choices.TABLE
+    seen: dict[str, set[bool]] = {}
+    for n in graph.g:
+        if graph.op(n) != "fused":
+            continue
+        sub, spec = graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
+        g = cuda_choices._geometry(sub, spec)
+        for family in table.families.values():
+            if family.reused_plan is not None or table.applies(family, g) is not None or family.runtime_code(g) is None:
+                continue
+            plans = family.plans(g)
+            if not plans:
+                continue
+            choice = (family.name, plans[0])
+            own = cuda_choices.render(sub.name, sub, dataclasses.replace(spec, choice=choice, why="cost model"), choice)
+            reused = cuda_choices.render(sub.name, sub, dataclasses.replace(spec, choice=choice, why=cuda.REUSED_WHY),
+                                         choice)
+            seen.setdefault(family.name, set()).add(own.code != reused.code)
+    return seen
+
+
+def test_every_family_whose_code_takes_run_time_sizes_is_built_ahead():
+    """`cuda.RUNTIME_VARIANTS` (the families whose kernels a later batch size renders as another
+    text, so the first step builds them ahead) holds exactly the families whose render differs
+    under a reused plan, checked on every family that serves a kernel of the recipe and zoo
+    models (convolutions of every shape there, grouped ones, pooling, matmuls thin to square,
+    float32 and bfloat16): a family that reads `runtime_sizes` and is missing from the list is
+    compiled again by every later batch size (gemm_x3 was, for two sessions)."""
+    seen: dict[str, set[bool]] = {}
+    for model, batch, precision in [("cnn", 8, "float32"), ("cnn", 64, "float32"), ("lenet5", 64, "float32"),
+                                    ("resnet8", 32, "float32"), ("mobilenet", 16, "float32"),
+                                    ("vit", 16, "float32"), ("cnn", 64, "bf16")]:
+        for name, differs in _family_renders(model, batch, precision).items():
+            seen.setdefault(name, set()).update(differs)
+    mixed = {name for name, d in seen.items() if len(d) > 1}
+    assert not mixed, f"families whose code takes run-time sizes at some geometries only: {mixed}"
+    differing = {name for name, d in seen.items() if d == {True}}
+    assert differing == cuda.RUNTIME_VARIANTS & set(seen), (differing, cuda.RUNTIME_VARIANTS)
+    covered = {f.name for f in cuda_choices.TABLE.families.values() if f.code_geometry is not None and f.reused_plan is None}
+    assert covered <= set(seen), f"families no model here exercises: {covered - set(seen)}"
