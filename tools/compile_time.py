@@ -13,6 +13,7 @@ before the clock starts.
 
     python tools/compile_time.py --device cuda --zoo --trained 3   # the cold process trains 3 steps too
     python tools/compile_time.py --device cuda --models resnet8 --inference 7   # and inference at 7 after 64
+    python tools/compile_time.py --device cuda --models resnet8 --right-after 32  # the trainer's last partial batch
 
 By default the cold process only compiles, so on CUDA the warm process's new batch builds every
 module on run-time sizes itself (what a `precompile` for another size costs where no step of the
@@ -36,7 +37,7 @@ from ember.frontends import compile, nn, optim
 from ember.frontends.training.recipes import MODELS, build_model
 from ember.frontends.training.zoo import ZOO, ember_zoo_model
 name, device, batch, second, trained = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-inference_batch = int(sys.argv[6])
+inference_batch, right_after = int(sys.argv[6]), int(sys.argv[7])
 if name.startswith("zoo:"):
     entry = ZOO[name[4:]]
     shape, model = entry.input_shape, ember_zoo_model(entry.name, seed=0)
@@ -58,11 +59,6 @@ if profile_to:
 t = time.perf_counter()
 step = compile(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.05), example_inputs=(x, y), device=device)
 first = time.perf_counter() - t
-for _ in range(trained):  # training steps after the compile, off the clock (what a training run leaves in the cache)
-    step(x, y)
-if trained and device.startswith("cuda"):  # a training run outlasts the build ahead its first steps start
-    from ember.runtime.cuda import wait_for_builds_ahead
-    wait_for_builds_ahead()
 from ember.codegen import compiler
 
 
@@ -71,6 +67,17 @@ def modules_built_since(before):
     return sum(now[k] - before[k] for k in ("misses", "rebuilds"))
 
 
+right_after_compile = None
+if right_after:  # the trainer's path: the last partial batch's step compiled at once, before any step
+    before = compiler.cache_stats("nvrtc")
+    t = time.perf_counter()
+    step.precompile((right_after, *shape))
+    right_after_compile = {"s": time.perf_counter() - t, "modules_built": modules_built_since(before)}
+for _ in range(trained):  # training steps after the compile, off the clock (what a training run leaves in the cache)
+    step(x, y)
+if trained and device.startswith("cuda"):  # a training run outlasts the build ahead its first steps start
+    from ember.runtime.cuda import wait_for_builds_ahead
+    wait_for_builds_ahead()
 again = None
 modules_built = None
 if second:
@@ -105,18 +112,19 @@ stats = getattr(step, "compile_stats", None)
 later = [s for k, s in step.all_compile_stats.items() if second and k.startswith(f"{second}x")] \
     if hasattr(step, "all_compile_stats") else []
 print(json.dumps({"compile_s": first, "device_init_s": device_init, "new_batch_s": again, "modules_built": modules_built,
-                  "inference": inference, "stats": stats if isinstance(stats, dict) else None,
+                  "inference": inference, "right_after_compile": right_after_compile, "stats": stats if isinstance(stats, dict) else None,
                   "new_batch_stats": later[0] if later else None}))
 """
 
 
 def _run(model: str, device: str, batch: int, cache: str, second: int = 0, profile_to: str = "",
-         trained: int = 0, inference_batch: int = 0) -> dict:
+         trained: int = 0, inference_batch: int = 0, right_after: int = 0) -> dict:
     # CuPy's own cache too, for any CuPy kernel the run uses (ember's modules are under <cache>/nvrtc)
     env = dict(os.environ, EMBER_CACHE_DIR=cache, CUPY_CACHE_DIR=os.path.join(cache, "cupy"))
     if profile_to:
         env["EMBER_COMPILE_TIME_PROFILE"] = profile_to
-    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second), str(trained), str(inference_batch)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, model, device, str(batch), str(second), str(trained), str(inference_batch),
+                          str(right_after)], env=env,
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{model} on {device} failed:\n{out.stderr[-3000:]}")
@@ -139,6 +147,10 @@ def main() -> int:
                    help="also, in the warm process after the new batch: the model in eval mode, inference at the "
                         "first batch size three times (waiting for its build ahead on CUDA), then at this batch "
                         "size, timed (the modules it built counted)")
+    p.add_argument("--right-after", type=int, default=0, metavar="BATCH",
+                   help="also, in the cold process right after its compile (before any step): the training step at "
+                        "this batch size, timed, as the trainer compiles the last partial batch's (the modules it "
+                        "built counted); the warm process's new batch then finds them if it is the same size")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write a cProfile summary of each cold and warm (+ new batch) run to DIR/MODEL_{cold,warm}.txt")
@@ -154,7 +166,8 @@ def main() -> int:
             t = time.perf_counter()
             profile = (lambda run: os.path.join(args.cprofile, f"{model.replace(':', '_')}_{run}.txt")) \
                 if args.cprofile else (lambda run: "")
-            cold = _run(model, args.device, batch, cache, profile_to=profile("cold"), trained=args.trained)
+            cold = _run(model, args.device, batch, cache, profile_to=profile("cold"), trained=args.trained,
+                        right_after=args.right_after)
             cold_wall = time.perf_counter() - t
             warm = _run(model, args.device, batch, cache, second=args.new_batch, profile_to=profile("warm"),
                         inference_batch=args.inference)
@@ -163,7 +176,7 @@ def main() -> int:
                "cold_process_s": round(cold_wall, 3), "warm_s": round(warm["compile_s"], 3),
                "new_batch": args.new_batch, "new_batch_s": round(warm["new_batch_s"], 3), "cold_stats": cold["stats"], "warm_stats": warm["stats"],
                "new_batch_stats": warm["new_batch_stats"], "new_batch_modules_built": warm["modules_built"],
-               "inference": warm["inference"],
+               "inference": warm["inference"], "right_after_compile": cold["right_after_compile"],
                "device_init_s": warm["device_init_s"]}
         rows.append(row)
         nb = warm["new_batch_stats"] or {}
@@ -174,7 +187,10 @@ def main() -> int:
               + (f"  (device init {row['device_init_s']:.2f} s apart)" if row["device_init_s"] is not None else "")
               + (f"  inference at {args.inference} {warm['inference']['s']:.2f} s"
                  + (f" ({warm['inference']['modules_built']} modules built)" if args.device.startswith("cuda") else "")
-                 if warm["inference"] else ""),
+                 if warm["inference"] else "")
+              + (f"  batch {args.right_after} right after the cold compile {cold['right_after_compile']['s']:.2f} s"
+                 + (f" ({cold['right_after_compile']['modules_built']} modules built)" if args.device.startswith("cuda") else "")
+                 if cold["right_after_compile"] else ""),
               flush=True)
     if args.json:
         with open(args.json, "w") as f:
