@@ -485,6 +485,20 @@ def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
                                           **_matmul_args(g, spec, epilogue))
 
 
+def _thin_plans(g: dict[str, Any]) -> list[Plan]:
+    return [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)]
+
+
+def _thin_candidates(g: dict[str, Any]) -> list[Plan]:
+    """The cost model's rows a block, then the others the tuner measures: fewer rows make more
+    blocks (a row's loads in flight per thread), more make fewer and longer ones."""
+    return list(dict.fromkeys(_thin_plans(g) + [(("RM", rows),) for rows in THIN_TUNING_ROWS]))
+
+
+#: rows a block of the thin matmul the tuner measures beside the cost model's
+THIN_TUNING_ROWS = (2, 4, 8, 16, 32)
+
+
 def _thin_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     """A thin plan of another batch size fits: its kernel takes the rows and K at run time (the
     family serves the geometry: K <= 16), and any rows a block serve any M."""
@@ -751,8 +765,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("direct_tc", CONVS, 6, _direct_tc_plans, _direct_tc_rejects, _unmeasured, _direct_tc_scratch,
            _direct_tc_render, tuning_plans=_direct_tc_candidates, accepts=_direct_tc_accepts,
            version_of=_direct_tc_version),
-    Family("thin", ("matmul",), 2, lambda g: [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)],
-           _thin_rejects, _plain, _no_scratch, _thin_render, code_geometry=without_sizes("M", "K", "operands"),
+    Family("thin", ("matmul",), 2, _thin_plans, _thin_rejects, _plain, _no_scratch, _thin_render,
+           tuning_plans=_thin_candidates, code_geometry=without_sizes("M", "K", "operands"),
            accepts_reused=_thin_accepts_reused),
     Family("skinny_narrow", ("matmul",), 3, _narrow_plans, _narrow_rejects, _never, _split_scratch,
            _narrow_render, tuning_plans=_narrow_candidates, code_geometry=without_sizes("M", "operands"),
