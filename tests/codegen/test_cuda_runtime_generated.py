@@ -150,22 +150,23 @@ def test_a_later_steps_generated_kernels_take_run_time_sizes_and_the_first_build
                 assert la.scalars == (("int", 6),) and by_function[la.function] in ahead, name
 
 
-@pytest.mark.parametrize("trans_a", [False, True])
-def test_the_thin_matmul_on_run_time_rows(trans_a, tmp_path):
+@pytest.mark.parametrize("trans_a, rows", [(False, 8), (True, 8), (False, 2), (True, 32)])
+def test_the_thin_matmul_on_run_time_rows(trans_a, rows, tmp_path):
     """A linear layer's grad-input (K = 10 classes, M the batch) and weight gradient (K the batch)
     as a later batch size runs them: one text at 37 rows and K = 10, 5 rows and K = 7, 16 and 16
-    (a block's rows the first's plan), the float64 product's values at each."""
+    (a block's rows the first's plan, the tuner's smallest and largest among them), the float64
+    product's values at each."""
     from ember.codegen import cuda_direct
     texts = set()
     for m, k in ((37, 10), (5, 7), (16, 16)):
-        kernel = cuda_direct.render_matmul_thin("th", M=m, N=24, K=k, trans_a=trans_a, trans_b=False, rows=8,
+        kernel = cuda_direct.render_matmul_thin("th", M=m, N=24, K=k, trans_a=trans_a, trans_b=False, rows=rows,
                                                 runtime_rows=True)
-        assert kernel.launches[0].scalars == (("int", m), ("int", k)) and kernel.launches[0].grid[1] == -(-m // 8)
+        assert kernel.launches[0].scalars == (("int", m), ("int", k)) and kernel.launches[0].grid[1] == -(-m // rows)
         texts.add(kernel.code)
         a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
         b = rng.standard_normal((k, 24)).astype(np.float32)
         bufs = dict(a=a, b=b, out=np.full((m, 24), np.nan, np.float32))
-        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"thin{m}{k}{trans_a}"), 0, kernel, bufs)
+        cuda_emulator.run(cuda_emulator.build([kernel], tmp_path, f"thin{m}{k}{trans_a}{rows}"), 0, kernel, bufs)
         want = (a.T if trans_a else a).astype(np.float64) @ b.astype(np.float64)
         np.testing.assert_allclose(bufs["out"], want, rtol=1e-5, atol=1e-5)
     assert len(texts) == 1
