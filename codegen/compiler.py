@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from . import cpus
+
 FORMAT_VERSION = 1
 
 # IEEE-faithful on purpose: no -ffast-math (NaN checks and run-to-run determinism must hold).
@@ -438,11 +440,9 @@ class UnitsArtifact:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (taskset, cgroups' cpusets), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The cores this process may run on (taskset, cgroups' cpusets; the process's, not the
+    calling thread's, which an OpenMP runtime may have bound to one core: `cpus`)."""
+    return cpus.usable_cores()
 
 
 def _step_alias(compiler: Sequence[str], units: Sequence[Unit], headers: Mapping[str, str],
@@ -501,6 +501,9 @@ class UnitBuilds:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _one(self, unit: Unit, stem: str, headers: dict[str, str]) -> CompiledArtifact:
+        # the compiler runs on every core of the process, wherever the thread that made this
+        # pool's threads was bound (`cpus`)
+        cpus.widen_this_thread()
         return _build("obj", ".cpp", ".o", lambda s, o: [*self.compiler, *unit.flags, "-c", s, "-o", o], self.compiler,
                       unit.flags, unit.source, self.root or cache_dir(), stem, self.dump, extra=headers,
                       dump_note=unit.note, what=f" ({unit.what})" if unit.what else "", dump_script=False)

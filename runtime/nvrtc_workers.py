@@ -34,6 +34,8 @@ import sys
 import threading
 from typing import Callable
 
+from ember.codegen import cpus
+
 ENV_VAR = "EMBER_NVRTC_WORKERS"
 LOCAL_THREADS = 2  # NVRTC's own lock: more in-process threads were slower
 MIN_JOBS = 4       # fewer misses than this never start workers (the threads finish first)
@@ -93,8 +95,7 @@ def default_workers(cores: int | None = None) -> int:
     """The worker count without ``EMBER_NVRTC_WORKERS``: half the cores, at most 8, none below 8
     cores (the compiling process keeps a core for its passes, the GPU's feeding for its own)."""
     if cores is None:
-        from ember.codegen.compiler import usable_cores
-        cores = usable_cores()
+        cores = cpus.usable_cores()
     return min(MAX_DEFAULT_WORKERS, cores // 2) if cores >= MIN_CORES else 0
 
 
@@ -121,6 +122,7 @@ class _Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER.replace("NICE", str(NICE))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        cpus.widen(self.proc.pid)  # not the one core an OpenMP runtime may have bound this thread to
         self.ready = threading.Event()
         self.dead = False
         self.version: tuple[int, int] | None = None

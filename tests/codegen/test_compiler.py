@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -399,3 +400,46 @@ def test_a_failing_unit_started_early_raises_at_finish_and_close_drops_queued_un
     builds.close()
     done = [f for _, _, f in builds.started.values() if not f.cancelled()]
     assert 1 <= len(done) < 6 and all(f.done() for _, _, f in builds.started.values())
+
+
+_BOUND_CHILD = r"""
+import json, os, subprocess, sys
+from ember.codegen import compiler
+start = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {start[0]})  # what libgomp does to the thread of its first parallel region under OMP_PROC_BIND
+units = [compiler.Unit("entry", 'extern "C" int one() { return 1; }\n', ("-fPIC",)),
+         compiler.Unit("k1", 'int k1() { return 2; }\n', ("-fPIC",))]
+compiler.compile_units(units, link_flags=("-shared",), cache=sys.argv[1])
+print(json.dumps({"start": start, "main": sorted(os.sched_getaffinity(0)), "usable": compiler.usable_cores()}))
+"""
+
+# a stand-in for g++ that records the CPUs it may run on, then runs g++
+_RECORDING_CXX = """#!/bin/sh
+python3 -c 'import json, os, sys; print(json.dumps([sys.argv[1:], sorted(os.sched_getaffinity(0))]))' "$@" >> "$EMBER_TEST_AFFINITY_LOG"
+exec g++ "$@"
+"""
+
+
+@needs_gxx
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinities and two CPUs")
+def test_units_compile_on_every_core_of_the_process_when_openmp_bound_the_calling_thread(tmp_path):
+    """With OMP_PROC_BIND set, an OpenMP runtime binds the thread of its first parallel region
+    (the main thread: a CPU step, PyTorch, the bench's FMA probe) to one core, and processes it
+    starts inherit that core: the build jobs then ran one at a time on it (a 16-core host's
+    cold compiles took 3-10 s). They count and use the process's cores, not the thread's."""
+    compiler_script = tmp_path / "recording-cxx"
+    compiler_script.write_text(_RECORDING_CXX)
+    compiler_script.chmod(0o755)
+    log = tmp_path / "affinity.log"
+    env = dict(os.environ, CXX=str(compiler_script), EMBER_TEST_AFFINITY_LOG=str(log))
+    out = subprocess.run([sys.executable, "-c", _BOUND_CHILD, str(tmp_path / "cache")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["main"] == seen["start"][:1]  # the binding took
+    assert seen["usable"] == len(seen["start"])
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    compiles = [cpus for args, cpus in runs if "-c" in args]  # (not the link, nor asking its version)
+    assert len(compiles) == 2, runs
+    assert all(cpus == seen["start"] for cpus in compiles), (compiles, seen)
