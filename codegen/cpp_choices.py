@@ -31,7 +31,7 @@ from typing import Any
 
 from ember.ir import Graph, KernelSpec
 
-from . import conv_phase, conv_winograd, cpp_bf16, cpp_kernels, cpu_vector, cpus, family_prior, grouped_conv, pool_kernels
+from . import conv_phase, conv_winograd, cpp_bf16, cpp_kernels, cpu_vector, family_prior, grouped_conv, pool_kernels
 from .choices import ChoiceTable, Family, Plan, runtime
 from .conv_phase import PhasePlan
 from .conv_winograd import WinogradPlan
@@ -68,7 +68,10 @@ def threads() -> int:
         if word.isdigit():
             n = int(word)
     if n < 1:
-        n = cpus.usable_cores()
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = os.cpu_count() or 1
     return max(1, min(n, cpp_kernels.MAX_THREADS))
 
 

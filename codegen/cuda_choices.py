@@ -485,25 +485,32 @@ def _thin_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], pla
                                           **_matmul_args(g, spec, epilogue))
 
 
+#: rows a block of the thin matmul the tuner measures beside the cost model's
+THIN_TUNING_ROWS = (2, 4, 8, 16, 32)
+
+
+def _thin_row_blocks_fit(g: dict[str, Any], rows: int) -> bool:
+    return -(-g["M"] // rows) <= 65535  # the row blocks are the grid's y
+
+
 def _thin_plans(g: dict[str, Any]) -> list[Plan]:
-    return [(("RM", cuda_direct.thin_rows(g["M"], g["N"])),)]
+    rows = cuda_direct.thin_rows(g["M"], g["N"])
+    return [(("RM", rows),)] if _thin_row_blocks_fit(g, rows) else []
 
 
 def _thin_candidates(g: dict[str, Any]) -> list[Plan]:
     """The cost model's rows a block, then the others the tuner measures: fewer rows make more
     blocks (a row's loads in flight per thread), more make fewer and longer ones."""
-    return list(dict.fromkeys(_thin_plans(g) + [(("RM", rows),) for rows in THIN_TUNING_ROWS]))
-
-
-#: rows a block of the thin matmul the tuner measures beside the cost model's
-THIN_TUNING_ROWS = (2, 4, 8, 16, 32)
+    return list(dict.fromkeys(_thin_plans(g) + [(("RM", rows),) for rows in THIN_TUNING_ROWS
+                                                 if _thin_row_blocks_fit(g, rows)]))
 
 
 def _thin_accepts_reused(g: dict[str, Any], plan: Plan) -> bool:
     """A thin plan of another batch size fits: its kernel takes the rows and K at run time (the
-    family serves the geometry: K <= 16), and any rows a block serve any M."""
+    family serves the geometry: K <= 16), and any rows a block serve any M the grid holds."""
     fields = dict(plan)
-    return set(fields) == {"RM"} and isinstance(fields["RM"], int) and fields["RM"] >= 1
+    return (set(fields) == {"RM"} and isinstance(fields["RM"], int) and fields["RM"] >= 1
+            and _thin_row_blocks_fit(g, fields["RM"]))
 
 
 def _narrow_rejects(g: dict[str, Any]) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
-from ember.codegen import cuda_choices
+from ember.codegen import cpus, cuda_choices
 from ember.codegen.cuda_kernels import counter_words, scalar_args, scratch_offset
 from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
 from ember.ir import Graph, KernelSpec, TensorType
@@ -276,6 +276,7 @@ def _prefetch_reused(cp: Any, graph: Graph, source: cuda_codegen.CudaStepSource,
     device = compile_device()
 
     def build() -> None:
+        cpus.widen_this_thread()  # not the core an OpenMP runtime may have bound the step's thread to
         try:
             with using(device):
                 units = cuda_codegen.reused_variants(graph)

@@ -47,6 +47,10 @@ MIN_DEFAULT_JOBS = 24
 
 _WORKER = r'''
 import os, pickle, struct, sys
+try:
+    os.sched_setaffinity(0, CPUS)
+except (AttributeError, OSError, ValueError):
+    pass
 try:  # a helper: the compiling process's passes (and a training step's host work) go first
     os.nice(NICE)
 except OSError:
@@ -120,9 +124,11 @@ def _read_frame(stream) -> object:
 
 class _Worker:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER.replace("NICE", str(NICE))],
+        # its first act: every CPU of this process, not the one core an OpenMP runtime may have
+        # bound the thread starting it to (`cpus`), before it starts threads of its own
+        source = _WORKER.replace("NICE", str(NICE)).replace("CPUS", repr(sorted(cpus.process_cpus())))
+        self.proc = subprocess.Popen([sys.executable, "-c", source],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        cpus.widen(self.proc.pid)  # not the one core an OpenMP runtime may have bound this thread to
         self.ready = threading.Event()
         self.dead = False
         self.version: tuple[int, int] | None = None
@@ -201,7 +207,11 @@ class WorkerPool:
                 if not drain(worker.compile):
                     worker.dead = True
 
-            threads = [threading.Thread(target=drain, args=(local, True), daemon=True) for _ in range(LOCAL_THREADS)]
+            def drain_here() -> None:
+                cpus.widen_this_thread()  # NVRTC on every core of the process (`cpus`)
+                drain(local, True)
+
+            threads = [threading.Thread(target=drain_here, daemon=True) for _ in range(LOCAL_THREADS)]
             threads += [threading.Thread(target=by_worker, args=(w,), daemon=True) for w in self._workers if not w.dead]
             for t in threads:
                 t.start()
@@ -255,7 +265,8 @@ def compile_all(jobs: list[Job], version: tuple[int, int], local: Callable[[Job]
 
 def _threads_only(jobs: list[Job], local: Callable[[Job], Result]) -> list[Result]:
     import concurrent.futures
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(LOCAL_THREADS, len(jobs)))) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(LOCAL_THREADS, len(jobs))),
+                                               initializer=cpus.widen_this_thread) as pool:
         return list(pool.map(local, jobs))
 
 
