@@ -419,9 +419,9 @@ compiler.compile_units(units, link_flags=("-shared",), cache=sys.argv[1])
 print(json.dumps({"start": start, "main": sorted(os.sched_getaffinity(0)), "usable": compiler.usable_cores()}))
 """
 
-# a stand-in for g++ that records the CPUs it may run on, then runs g++
+# a stand-in for g++ that records the CPUs it may run on (a file a run: runs go in parallel), then runs g++
 _RECORDING_CXX = """#!/bin/sh
-PYTHON -c 'import json, os, sys; print(json.dumps([sys.argv[1:], sorted(os.sched_getaffinity(0))]))' "$@" >> "$EMBER_TEST_AFFINITY_LOG"
+PYTHON -c 'import json, os, sys; print(json.dumps([sys.argv[1:], sorted(os.sched_getaffinity(0))]))' "$@" > "$EMBER_TEST_AFFINITY_LOG/$$.json"
 exec g++ "$@"
 """
 
@@ -436,7 +436,8 @@ def test_units_compile_on_every_core_of_the_process_when_openmp_bound_the_callin
     compiler_script = tmp_path / "recording-cxx"
     compiler_script.write_text(_RECORDING_CXX.replace("PYTHON", shlex.quote(sys.executable)))
     compiler_script.chmod(0o755)
-    log = tmp_path / "affinity.log"
+    log = tmp_path / "affinity"
+    log.mkdir()
     env = dict(os.environ, CXX=str(compiler_script), EMBER_TEST_AFFINITY_LOG=str(log))
 
     def run_child() -> subprocess.CompletedProcess:
@@ -452,7 +453,7 @@ def test_units_compile_on_every_core_of_the_process_when_openmp_bound_the_callin
         pytest.skip("needs two CPUs")
     assert seen["main"] == seen["start"][:1]  # the binding took
     assert seen["usable"] == len(seen["start"])
-    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    runs = [json.loads(run.read_text()) for run in log.iterdir()]
     compiles = [cpus for args, cpus in runs if "-c" in args]  # (not the link, nor asking its version)
     assert len(compiles) == 2, runs
     assert all(cpus == seen["start"] for cpus in compiles), (compiles, seen)
