@@ -181,20 +181,23 @@ class WorkerPool:
             results: list[Result | None] = [None] * len(jobs)
             remaining = threading.Semaphore(0)
 
-            def drain(compile_one: Callable[[Job], Result], in_process: bool = False) -> bool:
+            def drain(compile_one: Callable[[Job], Result], worker: _Worker | None = None) -> None:
                 while True:
                     try:
                         i = todo.get_nowait()
                     except queue.Empty:
-                        return True
+                        return
                     try:
                         results[i] = compile_one(jobs[i])
                     except Exception as exc:
-                        if in_process:  # this process's own NVRTC failed: the caller sees why
+                        if worker is None:  # this process's own NVRTC failed: the caller sees why
                             results[i] = exc
                         else:
-                            todo.put(i)  # a dead worker: another consumer takes the job
-                            return False
+                            # dead before its job goes back: once another consumer finishes that
+                            # job this call may return, and must see the worker dead to drop it
+                            worker.dead = True
+                            todo.put(i)
+                            return
                     remaining.release()
 
             def by_worker(worker: _Worker) -> None:
@@ -204,12 +207,11 @@ class WorkerPool:
                 if worker.dead or worker.version != tuple(version):
                     worker.dead = True
                     return
-                if not drain(worker.compile):
-                    worker.dead = True
+                drain(worker.compile, worker)
 
             def drain_here() -> None:
                 cpus.widen_this_thread()  # NVRTC on every core of the process (`cpus`)
-                drain(local, True)
+                drain(local)
 
             threads = [threading.Thread(target=drain_here, daemon=True) for _ in range(LOCAL_THREADS)]
             threads += [threading.Thread(target=by_worker, args=(w,), daemon=True) for w in self._workers if not w.dead]

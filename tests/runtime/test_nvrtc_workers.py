@@ -86,11 +86,23 @@ def test_a_worker_that_dies_mid_job_costs_nothing_but_itself(fake_nvrtc_path):
     pool = nvrtc_workers.WorkerPool(2)
     try:
         wait_until_up(pool)
-        jobs = [(f"source {i}" + (" crash" if i == 3 else ""), (), f"u{i}.cu") for i in range(12)]
-        local = lambda job: (("ELF|local|" + job[0]).encode(), "")  # noqa: E731
-        results = pool.compile(jobs, (13, 0), lambda job: (time.sleep(0.05), local(job))[1])
+        procs = [w.proc for w in pool._workers]
+
+        def local_after_a_death(job):
+            # this process's threads hold one job each until a worker has died, so the crashing
+            # job (last in the queue) reaches a worker, whatever the scheduling
+            deadline = time.monotonic() + 20
+            while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return ("ELF|local|" + job[0]).encode(), ""
+
+        crash = 11
+        jobs = [(f"source {i}" + (" crash" if i == crash else ""), (), f"u{i}.cu") for i in range(12)]
+        results = pool.compile(jobs, (13, 0), local_after_a_death)
+        assert any(p.poll() is not None for p in procs), "a worker took the crashing job"
         assert [r[0].decode().split("|")[2] for r in results] == [j[0] for j in jobs]
-        assert results[3][0].startswith(b"ELF|local|"), "the crashing job finished on this process's threads"
+        assert results[crash][0].startswith(b"ELF|local|"), "the crashing job finished on this process's threads"
+        assert any(b"|worker " in r[0] for r in results), "the workers compiled the other jobs"
         assert len(pool._workers) <= 1, "the dead worker is dropped"
     finally:
         pool.close()
