@@ -208,6 +208,10 @@ class WorkerPool:
                     worker.dead = True
                     return
                 drain(worker.compile, worker)
+                if worker.dead:
+                    # its job went back to the queue, maybe after every other consumer found the
+                    # queue empty and left: whoever puts a job back also drains, so none is stranded
+                    drain_here()
 
             def drain_here() -> None:
                 cpus.widen_this_thread()  # NVRTC on every core of the process (`cpus`)

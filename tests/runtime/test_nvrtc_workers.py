@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import threading
 import time
 
 import pytest
@@ -106,6 +107,49 @@ def test_a_worker_that_dies_mid_job_costs_nothing_but_itself(fake_nvrtc_path):
         assert len(pool._workers) <= 1, "the dead worker is dropped"
     finally:
         pool.close()
+
+
+class _WorkerDyingLast:
+    """A worker that takes a job, holds it until this process's threads have finished theirs and
+    found the queue empty, then dies: its job goes back to a queue no thread drains any more."""
+
+    def __init__(self, locals_done: list[int]) -> None:
+        self.ready, self.dead, self.version = threading.Event(), False, (13, 0)
+        self.ready.set()
+        self.took, self.locals_done = threading.Event(), locals_done
+
+    def compile(self, job):
+        self.took.set()
+        deadline = time.monotonic() + 20
+        while len(self.locals_done) < nvrtc_workers.LOCAL_THREADS and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # the threads' last look at the queue
+        raise EOFError("worker closed its pipe")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_job_put_back_after_every_thread_left_is_still_compiled():
+    locals_done: list[int] = []
+    worker = _WorkerDyingLast(locals_done)
+
+    def local(job):
+        worker.took.wait(20)  # one job a thread, until the worker holds the last one
+        locals_done.append(1)
+        return ("ELF|local|" + job[0]).encode(), ""
+
+    pool = nvrtc_workers.WorkerPool(0)
+    pool._workers = [worker]
+    jobs = [(f"source {i}", (), f"u{i}.cu") for i in range(nvrtc_workers.LOCAL_THREADS + 1)]
+    out: dict = {}
+    caller = threading.Thread(target=lambda: out.setdefault("results", pool.compile(jobs, (13, 0), local)),
+                              daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "compile() hung on the job the dead worker put back"
+    assert [r[0].decode().split("|")[2] for r in out["results"]] == [j[0] for j in jobs]
+    assert pool._workers == [], "the dead worker is dropped"
 
 
 def test_workers_of_another_nvrtc_are_not_used(fake_nvrtc_path, monkeypatch):
