@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -16,7 +17,11 @@ sys.path.insert(0, str(TESTS))  # shared helpers (models.py) importable from eve
 
 # Compiled artefacts go to a cache private to this test session unless the caller chose one,
 # so the suite never depends on (or pollutes) a user's ~/.cache/ember.
-os.environ.setdefault("EMBER_CACHE_DIR", tempfile.mkdtemp(prefix="ember-test-cache-"))
+# A folder this process made is removed at the end of the session (the cache of a whole suite
+# run is ~100 MB; left behind, a shared machine's /tmp filled run after run).
+_OWN_CACHE = None
+if "EMBER_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-test-cache-")
 # Tests check every graph fully after every pass (type rules, fused subgraphs); compile() by
 # default checks structure only (ember.ir.Graph.verify).
 os.environ.setdefault("EMBER_VERIFY", "1")
@@ -27,6 +32,12 @@ os.environ.setdefault("EMBER_PLAN_CACHE", "0")
 # the processes are the parallelism there. tests/runtime/test_nvrtc_workers.py tests the workers.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("EMBER_NVRTC_WORKERS", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # (under pytest-xdist the workers inherit the folder and the controller, which made it, ends last)
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def _has_cuda() -> bool:

@@ -361,8 +361,8 @@ def test_waiting_for_the_builds_ahead_returns_when_they_end():
     from ember.runtime import cuda as runtime_cuda
 
     release, release_other = threading.Event(), threading.Event()
-    build = threading.Thread(target=lambda: release.wait(5), name=runtime_cuda.PREFETCH_THREAD)
-    other = threading.Thread(target=lambda: release_other.wait(5), name="user-thread")
+    build = threading.Thread(target=lambda: release.wait(120), name=runtime_cuda.PREFETCH_THREAD)
+    other = threading.Thread(target=lambda: release_other.wait(120), name="user-thread")
     build.start()
     other.start()
     runtime_cuda.wait_for_builds_ahead(timeout=0.05)

@@ -28,8 +28,10 @@ def main(out: str, batch: int = 12, steps: int = 1) -> None:
     comm = C.from_env()
     rank, size = comm.rank, comm.size
     if os.environ.get("EMBER_TEST_PIDDIR"):
-        with open(os.path.join(os.environ["EMBER_TEST_PIDDIR"], str(rank)), "w") as f:
+        pid_file = os.path.join(os.environ["EMBER_TEST_PIDDIR"], str(rank))
+        with open(pid_file + ".tmp", "w") as f:  # renamed whole: the test reads it as soon as it exists
             f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
     if os.environ.get("EMBER_TEST_FAIL_RANK") == str(rank):
         os._exit(3)  # not sys.exit: mpi4py's atexit MPI_Finalize would wait for the other ranks
     if os.environ.get("EMBER_TEST_HANG"):

@@ -24,7 +24,7 @@ from ember.frontends import cli
 from ember.runtime import launch as L
 
 BIN = Path(sys.executable).parent
-BOUND = 30.0  # seconds any launch below may take to end
+BOUND = 120.0  # seconds any launch below may take to end (a starved 2-core CI machine: ~3 s quiet)
 
 
 def _mpi() -> bool:
@@ -112,7 +112,7 @@ def _sleeper(tmp_path: Path, ignore_term: bool = False) -> str:
     return ("import os, signal, time\n"
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
             + f"open(os.path.join({str(tmp_path)!r}, 'up' + os.environ['RANK']), 'w').close()\n"
-            "time.sleep(120)\n")
+            "time.sleep(600)\n")  # longer than any bound: a launcher that waits for it fails
 
 
 def _no_leftovers(tmp_path: Path) -> None:
@@ -175,8 +175,9 @@ def test_killing_a_ranks_wrapper_stops_every_rank(tmp_path, nested):
         assert _wait_for(lambda: all((tmp_path / f"up{r}").exists() for r in "01") and (folder / "1.pid").exists())
         # The launcher starts watching a wrapper when it reads its pid file (every 0.1 s poll);
         # wrappers that die before it has looked at them once cannot be ordered (mpiexec kills
-        # rank 0's a millisecond after rank 1's), so give it a few polls, as a real run has.
-        time.sleep(1.0)
+        # rank 0's a millisecond after rank 1's), so give it polls to spare, as a real run has
+        # (a starved machine delays a poll by far more than its 0.1 s).
+        time.sleep(3.0)
         wrapper = int((folder / "1.pid").read_text().split()[0])
         os.kill(wrapper, signal.SIGKILL)
         t0 = time.monotonic()
@@ -201,7 +202,7 @@ def test_sigterm_stops_every_rank_within_the_grace(tmp_path, when, mpi):
         run.p.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         code, err, _ = run.finish()
-    assert time.monotonic() - t0 < 10, err  # the grace (2 s) and the time to kill
+    assert time.monotonic() - t0 < 60, err  # the grace (2 s) and the time to kill, far below the ranks' 600 s sleep
     assert code == 128 + signal.SIGTERM, err
     assert "ember launch: error: interrupted by SIGTERM; stopped every rank" in err, err
     _no_leftovers(tmp_path)

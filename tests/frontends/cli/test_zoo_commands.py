@@ -27,8 +27,10 @@ def test_bench_zoo_times_every_zoo_model_at_its_batch_size(monkeypatch, capsys):
     assert seen["models"] == ["mobilenet", "resnet8"] and seen["batch"] == 8
 
 
-def test_bench_runs_a_zoo_model_against_pytorch(capsys):
+def test_bench_runs_a_zoo_model_against_pytorch(capsys, monkeypatch):
     pytest.importorskip("torch")
+    for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # bench sets them; put them back after
+        monkeypatch.delenv(name, raising=False)
     assert cli.main(["bench", "--model", "vit_sdpa", "--steps", "2", "--warmup", "1", "--batch-size", "4",
                      "--threads", "1", "--no-torch-compile"]) == 0
     out = capsys.readouterr().out

@@ -37,7 +37,7 @@ def test_runtime_data_has_no_download():
 
 def test_mnist_load_with_download(tmp_path, mirror, monkeypatch):
     url, md5s = mirror
-    monkeypatch.setattr(datasets, "ensure_mnist", functools.partial(ensure_mnist, mirrors=[url], md5s=md5s, timeout=5))
+    monkeypatch.setattr(datasets, "ensure_mnist", functools.partial(ensure_mnist, mirrors=[url], md5s=md5s, timeout=60))
     m = datasets.MNIST.load(tmp_path, flat=True, download=True)
     assert m.x_train.shape == (5, 784) and m.y_test.shape == (3,)
 
@@ -90,7 +90,7 @@ def dead_url():
 def test_download_and_verify(tmp_path, mirror):
     url, md5s = mirror
     root = tmp_path / "new" / "dir"
-    assert ensure_mnist(root, mirrors=[url], md5s=md5s, timeout=5) == root
+    assert ensure_mnist(root, mirrors=[url], md5s=md5s, timeout=60) == root
     assert sorted(p.name for p in root.iterdir()) == sorted(f"{s}.gz" for s in STEMS)
     x, y = load_mnist(root, "train")
     assert x.shape == (5, 1, 28, 28) and y.shape == (5,)
@@ -102,7 +102,7 @@ def test_download_only_missing(tmp_path, mirror):
     url, md5s = mirror
     _write_mnist(tmp_path, suffix="", seed=1)  # raw files count as present
     (tmp_path / "t10k-labels-idx1-ubyte").unlink()
-    ensure_mnist(tmp_path, mirrors=[url], md5s=md5s, timeout=5)
+    ensure_mnist(tmp_path, mirrors=[url], md5s=md5s, timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         STEMS[:3] + ["t10k-labels-idx1-ubyte.gz"])
 
@@ -110,7 +110,7 @@ def test_download_only_missing(tmp_path, mirror):
 def test_download_bad_checksum_leaves_nothing(tmp_path, mirror):
     url, md5s = mirror
     with pytest.raises(ChecksumError) as ei:
-        ensure_mnist(tmp_path, mirrors=[url], md5s={s: "0" * 32 for s in md5s}, timeout=5)
+        ensure_mnist(tmp_path, mirrors=[url], md5s={s: "0" * 32 for s in md5s}, timeout=60)
     assert "0" * 32 in str(ei.value) and url in str(ei.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -118,7 +118,7 @@ def test_download_bad_checksum_leaves_nothing(tmp_path, mirror):
 def test_download_interrupted_leaves_nothing(tmp_path, mirror):
     url, md5s = mirror
     with pytest.raises(DownloadError, match="interrupted"):
-        ensure_mnist(tmp_path, mirrors=[url + "cut/"], md5s=md5s, timeout=5)
+        ensure_mnist(tmp_path, mirrors=[url + "cut/"], md5s=md5s, timeout=60)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -134,20 +134,20 @@ def test_download_ctrl_c_leaves_nothing(tmp_path, mirror, monkeypatch):
 
     monkeypatch.setattr(datasets.urllib.request, "urlopen", lambda *a, **k: Resp())
     with pytest.raises(KeyboardInterrupt):
-        ensure_mnist(tmp_path, mirrors=[url], md5s=md5s, timeout=5)
+        ensure_mnist(tmp_path, mirrors=[url], md5s=md5s, timeout=60)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_download_falls_back_to_next_mirror(tmp_path, mirror, dead_url):
     url, md5s = mirror
-    ensure_mnist(tmp_path, mirrors=[dead_url, url + "cut/", url], md5s=md5s, timeout=5)
+    ensure_mnist(tmp_path, mirrors=[dead_url, url + "cut/", url], md5s=md5s, timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{s}.gz" for s in STEMS)
 
 
 def test_download_all_dead(tmp_path, mirror, dead_url):
     _, md5s = mirror
     with pytest.raises(DownloadError) as ei:
-        ensure_mnist(tmp_path, mirrors=[dead_url, dead_url + "x/"], md5s=md5s, timeout=5)
+        ensure_mnist(tmp_path, mirrors=[dead_url, dead_url + "x/"], md5s=md5s, timeout=60)
     msg = str(ei.value)
     assert not isinstance(ei.value, ChecksumError)
     assert "--data" in msg and "No network?" in msg
