@@ -129,17 +129,22 @@ def test_tuning_moves_names_the_steps_a_record_changes(tmp_path):
         assert ("to time on h200: python tools/step_time.py --cases cnn:64" in r.stdout) == (name == "moved"), r.stdout
 
 
-@pytest.mark.parametrize("defines", [["-DCC=32", "-DHH=14", "-DOO=64", "-DRB=7", "-DOV=2"],
-                                     ["-DCC=16", "-DHH=28", "-DOO=32", "-DRB=14", "-DOV=1", "-DTWO"],
-                                     ["-DCC=8", "-DHH=9", "-DOO=16", "-DSS=1", "-DRB=4", "-DOV=1"]],
-                         ids=["7x7-out", "two-rows", "stride-1-ragged"])
-def test_the_cpu_layout_lab_matches_float64(tmp_path, defines):
-    """tools/cpu_layout_lab.cpp (the channels-innermost convolution measured in session 36): its
-    tiles, two-row tiles and ragged row ends against its float64 loop, built for any x86 CPU."""
+@pytest.mark.parametrize("lab, defines", [
+    ("cpu_layout_lab.cpp", ["-DCC=32", "-DHH=14", "-DOO=64", "-DRB=7", "-DOV=2"]),
+    ("cpu_layout_lab.cpp", ["-DCC=16", "-DHH=28", "-DOO=32", "-DRB=14", "-DOV=1", "-DTWO"]),
+    ("cpu_layout_lab.cpp", ["-DCC=8", "-DHH=9", "-DOO=16", "-DSS=1", "-DRB=4", "-DOV=1"]),
+    ("cpu_layout_lab_grad_weight.cpp", ["-DCC=32", "-DHH=14", "-DOO=64", "-DCB=6", "-DOV=4", "-DIB=4"]),
+    ("cpu_layout_lab_grad_weight.cpp", ["-DCC=9", "-DHH=11", "-DOO=16", "-DSS=3", "-DCB=4", "-DOV=1", "-DIB=3"]),
+], ids=["7x7-out", "two-rows", "stride-1-ragged", "grad-weight", "grad-weight-ragged"])
+def test_the_cpu_layout_labs_match_float64(tmp_path, lab, defines):
+    """tools/cpu_layout_lab*.cpp (the channels-innermost convolutions measured in session 36):
+    tiles, two-row tiles, ragged row ends and channel blocks, image blocks that do not divide the
+    batch, against their float64 loops, built for any x86 CPU."""
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     exe = tmp_path / "lab"
-    subprocess.run(["g++", "-O1", "-fopenmp", "-Wno-psabi", "-DNN=1", *defines, str(TOOLS / "cpu_layout_lab.cpp"),
+    subprocess.run(["g++", "-O1", "-fopenmp", "-Wno-psabi", "-DNN=5" if "grad" in lab else "-DNN=1", *defines,
+                    str(TOOLS / lab),
                     "-o", str(exe)], check=True, timeout=300)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert r.returncode == 0 and "max error" in r.stdout, r.stdout + r.stderr
