@@ -100,6 +100,12 @@ def _shape_tag(types: tuple[TensorType, ...]) -> str:
     return "x".join(str(d) for d in types[0].shape) or "scalar"
 
 
+def _step_tag(key: tuple[tuple[TensorType, ...], bool]) -> str:
+    """A training step's shape tag, marked where it was traced with the model in eval mode."""
+    types, training = key
+    return _shape_tag(types) + ("" if training else " (eval mode)")
+
+
 def _check_batch(types: "tuple[TensorType, ...] | list[TensorType]", names: tuple[str, ...], what: str) -> None:
     """A batch of 0 samples has nothing to train on (and no kernel has a 0-sized loop to render)."""
     for name, t in zip(names, types):
@@ -436,7 +442,9 @@ class TrainStep(_Compiled):
         self.loss_fn = loss_fn
         self.config = optimizer
         self.steps_run = 0  # training steps this step (or the checkpoint it loaded) has run
-        self._steps: dict[tuple[TensorType, ...], tuple[Graph, Executor]] = {}
+        # by (input types, the model's training flag): train() and eval() trace different steps
+        # (BatchNorm's batch or running statistics, dropout on or off), as PyTorch runs them
+        self._steps: dict[tuple[tuple[TensorType, ...], bool], tuple[Graph, Executor]] = {}
         self._by_key: dict[tuple, Executor] = {}
         self._classes: dict[str, int] = {}  # labels input -> number of classes (from the traced one_hot)
         self._example = tuple(example_type(a) for a in example_inputs)
@@ -453,14 +461,20 @@ class TrainStep(_Compiled):
         """`compile_stats` of every training step compiled so far, by its input shape ("64x1x28x28"),
         in the order they were compiled: a later batch size (the last partial batch) shows what
         it took beside the first (on the CPU, objects built or found in the cache)."""
-        return {_shape_tag(types): dict(getattr(ex, "compile_stats", {})) for types, (_, ex) in self._steps.items()}
+        return {_step_tag(key): dict(getattr(ex, "compile_stats", {})) for key, (_, ex) in self._steps.items()}
 
     @property
     def compile_stats(self) -> dict[str, Any]:
         """Where the example shape's training step compile went: seconds in the passes
         (`passes_s`), rendering (`render_s`) and the compiler (`compiler_s`, cache lookups
         included), and on the CPU how many objects were built or found in the cache."""
-        return dict(getattr(self._steps[self._example][1], "compile_stats", {}))
+        return dict(getattr(self._example_step()[1], "compile_stats", {}))
+
+    def _example_step(self) -> tuple[Graph, Executor]:
+        """The training step for the example shapes in the model's current mode, else the one
+        compiled at compile() (in the mode the model had then)."""
+        hit = self._steps.get((self._example, bool(self.model.training)))
+        return hit if hit is not None else next(v for (types, _), v in self._steps.items() if types == self._example)
 
     def sync_ranks(self) -> None:
         """Data parallel: rank 0's parameters and optimizer state into every rank, then a check
@@ -476,7 +490,8 @@ class TrainStep(_Compiled):
         self._link.version += 1  # the storage changed under the model's arrays
 
     def _train_executor(self, types: tuple[TensorType, ...]) -> Executor:
-        hit = self._steps.get(types)
+        key = (types, bool(self.model.training))
+        hit = self._steps.get(key)
         if hit is None:
             with _collector_paused(self.tune_budget_s is None):
                 model, loss_fn = self.model, self.loss_fn
@@ -497,7 +512,7 @@ class TrainStep(_Compiled):
                 self._bind(graph)
                 # Every shape traces the same loss, so one graph fixes which inputs are labels.
                 self._classes = class_inputs(forward)
-                hit = self._steps[types] = (graph, self._executor(graph, dump, source, **extra))
+                hit = self._steps[key] = (graph, self._executor(graph, dump, source, **extra))
                 self._keep_plan(cache_key, graph, hit[1])
                 _note_compile_stats(hit[1], passes_seconds, dump, cached=source is not None)
                 if self.comm is not None:
@@ -534,8 +549,8 @@ class TrainStep(_Compiled):
         it was loaded passes `check_labels=False`."""
         x, y = _array(x), _array(y)
         self._sync()  # first: a new shape traces the model as it is now
-        # Per-batch fast path: a dict hit on (shape, dtype) skips building TensorTypes.
-        key = (x.shape, x.dtype, y.shape, y.dtype)
+        # Per-batch fast path: a dict hit on (shape, dtype, mode) skips building TensorTypes.
+        key = (x.shape, x.dtype, y.shape, y.dtype, self.model.training)
         executor = self._by_key.get(key)
         if executor is None:
             executor = self._by_key[key] = self._train_executor(self._types((x, y), ("x", "y")))
@@ -551,17 +566,17 @@ class TrainStep(_Compiled):
     @property
     def train_graph(self) -> Graph:
         """The training graph for the example inputs, after every pass."""
-        return self._steps[self._example][0]
+        return self._example_step()[0]
 
     @property
     def peak_bytes(self) -> int | None:
         """Planned peak memory of the training step (None where the device plans none)."""
-        return getattr(self._steps[self._example][1], "peak_bytes", None)
+        return getattr(self._example_step()[1], "peak_bytes", None)
 
     def kernel_times(self) -> list[tuple[str, str, float]]:
         """(kernel, what it implements, seconds summed over calls) of the training step for the
         example shapes; needs compile(..., profile=True) on a device that compiles kernels."""
-        executor = self._steps[self._example][1]
+        executor = self._example_step()[1]
         if not hasattr(executor, "kernel_times"):
             raise RuntimeError(f"device {self.device!r} runs no compiled kernels to time")
         return executor.kernel_times()
@@ -627,7 +642,7 @@ class TrainStep(_Compiled):
 
     def __repr__(self) -> str:
         return (f"TrainStep(device={self.device!r}, optimizer={self.config}, "
-                f"compiled={[_shape_tag(t) for t in self._steps]})")
+                f"compiled={[_step_tag(k) for k in self._steps]})")
 
 
 class InferenceStep(_Compiled):

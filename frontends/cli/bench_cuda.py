@@ -203,7 +203,7 @@ def kernel_profile(step: Any, repeats: int = 50, shares: bool = True) -> list[di
     step's graph (`step_time_without_each_kernel`: the step replayed once per kernel, minutes at
     batch 1024)."""
     import cupy as cp
-    executor = step._steps[step._example][1]
+    executor = step._example_step()[1]
     graph = executor.graph
     flops, traffic = {}, {}
     for n in graph.g:

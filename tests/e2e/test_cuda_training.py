@@ -145,7 +145,7 @@ def test_a_later_batch_sizes_step_matches_pytorch_from_the_same_weights(name):
     step = _step(name)
     ratios = _update_ratios(name, step, xs, ys)
     assert np.median(ratios) <= 1.5, ratios
-    (later,) = [g for types, (g, _) in step._steps.items() if types[0].shape[0] == 37]
+    (later,) = [g for (types, _), (g, _) in step._steps.items() if types[0].shape[0] == 37]
     specs = [later.attrs(n)["kernel"] for n in later.g if later.op(n) == "fused"]
     assert sum(s.choice is not None and tuple(s.choice[1]) == RUNTIME for s in specs) >= 5
     assert sum(s.why.startswith("reused") for s in specs) >= len(specs) // 2

@@ -83,7 +83,7 @@ def test_a_new_batch_size_runs_no_compiler_and_trains_as_the_interpreter(cache, 
         np.testing.assert_allclose(step(x, y), reference(x, y), rtol=RTOL32)
     for (name, got), (_, want) in zip(sorted(step.state_dict().items()), sorted(reference.state_dict().items())):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=name)
-    shapes = {t[0].shape[0]: (g, ex) for t, (g, ex) in step._steps.items()}
+    shapes = {types[0].shape[0]: (g, ex) for (types, _), (g, ex) in step._steps.items()}
     first = [k.function for k in shapes[12][1].source.kernels]
     assert {_family(shapes[12][0], k) for k in shapes[12][1].source.kernels} >= set(families)
     for n in (7, 20):

@@ -67,7 +67,7 @@ def test_compile_with_tune_trains_with_the_measured_winners(tmp_path):
         losses = [step(x, y) for _ in range(3)]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert step.tune_reports and step.tune_reports[0].measured > 0
-    graph = step._steps[step._example][0]
+    graph = step._example_step()[0]
     for sub, spec in kernels_of(graph):
         if len(cuda_choices.candidates(sub, spec)) > 1:
             assert spec.why.startswith("tuned"), (sub.name, spec.why)
