@@ -42,7 +42,7 @@ from . import plan_cache
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from .nn import Module
 from .optim import as_config
-from .tensor import RNG_STEP, Buffer, Held, model_changed, model_epoch
+from .tensor import RNG_STEP, Buffer, Held, Parameter, model_changed, model_epoch
 from .tracing import example_type, trace
 
 
@@ -422,7 +422,8 @@ class TrainStep(_Compiled):
                  example_inputs: tuple[Any, Any], device: str = "cpu",
                  dump_dir: str | os.PathLike | None = None, profile: bool = False,
                  communicator: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 precision: str = "float32", tune: bool | float = False) -> None:
+                 precision: str = "float32", tune: bool | float = False,
+                 params: Sequence[Parameter] | None = None) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes {bucket_bytes!r}: expected an integer >= 1 (bytes of gradients "
                              f"per all-reduce bucket; default {DEFAULT_BUCKET_BYTES}, PyTorch DDP's 25 MiB)")
@@ -441,6 +442,18 @@ class TrainStep(_Compiled):
                              f"an optimizer needs at least one Parameter (a Linear, Conv2d, ...)")
         self.loss_fn = loss_fn
         self.config = optimizer
+        # the optimizer's `params` (None: every parameter); a parameter left out, or with
+        # requires_grad False, is frozen: no gradient, no update (as torch.optim leaves it)
+        self._trainable: frozenset[int] | None = None
+        if params is not None:
+            own = {id(p) for p in model.parameters()}
+            foreign = [p for p in params if id(p) not in own]
+            if foreign:
+                raise ValueError(f"the optimizer's params include {len(foreign)} Parameter(s) that are not the model's "
+                                 f"(first: {foreign[0]!r}); compile() trains the compiled model's parameters: pass "
+                                 f"model.parameters() or a subset of them")
+            self._trainable = frozenset(id(p) for p in params)
+        self._frozen_now = self._frozen_names()  # what the compiled steps froze (`_adopt` compares)
         self.steps_run = 0  # training steps this step (or the checkpoint it loaded) has run
         # by (input types, the model's training flag): train() and eval() trace different steps
         # (BatchNorm's batch or running statistics, dropout on or off), as PyTorch runs them
@@ -497,6 +510,7 @@ class TrainStep(_Compiled):
                 model, loss_fn = self.model, self.loss_fn
                 forward = trace(lambda x, y: loss_fn(model(x), y), *types, name="train_step", modules={"": model})
                 forward.meta["precision"] = self.precision
+                frozen = self._frozen_of(forward)
                 dump = self._dump_subdir("train", types)
                 passes = precision_passes(self.precision) + train_passes(self.config) + self.target.passes()
                 extra = {}
@@ -505,7 +519,7 @@ class TrainStep(_Compiled):
                     extra = {"communicator": self.comm}
                 t0 = time.perf_counter()
                 reuse = self._reuse_plans(forward)
-                extra_key = f"optimizer={self.config!r}{reuse}" if self.comm is None else None
+                extra_key = f"optimizer={self.config!r}{reuse};frozen={frozen!r}" if self.comm is None else None
                 graph, source, cache_key = self._planned(forward, passes, dump, extra=extra_key)
                 passes_seconds = time.perf_counter() - t0
                 self._bind(forward)
@@ -520,6 +534,33 @@ class TrainStep(_Compiled):
                     # checked before the parameters are broadcast, which a different model would hang
                     agree_on_step(self.comm, hit[1], graph)
         return hit[1]
+
+    def _frozen(self, p: Any) -> bool:
+        return isinstance(p, Parameter) and (not p.requires_grad or (self._trainable is not None
+                                                                       and id(p) not in self._trainable))
+
+    def _frozen_names(self) -> tuple[str, ...]:
+        return tuple(sorted(name for name, p in self.model.named_parameters() if self._frozen(p)))
+
+    def _frozen_of(self, forward: Graph) -> tuple[str, ...]:
+        """The traced parameters this step does not train, put in `forward.meta["frozen"]` for the
+        autodiff pass; raises when that leaves nothing to train."""
+        params = forward.meta.get("parameters", {})
+        frozen = tuple(sorted(name for name, p in params.items() if self._frozen(p)))
+        if params and len(frozen) == len(params):
+            raise ValueError(f"nothing to train: every parameter the loss depends on is frozen (requires_grad False"
+                             f"{' or not in the optimizer' + chr(39) + 's params' if self._trainable is not None else ''}"
+                             f"): {', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''}")
+        forward.meta["frozen"] = frozen
+        return frozen
+
+    def _adopt(self) -> None:
+        super()._adopt()
+        frozen = self._frozen_names()
+        if frozen != self._frozen_now:  # requires_grad changed: the steps differentiate other parameters
+            self._frozen_now = frozen
+            self._steps.clear()
+            self._by_key.clear()
 
     def precompile(self, shape: Sequence[int]) -> None:
         """Compiles the training step for inputs `x` of `shape` (labels of the same batch) now,
@@ -722,7 +763,7 @@ def compile(model: Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any,  
     """
     return TrainStep(model, loss_fn, as_config(optimizer), tuple(example_inputs), device=device, dump_dir=dump_dir,
                      profile=profile, communicator=communicator, bucket_bytes=bucket_bytes, precision=precision,
-                     tune=tune)
+                     tune=tune, params=getattr(optimizer, "params", None))
 
 
 def compile_inference(model: Module, example_input: Any, device: str = "cpu",

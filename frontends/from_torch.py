@@ -50,7 +50,23 @@ def _copy(t: Any) -> np.ndarray:
 
 
 def _param(t: Any) -> Parameter:
-    return Parameter(_copy(t).astype(np.float32, copy=False))
+    # a frozen torch parameter (requires_grad False) stays frozen: ember's steps do not train it
+    return Parameter(_copy(t).astype(np.float32, copy=False), requires_grad=bool(getattr(t, "requires_grad", True)))
+
+
+def _tie(tm: Any, em: nn.Module) -> None:
+    """One ember Parameter wherever the torch module holds one Parameter under several names (tied
+    weights, `dec.weight = enc.weight`), as torch trains it: one array, one gradient summed over
+    its uses."""
+    modules = dict(em.named_modules())
+    first: dict[int, str] = {}
+    for name, p in tm.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(p), name)
+        if owner != name:
+            mod, _, leaf = owner.rpartition(".")
+            tied = getattr(modules[mod], leaf)
+            mod, _, leaf = name.rpartition(".")
+            setattr(modules[mod], leaf, tied)
 
 
 def _linear(m: Any) -> nn.Module:
@@ -589,6 +605,7 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
                         + ", ".join(sorted({_function_name(f) for f in functions})))
     model = TorchModel(gm, functions, methods, type(module).__name__)
     _mirror(module, model, "", called)
+    _tie(module, model)
     model.train(module.training)
     expected, got = list(module.state_dict()), list(model.state_dict())
     if sorted(expected) != sorted(got):  # a builder bug, caught at import rather than at load

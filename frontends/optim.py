@@ -2,8 +2,10 @@
 
 `ember.frontends.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)` reads like PyTorch. The
 object is a description only: the update itself is appended to the training graph by
-`ember.passes.optimizer` and runs inside the compiled step, so `params` is optional and only
-validated (ember trains every parameter the loss depends on).
+`ember.passes.optimizer` and runs inside the compiled step. `params` is optional: without it
+every parameter the loss depends on is trained; with it only those listed (as in PyTorch, the
+others keep their values and no gradient is computed for them). Either way a Parameter with
+`requires_grad = False` is not trained.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from ember.passes import optimizer as _opt
 from .tensor import Parameter
 
 
-def _check_params(params: Any) -> None:
+def _check_params(params: Any) -> tuple[Parameter, ...] | None:
+    """The parameters an optimizer was given (None: every parameter of the model)."""
     if params is None:
-        return
+        return None
     if isinstance(params, Parameter):
         raise TypeError("params argument given to the optimizer should be an iterable of Parameters, "
                         "but got a Parameter (wrap it in a list)")
@@ -33,6 +36,7 @@ def _check_params(params: Any) -> None:
         raise TypeError(f"optimizer params must be ember Parameters, got {bad[:3]}")
     if not params:
         raise ValueError("optimizer got an empty parameter list")
+    return tuple(params)
 
 
 def _check_finite(**values: float) -> None:
@@ -46,6 +50,7 @@ class Optimizer:
     """Base: holds the validated `config` (an `ember.passes.optimizer` dataclass)."""
 
     config: _opt.OptimizerConfig
+    params: tuple[Parameter, ...] | None = None  # what `params` listed (None: the whole model)
 
     def __repr__(self) -> str:
         return repr(self.config)  # SGD(lr=0.1, momentum=0.9, ...): the config classes carry torch's names
@@ -56,7 +61,7 @@ class SGD(Optimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False) -> None:
         if maximize:
             raise NotImplementedError("SGD(maximize=True) is not supported; negate the loss instead")
-        _check_params(params)
+        self.params = _check_params(params)
         _check_finite(lr=float(lr), momentum=float(momentum))
         self.config = _opt.SGD(lr=float(lr), momentum=float(momentum), dampening=float(dampening),
                                nesterov=bool(nesterov), weight_decay=float(weight_decay))
@@ -70,7 +75,7 @@ class Adam(Optimizer):
                  maximize: bool = False) -> None:
         if amsgrad or maximize:
             raise NotImplementedError(f"{type(self).__name__}: amsgrad and maximize are not supported yet")
-        _check_params(params)
+        self.params = _check_params(params)
         _check_finite(lr=float(lr))
         wd = self._config.weight_decay if weight_decay is None else float(weight_decay)
         self.config = self._config(lr=float(lr), betas=tuple(betas), eps=float(eps), weight_decay=wd)

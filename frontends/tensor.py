@@ -388,12 +388,33 @@ class Held:
 
 
 class Parameter(Held, _Ops):
-    """A trainable array (float32 by default) owned by a Module."""
+    """A trainable array (float32 by default) owned by a Module. `requires_grad = False` (or
+    `requires_grad_(False)`) freezes it, as in PyTorch: a training step then neither computes its
+    gradient nor updates it; a step compiled before the change is compiled again at its next call."""
 
-    def __init__(self, data: Any, dtype: Any = float32) -> None:
+    _requires_grad = True
+
+    def __init__(self, data: Any, dtype: Any = float32, requires_grad: bool = True) -> None:
         # order="C", not ascontiguousarray: that makes a 0-d array 1-d
         self.data = np.asarray(data, dtype=as_dtype(dtype).numpy, order="C")
         self._loc = caller_location()  # the user's line creating it (or the layer holding it)
+        self._requires_grad = bool(requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"requires_grad must be True or False, got {value!r}")
+        if bool(value) != self._requires_grad:
+            self._requires_grad = bool(value)
+            model_changed()  # a compiled step notices at its next call and compiles again
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Parameter":
+        self.requires_grad = requires_grad
+        return self
 
     @property
     def dtype(self):

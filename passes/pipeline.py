@@ -73,9 +73,17 @@ def precision_passes(precision: str) -> list[tuple[str, Pass]]:
     return [("autocast", autocast)] if precision == "bf16" else []
 
 
+def trainable(graph: Graph) -> list[str]:
+    """The parameters of `graph` a training step differentiates: all but `meta["frozen"]`."""
+    frozen = set(graph.meta.get("frozen", ()))
+    return [p for p in graph.parameters if p not in frozen]
+
+
 def train_passes(optimizer_config: OptimizerConfig, *, loss: str = "out") -> list[tuple[str, Pass]]:
-    """The two passes that turn a forward (loss) graph into a training step."""
-    return [("autodiff", lambda g: grad(g, loss=loss)),
+    """The two passes that turn a forward (loss) graph into a training step. Parameters named in
+    the graph's `meta["frozen"]` (requires_grad False, or left out of the optimizer's params) get
+    no gradient, so the optimizer leaves them as they are."""
+    return [("autodiff", lambda g: grad(g, loss=loss, wrt=trainable(g))),
             ("optimizer", lambda g: apply_optimizer(g, optimizer_config))]
 
 
