@@ -320,7 +320,8 @@ def main(args: Any) -> int:
                   f"(the epoch count is the total; pass a larger --epochs to continue)")
             return 0
 
-    run_dir = setup.run_folder(args.output_dir, args.resume) if args.output_dir else None
+    run_dir = setup.run_folder(args.output_dir, args.resume) if args.output_dir else \
+        setup.resumed_run_folder(args.resume)
     notes = setup.use_run_folder(args, run_dir) if run_dir is not None else []
     started = time.perf_counter()
     print(f"data: {args.dataset} from {root} ({len(x_train)} training"

@@ -191,6 +191,16 @@ def run_folder(output_dir: str | os.PathLike, resume: str | None) -> Path:
             continue
 
 
+def resumed_run_folder(resume: str | None) -> Path | None:
+    """The run folder (`--output-dir`'s run-NNN, its config.json written) holding the --resume
+    checkpoint, or None: a resumed run continues there even without --output-dir, rather than
+    training on and writing nothing (no checkpoint, no metrics)."""
+    if not resume:
+        return None
+    parent = Path(resume).expanduser().resolve().parent
+    return parent if _RUN.match(parent.name) and (parent / "config.json").is_file() else None
+
+
 def use_run_folder(args: Any, folder: Path) -> list[str]:
     """Points the outputs not given explicitly into `folder`; returns notes to print."""
     notes = []

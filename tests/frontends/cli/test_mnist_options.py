@@ -188,6 +188,15 @@ def test_output_dir_numbered_runs_and_resume_into_one(tmp_path, mnist_dir, capsy
     assert [r["type"] for r in records].count("run") == 2 and records[-1]["epoch"] == 2
     assert load_checkpoint(first / "checkpoint.safetensors").epoch == 2
 
+    # --resume of a run folder without --output-dir continues in it too (it once trained and wrote
+    # nothing: no checkpoint, no metrics)
+    assert _run(tmp_path, mnist_dir, "--epochs", "3", "--resume", str(first / "checkpoint.safetensors"),
+                metrics=None) == 0
+    assert f"run folder: {first}" in capsys.readouterr().out
+    assert load_checkpoint(first / "checkpoint.safetensors").epoch == 3
+    assert read_metrics(first / "metrics.jsonl")[-1]["epoch"] == 3
+    assert sorted(p.name for p in runs.iterdir()) == ["run-001", "run-002"]
+
     (tmp_path / "afile").write_text("")
     assert _run(tmp_path, mnist_dir, "--output-dir", str(tmp_path / "afile")) == 2
     assert "--output-dir" in capsys.readouterr().err
