@@ -381,6 +381,10 @@ def main(args: Any) -> int:
         raise UsageError(f"--model {args.model}: expected model names from {', '.join(ZOO)} "
                          f"(comma-separated) or all")
     check_torch_for(models)
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--batch-size", args.batch_size, 1), ("--threads", args.threads, 1)):
+        if value is not None and value < least:  # (0 once meant "the default" for some of these, silently)
+            raise UsageError(f"{flag} {value}: expected an integer >= {least}")
     if args.max_autotune and args.device.partition(":")[0] != "cuda":
         raise UsageError(f"--max-autotune: expected --device cuda (on {args.device} the bench times "
                          "torch.compile's default mode, unless --no-torch-compile)")

@@ -26,7 +26,7 @@ from ember.runtime import target_names
 
 from ..training.recipes import MODELS, make_optimizer
 from ..training.zoo import ZOO, zoo_model
-from .cli_checks import UsageError, check_torch_for, precision_flag, selected_models
+from .cli_checks import UsageError, check_device, check_torch_for, precision_flag, selected_models
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -68,8 +68,7 @@ def main(args: Any) -> int:
     target = get_target(name)
     if target.tune is None:
         raise UsageError(f"--device {args.device}: it has no kernel choices to measure")
-    if target.available is not None:
-        target.available()
+    check_device(args.device)  # CuPy and a GPU present: the one line every command gives
     if index:
         target.select_device(int(index))
     db = tuning_db.TuningDB(args.db, (tuning_db.SHIPPED_DIR,)) if args.db else tuning_db.default_db()

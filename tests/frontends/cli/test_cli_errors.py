@@ -322,3 +322,13 @@ def test_bench_max_autotune_is_for_cuda(capsys):
     assert main(["bench", "--device", "cpu", "--model", "mlp", "--max-autotune", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--max-autotune: expected --device cuda" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag, value, least", [("--steps", "0", 1), ("--warmup", "-1", 0), ("--batch-size", "0", 1),
+                                                ("--threads", "0", 1)])
+def test_bench_refuses_counts_out_of_range(capsys, flag, value, least):
+    """(--steps 0 timed 4 steps, --batch-size 0 ran 64: session 36's probe)"""
+    from ember.frontends.cli import main
+    assert main(["bench", "--device", "cpu", "--model", "mlp", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"ember bench: error: {flag} {value}: expected an integer >= {least}", err

@@ -182,6 +182,8 @@ def test_bench_and_align_say_what_mnist_says_without_cupy(mnist_dir, capsys, no_
     assert _fail(capsys, _mnist(mnist_dir, "--device", "cuda"), code=2) == want
     assert _fail(capsys, ["bench", "--device", "cuda", "--model", "mlp"], code=2) == want.replace("mnist", "bench")
     assert _fail(capsys, ["align", "--device", "cuda", "--data", mnist_dir], code=2) == want.replace("mnist", "align")
+    # tune too (it printed CuPy's traceback, session 36's probe)
+    assert _fail(capsys, ["tune", "--device", "cuda", "--model", "mlp"], code=2) == want.replace("mnist", "tune")
 
 
 BROKEN = """
