@@ -163,9 +163,28 @@ class Linear(Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _conv_padding(padding: Any, kernel: tuple[int, int], stride: Any) -> Any:
+    """PyTorch's padding strings as numbers: 'valid' is none, 'same' (stride 1) keeps the size,
+    half the window on each side; an even window would need one more on one side, which ember's
+    convolutions (the same padding both sides) do not do."""
+    if not isinstance(padding, str):
+        return padding
+    if padding == "valid":
+        return 0
+    if padding != "same":
+        raise ValueError(f"Conv2d: invalid padding string {padding!r}, should be one of {{'valid', 'same'}}")
+    if np.any(np.asarray(stride) != 1):
+        raise ValueError(f"Conv2d: padding='same' is not supported for strided convolutions (stride={stride})")
+    if any(k % 2 == 0 for k in kernel):
+        raise NotImplementedError(f"Conv2d: padding='same' with the even kernel {kernel} pads one side more than the "
+                                  f"other, which ember's convolutions do not; use an odd kernel or integer padding")
+    return ((kernel[0] - 1) // 2, (kernel[1] - 1) // 2)
+
+
 class Conv2d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] = 1,
-                 padding: int | tuple[int, int] = 0, dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True) -> None:
+                 padding: int | tuple[int, int] | str = 0, dilation: int | tuple[int, int] = 1, groups: int = 1,
+                 bias: bool = True) -> None:
         super().__init__()
         if np.any(np.asarray(dilation) != 1):
             raise NotImplementedError(f"Conv2d: dilation={dilation} is not supported yet (only dilation=1)")
@@ -174,7 +193,7 @@ class Conv2d(Module):
                              f"out_channels={out_channels}")
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
-        self.stride, self.padding, self.groups = stride, padding, groups
+        self.stride, self.padding, self.groups = stride, _conv_padding(padding, (kh, kw), stride), groups
         fan_in = in_channels // groups * kh * kw
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) reduces to this bound
         self.weight = Parameter(_uniform((out_channels, in_channels // groups, kh, kw), bound))

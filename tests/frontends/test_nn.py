@@ -298,3 +298,34 @@ def test_relu6_and_hardtanh_modules_are_the_functions():
         g = trace(module, spec((1, 4)))
         np.testing.assert_array_equal(run(g, {"x": x}).outputs["out"], want)
     assert repr(nn.Hardtanh(0, 1)) == "Hardtanh(min_val=0.0, max_val=1.0)"
+
+
+def test_conv2d_padding_strings_as_pytorch():
+    """'same' (stride 1, odd kernels) keeps the size, 'valid' pads nothing; what ember cannot do
+    is refused at construction with torch's words (it failed at compile with a parsing error)."""
+    from ember.frontends import nn as enn
+    assert enn.Conv2d(1, 3, 3, padding="same").padding == (1, 1)
+    assert enn.Conv2d(1, 3, (5, 3), padding="same").padding == (2, 1)
+    assert enn.Conv2d(1, 3, 3, padding="valid").padding == 0
+    with pytest.raises(ValueError, match="padding='same' is not supported for strided convolutions"):
+        enn.Conv2d(1, 3, 3, stride=2, padding="same")
+    with pytest.raises(NotImplementedError, match=r"even kernel \(2, 2\) pads one side more"):
+        enn.Conv2d(1, 3, 2, padding="same")
+    with pytest.raises(ValueError, match="invalid padding string 'full'"):
+        enn.Conv2d(1, 3, 3, padding="full")
+
+
+def test_from_torch_maps_padding_same():
+    torch = pytest.importorskip("torch")
+    from ember.frontends import from_torch
+    from ember.frontends.from_torch import TorchImportError
+    torch.manual_seed(0)
+    tm = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding="same"), torch.nn.ReLU(),
+                             torch.nn.Conv2d(3, 2, (1, 5), padding="same"))
+    x = torch.randn(2, 2, 6, 7)
+    m = from_torch(tm, example_inputs=(x,))
+    from ember.frontends import compile_inference
+    got = compile_inference(m, x.numpy(), device="reference")(x.numpy())
+    np.testing.assert_allclose(got, tm(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TorchImportError, match="padding='same' with the even kernel"):
+        from_torch(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 2, padding="same")), example_inputs=(x,))
