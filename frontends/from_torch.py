@@ -337,7 +337,7 @@ def _getattr(x: Any, name: str) -> Any:
 
 
 def _getitem(x: Any, i: Any) -> Any:
-    if isinstance(x, Tensor):
+    if isinstance(x, (Tensor, Parameter)):  # (a parameter read by forward, e.g. a positional embedding sliced)
         _refuse("tensor indexing/slicing (only shapes may be indexed)")
     return x[i]
 
@@ -565,11 +565,13 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
     tracer.record_stack_traces = True  # fills node.stack_trace: the user's line in every error
     try:
         graph = tracer.trace(module)
-    except torch.fx.proxy.TraceError as e:
+    except (torch.fx.proxy.TraceError, RuntimeError, TypeError) as e:
+        # (fx raises RuntimeError for len() of a traced tensor, TypeError for a traced size given
+        # to a factory such as torch.ones(n, n): what it cannot trace, not a fault of the model)
         raise TorchImportError(
-            f"from_torch: torch.fx cannot trace {type(module).__name__}: {e}; make the branch depend on Python "
-            f"values only (not tensor values), pass those values as constructor arguments, or compute the "
-            f"data-dependent part outside the model") from e
+            f"from_torch: torch.fx cannot trace {type(module).__name__}: {e}; branch on Python values only (not "
+            f"tensor values), take sizes as constructor arguments (not len() or a tensor's values), or compute "
+            f"that part outside the model") from e
     gm = torch.fx.GraphModule(tracer.root, graph)
     functions, methods = _torch_functions()
     called: dict[str, nn.Module] = {}
@@ -589,7 +591,8 @@ def from_torch(module: Any, example_inputs: Sequence[Any] | Any) -> nn.Module:
                     raise _fail(node, f"unsupported argument {e} of {type(tm).__name__}") from None
         elif node.op == "get_attr" and node.target not in params:
             raise _fail(node, "unsupported buffer or constant tensor read by forward (ember imports buffers only "
-                        "inside BatchNorm2d)", "pass the tensor as a model input instead")
+                        "inside BatchNorm2d)", "hold it as an nn.Parameter with requires_grad=False (imported "
+                        "frozen: never trained)")
         elif node.op == "call_method" and node.target not in methods:
             raise _fail(node, f"unsupported tensor method .{node.target}()",
                         f"supported methods: {', '.join(sorted(methods))}")

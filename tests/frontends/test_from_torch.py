@@ -207,8 +207,31 @@ class Branchy(tnn.Module):
 
 def test_control_flow_gets_torch_message_and_advice():
     with pytest.raises(TorchImportError, match=r"torch.fx cannot trace Branchy: symbolically traced variables cannot "
-                       r"be used as inputs to control flow; make the branch depend on Python values"):
+                       r"be used as inputs to control flow; branch on Python values only"):
         from_torch(Branchy(), torch.zeros(2, 3))
+
+
+class SlicedEmbedding(tnn.Module):  # a ViT's positional embedding cut to the tokens present
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = tnn.Parameter(torch.zeros(1, 8, 3))
+
+    def forward(self, x):
+        return x + self.pos[:, :x.shape[1]]
+
+
+class UsesLen(tnn.Module):
+    def forward(self, x):
+        return x * len(x)
+
+
+def test_what_fx_or_ember_cannot_take_is_one_import_error():
+    """A sliced parameter and len() of a traced tensor (a TypeError and fx's RuntimeError escaped
+    before: session 36's probe) are TorchImportErrors naming the node or fx's reason."""
+    with pytest.raises(TorchImportError, match=r"tensor indexing/slicing .* at fx node 'getitem_1' .*self.pos\[:, "):
+        from_torch(SlicedEmbedding(), torch.zeros(2, 5, 3))
+    with pytest.raises(TorchImportError, match=r"torch.fx cannot trace UsesLen: .*take sizes as constructor arguments"):
+        from_torch(UsesLen(), torch.zeros(2, 3))
 
 
 class WithBuffer(tnn.Module):
