@@ -28,7 +28,7 @@ from ember.runtime.consistency import ConsistencyError
 from ember.frontends import nn
 from ember.frontends.checkpoint import CheckpointError, load_checkpoint, load_weights
 from ..training.metrics import MetricsWriter, format_loss, read_metrics
-from ..training.recipes import INITS, MODELS, OPTIMIZERS, RECIPES, build_model, make_optimizer
+from ..training.recipes import INITS, MODELS, OPTIMIZERS, RECIPES, build_model, has_random_translation, make_optimizer
 from ..training.trainer import Trainer, check_config
 from . import mnist_setup as setup
 from .cli_checks import (UsageError, check_device, check_hyperparameters, check_input_file, check_output_dir,
@@ -45,7 +45,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                    help="a named recipe's settings as the defaults (options given here win): "
                         + "; ".join(f"{name}: {r.description}" for name, r in RECIPES.items()).replace("%", "%%"))
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
+    # default None until the recipe's settings are known (`recipe_defaults`), then cnn (`main`)
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="cnn (default), mlp, lenet5, resnet8 or speednet (the speedrun recipe's)")
     p.add_argument("--device", default="cpu", metavar="{" + ",".join(target_names()) + "}[:N]",
                    help="cpu (compiled C++, default), reference (NumPy interpreter) or cuda")
@@ -107,8 +108,16 @@ def add_arguments(p: Any) -> None:
 
 
 def recipe_defaults(args: Any) -> dict[str, Any] | None:
-    """The --recipe's settings for --device, which the parser takes as its defaults."""
-    return RECIPES[args.recipe].settings_for(args.device) if args.recipe else None
+    """The --recipe's settings for --device, which the parser takes as its defaults. A recipe's
+    random translation is its model's layer: with another --model that has none, it is left out
+    (the recipe's other settings still apply)."""
+    if not args.recipe:
+        return None
+    settings = dict(RECIPES[args.recipe].settings_for(args.device))
+    if args.model not in (None, settings.get("model")) and "translate" in settings and \
+            not has_random_translation(args.model):
+        settings.pop("translate")
+    return settings
 
 
 def _betas(text: str | None) -> tuple[float, float] | None:
@@ -258,6 +267,8 @@ def _divergence_message(d: dict[str, Any], args: Any) -> str:
 
 
 def main(args: Any) -> int:
+    if args.model is None:
+        args.model = "cnn"
     from ember.runtime.data import IDXError, load_mnist
 
     from ..training.datasets import DownloadError

@@ -156,7 +156,7 @@ def build_model(name: str, seed: int = 0, init: str = "torch", translate: int | 
         raise ValueError(f"unknown init {init!r}; expected one of {INITS}")
     nn.manual_seed(seed)
     model = MODELS[name][0]()
-    if translate is not None:
+    if translate:  # (0: no translation, which every model does)
         augment = getattr(model, "augment", None)
         if not isinstance(augment, nn.RandomTranslate):
             raise ValueError(f"--translate {translate}: the {name} model has no random translation layer "
@@ -164,7 +164,17 @@ def build_model(name: str, seed: int = 0, init: str = "torch", translate: int | 
         if translate < 0:
             raise ValueError(f"--translate {translate}: expected a largest shift >= 0 (pixels)")
         augment.max_shift = int(translate)
+    elif translate is not None:
+        if translate < 0:
+            raise ValueError(f"--translate {translate}: expected a largest shift >= 0 (pixels)")
+        if isinstance(getattr(model, "augment", None), nn.RandomTranslate):
+            model.augment.max_shift = 0
     return pytorch_init(model, seed) if init == "torch" else model
+
+
+def has_random_translation(name: str) -> bool:
+    """Whether the named model has a random translation layer (`augment`, --translate's)."""
+    return name in MODELS and isinstance(getattr(MODELS[name][0](), "augment", None), nn.RandomTranslate)
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw")

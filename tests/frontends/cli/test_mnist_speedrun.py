@@ -72,3 +72,16 @@ def test_recipe_options_refused(tmp_path, mnist_dir, capsys):
                        (["--betas", "0.9,0.99"], "--betas 0.9,0.99: applies to --optimizer adam or adamw")):
         assert _run(tmp_path, mnist_dir, *flags) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_the_recipe_with_another_model_leaves_out_its_translation(tmp_path, mnist_dir, capsys):
+    """The recipe's random translation is speednet's layer: with a model that has none the recipe's
+    other settings apply (it refused every other model: session 36's probe); --translate 0 asks
+    for no translation, which any model does."""
+    assert cli.main(["mnist", "--recipe", "speedrun", "--model", "mlp", "--data", mnist_dir, "--limit-steps", "2",
+                     "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "recipe speedrun: mlp on cpu, Adam(lr=0.02" in out and "random translation" not in out
+    run = read_metrics(tmp_path / "m.jsonl")[0]
+    assert (run["model"], run["batch_size"], run["translate"]) == ("mlp", 512, None)
+    assert _run(tmp_path, mnist_dir, "--translate", "0", "--limit-steps", "2") == 0
