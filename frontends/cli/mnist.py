@@ -186,6 +186,9 @@ def _check_args(args: Any) -> None:
         except ImportError:
             from ..training.trackers import TENSORBOARD_MISSING
             raise UsageError(TENSORBOARD_MISSING) from None
+    if args.resume and args.init_weights:  # (the weights were silently not loaded: session 36's probe)
+        raise UsageError(f"--init-weights {args.init_weights} and --resume {args.resume}: a resumed run continues "
+                         f"from the checkpoint's weights; give one of them")
     if args.resume:
         check_input_file("--resume", args.resume, "a checkpoint file written by --save")
     elif args.init_weights:

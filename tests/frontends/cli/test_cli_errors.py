@@ -214,6 +214,11 @@ def test_resume_and_init_weights_files(tmp_path, mnist_dir, capsys, no_compile):
     assert err.startswith(f"ember mnist: error: --init-weights {bad}: unsupported weights file '.st'; expected a "
                           f".safetensors or .npz file"), err
     assert "does not fit" not in err
+    ckpt = tmp_path / "c.safetensors"
+    ckpt.write_bytes(b"")
+    assert _fail(capsys, _mnist(mnist_dir, "--resume", str(ckpt), "--init-weights", str(bad))) == \
+        (f"ember mnist: error: --init-weights {bad} and --resume {ckpt}: a resumed run continues from the "
+         f"checkpoint's weights; give one of them")
 
 
 def test_missing_compiler_and_unusable_cache(tmp_path, a_file, mnist_dir, capsys, monkeypatch):
