@@ -76,7 +76,7 @@ for i in range(2):  # the first call runs the launches, the second captures the 
 if DEV == "cuda": out["nvrtc_version_s"] = nvrtc_load
 out["cupy_kernels_compiled"] = cupy_files()  # CuPy's own kernels (each one NVRTC run the first time)
 if DEV == "cuda":  # what loading the step's modules costs, one after another, from the warm cache
-    ex = step._steps[step._example][1]
+    ex = step._example_step()[1]
     opts = ("-std=c++17", f"-arch={ex.arch}")
     t = time.perf_counter(); per = []
     for code, fns in ex.source.units:

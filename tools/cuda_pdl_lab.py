@@ -45,7 +45,7 @@ def main() -> None:
                              device="cuda")
         for _ in range(3):
             step.run(x, y)
-        executor = step._steps[step._example][1]
+        executor = step._example_step()[1]
         graph = executor.graph
         spec_of = {graph.attrs(n)["graph"].name: graph.attrs(n)["kernel"] for n in graph.g if graph.op(n) == "fused"}
         names = [la.kernel for la in executor.source.launches]

@@ -71,7 +71,7 @@ def main() -> None:
         run = lambda i: step.run(xl[i % 8], yl[i % 8], check_labels=False)  # noqa: E731
         for i in range(30):
             run(i)
-        executor = step._steps[step._example][1]
+        executor = step._example_step()[1]
         row = {"model": name, "batch": batch, "launches": len(executor._launches)}
         row["step_us"] = events_per_step(cp, run)
         row["host_step_us"] = _host_per_call(cp, run)

@@ -48,7 +48,7 @@ def main() -> None:
         step.run(xd, yd, check_labels=False)
     wait_for_builds_ahead()  # (their rendering holds the GIL)
     step_us = events_per_step(cp, lambda i: step.run(xd, yd, check_labels=False))
-    graph = step._steps[step._example][1].graph
+    graph = step._example_step()[1].graph
     about = {}
     for n in graph.g:
         if graph.op(n) == "fused":

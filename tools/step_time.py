@@ -81,7 +81,7 @@ def main() -> None:
         for i in range(30):
             run(i)
         wait_for_builds_ahead()  # (their rendering holds the GIL: launches timed beside it wait)
-        graph = step._steps[step._example][0]
+        graph = step._example_step()[0]
         specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         why = Counter(s.why.split(":")[0] for s in specs if s.choice is not None)
         row = {"model": name, "batch": batch, "tf32": args.tf32, "bf16": args.bf16, "kernels": len(specs), "why": dict(why),
@@ -169,7 +169,7 @@ def _cpu(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             step.run(xs[i % 4], ys[i % 4])
             times.append(time.perf_counter() - t0)
-        graph = step._steps[step._example][0]
+        graph = step._example_step()[0]
         specs = [graph.attrs(n)["kernel"] for n in graph.meta["schedule"] if graph.op(n) == "fused"]
         row = {"model": name, "batch": batch, "device": "cpu", "bf16": args.bf16, "threads": cpp_choices.threads(),
                "kernels": len(specs), "families": dict(Counter(s.choice[0] for s in specs if s.choice is not None)),

@@ -27,14 +27,14 @@ def test_second_compile_hits_the_cache_and_a_corrupt_library_is_rebuilt(tmp_path
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     compiler.reset_cache_stats()
     first = _step()
-    units = len(first._steps[first._example][1].source.units)
+    units = len(first._example_step()[1].source.units)
     assert units >= 3  # the entry, the matmuls, the cheap kernels' groups
     assert compiler.cache_stats("cpp") == {"hits": 0, "misses": 1, "rebuilds": 0}
     assert compiler.cache_stats("obj") == {"hits": 0, "misses": units, "rebuilds": 0}
     second = _step()
     assert compiler.cache_stats("cpp")["hits"] == 1 and compiler.cache_stats("obj")["hits"] == units
     assert second.compile_stats["objects_cached"] == units and second.compile_stats["link_cached"]
-    path = first._steps[first._example][1].artifact.path
+    path = first._example_step()[1].artifact.path
     # A truncated entry, written as a new file: the loaded library's own pages stay mapped.
     damaged = path.with_name("damaged.tmp")
     damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -77,7 +77,7 @@ def _compile_cnn(model):
 def test_identical_kernels_are_one_function_called_with_different_buffers(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     step = _compile_cnn(_two_same_convs())
-    src = step._steps[step._example][1].source
+    src = step._example_step()[1].source
     defined = re.findall(r"^EMBER_KERNEL void (ek_[0-9a-f]{12})\(", src.code, flags=re.M)  # definitions: one each
     assert len(defined) == len(set(defined)) == len(src.functions) < len(src.kernels)
     calls = [k.function for k in src.kernels]
@@ -106,7 +106,7 @@ def test_profile_times_every_call_also_of_a_shared_kernel(tmp_path, monkeypatch)
     x, y = np.random.default_rng(0).random((4, 3, 6, 6), dtype=np.float32), np.arange(4) % 10
     step = compile(_two_same_convs(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(x, y),
                    device="cpu", profile=True)
-    src = step._steps[step._example][1].source
+    src = step._example_step()[1].source
     step(x, y)
     times = step.kernel_times()
     assert [name for name, _, _ in times] == [k.name for k in src.kernels]  # per call, by the graph's names
@@ -120,8 +120,8 @@ def test_a_model_that_differs_in_one_layer_rebuilds_only_the_units_that_changed(
     first = _compile_cnn(_two_same_convs())
     compiler.reset_cache_stats()
     second = _compile_cnn(_two_same_convs(classes=12))  # the head and the loss change; the convolutions do not
-    before = {u.source for u in first._steps[first._example][1].source.units}
-    after = second._steps[second._example][1].source.units
+    before = {u.source for u in first._example_step()[1].source.units}
+    after = second._example_step()[1].source.units
     changed = [u for u in after if u.source not in before]
     assert 0 < len(changed) < len(after) and compiler.cache_stats("obj") == {
         "hits": len(after) - len(changed), "misses": len(changed), "rebuilds": 0}
@@ -131,7 +131,7 @@ def test_a_model_that_differs_in_one_layer_rebuilds_only_the_units_that_changed(
 
 def test_inputs_are_checked_against_the_compiled_signature():
     step = _step()
-    executor = step._steps[step._example][1]
+    executor = step._example_step()[1]
     with pytest.raises(TypeError, match=r"input 'x': expected f32\[8,784\], got f64\[8,784\]"):
         executor({"x": np.zeros((8, 784)), "y": np.zeros(8, np.int64)})
     with pytest.raises(TypeError, match=r"input 'y': expected i64\[8\], got i64\[9\]"):
@@ -226,7 +226,7 @@ def test_contraction_units_are_handed_over_as_generated_and_no_unit_parses_cmath
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
                           nn.Linear(8 * 6 * 6, 10), nn.LogSoftmax(dim=1))
     step = _compile_cnn(model)
-    executor = step._steps[step._example][1]
+    executor = step._example_step()[1]
     units = executor.source.units
     # BatchNorm's sqrt and the rest are the prelude's builtins: <cmath> (0.1 s of parsing) in no unit
     assert not any("std::" in u.source or "<cmath>" in u.source for u in units)

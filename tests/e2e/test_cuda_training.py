@@ -48,9 +48,9 @@ def test_graph_replay_equals_plain_launches_bit_for_bit(name, pdl, monkeypatch):
     monkeypatch.setenv("EMBER_CUDA_PDL", pdl)
     xs, ys = _batches(name, 6)
     replayed, plain = _step(name), _step(name)
-    dependent = replayed._steps[replayed._example][1]._dependent
+    dependent = replayed._example_step()[1]._dependent
     assert any(d is not None for d in dependent) == (pdl == "1")
-    executor = plain._steps[plain._example][1]
+    executor = plain._example_step()[1]
     for x, y in zip(xs, ys):
         a = float(replayed.run(x, y))
         b = float(executor.run_eager({"x": x, "y": y})["loss"])
@@ -69,7 +69,7 @@ def test_returned_losses_stay_valid_across_ring_chunks(monkeypatch):
     monkeypatch.setattr(runtime_cuda, "RING_SLOTS", 3)
     xs, ys = _batches("mlp", 8)
     ringed, plain = _step("mlp"), _step("mlp")
-    executor = plain._steps[plain._example][1]
+    executor = plain._example_step()[1]
     held = [ringed.run(x, y) for x, y in zip(xs, ys)]
     expected = [float(executor.run_eager({"x": x, "y": y})["loss"]) for x, y in zip(xs, ys)]
     assert [float(v) for v in held] == expected
