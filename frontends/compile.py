@@ -484,10 +484,16 @@ class TrainStep(_Compiled):
         return dict(getattr(self._example_step()[1], "compile_stats", {}))
 
     def _example_step(self) -> tuple[Graph, Executor]:
-        """The training step for the example shapes in the model's current mode, else the one
-        compiled at compile() (in the mode the model had then)."""
+        """The training step for the example shapes in the model's current mode, else one compiled
+        in the other mode, else (none left after a change of requires_grad) compiled now."""
+        self._sync()  # a change of requires_grad since the last step drops the steps it made stale
         hit = self._steps.get((self._example, bool(self.model.training)))
-        return hit if hit is not None else next(v for (types, _), v in self._steps.items() if types == self._example)
+        if hit is None:
+            hit = next((v for (types, _), v in self._steps.items() if types == self._example), None)
+        if hit is None:
+            self._train_executor(self._example)
+            hit = self._steps[(self._example, bool(self.model.training))]
+        return hit
 
     def sync_ranks(self) -> None:
         """Data parallel: rank 0's parameters and optimizer state into every rank, then a check

@@ -46,6 +46,7 @@ def test_requires_grad_false_freezes_and_true_again_trains(device):
     assert np.array_equal(m[0].weight.data, frozen)
     assert not np.array_equal(np.array(m[0].bias.data), _mlp()[0].bias.data)
     m[0].weight.requires_grad_(True)  # unfrozen after compile(): the next step trains it
+    assert step.train_graph.meta["frozen"] == ()  # (its graph, asked before a step, compiled then)
     step(X, Y)
     assert not np.array_equal(m[0].weight.data, frozen)
 
