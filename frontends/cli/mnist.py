@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ember.runtime import target_names
 from ember.runtime.comm import WorldError, world_from_env
 from ember.runtime.consistency import ConsistencyError
@@ -313,6 +315,12 @@ def main(args: Any) -> int:
                 weights = load_weights(args.init_weights)
             except CheckpointError as e:  # it names the file and the fault; add the flag
                 raise UsageError(f"--init-weights {e}") from None
+            bad = [k for k, v in weights.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
+                   and not np.isfinite(v).all()]
+            if bad:  # (training on stopped at its first step blaming the learning rate)
+                raise UsageError(f"--init-weights {args.init_weights}: {', '.join(bad[:3])}"
+                                 f"{', ...' if len(bad) > 3 else ''} hold NaN or infinite values; expected finite "
+                                 f"initial weights")
             try:
                 model.load_state_dict(weights)
             except (KeyError, ValueError) as e:

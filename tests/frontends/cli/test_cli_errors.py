@@ -214,6 +214,10 @@ def test_resume_and_init_weights_files(tmp_path, mnist_dir, capsys, no_compile):
     assert err.startswith(f"ember mnist: error: --init-weights {bad}: unsupported weights file '.st'; expected a "
                           f".safetensors or .npz file"), err
     assert "does not fit" not in err
+    nan = tmp_path / "nan.npz"
+    np.savez(nan, **{"0.weight": np.full((2, 2), np.nan, np.float32), "0.bias": np.zeros(2, np.float32)})
+    assert _fail(capsys, _mnist(mnist_dir, "--init-weights", str(nan))) == \
+        f"ember mnist: error: --init-weights {nan}: 0.weight hold NaN or infinite values; expected finite initial weights"
     ckpt = tmp_path / "c.safetensors"
     ckpt.write_bytes(b"")
     assert _fail(capsys, _mnist(mnist_dir, "--resume", str(ckpt), "--init-weights", str(bad))) == \
