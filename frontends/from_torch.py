@@ -77,16 +77,16 @@ def _linear(m: Any) -> nn.Module:
 
 
 def _conv2d(m: Any) -> nn.Module:
-    if isinstance(m.padding, str) and m.padding == "same" and any(k % 2 == 0 for k in m.kernel_size):
-        _refuse(f"padding='same' with the even kernel {tuple(m.kernel_size)} (it pads one side more; only odd "
-                f"kernels)")
     if m.padding_mode != "zeros":
         _refuse(f"padding_mode={m.padding_mode!r} (only 'zeros')")
     if tuple(m.dilation) != (1, 1):
         _refuse(f"dilation={m.dilation} (only dilation=1)")
-    e = nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, tuple(m.stride),
-                  m.padding if isinstance(m.padding, str) else tuple(m.padding),
-                  groups=m.groups, bias=m.bias is not None)
+    try:  # (nn.Conv2d refuses what it cannot do with a padding string: an even 'same' window)
+        e = nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, tuple(m.stride),
+                      m.padding if isinstance(m.padding, str) else tuple(m.padding),
+                      groups=m.groups, bias=m.bias is not None)
+    except NotImplementedError as exc:
+        _refuse(str(exc).removeprefix("Conv2d: "))
     e.weight = _param(m.weight)
     e.bias = _param(m.bias) if m.bias is not None else None
     return e

@@ -156,19 +156,15 @@ def build_model(name: str, seed: int = 0, init: str = "torch", translate: int | 
         raise ValueError(f"unknown init {init!r}; expected one of {INITS}")
     nn.manual_seed(seed)
     model = MODELS[name][0]()
-    if translate:  # (0: no translation, which every model does)
+    if translate is not None:
         augment = getattr(model, "augment", None)
-        if not isinstance(augment, nn.RandomTranslate):
+        if translate and not isinstance(augment, nn.RandomTranslate):  # (0: no translation, any model's)
             raise ValueError(f"--translate {translate}: the {name} model has no random translation layer "
                              f"(an `augment` RandomTranslate, as speednet's)")
         if translate < 0:
             raise ValueError(f"--translate {translate}: expected a largest shift >= 0 (pixels)")
-        augment.max_shift = int(translate)
-    elif translate is not None:
-        if translate < 0:
-            raise ValueError(f"--translate {translate}: expected a largest shift >= 0 (pixels)")
-        if isinstance(getattr(model, "augment", None), nn.RandomTranslate):
-            model.augment.max_shift = 0
+        if isinstance(augment, nn.RandomTranslate):
+            augment.max_shift = int(translate)
     return pytorch_init(model, seed) if init == "torch" else model
 
 
