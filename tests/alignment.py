@@ -39,6 +39,21 @@ def torch_sgd_step(model: torch.nn.Module, weights: dict[str, np.ndarray], x: np
     return twins.torch_sgd_step(model, weights, x, y, dtype, lr)
 
 
+def sgd_steps_match_torch(step: Callable[[np.ndarray, np.ndarray], float], torch_module: torch.nn.Module,
+                          torch_params: Sequence[torch.nn.Parameter], x: np.ndarray, y: np.ndarray, lr: float,
+                          steps: int = 3) -> None:
+    """`steps` steps of an ember training step and of torch.optim.SGD(torch_params, lr) on
+    `torch_module` under cross-entropy, started from the same weights: each loss within 1e-5."""
+    opt = torch.optim.SGD(torch_params, lr=lr)
+    for i in range(steps):
+        ours = step(x, y)
+        opt.zero_grad()
+        ref = torch.nn.functional.cross_entropy(torch_module(torch.from_numpy(x)), torch.from_numpy(y))
+        ref.backward()
+        opt.step()
+        assert abs(ours - ref.item()) < 1e-5, f"step {i}: ember {ours} torch {ref.item()}"
+
+
 @dataclass
 class PerStep:
     loss_diff: np.ndarray    # |ember loss - PyTorch float32 loss| on the same weights, per step

@@ -17,6 +17,8 @@ from ember.frontends import functional as F  # noqa: E402
 from ember.ir.interpreter import run  # noqa: E402
 from ember.passes.autodiff import grad  # noqa: E402
 
+from alignment import sgd_steps_match_torch  # noqa: E402
+
 
 class Wrap(tnn.Module):
     """conv -> the layer under test -> flatten -> linear, so every gradient reaches a parameter."""
@@ -202,14 +204,7 @@ def _trains_like_torch(tm, x: np.ndarray, y: np.ndarray, device: str) -> None:
     ref = copy.deepcopy(tm)
     model = from_torch(tm, torch.from_numpy(x))
     step = compile(model, nn.CrossEntropyLoss(), optim.SGD(model.parameters(), lr=0.1), (x, y), device=device)
-    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(3):
-        ours = step(x, y)
-        topt.zero_grad()
-        loss = TF.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        topt.step()
-        assert abs(ours - loss.item()) < 1e-5
+    sgd_steps_match_torch(step, ref, ref.parameters(), x, y, lr=0.1)
     for k, v in ref.state_dict().items():
         np.testing.assert_allclose(step.state_dict()[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 

@@ -53,7 +53,7 @@ def test_requires_grad_false_freezes_and_true_again_trains(device):
 
 def test_the_subset_step_matches_pytorch():
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
+    from alignment import sgd_steps_match_torch
 
     from ember.frontends import from_torch
     torch.manual_seed(0)
@@ -63,21 +63,14 @@ def test_the_subset_step_matches_pytorch():
     assert m.state_dict().keys() == tm.state_dict().keys() and not dict(m.named_parameters())["0.bias"].requires_grad
     first = [p for name, p in m.named_parameters() if name.startswith("0.")]
     step = compile(m, nn.CrossEntropyLoss(), optim.SGD(first, lr=0.5), (X, Y), device="cpu")
-    opt = torch.optim.SGD([tm[0].weight, tm[0].bias], lr=0.5)
-    for _ in range(3):
-        loss = step(X, Y)
-        opt.zero_grad()
-        ref = F.cross_entropy(tm(torch.from_numpy(X)), torch.from_numpy(Y))
-        ref.backward()
-        opt.step()
-        assert loss == pytest.approx(ref.item(), abs=1e-5)
+    sgd_steps_match_torch(step, tm, [tm[0].weight, tm[0].bias], X, Y, lr=0.5)
     for k, v in step.state_dict().items():
         np.testing.assert_allclose(v, tm.state_dict()[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_tied_torch_parameters_stay_one_parameter():
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
+    from alignment import sgd_steps_match_torch
 
     from ember.frontends import from_torch
 
@@ -96,14 +89,7 @@ def test_tied_torch_parameters_stay_one_parameter():
     m = from_torch(tm, example_inputs=(torch.zeros(6, 5),))
     assert m.enc.weight is m.dec.weight
     step = compile(m, nn.CrossEntropyLoss(), optim.SGD(lr=0.5), (X, Y), device="cpu")
-    opt = torch.optim.SGD(tm.parameters(), lr=0.5)
-    for _ in range(3):
-        loss = step(X, Y)
-        opt.zero_grad()
-        ref = F.cross_entropy(tm(torch.from_numpy(X)), torch.from_numpy(Y))
-        ref.backward()
-        opt.step()
-        assert loss == pytest.approx(ref.item(), abs=1e-5)
+    sgd_steps_match_torch(step, tm, tm.parameters(), X, Y, lr=0.5)
     sd = step.state_dict()
     assert np.array_equal(sd["enc.weight"], sd["dec.weight"])
 

@@ -43,7 +43,7 @@ def test_eval_after_compile_trains_with_the_running_statistics(device):
 
 def test_the_eval_mode_step_matches_pytorch_from_the_same_weights():
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
+    from alignment import sgd_steps_match_torch
 
     from ember.frontends import from_torch
     torch.manual_seed(0)
@@ -56,12 +56,5 @@ def test_the_eval_mode_step_matches_pytorch_from_the_same_weights():
     step = compile(m, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), (X, Y), device="cpu")
     m.eval()
     tm.eval()
-    opt = torch.optim.SGD(tm.parameters(), lr=0.1)
-    for _ in range(3):
-        loss = step(X, Y)
-        opt.zero_grad()
-        ref = F.cross_entropy(tm(torch.from_numpy(X)), torch.from_numpy(Y))
-        ref.backward()
-        opt.step()
-        assert loss == pytest.approx(ref.item(), abs=1e-5)
+    sgd_steps_match_torch(step, tm, tm.parameters(), X, Y, lr=0.1)
     assert int(np.asarray(step.state_dict()["1.num_batches_tracked"])) == 0
