@@ -6,54 +6,18 @@
 // position against the weight vectors; a tile is staged and stored back to NCHW. Checked
 // against a float64 loop; prints the error and the median of 50 timed calls.
 //
-//   g++ -O3 -march=native -fopenmp -ffp-contract=fast -DCC=32 -DHH=14 -DOO=64 -DSS=2 -DRB=7 -DOV=2 \
-//       tools/cpu_layout_lab.cpp -o /tmp/layout_lab && OMP_NUM_THREADS=2 /tmp/layout_lab
+//   g++ -O3 -march=native -fopenmp -ffp-contract=fast -DCC=32 -DHH=14 -DOO=64 -DSS=2 -DRB=7 -DOV=2 tools/cpu_layout_lab.cpp -o /tmp/layout_lab && OMP_NUM_THREADS=2 /tmp/layout_lab
 //
 // 16-lane GCC vectors: one AVX-512 register each where the CPU has them (timings are meant for
 // such CPUs), register pairs elsewhere (-Wno-psabi). Exit status 1 when the result is wrong.
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#include <omp.h>
+#include "cpu_layout_lab.h"
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
-static inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-static inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-static inline vf vbcast(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-#ifdef __AVX512F__
-#define PIN(v) __asm__("" : "+v"(v))  // keep loaded weights in registers (as ember's kernels do)
-#else
-#define PIN(v) ((void)0)  // a 16-lane vector is a register pair (or more) here: no one register to pin
-#endif
-
-#ifndef NN
-#define NN 64
-#endif
-#ifndef CC
-#define CC 32
-#endif
-#ifndef HH
-#define HH 14
-#endif
-#ifndef OO
-#define OO 64
-#endif
-#ifndef SS
-#define SS 2
-#endif
 #ifndef RB
 #define RB 7
 #endif
 #ifndef OV
 #define OV 2
 #endif
-constexpr int N = NN, C = CC, H = HH, W = HH, O = OO, K = 3, S = SS, P = 1;
-constexpr int HO = (H + 2 * P - K) / S + 1, WO = (W + 2 * P - K) / S + 1;
 constexpr int HP = H + 2 * P, WP = W + 2 * P;
 constexpr int ROWS = 2;  // rows a TWO tile covers
 static_assert(O % (16 * OV) == 0, "output channels must fill OV vectors");
@@ -131,9 +95,8 @@ static void conv(const float* x, const float* w, float* y, float* wp, float* scr
 
 int main() {
   std::vector<float> x((size_t)N * C * H * W), w(O * C * K * K), y((size_t)N * O * HO * WO);
-  srand(1);
-  for (auto& v : x) v = rand() / (float)RAND_MAX - 0.5f;
-  for (auto& v : w) v = rand() / (float)RAND_MAX - 0.5f;
+  fill_random(x, 1);
+  fill_random(w, 2);
   std::vector<float> wp(K * K * C * O), scratch(omp_get_max_threads() * (HP * WP * C + ROWS * WO * O + 64));
   conv(x.data(), w.data(), y.data(), wp.data(), scratch.data());
   double err = 0;
@@ -151,14 +114,7 @@ int main() {
               }
           err = std::max(err, std::fabs(y[((n * O + o) * HO + i) * WO + j] - s));
         }
-  std::vector<double> ts;
-  for (int it = 0; it < 50; it++) {
-    auto t0 = std::chrono::steady_clock::now();
-    conv(x.data(), w.data(), y.data(), wp.data(), scratch.data());
-    ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ts.begin(), ts.end());
-  double flops = 2.0 * N * O * C * K * K * HO * WO, med = ts[ts.size() / 2];
+  double med = median_seconds([&] { conv(x.data(), w.data(), y.data(), wp.data(), scratch.data()); });
   std::printf("N%d C%d H%d O%d stride %d RB%d OV%d%s: max error %.2e, median %.1f us, %.1f GFLOP/s\n", N, C, H, O, S,
               RB, OV,
 #ifdef TWO
@@ -166,6 +122,6 @@ int main() {
 #else
               "",
 #endif
-              err, med * 1e6, flops / med / 1e9);
+              err, med * 1e6, FLOPS / med / 1e9);
   return err < 1e-4 * C * K * K ? 0 : 1;
 }

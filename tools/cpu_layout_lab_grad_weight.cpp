@@ -6,44 +6,12 @@
 // over the block's positions, into a per-thread partial that the end sums in thread order.
 // Checked against a float64 loop; prints the error and the median of 50 timed calls.
 //
-//   g++ -O3 -march=native -fopenmp -ffp-contract=fast -DCC=32 -DHH=14 -DOO=64 -DSS=2 -DCB=6 -DOV=4 -DIB=8 \
-//       tools/cpu_layout_lab_grad_weight.cpp -o /tmp/layout_lab_gw && OMP_NUM_THREADS=2 /tmp/layout_lab_gw
+//   g++ -O3 -march=native -fopenmp -ffp-contract=fast -DCC=32 -DHH=14 -DOO=64 -DSS=2 -DCB=6 -DOV=4 -DIB=8 tools/cpu_layout_lab_grad_weight.cpp -o /tmp/layout_lab_gw && OMP_NUM_THREADS=2 /tmp/layout_lab_gw
 //
 // 16-lane GCC vectors (AVX-512 registers where the CPU has them, register pairs elsewhere:
 // -Wno-psabi). Exit status 1 when the result is wrong.
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#include <omp.h>
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
-static inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-static inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-static inline vf vbcast(float s) { return vf{s,s,s,s,s,s,s,s,s,s,s,s,s,s,s,s}; }
-#ifdef __AVX512F__
-#define PIN(v) __asm__("" : "+v"(v))
-#else
-#define PIN(v) ((void)0)
-#endif
-#ifndef NN
-#define NN 64
-#endif
-#ifndef CC
-#define CC 32
-#endif
-#ifndef HH
-#define HH 14
-#endif
-#ifndef OO
-#define OO 64
-#endif
-#ifndef SS
-#define SS 2
-#endif
+#include "cpu_layout_lab.h"
+
 #ifndef CB
 #define CB 6
 #endif
@@ -53,8 +21,7 @@ static inline vf vbcast(float s) { return vf{s,s,s,s,s,s,s,s,s,s,s,s,s,s,s,s}; }
 #ifndef IB
 #define IB 4
 #endif
-constexpr int N = NN, C = CC, H = HH, W = HH, O = OO, K = 3, S = SS, P = 1;
-constexpr int HO = (H + 2 * P - K) / S + 1, WO = (W + 2 * P - K) / S + 1, Q = HO * WO;
+constexpr int Q = HO * WO;
 constexpr int HP = H + 2 * P + S, WP = W + 2 * P + S;
 static_assert(O % (16 * OV) == 0, "");
 
@@ -123,9 +90,8 @@ void gw(const float* x, const float* dy, float* dw, float* scratch, float* parti
 
 int main() {
   std::vector<float> x((size_t)N * C * H * W), dy((size_t)N * O * Q), dw(O * C * K * K);
-  srand(1);
-  for (auto& v : x) v = rand() / (float)RAND_MAX - 0.5f;
-  for (auto& v : dy) v = rand() / (float)RAND_MAX - 0.5f;
+  fill_random(x, 1);
+  fill_random(dy, 2);
   const int T = omp_get_max_threads();
   std::vector<float> scratch((size_t)T * IB * (HP * WP * C + Q * O)), partial((size_t)T * K * K * C * O);
   gw(x.data(), dy.data(), dw.data(), scratch.data(), partial.data());
@@ -138,14 +104,7 @@ int main() {
     }
     err = std::max(err, std::fabs(dw[((o * C + c) * K + kh) * K + kw] - s));
   }
-  std::vector<double> ts;
-  for (int it = 0; it < 50; it++) {
-    auto t0 = std::chrono::steady_clock::now();
-    gw(x.data(), dy.data(), dw.data(), scratch.data(), partial.data());
-    ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ts.begin(), ts.end());
-  double flops = 2.0 * N * O * C * K * K * Q, med = ts[ts.size() / 2];
-  printf("grad-weight N%d C%d H%d O%d stride %d CB%d OV%d IB%d: max error %.2e, median %.1f us, %.1f GFLOP/s\n", N, C, H, O, S, CB, OV, IB, err, med * 1e6, flops / med / 1e9);
+  double med = median_seconds([&] { gw(x.data(), dy.data(), dw.data(), scratch.data(), partial.data()); });
+  printf("grad-weight N%d C%d H%d O%d stride %d CB%d OV%d IB%d: max error %.2e, median %.1f us, %.1f GFLOP/s\n", N, C, H, O, S, CB, OV, IB, err, med * 1e6, FLOPS / med / 1e9);
   return err < 1e-4 * C * K * K ? 0 : 1;
 }
