@@ -127,6 +127,12 @@ def test_tuning_moves_names_the_steps_a_record_changes(tmp_path):
             assert counts[0][0] == "1" and "choice=gemm(" in r.stdout and "-> conv2d" in r.stdout \
                 and f"choice={label}" in r.stdout, r.stdout
         assert ("to time on h200: python tools/step_time.py --cases cnn:64" in r.stdout) == (name == "moved"), r.stdout
+    # --precision plans the bf16 step (its own kernels: the casts, bfloat16 contractions), which
+    # the float32 record of the same convolution leaves as it was
+    r = _run("tuning_moves.py", str(tmp_path / "moved"), *args, "--precision", "bf16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    bf16 = re.findall(r"h200 cnn:64\s+(\d+) of\s+(\d+) kernels change", r.stdout)
+    assert len(bf16) == 1 and bf16[0][0] == "0" and bf16[0][1] != counts[0][1], r.stdout
 
 
 @pytest.mark.parametrize("lab, defines", [
