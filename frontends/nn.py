@@ -89,11 +89,17 @@ class Module:
         for name, m in self.__dict__.get("_modules", {}).items():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+    def named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """(name, parameter) of this module and its children, as PyTorch's: a parameter held
+        under two names (tied weights) is listed once, under the first, unless
+        `remove_duplicate=False`. (`state_dict()` keeps every name, as PyTorch's does.)"""
+        seen: set[int] = set()
         for mod_name, m in self.named_modules(prefix):
             for name, p in m.__dict__.get("_parameters", {}).items():
-                if p is not None:
-                    yield (f"{mod_name}.{name}" if mod_name else name), p
+                if p is None or (remove_duplicate and id(p) in seen):
+                    continue
+                seen.add(id(p))
+                yield (f"{mod_name}.{name}" if mod_name else name), p
 
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Buffer]]:
         for mod_name, m in self.named_modules(prefix):

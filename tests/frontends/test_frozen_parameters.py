@@ -88,6 +88,11 @@ def test_tied_torch_parameters_stay_one_parameter():
     tm = Tied()
     m = from_torch(tm, example_inputs=(torch.zeros(6, 5),))
     assert m.enc.weight is m.dec.weight
+    # listed once, as torch lists it; state_dict keeps both names, as torch's does
+    assert [k for k, _ in m.named_parameters()] == [k for k, _ in tm.named_parameters()] == \
+        ["enc.weight", "out.weight", "out.bias"]
+    assert len(m.parameters()) == 3 and len(list(m.named_parameters(remove_duplicate=False))) == 4
+    assert list(m.state_dict()) == list(tm.state_dict())
     step = compile(m, nn.CrossEntropyLoss(), optim.SGD(lr=0.5), (X, Y), device="cpu")
     sgd_steps_match_torch(step, tm, tm.parameters(), X, Y, lr=0.5)
     sd = step.state_dict()
