@@ -154,3 +154,38 @@ def test_the_cpu_layout_labs_match_float64(tmp_path, lab, defines):
                     "-o", str(exe)], check=True, timeout=300)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert r.returncode == 0 and "max error" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("case, layer, blocking", [
+    ("forward", (256, 256, 14, 14, 1), (128, 128, 2, 4, 3)),
+    ("forward", (16, 32, 26, 26, 0), (128, 32, 4, 1, 4)),
+    ("grad_weight", (64, 64, 28, 28, 1), (64, 64, 2, 2, 4, 32)),
+    ("grad_weight", (256, 256, 7, 7, 1), (128, 128, 2, 4, 3, 8)),
+])
+def test_the_channels_innermost_conv_lab_compiles(tmp_path, case, layer, blocking):
+    """tools/cuda_conv_nhwc_lab.cu (built through NVRTC on a GPU by its harness): each kernel
+    compiles for sm_90 with no diagnostic, at blockings and layers the harness runs (these are in
+    its tables), and a geometry it cannot serve (channels not a multiple of 8) is refused."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import cuda_conv_nhwc_lab as lab
+    finally:
+        sys.path.remove(str(TOOLS))
+    c, o, h, w, pad = layer
+    table = lab.BLOCKINGS if case == "forward" else lab.GW_BLOCKINGS
+    assert layer in [lay for layers in lab.LAYERS.values() for lay in layers]
+    assert blocking in table.get(o, table["wide"])
+    names = ("BM", "BN", "WM", "WN", "STAGES", "SPLITS")
+    defines = dict(N_=64, C_=c, H_=h, W_=w, O_=o, KH_=3, KW_=3, P_=pad, S_=1, **dict(zip(names, blocking)))
+    sys.path.insert(0, str(TOOLS.parent / "tests" / "codegen"))
+    try:
+        import nvcc as nvcc_tool
+    finally:
+        sys.path.remove(str(TOOLS.parent / "tests" / "codegen"))
+    nvcc = nvcc_tool.nvcc_or_skip()
+    command = nvcc_tool.nvcc_command(nvcc, lab.SOURCE) + [f"-D{k}={v}" for k, v in defines.items()]
+    r = subprocess.run(command, capture_output=True, text=True)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    r = subprocess.run(command[:-len(defines)] + [f"-D{k}={v}" for k, v in dict(defines, C_=12).items()],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "channel runs of 16 bytes" in r.stderr, r.stderr
