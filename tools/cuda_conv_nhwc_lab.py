@@ -106,6 +106,9 @@ def run_layer(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: in
 
 def _allow_shared(cp, function, nbytes: int) -> None:
     """Lets `function` take `nbytes` of dynamic shared memory (over 48 KB needs the opt-in)."""
+    if hasattr(function, "max_dynamic_shared_size_bytes"):  # a RawKernel (RawModule.get_function's)
+        function.max_dynamic_shared_size_bytes = nbytes
+        return
     attr = getattr(cp.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
     cp.cuda.driver.funcSetAttribute(function.ptr, attr, nbytes)
 
