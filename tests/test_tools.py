@@ -159,24 +159,30 @@ def test_the_cpu_layout_labs_match_float64(tmp_path, lab, defines):
 @pytest.mark.parametrize("case, layer, blocking", [
     ("forward", (256, 256, 14, 14, 1), (128, 128, 2, 4, 3)),
     ("forward", (16, 32, 26, 26, 0), (128, 32, 4, 1, 4)),
+    ("grad_input", (16, 32, 26, 26, 0), (64, 16, 2, 1, 4)),
+    ("grad_input", (64, 256, 14, 14, 1), (128, 64, 4, 2, 4)),
     ("grad_weight", (64, 64, 28, 28, 1), (64, 64, 2, 2, 4, 32)),
     ("grad_weight", (256, 256, 7, 7, 1), (128, 128, 2, 4, 3, 8)),
 ])
 def test_the_channels_innermost_conv_lab_compiles(tmp_path, case, layer, blocking):
     """tools/cuda_conv_nhwc_lab.cu (built through NVRTC on a GPU by its harness): each kernel
     compiles for sm_90 with no diagnostic, at blockings and layers the harness runs (these are in
-    its tables), and a geometry it cannot serve (channels not a multiple of 8) is refused."""
+    its tables; the grad-input as the harness builds it), and a geometry it cannot serve (channels
+    not a multiple of 8) is refused."""
     sys.path.insert(0, str(TOOLS))
     try:
         import cuda_conv_nhwc_lab as lab
     finally:
         sys.path.remove(str(TOOLS))
     c, o, h, w, pad = layer
-    table = lab.BLOCKINGS if case == "forward" else lab.GW_BLOCKINGS
+    table = lab.GW_BLOCKINGS if case == "grad_weight" else lab.BLOCKINGS
     assert layer in [lay for layers in lab.LAYERS.values() for lay in layers]
-    assert blocking in table.get(o, table["wide"])
+    assert blocking in table.get(c if case == "grad_input" else o, table["wide"])
     names = ("BM", "BN", "WM", "WN", "STAGES", "SPLITS")
-    defines = dict(N_=64, C_=c, H_=h, W_=w, O_=o, KH_=3, KW_=3, P_=pad, S_=1, **dict(zip(names, blocking)))
+    sizes = dict(C_=c, H_=h, W_=w, O_=o, P_=pad)
+    if case == "grad_input":  # the forward kernel on dy, bordered by KH - 1 - padding (harness: run_grad_input)
+        sizes = dict(C_=o, H_=h + 2 * pad - 2, W_=w + 2 * pad - 2, O_=c, P_=2 - pad)
+    defines = dict(N_=64, KH_=3, KW_=3, S_=1, **sizes, **dict(zip(names, blocking)))
     sys.path.insert(0, str(TOOLS.parent / "tests" / "codegen"))
     try:
         import nvcc as nvcc_tool

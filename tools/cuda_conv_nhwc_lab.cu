@@ -60,6 +60,16 @@ extern "C" __global__ void __launch_bounds__(256) weights_okkc(const bf16_t* __r
   wt[i] = w[(o * C_ + c) * (KH_ * KW_) + tap];
 }
 
+// The stride-1 grad-input is this forward convolution of dy (C_ = the layer's O, O_ = its C,
+// P_ = KH - 1 - its padding) with the layer's weights w (its O, its C, KH, KW) flipped and
+// transposed: wt[c][kh][kw][o] = w[o][c][KH - 1 - kh][KW - 1 - kw], in the sizes of this build.
+extern "C" __global__ void __launch_bounds__(256) weights_flipped(const bf16_t* __restrict__ w, bf16_t* __restrict__ wt) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= O_ * KDIM) return;
+  const int c = i / KDIM, k = i % KDIM, tap = k / C_, o = k % C_, kh = tap / KW_, kw = tap % KW_;
+  wt[i] = w[((o * O_ + c) * KH_ + KH_ - 1 - kh) * KW_ + KW_ - 1 - kw];
+}
+
 static __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 static __device__ __forceinline__ void cp16(unsigned dst, const void* src, bool live) {

@@ -8,8 +8,9 @@ timed by `tools/kernel_times.py MODEL BATCH --bf16`.
 
 Prints one line per (layer, blocking): the convolution alone (us, TFLOP/s), the two relayouts
 (x to padded NHWC, the weights to [o][kh][kw][c]), cuDNN's times, and the error against float32;
-then the same for the weight gradient (its GEMM and the ordered sum of its split partials; the
-relayouts of x and dy).
+then the same for the input gradient (the forward kernel on dy, bordered, with the weights flipped
+and transposed; stride 1) and the weight gradient (its GEMM and the ordered sum of its split
+partials; the relayouts of x and dy).
 Needs CuPy and PyTorch with a GPU.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ BLOCKINGS = {
     "wide": [(128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 4, 4), (128, 64, 4, 2, 4), (256, 128, 4, 2, 3)],
     64: [(128, 64, 4, 2, 4), (256, 64, 4, 2, 3), (64, 64, 2, 2, 4)],
     32: [(128, 32, 4, 1, 4), (256, 32, 4, 1, 4), (64, 32, 2, 1, 4)],
+    16: [(64, 16, 2, 1, 4), (128, 32, 4, 1, 4)],  # the CNN's grad-input (16 input channels)
 }
 
 
@@ -102,6 +104,53 @@ def run_layer(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: in
         yield dict(layer=f"{c}->{o} {h}x{w} pad {pad}", batch=n, blocking=f"{bm}x{bn} warps {wm}x{wn} stages {stages}",
                          conv_us=t_conv, tflops=flops / t_conv / 1e6, relayout_us=_timed(run_relayout, reps, cp),
                    weights_us=_timed(run_weights, reps, cp), cudnn_us=cudnn, cudnn_cl_us=cudnn_cl, max_err=err)
+
+
+def run_grad_input(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: int) -> Iterator[dict]:
+    """The stride-1 input gradient: the forward kernel on dy (relaid to NHWC with a border of
+    KH - 1 - padding) and the weights flipped and transposed (`weights_flipped`); against torch's
+    float32 input gradient of the same bfloat16 values and cuDNN's bfloat16 one."""
+    c, o, h, w, pad = layer
+    kh = kw = 3
+    ho, wo = h + 2 * pad - kh + 1, w + 2 * pad - kw + 1
+    flops = 2.0 * n * o * ho * wo * c * kh * kw
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    wt = (torch.randn(o, c, kh, kw, device="cuda", generator=gen) / (c * kh * kw) ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(n, o, ho, wo, device="cuda", generator=gen).to(torch.bfloat16)
+    torch.backends.cudnn.allow_tf32 = False
+    ref = torch.nn.grad.conv2d_input((n, c, h, w), wt.float(), dy.float(), padding=pad)
+    cudnn = _timed(lambda: torch.nn.grad.conv2d_input((n, c, h, w), wt, dy, padding=pad), reps, cp)
+    ws = cp.asarray(wt.view(torch.int16)).view(cp.uint16)
+    dys = cp.asarray(dy.view(torch.int16)).view(cp.uint16)
+    border = kh - 1 - pad
+    hp, wp = ho + 2 * border, wo + 2 * border
+    dyp = cp.empty(n * hp * wp * o, dtype=cp.uint16)
+    wk = cp.empty(o * c * kh * kw, dtype=cp.uint16)
+    dx = cp.empty(n * c * h * w, dtype=cp.uint16)
+    for bm, bn, wm, wn, stages in BLOCKINGS.get(c, BLOCKINGS["wide"]):
+        module = _module(cp, dict(N_=n, C_=o, H_=ho, W_=wo, O_=c, KH_=kh, KW_=kw, P_=border, S_=1, BM=bm, BN=bn,
+                                  WM=wm, WN=wn, STAGES=stages))
+        relayout, weights, conv = (module.get_function(f) for f in ("to_padded_nhwc", "weights_flipped", "conv_nhwc"))
+        smem = stages * (bm + bn) * 32 * 2
+        _allow_shared(cp, conv, smem)
+        grid = ((n * h * w + bm - 1) // bm, (c + bn - 1) // bn)
+
+        def run_relayout():
+            relayout((n * hp,), (256,), (dys, dyp))
+
+        def run_weights():
+            weights(((o * c * kh * kw + 255) // 256,), (256,), (ws, wk))
+
+        def run_conv():
+            conv(grid, (wm * wn * 32,), (dyp, wk, dx), shared_mem=smem)
+
+        run_relayout(), run_weights(), run_conv()
+        got = torch.as_tensor(dx.view(cp.int16), device="cuda").view(torch.bfloat16).float().view(n, c, h, w)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        t = _timed(run_conv, reps, cp)
+        yield dict(layer=f"{c}->{o} {h}x{w} pad {pad}", batch=n, blocking=f"gi {bm}x{bn} warps {wm}x{wn} stages {stages}",
+                   conv_us=t, tflops=flops / t / 1e6, relayout_us=_timed(run_relayout, reps, cp),
+                   weights_us=_timed(run_weights, reps, cp), cudnn_us=cudnn, cudnn_cl_us=float("nan"), max_err=err)
 
 
 def _allow_shared(cp, function, nbytes: int) -> None:
@@ -182,13 +231,14 @@ def main() -> None:
     ap.add_argument("--cases", default="airbench,cnn")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--kinds", default="forward,grad_weight")
+    ap.add_argument("--kinds", default="forward,grad_input,grad_weight")
     args = ap.parse_args()
     import cupy as cp
     import torch
     for case in args.cases.split(","):
         for layer in LAYERS[case]:
-            runs = [f for kind, f in (("forward", run_layer), ("grad_weight", run_grad_weight))
+            runs = [f for kind, f in (("forward", run_layer), ("grad_input", run_grad_input),
+                                      ("grad_weight", run_grad_weight))
                     if kind in args.kinds.split(",")]
             for r in (r for f in runs for r in _guarded(f(cp, torch, args.batch, layer, args.reps))):
                 if "error" in r:
