@@ -1,7 +1,7 @@
 // A laboratory kernel, not part of ember: a bfloat16 3x3 convolution as an implicit GEMM over
 // channels-innermost operands, the shape that lets every stage of a tensor-core GEMM run at its
 // rate (tools/cuda_conv_nhwc_lab.py builds it through NVRTC, checks it against PyTorch and times it
-// beside ember's NCHW kernels and cuDNN). ember's bf16 convolutions gather NCHW operands a
+// beside cuDNN; ember's own kernels: tools/kernel_times.py). ember's bf16 convolutions gather NCHW operands a
 // bfloat16 at a time into registers (one shared buffer, 32-bit fragment reads) and reach about
 // 100 TFLOP/s on airbench's layers; here:
 //   * x is first copied to a zero-bordered NHWC image, the weights to [o][kh][kw][c], so a GEMM
@@ -11,7 +11,8 @@
 //     (four 8x8 matrices a warp instruction) straight into mma.m16n8k16 fragments;
 //   * each warp owns a (FM x 16) x (FN x 8) piece of the BM x BN block tile; fp32 accumulation,
 //     the result rounded to bfloat16 and stored NCHW (what ember's bf16 buffers hold).
-// With -DSPLITS=S the file holds the weight gradient instead (conv_nhwc_grad_weight, below).
+// The stride-1 grad-input is the same kernel on dy (weights_flipped); with -DSPLITS=S the file
+// holds the weight gradient instead (conv_nhwc_grad_weight, below).
 // Compile-time sizes come from -D options: N_ C_ H_ W_ O_ KH_ KW_ P_ (padding, both sides), S_
 // (stride), BM BN WM WN (warps along M and N) STAGES. Needs C_ and O_ % 8 == 0 (16-byte runs).
 typedef unsigned short bf16_t;
