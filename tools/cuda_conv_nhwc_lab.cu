@@ -83,6 +83,42 @@ static __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc = the products of k-tiles kt0 .. kt1 - 1, through a STAGES-deep cp.async pipeline: load(stage,
+// kt) issues k-tile kt's copies into a stage, frags(stage, kk, af, bfr) reads the fragments of its
+// kk-th 16-wide step (the forward and the weight gradient differ only in these two).
+template <class Load, class Frags>
+static __device__ __forceinline__ void gemm_pipeline(int kt0, int kt1, const Load& load, const Frags& frags,
+                                                     float (&acc)[FM][FN][4]) {
+#pragma unroll
+  for (int i = 0; i < FM; ++i)
+#pragma unroll
+    for (int j = 0; j < FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (kt0 + s < kt1) load(s, kt0 + s);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int kt = kt0; kt < kt1; ++kt) {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
+    __syncthreads();  // the stage computed last is free, this one's copies visible to every thread
+    const int next = kt + STAGES - 1;
+    if (next < kt1) load((next - kt0) % STAGES, next);
+    asm volatile("cp.async.commit_group;\n" ::);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      unsigned af[FM][4], bfr[FN][2];
+      frags((kt - kt0) % STAGES, kk, af, bfr);
+#pragma unroll
+      for (int i = 0; i < FM; ++i)
+#pragma unroll
+        for (int j = 0; j < FN; ++j) mma16816(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+}
+
 #ifndef SPLITS
 static_assert((BM * CHUNKS) % THREADS == 0 && (BN * CHUNKS) % THREADS == 0, "whole chunks a thread");
 
@@ -155,54 +191,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) conv_nhwc(const bf16_t* __
     }
   };
 
-  float acc[FM][FN][4];
-#pragma unroll
-  for (int i = 0; i < FM; ++i)
-#pragma unroll
-    for (int j = 0; j < FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-
-  const int KT = (KDIM + BK - 1) / BK;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) load_stage(s, s);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
   const int wm0 = (warp / WN) * FM * 16, wn0 = (warp % WN) * FN * 8;
   // ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8
   const int lrow = lane % 8, lmat = lane / 8;
-  for (int kt = 0; kt < KT; ++kt) {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
-    __syncthreads();
-    {
-      const int next = kt + STAGES - 1;
-      if (next < KT) load_stage(next % STAGES, next);
-      asm volatile("cp.async.commit_group;\n" ::);
+  float acc[FM][FN][4];
+  gemm_pipeline(0, (KDIM + BK - 1) / BK, load_stage, [&](int stage, int kk, unsigned (&af)[FM][4], unsigned (&bfr)[FN][2]) {
+    const unsigned sa = sbase + stage * STAGE_BYTES, sb = sa + A_BYTES;
+#pragma unroll
+    for (int i = 0; i < FM; ++i) {
+      // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+      const int r = wm0 + i * 16 + lrow + (lmat & 1) * 8, c = kk * 2 + (lmat >> 1);
+      ldsm_x4(sa + swz(r, c), af[i][0], af[i][1], af[i][2], af[i][3]);
     }
-    const unsigned sa = sbase + (kt % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      unsigned af[FM][4], bfr[FN][2];
-#pragma unroll
-      for (int i = 0; i < FM; ++i) {
-        // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-        const int r = wm0 + i * 16 + lrow + (lmat & 1) * 8, c = kk * 2 + (lmat >> 1);
-        ldsm_x4(sa + swz(r, c), af[i][0], af[i][1], af[i][2], af[i][3]);
-      }
-#pragma unroll
-      for (int j = 0; j < FN; j += 2) {
-        // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-        const int r = wn0 + j * 8 + lrow + (lmat >> 1) * 8, c = kk * 2 + (lmat & 1);
-        ldsm_x4(sb + swz(r, c), bfr[j][0], bfr[j][1], bfr[j + 1][0], bfr[j + 1][1]);
-      }
-#pragma unroll
-      for (int i = 0; i < FM; ++i)
-#pragma unroll
-        for (int j = 0; j < FN; ++j) mma16816(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
+    for (int j = 0; j < FN; j += 2) {
+      // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+      const int r = wn0 + j * 8 + lrow + (lmat >> 1) * 8, c = kk * 2 + (lmat & 1);
+      ldsm_x4(sb + swz(r, c), bfr[j][0], bfr[j][1], bfr[j + 1][0], bfr[j + 1][1]);
     }
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::);
+  }, acc);
 
   // accumulator r of fragment (i, j): row g + 8 * (r / 2), column 2 t + r % 2
   const int g = lane / 4, t = lane % 4;
@@ -279,51 +286,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) conv_nhwc_grad_weight(cons
     }
   };
 
-  float acc[FM][FN][4];
-#pragma unroll
-  for (int i = 0; i < FM; ++i)
-#pragma unroll
-    for (int j = 0; j < FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (kt0 + s < kt1) load_stage(s, kt0 + s);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
   const int wm0 = (warp / WN) * FM * 16, wn0 = (warp % WN) * FN * 8;
   const int lrow = lane % 8, lmat = lane / 8;
-  for (int kt = kt0; kt < kt1; ++kt) {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
-    __syncthreads();
-    {
-      const int next = kt + STAGES - 1;
-      if (next < kt1) load_stage((next - kt0) % STAGES, next);
-      asm volatile("cp.async.commit_group;\n" ::);
+  float acc[FM][FN][4];
+  gemm_pipeline(kt0, kt1, load_stage, [&](int stage, int kk, unsigned (&af)[FM][4], unsigned (&bfr)[FN][2]) {
+    const unsigned sa = sbase + stage * STAGE_BYTES, sb = sa + A_BYTES;
+#pragma unroll
+    for (int i = 0; i < FM; ++i) {
+      // matrices (k rows, 8 m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
+      const int r = kk * 16 + (lmat >> 1) * 8 + lrow, c = (wm0 + i * 16) / 8 + (lmat & 1);
+      ldsm_x4_t(sa + swz_t(r, c, A_ROW), af[i][0], af[i][1], af[i][2], af[i][3]);
     }
-    const unsigned sa = sbase + ((kt - kt0) % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      unsigned af[FM][4], bfr[FN][2];
-#pragma unroll
-      for (int i = 0; i < FM; ++i) {
-        // matrices (k rows, 8 m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
-        const int r = kk * 16 + (lmat >> 1) * 8 + lrow, c = (wm0 + i * 16) / 8 + (lmat & 1);
-        ldsm_x4_t(sa + swz_t(r, c, A_ROW), af[i][0], af[i][1], af[i][2], af[i][3]);
-      }
-#pragma unroll
-      for (int j = 0; j < FN; j += 2) {
-        // matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
-        const int r = kk * 16 + (lmat & 1) * 8 + lrow, c = (wn0 + j * 8) / 8 + (lmat >> 1);
-        ldsm_x4_t(sb + swz_t(r, c, B_ROW), bfr[j][0], bfr[j][1], bfr[j + 1][0], bfr[j + 1][1]);
-      }
-#pragma unroll
-      for (int i = 0; i < FM; ++i)
-#pragma unroll
-        for (int j = 0; j < FN; ++j) mma16816(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
+    for (int j = 0; j < FN; j += 2) {
+      // matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
+      const int r = kk * 16 + (lmat & 1) * 8 + lrow, c = (wn0 + j * 8) / 8 + (lmat >> 1);
+      ldsm_x4_t(sb + swz_t(r, c, B_ROW), bfr[j][0], bfr[j][1], bfr[j + 1][0], bfr[j + 1][1]);
     }
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::);
+  }, acc);
   const int g = lane / 4, t = lane % 4;
   float* part = partial + (long long)split * O_ * KDIM;
 #pragma unroll
