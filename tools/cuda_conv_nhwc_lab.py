@@ -59,11 +59,49 @@ def _timed(fn, reps: int, cp) -> float:
     return statistics.median(times)
 
 
+def _forward_kernel_rows(cp, torch, src, weights, ref, build: dict, weights_function: str, flops: float,
+                         label: str, tag: str, cudnn: float, cudnn_cl: float, reps: int) -> Iterator[dict]:
+    """conv_nhwc on `src` (N_, C_, H_, W_ bfloat16, relaid with a border of P_) and `weights`
+    (relaid by `weights_function`), built with the sizes in `build`, at each blocking of its output
+    width: the result against `ref` (float32), the kernels timed."""
+    n, c, h, w, o, pad = (build[k] for k in ("N_", "C_", "H_", "W_", "O_", "P_"))
+    kh = kw = 3
+    hp, wp = h + 2 * pad, w + 2 * pad
+    ho, wo = hp - kh + 1, wp - kw + 1
+    src_bits = cp.asarray(src.view(torch.int16)).view(cp.uint16)
+    w_bits = cp.asarray(weights.view(torch.int16)).view(cp.uint16)
+    padded = cp.empty(n * hp * wp * c, dtype=cp.uint16)
+    wk = cp.empty(o * c * kh * kw, dtype=cp.uint16)
+    out = cp.empty(n * o * ho * wo, dtype=cp.uint16)
+    for bm, bn, wm, wn, stages in BLOCKINGS.get(o, BLOCKINGS["wide"]):
+        module = _module(cp, dict(build, KH_=kh, KW_=kw, S_=1, BM=bm, BN=bn, WM=wm, WN=wn, STAGES=stages))
+        relayout, relay_weights, conv = (module.get_function(f) for f in ("to_padded_nhwc", weights_function, "conv_nhwc"))
+        smem = stages * (bm + bn) * 32 * 2
+        _allow_shared(cp, conv, smem)
+        grid = ((n * ho * wo + bm - 1) // bm, (o + bn - 1) // bn)
+
+        def run_relayout():
+            relayout((n * hp,), (256,), (src_bits, padded))
+
+        def run_weights():
+            relay_weights(((o * c * kh * kw + 255) // 256,), (256,), (w_bits, wk))
+
+        def run_conv():
+            conv(grid, (wm * wn * 32,), (padded, wk, out), shared_mem=smem)
+
+        run_relayout(), run_weights(), run_conv()
+        got = torch.as_tensor(out.view(cp.int16), device="cuda").view(torch.bfloat16).float().view(n, o, ho, wo)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        t = _timed(run_conv, reps, cp)
+        yield dict(layer=label, batch=n, blocking=f"{tag}{bm}x{bn} warps {wm}x{wn} stages {stages}", conv_us=t,
+                   tflops=flops / t / 1e6, relayout_us=_timed(run_relayout, reps, cp),
+                   weights_us=_timed(run_weights, reps, cp), cudnn_us=cudnn, cudnn_cl_us=cudnn_cl, max_err=err)
+
+
 def run_layer(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: int) -> Iterator[dict]:
     c, o, h, w, pad = layer
     kh = kw = 3
     ho, wo = h + 2 * pad - kh + 1, w + 2 * pad - kw + 1
-    flops = 2.0 * n * o * ho * wo * c * kh * kw
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, c, h, w, device="cuda", generator=gen).to(torch.bfloat16)
     wt = (torch.randn(o, c, kh, kw, device="cuda", generator=gen) / (c * kh * kw) ** 0.5).to(torch.bfloat16)
@@ -72,38 +110,9 @@ def run_layer(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: in
     cudnn = _timed(lambda: torch.nn.functional.conv2d(x, wt, padding=pad), reps, cp)
     x_cl, w_cl = x.contiguous(memory_format=torch.channels_last), wt.contiguous(memory_format=torch.channels_last)
     cudnn_cl = _timed(lambda: torch.nn.functional.conv2d(x_cl, w_cl, padding=pad), reps, cp)
-    xs = cp.asarray(x.view(torch.int16)).view(cp.uint16)
-    ws = cp.asarray(wt.view(torch.int16)).view(cp.uint16)
-    hp, wp = h + 2 * pad, w + 2 * pad
-    xp = cp.empty(n * hp * wp * c, dtype=cp.uint16)
-    wk = cp.empty(o * c * kh * kw, dtype=cp.uint16)
-    out = cp.empty(n * o * ho * wo, dtype=cp.uint16)
-    for bm, bn, wm, wn, stages in BLOCKINGS.get(o, BLOCKINGS["wide"]):
-        defs = dict(N_=n, C_=c, H_=h, W_=w, O_=o, KH_=kh, KW_=kw, P_=pad, S_=1, BM=bm, BN=bn, WM=wm, WN=wn,
-                    STAGES=stages)
-        module = _module(cp, defs)
-        relayout, weights, conv = (module.get_function(f) for f in ("to_padded_nhwc", "weights_okkc", "conv_nhwc"))
-        smem = stages * (bm + bn) * 32 * 2
-        _allow_shared(cp, conv, smem)
-        threads = wm * wn * 32
-        grid = ((n * ho * wo + bm - 1) // bm, (o + bn - 1) // bn)
-
-        def run_relayout():
-            relayout((n * hp,), (256,), (xs, xp))
-
-        def run_weights():
-            weights(((o * c * kh * kw + 255) // 256,), (256,), (ws, wk))
-
-        def run_conv():
-            conv(grid, (threads,), (xp, wk, out), shared_mem=smem)
-
-        run_relayout(), run_weights(), run_conv()
-        got = torch.as_tensor(out.view(cp.int16), device="cuda").view(torch.bfloat16).float().view(n, o, ho, wo)
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        t_conv = _timed(run_conv, reps, cp)
-        yield dict(layer=f"{c}->{o} {h}x{w} pad {pad}", batch=n, blocking=f"{bm}x{bn} warps {wm}x{wn} stages {stages}",
-                         conv_us=t_conv, tflops=flops / t_conv / 1e6, relayout_us=_timed(run_relayout, reps, cp),
-                   weights_us=_timed(run_weights, reps, cp), cudnn_us=cudnn, cudnn_cl_us=cudnn_cl, max_err=err)
+    yield from _forward_kernel_rows(cp, torch, x, wt, ref, dict(N_=n, C_=c, H_=h, W_=w, O_=o, P_=pad), "weights_okkc",
+                                    2.0 * n * o * ho * wo * c * kh * kw, f"{c}->{o} {h}x{w} pad {pad}", "", cudnn,
+                                    cudnn_cl, reps)
 
 
 def run_grad_input(cp, torch, n: int, layer: tuple[int, int, int, int, int], reps: int) -> Iterator[dict]:
@@ -113,44 +122,16 @@ def run_grad_input(cp, torch, n: int, layer: tuple[int, int, int, int, int], rep
     c, o, h, w, pad = layer
     kh = kw = 3
     ho, wo = h + 2 * pad - kh + 1, w + 2 * pad - kw + 1
-    flops = 2.0 * n * o * ho * wo * c * kh * kw
     gen = torch.Generator(device="cuda").manual_seed(2)
     wt = (torch.randn(o, c, kh, kw, device="cuda", generator=gen) / (c * kh * kw) ** 0.5).to(torch.bfloat16)
     dy = torch.randn(n, o, ho, wo, device="cuda", generator=gen).to(torch.bfloat16)
     torch.backends.cudnn.allow_tf32 = False
     ref = torch.nn.grad.conv2d_input((n, c, h, w), wt.float(), dy.float(), padding=pad)
     cudnn = _timed(lambda: torch.nn.grad.conv2d_input((n, c, h, w), wt, dy, padding=pad), reps, cp)
-    ws = cp.asarray(wt.view(torch.int16)).view(cp.uint16)
-    dys = cp.asarray(dy.view(torch.int16)).view(cp.uint16)
-    border = kh - 1 - pad
-    hp, wp = ho + 2 * border, wo + 2 * border
-    dyp = cp.empty(n * hp * wp * o, dtype=cp.uint16)
-    wk = cp.empty(o * c * kh * kw, dtype=cp.uint16)
-    dx = cp.empty(n * c * h * w, dtype=cp.uint16)
-    for bm, bn, wm, wn, stages in BLOCKINGS.get(c, BLOCKINGS["wide"]):
-        module = _module(cp, dict(N_=n, C_=o, H_=ho, W_=wo, O_=c, KH_=kh, KW_=kw, P_=border, S_=1, BM=bm, BN=bn,
-                                  WM=wm, WN=wn, STAGES=stages))
-        relayout, weights, conv = (module.get_function(f) for f in ("to_padded_nhwc", "weights_flipped", "conv_nhwc"))
-        smem = stages * (bm + bn) * 32 * 2
-        _allow_shared(cp, conv, smem)
-        grid = ((n * h * w + bm - 1) // bm, (c + bn - 1) // bn)
-
-        def run_relayout():
-            relayout((n * hp,), (256,), (dys, dyp))
-
-        def run_weights():
-            weights(((o * c * kh * kw + 255) // 256,), (256,), (ws, wk))
-
-        def run_conv():
-            conv(grid, (wm * wn * 32,), (dyp, wk, dx), shared_mem=smem)
-
-        run_relayout(), run_weights(), run_conv()
-        got = torch.as_tensor(dx.view(cp.int16), device="cuda").view(torch.bfloat16).float().view(n, c, h, w)
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        t = _timed(run_conv, reps, cp)
-        yield dict(layer=f"{c}->{o} {h}x{w} pad {pad}", batch=n, blocking=f"gi {bm}x{bn} warps {wm}x{wn} stages {stages}",
-                   conv_us=t, tflops=flops / t / 1e6, relayout_us=_timed(run_relayout, reps, cp),
-                   weights_us=_timed(run_weights, reps, cp), cudnn_us=cudnn, cudnn_cl_us=float("nan"), max_err=err)
+    # the build's input is dy (C_ = the layer's O), its output dx (O_ = the layer's C)
+    build = dict(N_=n, C_=o, H_=ho, W_=wo, O_=c, P_=kh - 1 - pad)
+    yield from _forward_kernel_rows(cp, torch, dy, wt, ref, build, "weights_flipped", 2.0 * n * o * ho * wo * c * kh * kw,
+                                    f"{c}->{o} {h}x{w} pad {pad}", "gi ", cudnn, float("nan"), reps)
 
 
 def _allow_shared(cp, function, nbytes: int) -> None:
