@@ -31,6 +31,7 @@ from typing import Any
 from ember.ir import Graph, KernelSpec
 
 from . import cuda_direct, cuda_direct_tc, cuda_kernels, cuda_skinny, cuda_small_conv, cuda_winograd, family_prior
+from . import cuda_conv_nhwc as conv_nhwc
 from . import cuda_winograd_fused as winograd_fused
 from . import grouped_conv
 from . import pool_kernels
@@ -408,6 +409,27 @@ def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
                                            bias="bias" in eps, relu="relu" in eps, relu_mask="relu_mask" in eps,
                                            epilogue=epilogue, plan=cuda_direct_tc.TcPlan(**p),
                                            bf16_roles=bf16_roles(sub, spec))
+
+
+# -- nhwc_tc: bfloat16 convolutions as a GEMM over channels-innermost operands (cuda_conv_nhwc)
+
+def _nhwc_plan(plan: Plan) -> conv_nhwc.NhwcPlan | None:
+    try:
+        return conv_nhwc.NhwcPlan(**dict(plan))
+    except TypeError:
+        return None
+
+
+def _nhwc_accepts(g: dict[str, Any], plan: Plan) -> bool:
+    """A plan (a record's, perhaps of another batch size) fits where it tiles the kernel of its
+    kind and its stages fit a block's shared memory: any split count serves a grad-weight."""
+    p = _nhwc_plan(plan)
+    return p is not None and p.tiles(g["kind"] == "conv2d_grad_weight") and \
+        p.shared_bytes() <= current().shared_per_block_optin
+
+
+def _nhwc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
+    return conv_nhwc.family_render(name, sub, spec, g, plan, epilogue, bf16_roles(sub, spec))
 
 
 # -- small_window: memory-bound convolutions with a small window / few weights (cuda_small_conv)
@@ -802,6 +824,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda g: [winograd_fused.stamped(winograd_fused.plans(g)[0])], winograd_fused.serves, _never,
            lambda g, plan: winograd_fused.scratch_bytes(g, winograd_fused.FusedPlan(**dict(plan))), winograd_fused.family_render,
            tuning_plans=lambda g: [winograd_fused.stamped(q) for q in winograd_fused.plans(g)]),
+    # bfloat16 convolutions as a GEMM over channels-innermost operands, relaid in the scratch
+    # block; taken where measured, never by default
+    Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
+           lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))), _nhwc_render,
+           tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

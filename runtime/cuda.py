@@ -349,6 +349,8 @@ class CudaExecutor:
                               if graph.notes(n).get("storage") not in ("parameter", "state")
                               or graph.notes(n).get("name") != k]
         self._counters: dict[int, Any] = {}  # kernel node -> its counters (zero now; each launch leaves them zero)
+        for la in self.source.launches:
+            cuda_modules.allow_dynamic_shared(cp, self.functions[la.function], la.shared_bytes)
         self._launches = [(self.functions[la.function], la.grid, la.block, la.shared_bytes,
                            tuple(self._arg(a) for a in la.args) + scalar_args(la.scalars))
                           for la in self.source.launches]

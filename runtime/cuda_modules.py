@@ -187,6 +187,18 @@ def _prefetch(cp: Any, sources: list[str], options: tuple[str, ...], names: list
     return built
 
 
+#: dynamic shared memory a launch may take without its function's opt-in (every GPU since Volta)
+DEFAULT_DYNAMIC_SHARED = 48 * 1024
+
+
+def allow_dynamic_shared(cp: Any, function: Any, nbytes: int) -> None:
+    """Lets `function` (a loaded module's) launch with `nbytes` of dynamic shared memory: past 48
+    KiB the driver refuses a launch unless the function opted in to that much."""
+    if nbytes > DEFAULT_DYNAMIC_SHARED:
+        attribute = getattr(cp.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+        cp.cuda.driver.funcSetAttribute(function.ptr, attribute, nbytes)
+
+
 def load_module(cp: Any, source: str, options: tuple[str, ...], *, name: str = "kernels",
                 cache: Path | None = None) -> Any:
     """A loaded `cupy.cuda.function.Module` for `source`, built by NVRTC only on a cache miss.

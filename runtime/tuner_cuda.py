@@ -24,6 +24,7 @@ from ember.codegen.lowering import has_narrow
 from ember.ir import Graph, KernelSpec
 from ember.ir.dtypes import as_array, as_values
 
+from . import cuda_modules
 from .tuner import Trial, trial_output
 
 __all__ = ["CudaMeasurer"]
@@ -111,6 +112,8 @@ class CudaMeasurer:
         def buffer(role: str) -> Any:
             region = scratch_offset(role)
             return buffers[roles.get(role, role)] if region is None else scratch[region:]
+        for la in kernel.launches:
+            cuda_modules.allow_dynamic_shared(cp, functions[la.function], la.shared_bytes)
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
                   tuple(buffer(r) for r in la.args) + scalar_args(la.scalars)) for la in kernel.launches]
 

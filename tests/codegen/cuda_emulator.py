@@ -43,9 +43,11 @@ struct dim3 { unsigned x = 0, y = 0, z = 0; };
 struct alignas(16) float4 { float x, y, z, w; };  // the GEMM skeleton's vector reads of shared memory
 struct alignas(8) float2 { float x, y; };
 struct alignas(8) uint2 { unsigned x, y; };  // four bfloat16 values in one access
+struct alignas(16) uint4 { unsigned x, y, z, w; };  // a 16-byte copy (eight bfloat16 values)
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 namespace ember_emu {
 thread_local dim3 thread_idx, block_idx;
 dim3 grid_dim;  // the launch's (a split reduction on run-time sizes reads its split count there)
@@ -104,6 +106,18 @@ template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m) {
   T r;
   std::memcpy(&r, T_.shfl[lane ^ (unsigned)m], sizeof(T));
   ember_emu::shfl_barrier(warp, mask);  // every lane has read before any writes again
+  return r;
+}
+// __shfl_sync: as __shfl_xor_sync, each lane reading lane `src`'s value (ldmatrix's definition
+// without a GPU reads other lanes' row addresses so)
+template <typename T> T __shfl_sync(unsigned mask, T v, int src) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ember_emu::WarpTable& T_ = ember_emu::tables[warp];
+  std::memcpy(T_.shfl[lane], &v, sizeof(T));
+  ember_emu::shfl_barrier(warp, mask);
+  T r;
+  std::memcpy(&r, T_.shfl[(unsigned)src % 32], sizeof(T));
+  ember_emu::shfl_barrier(warp, mask);
   return r;
 }
 using std::max;

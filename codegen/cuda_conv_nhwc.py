@@ -1,0 +1,246 @@
+"""The `nhwc_tc` family of the CUDA choice table: bfloat16 convolutions (precision "bf16") as an
+implicit GEMM over channels-innermost operands on the bfloat16 tensor cores (template
+`templates/cuda/conv_nhwc_tc.j2`).
+
+ember's other bfloat16 convolution kernels read NCHW operands, where a GEMM row's k = (c, kh, kw)
+is gathered a bfloat16 at a time: they top out near 100 TFLOP/s on an H100 (docs/benchmarks.md,
+session 37). Here the kernel first copies its source to a zero-bordered NHWC image and the weights
+to [o][kh][kw][c] in its scratch block, so a row's k = (kh, kw, c) runs as 16-byte chunks of
+channels: cp.async copies without bounds checks, STAGES deep, into XOR-swizzled tiles read by
+ldmatrix (tools/cuda_conv_nhwc_lab.py measured 200-310 TFLOP/s for the same GEMMs). A plan is
+the block tile BM x BN, its warps WM x WN, the pipeline depth and (grad-weight) the split count:
+
+- forward (any stride, padding) and grad-input (stride 1: the forward convolution of dy bordered
+  by K - 1 - padding with the weights flipped and transposed): m = output pixels, n = output
+  channels; the value rounded to bfloat16, then the template's and the generated epilogues at
+  the NCHW index;
+- grad-weight: m = output channels, n = (kh, kw, c), k = pixels (dy relaid to [pixel][o]), split
+  SPLITS ways over the pixels; the fp32 partials summed in split order by a last launch (no
+  atomics: the same bits every run), rounded to bfloat16, then the epilogue.
+
+Both operands need channel counts that are multiples of 8 (16-byte runs). The sums run over k in
+order within a split, in fp32 (the mma's products of bfloat16 values are exact). Taken where the
+tuner measured it faster, never by default; the relayouts are launches of their own for now (a
+producer's epilogue writing NHWC would save them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
+from .device import current
+from .shapes import ceil_div, pair, round_up
+from .templates_env import environment
+
+__all__ = ["KINDS", "NhwcPlan", "serves", "plans", "scratch_bytes", "render"]
+
+KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+BK = 32  # k a stage (two mma steps of 16)
+#: scratch a kernel may take for its relaid operands and partials
+MAX_SCRATCH = 4 << 30
+#: bytes of shared memory a relayout block stages a source row's channels in
+_RELAYOUT_STAGE = 16 * 1024
+_env = environment("cuda")
+
+
+@dataclass(frozen=True)
+class NhwcPlan:
+    BM: int      # block tile rows (forward: output pixels; grad-weight: output channels)
+    BN: int      # block tile columns (forward: output channels; grad-weight: (kh, kw, c))
+    WM: int      # warps along the rows
+    WN: int      # warps along the columns
+    STAGES: int  # k-tiles in flight (cp.async)
+    SPLITS: int = 1  # grad-weight: ranges of pixels summed apart (their partials added in order)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.WM * self.WN
+
+    def shared_bytes(self) -> int:
+        return self.STAGES * (self.BM + self.BN) * BK * 2
+
+    def tiles(self, gw: bool) -> bool:
+        """Whether the template's warp tiling and its copies' division among the threads hold."""
+        fm, fn = self.BM // (self.WM * 16), self.BN // (self.WN * 8)
+        if fm < 1 or fn < 2 or fn % 2 or fm * 16 * self.WM != self.BM or fn * 8 * self.WN != self.BN:
+            return False
+        if gw:
+            return self.BM % 64 == 0 and self.BN % 64 == 0 and (BK * self.BM // 8) % self.threads == 0 \
+                and (BK * self.BN // 8) % self.threads == 0
+        return self.SPLITS == 1 and (self.BM * BK // 8) % self.threads == 0 and (self.BN * BK // 8) % self.threads == 0
+
+
+#: (BM, BN, WM, WN, STAGES) of the forward and grad-input, by the output channels' block width
+_FORWARD = {
+    128: ((128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 4, 4), (256, 128, 4, 2, 3)),
+    64: ((128, 64, 4, 2, 4), (256, 64, 4, 2, 3), (64, 64, 2, 2, 4)),
+    32: ((128, 32, 4, 1, 4), (256, 32, 4, 1, 4), (64, 32, 2, 1, 4)),
+    16: ((64, 16, 2, 1, 4), (128, 16, 4, 1, 4)),
+}
+#: (BM, BN, WM, WN, STAGES) of the grad-weight, by the output channels' block height
+_GRAD_WEIGHT = {
+    128: ((128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 4, 4), (128, 64, 4, 2, 4)),
+    64: ((64, 128, 2, 4, 4), (64, 64, 2, 2, 4)),
+}
+
+
+def problem(g: dict[str, Any]) -> dict[str, int]:
+    """The template's sizes: the GEMM's source image (CI x HI x WI, bordered PH / PW) and output
+    (CO x HO x WO) at stride SH / SW. A grad-input's source is dy and its output the layer's input."""
+    sh, sw = pair(g["stride"], "stride")
+    ph, pw = pair(g["padding"], "padding")
+    common = dict(N=g["N"], KH=g["KH"], KW=g["KW"])
+    if g["kind"] == "conv2d_grad_input":
+        return dict(common, CI=g["O"], HI=g["HO"], WI=g["WO"], CO=g["C"], HO=g["H"], WO=g["W"],
+                    PH=g["KH"] - 1 - ph, PW=g["KW"] - 1 - pw, SH=1, SW=1)
+    return dict(common, CI=g["C"], HI=g["H"], WI=g["W"], CO=g["O"], HO=g["HO"], WO=g["WO"], PH=ph, PW=pw, SH=sh, SW=sw)
+
+
+def _width_class(n: int, classes) -> int:
+    """The block width of a GEMM dimension of n: the least class >= n, at most the widest."""
+    return next((c for c in sorted(classes) if c >= n), max(classes))
+
+
+def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int) -> list[int]:
+    """Split counts worth measuring for a grad-weight blocking: about two and four blocks a
+    multiprocessor, each split at least 8 k-tiles of pixels long."""
+    tiles = ceil_div(q["CO"], bm) * ceil_div(q["KH"] * q["KW"] * q["CI"], bn)
+    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], BK)
+    most = max(1, min(k_tiles // 8, 256))
+    out = []
+    for waves in (2, 4):
+        s = 1 << max(0, (waves * current().multiprocessors // tiles).bit_length() - 1)
+        out.append(min(s, most))
+    return list(dict.fromkeys(out))
+
+
+def plans(g: dict[str, Any]) -> list[NhwcPlan]:
+    """Every plan the tuner measures, the first the one a stamp-less render takes."""
+    q = problem(g)
+    limit = current().shared_per_block_optin
+    if g["kind"] == "conv2d_grad_weight":
+        found = [NhwcPlan(*b, SPLITS=s) for b in _GRAD_WEIGHT[_width_class(q["CO"], _GRAD_WEIGHT)]
+                 for s in _split_counts(g, q, b[0], b[1])]
+    else:
+        width = _width_class(q["CO"], _FORWARD)
+        blockings = _FORWARD[width] + (_FORWARD[64] if width == 128 and q["CO"] >= 256 else ())
+        found = [NhwcPlan(*b) for b in blockings]
+    gw = g["kind"] == "conv2d_grad_weight"
+    return [p for p in found if p.tiles(gw) and p.shared_bytes() <= limit]
+
+
+def serves(g: dict[str, Any]) -> str | None:
+    """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
+    if g["kind"] not in KINDS:
+        return "it serves convolutions"
+    if g.get("dtype") != "bfloat16":
+        return "it multiplies bfloat16 operands on bfloat16 tensor cores (precision 'bf16')"
+    if g.get("groups", 1) != 1:
+        return "it serves ungrouped convolutions"
+    if g["C"] % 8 or g["O"] % 8:
+        return f"its operands are runs of 8 channels (16 bytes): {g['C']} -> {g['O']} channels are not multiples of 8"
+    ph, pw = pair(g["padding"], "padding")
+    if g["kind"] == "conv2d_grad_input" and (pair(g["stride"], "stride") != (1, 1) or ph >= g["KH"] or pw >= g["KW"]):
+        return "its grad-input serves stride 1 with padding smaller than the kernel (a forward convolution of dy)"
+    q = problem(g)
+    if g["N"] * q["HO"] * q["WO"] >= 2**31 or g["N"] * (q["HI"] + 2 * q["PH"]) >= 2**31:
+        return "too many output pixels for its 32-bit pixel index"
+    if not plans(g):
+        return "no blocking fits"
+    if scratch_bytes(g, plans(g)[0]) > MAX_SCRATCH:
+        return f"its relaid operands would take more than {MAX_SCRATCH >> 30} GB of scratch"
+    return None
+
+
+def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
+    """Byte offsets of the scratch regions (src: the bordered NHWC source; wt: the relaid weights;
+    dyt: a grad-weight's dy as [pixel][o]; part: its split partials) and the total ("end")."""
+    q = problem(g)
+    src = 2 * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
+    kdim = q["KH"] * q["KW"] * q["CI"]
+    at = round_up(src, SCRATCH_ALIGN)
+    if g["kind"] != "conv2d_grad_weight":
+        return dict(src=0, wt=at, dyt=0, part=0, end=at + round_up(2 * q["CO"] * kdim, SCRATCH_ALIGN))
+    dyt = round_up(2 * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
+    return dict(src=0, wt=0, dyt=at, part=at + dyt, end=at + dyt + round_up(4 * plan.SPLITS * q["CO"] * kdim, SCRATCH_ALIGN))
+
+
+def scratch_bytes(g: dict[str, Any], plan: NhwcPlan) -> int:
+    return _regions(g, plan)["end"]
+
+
+def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, relu: bool = False,
+           relu_mask: bool = False, epilogue: PointwiseEpilogue | None = None,
+           bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
+    """The kernel: roles x, w, [bias], out (forward), dy, w, [mask_src], out (grad-input) or x,
+    dy, out (grad-weight), then a generated epilogue's, and the scratch block. `bf16_roles`: the
+    roles holding bfloat16 (the convolution's operands must)."""
+    kind, why_not = g["kind"], serves(g)
+    if why_not is not None:
+        raise ValueError(f"nhwc_tc does not serve this convolution: {why_not}")
+    gw = kind == "conv2d_grad_weight"
+    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
+        raise ValueError(f"the nhwc_tc {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    if not plan.tiles(gw) or plan.shared_bytes() > current().shared_per_block_optin:
+        raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
+    q, regions = problem(g), _regions(g, plan)
+    if kind == "conv2d":
+        roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
+    elif kind == "conv2d_grad_input":
+        roles, inputs, src = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
+    else:
+        roles, inputs, src = ("x", "dy", "out"), ("x", "dy"), "x"
+    operands = {"x", "dy"} if gw else {src, "w"}
+    if not operands <= bf16_roles:
+        raise ValueError(f"{name}: nhwc_tc multiplies bfloat16 operands; {sorted(operands - bf16_roles)} are not")
+    roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
+    ph, pw = pair(g["padding"], "padding")
+    sh, sw = pair(g["stride"], "stride")
+    what = {"conv2d": "forward", "conv2d_grad_input": "grad-input", "conv2d_grad_weight": "grad-weight"}[kind]
+    description = (f"conv2d {what} x({g['N']},{g['C']},{g['H']},{g['W']}) w({g['O']},{g['C']},{g['KH']},{g['KW']}) "
+                   f"stride ({sh},{sw}) padding ({ph},{pw}){' +bias' if bias else ''}{' +relu' if relu else ''}"
+                   f"{' *relu-mask' if relu_mask else ''}, channels-innermost GEMM on bfloat16 tensor cores, "
+                   f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, {plan.STAGES} stages"
+                   f"{f', {plan.SPLITS} splits' if gw else ''}")
+    widest = max(q["WI"], q["WO"] if gw else 0)
+    rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (2 * widest) - 2) // 8 * 8)
+    code = _env.get_template("conv_nhwc_tc.j2").render(
+        name=name, description=description, **q, BM=plan.BM, BN=plan.BN, WM=plan.WM, WN=plan.WN,
+        STAGES=plan.STAGES, SPLITS=plan.SPLITS, threads=plan.threads, RCH=rch, off_src=regions["src"] // 2, off_wt=regions["wt"] // 2,
+        off_dyt=regions["dyt"] // 2, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
+        src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
+        signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
+        relu_mask=relu_mask, pw=epilogue)
+    args = tuple(roles) + ("scratch",)
+    hp = q["HI"] + 2 * q["PH"]
+    kdim = q["KH"] * q["KW"] * q["CI"]
+    pixels = q["N"] * q["HO"] * q["WO"]
+    relay_src = Launch(f"{name}_src", (q["N"] * hp, 1, 1), (256, 1, 1), 0, args)
+    block = (plan.threads, 1, 1)
+    if gw:
+        grid = (ceil_div(q["CO"], plan.BM), ceil_div(kdim, plan.BN), plan.SPLITS)
+        launches = (Launch(f"{name}_dy", (q["N"] * q["HO"], 1, 1), (256, 1, 1), 0, args), relay_src,
+                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(), args),
+                    Launch(f"{name}_reduce", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args))
+    else:
+        grid = (ceil_div(pixels, plan.BM), ceil_div(q["CO"], plan.BN), 1)
+        launches = (relay_src, Launch(f"{name}_wt", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args),
+                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(), args))
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"{name}: the nhwc_tc grid {grid} is too large")
+    return CudaKernel(name, code, launches, regions["end"])
+
+
+def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:
+    """A plan as the choice table stamps it (a forward's without its split count)."""
+    pairs = (("BM", plan.BM), ("BN", plan.BN), ("WM", plan.WM), ("WN", plan.WN), ("STAGES", plan.STAGES))
+    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ())
+
+
+def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any,
+                  bf16_roles: frozenset[str]) -> CudaKernel:
+    """The choice table's renderer (its plan stamped pairs, its epilogues the spec's)."""
+    eps = spec.epilogues
+    return render(name, g, NhwcPlan(**dict(plan)), bias="bias" in eps, relu="relu" in eps,
+                  relu_mask="relu_mask" in eps, epilogue=epilogue, bf16_roles=bf16_roles)

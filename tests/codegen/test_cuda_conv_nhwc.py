@@ -1,0 +1,212 @@
+"""The `nhwc_tc` family (codegen/cuda_conv_nhwc.py): bfloat16 convolutions as a GEMM over
+channels-innermost operands relaid in the kernel's scratch block.
+
+Without a GPU each kernel runs in the CPU emulation of its own source (cuda_emulator.py: the
+copies synchronous, ldmatrix by its definition in warp shuffles, the mma from the PTX fragment
+tables) against float64 sums of the same bfloat16 values with the same roundings (the convolution
+rounded to bfloat16, the bias add rounded again): a wrong relayout, border, swizzle, fragment read,
+split or epilogue index gives wrong numbers here. Every plan the tuner measures compiles with nvcc;
+on a GPU (`cuda` mark) every plan of a wide layer matches the interpreter through the tuner's
+measurer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuda_emulator
+import cuda_refs
+from ember.codegen import cuda, cuda_choices
+from ember.codegen import cuda_conv_nhwc as cn
+from ember.codegen.cuda_kernels import PointwiseEpilogue
+from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
+from nvcc import assert_compiles, nvcc_or_skip
+
+KINDS = {"fwd": "conv2d", "gi": "conv2d_grad_input", "gw": "conv2d_grad_weight"}
+
+
+def _geometry(kind: str, N, C, H, W, O, KH, KW, stride, padding) -> dict:
+    (sh, sw), (ph, pw) = cuda_refs._pair(stride), cuda_refs._pair(padding)
+    g = dict(kind=KINDS[kind], epilogues=frozenset(), tf32=False, dtype="bfloat16", N=N, C=C, H=H, W=W, O=O, KH=KH,
+             KW=KW, stride=(sh, sw), padding=(ph, pw))
+    g["HO"], g["WO"] = cuda_refs.conv_out(g)
+    return g
+
+
+#: small geometries (the emulation runs a CUDA thread as an OS thread), each with features of its
+#: own: 3x3 stride 1 with pixels past the last row tile; stride 2 (the forward and grad-weight
+#: only); a 1x1 convolution; a 3x5 window with padding (2, 1) and 40 output channels (a 64-wide
+#: block, partly past them); and a k of 72 (8 channels: a k-tile partly past it)
+EMULATED = [dict(N=2, C=16, H=6, W=7, O=24, KH=3, KW=3, stride=1, padding=1),
+            dict(N=1, C=8, H=9, W=9, O=16, KH=3, KW=3, stride=2, padding=1),
+            dict(N=2, C=24, H=5, W=5, O=8, KH=1, KW=1, stride=1, padding=0),
+            dict(N=1, C=16, H=6, W=8, O=40, KH=3, KW=5, stride=1, padding=(2, 1)),
+            dict(N=1, C=8, H=7, W=7, O=64, KH=3, KW=3, stride=1, padding=0)]
+
+#: a generated epilogue reading an operand of the output's shape at the flat NCHW index
+EPILOGUE = PointwiseEpilogue(("float e = red * in5[i] + 0.5f;",), "e", (5,))
+
+
+def _kernels(idx: int) -> list[tuple[str, object, cn.NhwcPlan]]:
+    """(kind, kernel, plan) of each kind the family serves at EMULATED[idx]: the first plan and the
+    last (other blockings, stage counts and split counts), the forward with bias and ReLU, the
+    grad-input with the ReLU mask, the grad-weight with a generated epilogue; the first forward
+    also with a generated epilogue and a float32 output."""
+    out = []
+    for kind in KINDS:
+        g = _geometry(kind, **EMULATED[idx])
+        if cn.serves(g) is not None:
+            assert kind == "gi" and g["stride"] != (1, 1), cn.serves(g)
+            continue
+        plans = cn.plans(g)
+        for i, plan in enumerate(dict.fromkeys([plans[0], plans[-1]])):
+            name = f"n{idx}{kind}{i}"
+            if kind == "fwd":
+                k = cn.render(name, g, plan, bias=True, relu=True, bf16_roles=frozenset({"x", "w", "bias", "out"}))
+            elif kind == "gi":
+                k = cn.render(name, g, plan, relu_mask=True, bf16_roles=frozenset({"dy", "w", "mask_src", "out"}))
+            else:
+                k = cn.render(name, g, plan, epilogue=EPILOGUE, bf16_roles=frozenset({"x", "dy"}))
+            out.append((kind, k, plan))
+    g = _geometry("fwd", **EMULATED[idx])
+    out.append(("fwd_pw", cn.render(f"n{idx}pw", g, cn.plans(g)[0], epilogue=EPILOGUE,
+                                    bf16_roles=frozenset({"x", "w"})), cn.plans(g)[0]))
+    return out
+
+
+def _case(kind: str, g: dict, rng: np.random.Generator) -> tuple[dict, np.ndarray, bool]:
+    """(buffers by role: bfloat16 bits or float32, the output poisoned with NaN; the reference as
+    floats; whether the output is bfloat16)."""
+    N, C, H, W, O, KH, KW = (g[k] for k in ("N", "C", "H", "W", "O", "KH", "KW"))
+    HO, WO = cuda_refs.conv_out(g)
+    u = lambda *shape: round_bf16(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
+    x, w, dy = u(N, C, H, W), u(O, C, KH, KW), u(N, O, HO, WO)
+    if kind == "fwd":
+        bias = u(O)
+        conv = round_bf16(cuda_refs.conv_fwd_ref(x, w, None, g, relu=False).astype(np.float32))
+        ref = np.maximum(round_bf16(conv + bias[None, :, None, None]), 0)
+        return dict(x=x, w=w, bias=bias), ref, True
+    if kind == "fwd_pw":
+        e = rng.uniform(-1, 1, (N, O, HO, WO)).astype(np.float32)
+        conv = round_bf16(cuda_refs.conv_fwd_ref(x, w, None, g, relu=False).astype(np.float32))
+        return dict(x=x, w=w, in5=e), conv * e + np.float32(0.5), False
+    if kind == "gi":
+        mask = u(N, C, H, W)
+        ref = round_bf16(cuda_refs.conv_grad_input_ref(dy, w, g, mask).astype(np.float32))
+        return dict(dy=dy, w=w, mask_src=mask), ref, True
+    e = rng.uniform(-1, 1, (O, C, KH, KW)).astype(np.float32)
+    dw = round_bf16(cuda_refs.conv_grad_weight_ref(x, dy, g)[0].astype(np.float32))
+    return dict(x=x, dy=dy, in5=e), dw * e + np.float32(0.5), False
+
+
+def _run(lib, index: int, kernel, vals: dict, ref: np.ndarray, out_bf16: bool) -> np.ndarray:
+    bf16 = {"x", "w", "dy", "bias", "mask_src"}
+    bufs = {r: bf16_bits(v) if r in bf16 else np.ascontiguousarray(v, np.float32) for r, v in vals.items()}
+    bufs["out"] = np.full(ref.shape, 0x7FC0, np.uint16) if out_bf16 else np.full(ref.shape, np.nan, np.float32)
+    cuda_emulator.run(lib, index, kernel, bufs)
+    return bf16_values(bufs["out"]) if out_bf16 else bufs["out"]
+
+
+@pytest.mark.parametrize("idx", range(len(EMULATED)))
+def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, tmp_path):
+    kernels = _kernels(idx)
+    lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"nhwc{idx}")
+    rng = np.random.default_rng(idx)
+    for i, (kind, k, plan) in enumerate(kernels):
+        g = dict(EMULATED[idx])
+        g["stride"], g["padding"] = cuda_refs._pair(g["stride"]), cuda_refs._pair(g["padding"])
+        vals, ref, out_bf16 = _case(kind, g, rng)
+        got = _run(lib, i, k, vals, ref, out_bf16)
+        assert np.all(np.isfinite(got)), (k.name, plan, int(np.isnan(got).sum()))  # every output written
+        # float32 sums of exact products against float64 ones: equal but where a sum lands near a
+        # bfloat16 tie (the last bit)
+        assert np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), (k.name, plan)
+        assert np.mean(got == ref) >= 0.97, (k.name, plan, np.mean(got == ref))
+
+
+#: airbench's layers at batch 1024 and the MNIST CNN's bfloat16 conv2 at 64 (every plan compiles)
+COMPILED = [dict(N=1024, C=64, H=28, W=28, O=64, KH=3, KW=3, stride=1, padding=1),
+            dict(N=1024, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
+            dict(N=1024, C=256, H=7, W=7, O=256, KH=3, KW=3, stride=1, padding=1),
+            dict(N=64, C=16, H=26, W=26, O=32, KH=3, KW=3, stride=1, padding=0),
+            dict(N=64, C=32, H=15, W=15, O=64, KH=3, KW=3, stride=2, padding=1)]
+
+
+def test_every_plan_compiles_with_nvcc(tmp_path):
+    nvcc = nvcc_or_skip()
+    sources = []
+    for i, geo in enumerate(COMPILED):
+        for kind in KINDS:
+            g = _geometry(kind, **geo)
+            if cn.serves(g) is not None:
+                continue
+            roles = {"fwd": {"x", "w", "out"}, "gi": {"dy", "w", "out"}, "gw": {"x", "dy"}}[kind]
+            for j, plan in enumerate(cn.plans(g)):
+                k = cn.render(f"c{i}{kind}{j}", g, plan, bf16_roles=frozenset(roles))
+                assert k.scratch_bytes == cn.scratch_bytes(g, plan)
+                assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.code and "ldmatrix" in k.code
+                sources.append(k.code)
+    src = tmp_path / "nhwc.cu"
+    src.write_text(cuda.prelude(bf16=True) + "".join(sources))
+    assert_compiles(nvcc, src)
+
+
+def test_the_table_offers_it_for_bfloat16_convolutions_of_whole_channel_runs_and_never_picks_it_unmeasured():
+    wide = _geometry("fwd", **COMPILED[1])
+    fam = cuda_choices.FAMILIES["nhwc_tc"]
+    assert cuda_choices.TABLE.applies(fam, wide) is None and not fam.preferred(wide)
+    assert "bfloat16" in cuda_choices.TABLE.applies(fam, dict(wide, dtype=None))
+    assert "multiples of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
+    assert "ungrouped" in cuda_choices.TABLE.applies(fam, dict(wide, groups=2))
+    strided_gi = _geometry("gi", **COMPILED[4])
+    assert "stride 1" in cn.serves(strided_gi)
+    # a record of another batch size (its split count made for that length) still fits
+    gw = _geometry("gw", **COMPILED[1])
+    plan = cn.stamped(cn.plans(gw)[0])
+    assert fam.fits(gw, plan) and fam.fits(dict(gw, N=64, HO=14, WO=14), plan)
+    assert fam.fits(gw, cn.stamped(cn.NhwcPlan(128, 128, 2, 4, 4, SPLITS=3)))
+    assert not fam.fits(gw, cn.stamped(cn.NhwcPlan(96, 128, 2, 4, 4, SPLITS=3)))  # rows of the swizzle: 64s
+    assert not fam.fits(wide, cn.stamped(cn.NhwcPlan(128, 128, 2, 4, 3, SPLITS=2)))  # a forward does not split
+    # the relayouts, then the GEMM over every output pixel and channel; a grad-weight's last launch
+    # sums every weight's partials
+    first = cn.plans(wide)[0]
+    k = cn.render("k", wide, first, bf16_roles=frozenset({"x", "w", "out"}))
+    assert [ln.function for ln in k.launches] == ["k_src", "k_wt", "k_gemm"]
+    assert k.launches[0].grid[0] == 1024 * 16  # a block a bordered row
+    assert k.launches[-1].grid[:2] == (-(-1024 * 14 * 14 // first.BM), -(-256 // first.BN))
+    k = cn.render("k", gw, cn.plans(gw)[0], bf16_roles=frozenset({"x", "dy"}))
+    assert [ln.function for ln in k.launches] == ["k_dy", "k_src", "k_gemm", "k_reduce"]
+    assert k.launches[-1].grid[0] * 256 >= 256 * 64 * 9 and k.launches[2].grid[2] == cn.plans(gw)[0].SPLITS
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("geo", [dict(N=32, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
+                                 dict(N=8, C=32, H=15, W=15, O=40, KH=3, KW=3, stride=2, padding=1)],
+                         ids=["wide", "strided"])
+def test_every_plan_matches_the_interpreter_on_the_gpu(geo):
+    """Each kind's subgraph as a bf16 step has it (the convolution of bfloat16 operands), every
+    plan through the tuner's measurer, against the interpreter in float64 within bfloat16's
+    tolerance."""
+    pytest.importorskip("cupy")
+    from ember import nn
+    from ember.passes import targets
+    from ember.runtime.tuner import TOLERANCE
+    from ember.runtime.tuner_cuda import CudaMeasurer
+    from ember.ir import interpreter
+    from test_cuda_direct_tc import _conv_kernels
+    model = nn.Sequential(nn.Conv2d(geo["C"], geo["O"], geo["KH"], stride=geo["stride"], padding=geo["padding"],
+                                    bias=False), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(geo["O"] * cuda_refs.conv_out(geo)[0] * cuda_refs.conv_out(geo)[1], 10))
+    measurer = CudaMeasurer()
+    measured = 0
+    for sub, spec in _conv_kernels(model, (geo["N"], geo["C"], geo["H"], geo["W"]), "bf16"):
+        choices = [c for c in cuda_choices.candidates(sub, spec) if c[0] == "nhwc_tc"]
+        trials = measurer.measure(sub, spec, choices, seed=0)
+        rng = np.random.default_rng(0)
+        inputs = {name: rng.standard_normal(sub.type(n).shape).astype(np.float32) for name, n in sub.inputs.items()}
+        ref = interpreter.run(sub, inputs, precision="float64").outputs["out"]
+        for trial in trials:
+            assert trial.error is None, (sub.name, spec.describe(), trial.choice, trial.error)
+            err = np.max(np.abs(trial.output - ref)) / max(np.max(np.abs(ref)), 1e-30)
+            assert err <= TOLERANCE["bf16"], (sub.name, spec.describe(), trial.choice, err)
+            measured += 1
+    assert measured > 0
