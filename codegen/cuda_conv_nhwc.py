@@ -1,27 +1,30 @@
-"""The `nhwc_tc` family of the CUDA choice table: bfloat16 convolutions (precision "bf16") as an
-implicit GEMM over channels-innermost operands on the bfloat16 tensor cores (template
-`templates/cuda/conv_nhwc_tc.j2`).
+"""The `nhwc_tc` family of the CUDA choice table: convolutions as an implicit GEMM over
+channels-innermost operands on tensor cores (template `templates/cuda/conv_nhwc_tc.j2`): bfloat16
+operands (precision "bf16") on mma.m16n8k16, float32 ones on mma.m16n8k8 as 3xTF32 (float32's
+accuracy, as `gemm_x3`) or, under precision "tf32", one TF32 product.
 
-ember's other bfloat16 convolution kernels read NCHW operands, where a GEMM row's k = (c, kh, kw)
-is gathered a bfloat16 at a time: they top out near 100 TFLOP/s on an H100 (docs/benchmarks.md,
-session 37). Here the kernel first copies its source to a zero-bordered NHWC image and the weights
-to [o][kh][kw][c] in its scratch block, so a row's k = (kh, kw, c) runs as 16-byte chunks of
-channels: cp.async copies without bounds checks, STAGES deep, into XOR-swizzled tiles read by
-ldmatrix (tools/cuda_conv_nhwc_lab.py measured 200-310 TFLOP/s for the same GEMMs). A plan is
-the block tile BM x BN, its warps WM x WN, the pipeline depth and (grad-weight) the split count:
+ember's other convolution kernels read NCHW operands, where a GEMM row's k = (c, kh, kw) is
+gathered an element at a time: the bfloat16 ones top out near 100 TFLOP/s on an H100
+(docs/benchmarks.md, session 37). Here the kernel first copies its source to a zero-bordered NHWC
+image and the weights to [o][kh][kw][c] in its scratch block, so a row's k = (kh, kw, c) runs as
+16-byte chunks of channels: cp.async copies without bounds checks, STAGES deep, into
+XOR-swizzled 64-byte tile rows read by ldmatrix (tools/cuda_conv_nhwc_lab.py measured 200-310
+TFLOP/s for the bfloat16 GEMMs). A plan is the block tile BM x BN, its warps WM x WN, the
+pipeline depth and (grad-weight) the split count:
 
 - forward (any stride, padding) and grad-input (stride 1: the forward convolution of dy bordered
   by K - 1 - padding with the weights flipped and transposed): m = output pixels, n = output
-  channels; the value rounded to bfloat16, then the template's and the generated epilogues at
-  the NCHW index;
-- grad-weight: m = output channels, n = (kh, kw, c), k = pixels (dy relaid to [pixel][o]), split
-  SPLITS ways over the pixels; the fp32 partials summed in split order by a last launch (no
-  atomics: the same bits every run), rounded to bfloat16, then the epilogue.
+  channels; the value (bfloat16: rounded to bfloat16), then the template's and the generated
+  epilogues at the NCHW index;
+- grad-weight (bfloat16 only: ldmatrix.trans moves 16-bit elements): m = output channels, n =
+  (kh, kw, c), k = pixels (dy relaid to [pixel][o]), split SPLITS ways over the pixels; the fp32
+  partials summed in split order by a last launch (no atomics: the same bits every run), rounded
+  to bfloat16, then the epilogue.
 
-Both operands need channel counts that are multiples of 8 (16-byte runs). The sums run over k in
-order within a split, in fp32 (the mma's products of bfloat16 values are exact). Taken where the
-tuner measured it faster, never by default; the relayouts are launches of their own for now (a
-producer's epilogue writing NHWC would save them).
+The relaid operands' channel counts must be whole 16-byte runs (8 bfloat16, 4 floats). The sums
+run over k in order within a split, in fp32. Taken where the tuner measured it faster, never by
+default; the relayouts are launches of their own for now (a producer's epilogue writing NHWC
+would save them).
 """
 from __future__ import annotations
 
@@ -36,12 +39,15 @@ from .templates_env import environment
 __all__ = ["KINDS", "NhwcPlan", "serves", "plans", "scratch_bytes", "render"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
-BK = 32  # k a stage (two mma steps of 16)
+#: a grad-weight stage: pixels (bfloat16; a forward stage is a 64-byte tile row: 32 bfloat16 or 16 floats)
+BK = 32
 #: scratch a kernel may take for its relaid operands and partials
 MAX_SCRATCH = 4 << 30
 #: bytes of shared memory a relayout block stages a source row's channels in
 _RELAYOUT_STAGE = 16 * 1024
 _env = environment("cuda")
+#: what each precision runs on (the kernels' descriptions)
+_ON = {"bf16": "bfloat16 tensor cores", "tf32": "TF32 tensor cores", "x3": "TF32 tensor cores as 3xTF32"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,16 @@ def problem(g: dict[str, Any]) -> dict[str, int]:
     return dict(common, CI=g["C"], HI=g["H"], WI=g["W"], CO=g["O"], HO=g["HO"], WO=g["WO"], PH=ph, PW=pw, SH=sh, SW=sw)
 
 
+def precision(g: dict[str, Any]) -> str:
+    """How the kernel multiplies: "bf16" (bfloat16 operands, mma.m16n8k16), "tf32" (float32
+    operands rounded to TF32, precision "tf32") or "x3" (float32 as 3xTF32: float32's accuracy)."""
+    return "bf16" if g.get("dtype") == "bfloat16" else "tf32" if g["tf32"] else "x3"
+
+
+def element_bytes(g: dict[str, Any]) -> int:
+    return 2 if precision(g) == "bf16" else 4
+
+
 def _width_class(n: int, classes) -> int:
     """The block width of a GEMM dimension of n: the least class >= n, at most the widest."""
     return next((c for c in sorted(classes) if c >= n), max(classes))
@@ -134,12 +150,15 @@ def serves(g: dict[str, Any]) -> str | None:
     """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
     if g["kind"] not in KINDS:
         return "it serves convolutions"
-    if g.get("dtype") != "bfloat16":
-        return "it multiplies bfloat16 operands on bfloat16 tensor cores (precision 'bf16')"
     if g.get("groups", 1) != 1:
         return "it serves ungrouped convolutions"
-    if g["C"] % 8 or g["O"] % 8:
-        return f"its operands are runs of 8 channels (16 bytes): {g['C']} -> {g['O']} channels are not multiples of 8"
+    if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
+        return "its grad-weight multiplies bfloat16 operands only (ldmatrix.trans moves 16-bit elements)"
+    run = 16 // element_bytes(g)  # channels a 16-byte copy
+    channels = {"conv2d": ("C",), "conv2d_grad_input": ("O",), "conv2d_grad_weight": ("C", "O")}[g["kind"]]
+    if any(g[c] % run for c in channels):
+        return (f"its operands are 16-byte runs of channels ({run} a run): "
+                f"{' and '.join(f'{c} = {g[c]}' for c in channels)} not a multiple of {run}")
     ph, pw = pair(g["padding"], "padding")
     if g["kind"] == "conv2d_grad_input" and (pair(g["stride"], "stride") != (1, 1) or ph >= g["KH"] or pw >= g["KW"]):
         return "its grad-input serves stride 1 with padding smaller than the kernel (a forward convolution of dy)"
@@ -156,12 +175,12 @@ def serves(g: dict[str, Any]) -> str | None:
 def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
     """Byte offsets of the scratch regions (src: the bordered NHWC source; wt: the relaid weights;
     dyt: a grad-weight's dy as [pixel][o]; part: its split partials) and the total ("end")."""
-    q = problem(g)
-    src = 2 * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
+    q, e = problem(g), element_bytes(g)
+    src = e * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
     kdim = q["KH"] * q["KW"] * q["CI"]
     at = round_up(src, SCRATCH_ALIGN)
     if g["kind"] != "conv2d_grad_weight":
-        return dict(src=0, wt=at, dyt=0, part=0, end=at + round_up(2 * q["CO"] * kdim, SCRATCH_ALIGN))
+        return dict(src=0, wt=at, dyt=0, part=0, end=at + round_up(e * q["CO"] * kdim, SCRATCH_ALIGN))
     dyt = round_up(2 * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
     return dict(src=0, wt=0, dyt=at, part=at + dyt, end=at + dyt + round_up(4 * plan.SPLITS * q["CO"] * kdim, SCRATCH_ALIGN))
 
@@ -175,7 +194,8 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
            bf16_roles: frozenset[str] = frozenset()) -> CudaKernel:
     """The kernel: roles x, w, [bias], out (forward), dy, w, [mask_src], out (grad-input) or x,
     dy, out (grad-weight), then a generated epilogue's, and the scratch block. `bf16_roles`: the
-    roles holding bfloat16 (the convolution's operands must)."""
+    roles holding bfloat16 (the convolution's operands, where the geometry's dtype is bfloat16;
+    else none of them)."""
     kind, why_not = g["kind"], serves(g)
     if why_not is not None:
         raise ValueError(f"nhwc_tc does not serve this convolution: {why_not}")
@@ -191,27 +211,29 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         roles, inputs, src = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
     else:
         roles, inputs, src = ("x", "dy", "out"), ("x", "dy"), "x"
+    prec, e = precision(g), element_bytes(g)
     operands = {"x", "dy"} if gw else {src, "w"}
-    if not operands <= bf16_roles:
-        raise ValueError(f"{name}: nhwc_tc multiplies bfloat16 operands; {sorted(operands - bf16_roles)} are not")
+    if (operands & bf16_roles) != (operands if prec == "bf16" else set()):
+        raise ValueError(f"{name}: the nhwc_tc kernel of {prec} takes {'bfloat16' if prec == 'bf16' else 'float32'} "
+                         f"operands; the bfloat16 roles are {sorted(operands & bf16_roles)}")
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     ph, pw = pair(g["padding"], "padding")
     sh, sw = pair(g["stride"], "stride")
     what = {"conv2d": "forward", "conv2d_grad_input": "grad-input", "conv2d_grad_weight": "grad-weight"}[kind]
     description = (f"conv2d {what} x({g['N']},{g['C']},{g['H']},{g['W']}) w({g['O']},{g['C']},{g['KH']},{g['KW']}) "
                    f"stride ({sh},{sw}) padding ({ph},{pw}){' +bias' if bias else ''}{' +relu' if relu else ''}"
-                   f"{' *relu-mask' if relu_mask else ''}, channels-innermost GEMM on bfloat16 tensor cores, "
+                   f"{' *relu-mask' if relu_mask else ''}, channels-innermost GEMM on {_ON[prec]}, "
                    f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, {plan.STAGES} stages"
                    f"{f', {plan.SPLITS} splits' if gw else ''}")
     widest = max(q["WI"], q["WO"] if gw else 0)
-    rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (2 * widest) - 2) // 8 * 8)
+    rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (e * widest) - 2) // 8 * 8)
     code = _env.get_template("conv_nhwc_tc.j2").render(
         name=name, description=description, **q, BM=plan.BM, BN=plan.BN, WM=plan.WM, WN=plan.WN,
-        STAGES=plan.STAGES, SPLITS=plan.SPLITS, threads=plan.threads, RCH=rch, off_src=regions["src"] // 2, off_wt=regions["wt"] // 2,
-        off_dyt=regions["dyt"] // 2, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
+        STAGES=plan.STAGES, SPLITS=plan.SPLITS, threads=plan.threads, RCH=rch, off_src=regions["src"] // e, off_wt=regions["wt"] // e,
+        off_dyt=regions["dyt"] // e, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
-        relu_mask=relu_mask, pw=epilogue)
+        relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3")
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]

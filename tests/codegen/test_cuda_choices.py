@@ -81,6 +81,12 @@ def _covers(family: str, g: dict, kernel) -> None:
         channels = g["C"] if gi else g["O"]
         assert last.grid[0] * consts["BT"] >= tiles > (last.grid[0] - 1) * consts["BT"]
         assert last.grid[1] * consts["BCO"] >= channels > (last.grid[1] - 1) * consts["BCO"]
+    elif family == "nhwc_tc":  # the GEMM: its m by n tiles over pixels by channels (grad-weight: the reduce's weights)
+        gemm, gw = kernel.launches[-2 if g["kind"] == "conv2d_grad_weight" else -1], g["kind"] == "conv2d_grad_weight"
+        rows = g["O"] if gw else g["N"] * (g["H"] * g["W"] if g["kind"] == "conv2d_grad_input" else g["HO"] * g["WO"])
+        cols = g["C"] * g["KH"] * g["KW"] if gw else g["C"] if g["kind"] == "conv2d_grad_input" else g["O"]
+        assert gemm.grid[0] * consts["BM"] >= rows > (gemm.grid[0] - 1) * consts["BM"]
+        assert gemm.grid[1] * consts["BN"] >= cols > (gemm.grid[1] - 1) * consts["BN"]
     elif family in ("skinny_narrow", "skinny_short") or kernel.scratch_bytes:
         # split partials (or per-block partials): the reduce launch writes every output
         outs = g["M"] * g["N"] if "M" in g else g["O"] * g["C"] * g["KH"] * g["KW"]

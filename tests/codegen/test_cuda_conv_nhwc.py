@@ -123,6 +123,54 @@ def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, tmp_pa
         assert np.mean(got == ref) >= 0.97, (k.name, plan, np.mean(got == ref))
 
 
+#: float32 operands (forward at stride 1 and 2, the stride-1 grad-input): channel counts multiples
+#: of 4 (a 16-byte run), 12 of them three runs of a 16-float k-tile
+F32 = [dict(N=2, C=12, H=6, W=7, O=20, KH=3, KW=3, stride=1, padding=1),
+       dict(N=1, C=4, H=9, W=9, O=8, KH=3, KW=3, stride=2, padding=1)]
+
+
+@pytest.mark.parametrize("prec", ["tf32", "x3"])
+@pytest.mark.parametrize("idx", range(len(F32)))
+def test_float32_operands_emulated_match_float64_as_tf32_and_as_3xtf32(idx, prec, tmp_path):
+    """Precision "tf32": the operands rounded to TF32 (cvt.rna) before the mma, against float64 sums
+    of the rounded values; float32 (3xTF32: big and small parts, three products): against float64
+    sums of the values themselves, within float32's rounding of a few hundred terms."""
+    geo = dict(F32[idx])
+    kernels = []
+    for kind in ("fwd", "gi"):
+        g = dict(_geometry(kind, **geo), dtype=None, tf32=prec == "tf32")
+        if cn.serves(g) is not None:
+            assert kind == "gi" and g["stride"] != (1, 1), cn.serves(g)
+            continue
+        assert cn.precision(g) == prec and "m16n8k8" in cn.render("k", g, cn.plans(g)[0]).code
+        for i, plan in enumerate(dict.fromkeys([cn.plans(g)[0], cn.plans(g)[-1]])):
+            k = cn.render(f"f{idx}{prec}{kind}{i}", g, plan, bias=kind == "fwd", relu=kind == "fwd",
+                          relu_mask=kind == "gi")
+            kernels.append((kind, k, plan))
+    lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"f32_{idx}_{prec}")
+    rng = np.random.default_rng(40 + idx)
+    geo["stride"], geo["padding"] = cuda_refs._pair(geo["stride"]), cuda_refs._pair(geo["padding"])
+    rounded = cuda_emulator.tf32 if prec == "tf32" else (lambda a: a)
+    for i, (kind, k, plan) in enumerate(kernels):
+        N, C, H, W, O, KH, KW = (geo[key] for key in ("N", "C", "H", "W", "O", "KH", "KW"))
+        HO, WO = cuda_refs.conv_out(geo)
+        u = lambda *shape: rng.uniform(-1, 1, shape).astype(np.float32)  # noqa: E731
+        w = u(O, C, KH, KW)
+        if kind == "fwd":
+            x, bias = u(N, C, H, W), u(O)
+            bufs = dict(x=x, w=w, bias=bias, out=np.full((N, O, HO, WO), np.nan, np.float32))
+            ref = cuda_refs.conv_fwd_ref(rounded(x), rounded(w), bias, geo, relu=True)
+        else:
+            dy, mask = u(N, O, HO, WO), u(N, C, H, W)
+            bufs = dict(dy=dy, w=w, mask_src=mask, out=np.full((N, C, H, W), np.nan, np.float32))
+            ref = cuda_refs.conv_grad_input_ref(rounded(dy), rounded(w), geo, mask)
+        cuda_emulator.run(lib, i, k, bufs)
+        got = bufs["out"]
+        assert np.all(np.isfinite(got)), (k.name, plan, int(np.isnan(got).sum()))
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert err <= 1e-5, (k.name, plan, err)
+
+
 #: airbench's layers at batch 1024 and the MNIST CNN's bfloat16 conv2 at 64 (every plan compiles)
 COMPILED = [dict(N=1024, C=64, H=28, W=28, O=64, KH=3, KW=3, stride=1, padding=1),
             dict(N=1024, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
@@ -145,17 +193,28 @@ def test_every_plan_compiles_with_nvcc(tmp_path):
                 assert k.scratch_bytes == cn.scratch_bytes(g, plan)
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.code and "ldmatrix" in k.code
                 sources.append(k.code)
+            if kind != "gw":  # float32 operands, as 3xTF32 and as TF32: the first plan of each
+                for prec, tf32 in (("x3", False), ("tf32", True)):
+                    k = cn.render(f"c{i}{kind}{prec}", dict(g, dtype=None, tf32=tf32), cn.plans(g)[0])
+                    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in k.code
+                    assert ("split_tf32(" in k.code) == (prec == "x3")
+                    sources.append(k.code)
     src = tmp_path / "nhwc.cu"
     src.write_text(cuda.prelude(bf16=True) + "".join(sources))
     assert_compiles(nvcc, src)
 
 
-def test_the_table_offers_it_for_bfloat16_convolutions_of_whole_channel_runs_and_never_picks_it_unmeasured():
+def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_picks_it_unmeasured():
     wide = _geometry("fwd", **COMPILED[1])
     fam = cuda_choices.FAMILIES["nhwc_tc"]
     assert cuda_choices.TABLE.applies(fam, wide) is None and not fam.preferred(wide)
-    assert "bfloat16" in cuda_choices.TABLE.applies(fam, dict(wide, dtype=None))
-    assert "multiples of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
+    # float32 operands: as 3xTF32, or TF32 under precision "tf32"; 4 channels a 16-byte run
+    f32 = dict(wide, dtype=None)
+    assert cuda_choices.TABLE.applies(fam, dict(f32, C=12)) is None and cn.precision(f32) == "x3"
+    assert cn.precision(dict(f32, tf32=True)) == "tf32"
+    assert "not a multiple of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
+    assert "not a multiple of 4" in cuda_choices.TABLE.applies(fam, dict(f32, C=6))
+    assert "bfloat16 operands only" in cuda_choices.TABLE.applies(fam, _geometry("gw", **COMPILED[1]) | dict(dtype=None))
     assert "ungrouped" in cuda_choices.TABLE.applies(fam, dict(wide, groups=2))
     strided_gi = _geometry("gi", **COMPILED[4])
     assert "stride 1" in cn.serves(strided_gi)
@@ -179,13 +238,14 @@ def test_the_table_offers_it_for_bfloat16_convolutions_of_whole_channel_runs_and
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16", "float32"])
 @pytest.mark.parametrize("geo", [dict(N=32, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
                                  dict(N=8, C=32, H=15, W=15, O=40, KH=3, KW=3, stride=2, padding=1)],
                          ids=["wide", "strided"])
-def test_every_plan_matches_the_interpreter_on_the_gpu(geo):
-    """Each kind's subgraph as a bf16 step has it (the convolution of bfloat16 operands), every
-    plan through the tuner's measurer, against the interpreter in float64 within bfloat16's
-    tolerance."""
+def test_every_plan_matches_the_interpreter_on_the_gpu(geo, precision):
+    """Each kind's subgraph as a step of `precision` has it (bf16: the convolution of bfloat16
+    operands; float32: 3xTF32, the grad-weight left to the other families), every plan through the
+    tuner's measurer, against the interpreter in float64 within the precision's tolerance."""
     pytest.importorskip("cupy")
     from ember import nn
     from ember.passes import targets
@@ -198,7 +258,7 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(geo):
                           nn.Linear(geo["O"] * cuda_refs.conv_out(geo)[0] * cuda_refs.conv_out(geo)[1], 10))
     measurer = CudaMeasurer()
     measured = 0
-    for sub, spec in _conv_kernels(model, (geo["N"], geo["C"], geo["H"], geo["W"]), "bf16"):
+    for sub, spec in _conv_kernels(model, (geo["N"], geo["C"], geo["H"], geo["W"]), precision):
         choices = [c for c in cuda_choices.candidates(sub, spec) if c[0] == "nhwc_tc"]
         trials = measurer.measure(sub, spec, choices, seed=0)
         rng = np.random.default_rng(0)
@@ -207,6 +267,6 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(geo):
         for trial in trials:
             assert trial.error is None, (sub.name, spec.describe(), trial.choice, trial.error)
             err = np.max(np.abs(trial.output - ref)) / max(np.max(np.abs(ref)), 1e-30)
-            assert err <= TOLERANCE["bf16"], (sub.name, spec.describe(), trial.choice, err)
+            assert err <= TOLERANCE[precision], (sub.name, spec.describe(), trial.choice, err)
             measured += 1
     assert measured > 0
