@@ -425,7 +425,7 @@ def _nhwc_accepts(g: dict[str, Any], plan: Plan) -> bool:
     kind and its stages fit a block's shared memory: any split count serves a grad-weight."""
     p = _nhwc_plan(plan)
     return p is not None and p.tiles(g["kind"] == "conv2d_grad_weight") and \
-        p.shared_bytes() <= current().shared_per_block_optin
+        p.shared_bytes(g) <= current().shared_per_block_optin
 
 
 def _nhwc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:

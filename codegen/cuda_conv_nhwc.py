@@ -16,10 +16,11 @@ pipeline depth and (grad-weight) the split count:
   by K - 1 - padding with the weights flipped and transposed): m = output pixels, n = output
   channels; the value (bfloat16: rounded to bfloat16), then the template's and the generated
   epilogues at the NCHW index;
-- grad-weight (bfloat16 only: ldmatrix.trans moves 16-bit elements): m = output channels, n =
-  (kh, kw, c), k = pixels (dy relaid to [pixel][o]), split SPLITS ways over the pixels; the fp32
-  partials summed in split order by a last launch (no atomics: the same bits every run), rounded
-  to bfloat16, then the epilogue.
+- grad-weight: m = output channels, n = (kh, kw, c), k = pixels (dy relaid to [pixel][o]), split
+  SPLITS ways over the pixels; tiles [pixel][channel] read by ldmatrix.trans (bfloat16) or by
+  scalar reads of rows padded by 8 floats (ldmatrix.trans would split a float's halves); the fp32
+  partials summed in split order by a last launch (no atomics: the same bits every run), then
+  (bfloat16) rounded, then the epilogue.
 
 The relaid operands' channel counts must be whole 16-byte runs (8 bfloat16, 4 floats). The sums
 run over k in order within a split, in fp32. Taken where the tuner measured it faster, never by
@@ -39,8 +40,8 @@ from .templates_env import environment
 __all__ = ["KINDS", "NhwcPlan", "serves", "plans", "scratch_bytes", "render"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
-#: a grad-weight stage: pixels (bfloat16; a forward stage is a 64-byte tile row: 32 bfloat16 or 16 floats)
-BK = 32
+#: k a stage: 64-byte forward tile rows (32 bfloat16, 16 floats); as many pixels a grad-weight stage
+BK = {"bf16": 32, "tf32": 16, "x3": 16}
 #: scratch a kernel may take for its relaid operands and partials
 MAX_SCRATCH = 4 << 30
 #: bytes of shared memory a relayout block stages a source row's channels in
@@ -63,8 +64,12 @@ class NhwcPlan:
     def threads(self) -> int:
         return 32 * self.WM * self.WN
 
-    def shared_bytes(self) -> int:
-        return self.STAGES * (self.BM + self.BN) * BK * 2
+    def shared_bytes(self, g: dict[str, Any]) -> int:
+        """Dynamic shared memory of the GEMM launch: STAGES k-tiles of both operands (a float32
+        grad-weight's rows padded by 8 floats)."""
+        if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
+            return self.STAGES * BK["x3"] * (self.BM + self.BN + 16) * 4
+        return self.STAGES * (self.BM + self.BN) * 64
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
@@ -72,9 +77,10 @@ class NhwcPlan:
         if fm < 1 or fn < 2 or fn % 2 or fm * 16 * self.WM != self.BM or fn * 8 * self.WN != self.BN:
             return False
         if gw:
-            return self.BM % 64 == 0 and self.BN % 64 == 0 and (BK * self.BM // 8) % self.threads == 0 \
-                and (BK * self.BN // 8) % self.threads == 0
-        return self.SPLITS == 1 and (self.BM * BK // 8) % self.threads == 0 and (self.BN * BK // 8) % self.threads == 0
+            return self.BM % 64 == 0 and self.BN % 64 == 0 and (4 * self.BM) % self.threads == 0 \
+                and (4 * self.BN) % self.threads == 0
+        # a 64-byte tile row is 4 chunks: 4 BM of the A tile a stage, 4 BN of the B tile
+        return self.SPLITS == 1 and (4 * self.BM) % self.threads == 0 and (4 * self.BN) % self.threads == 0
 
 
 #: (BM, BN, WM, WN, STAGES) of the forward and grad-input, by the output channels' block width
@@ -122,7 +128,7 @@ def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int) -> lis
     """Split counts worth measuring for a grad-weight blocking: about two and four blocks a
     multiprocessor, each split at least 8 k-tiles of pixels long."""
     tiles = ceil_div(q["CO"], bm) * ceil_div(q["KH"] * q["KW"] * q["CI"], bn)
-    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], BK)
+    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], BK[precision(g)])
     most = max(1, min(k_tiles // 8, 256))
     out = []
     for waves in (2, 4):
@@ -143,7 +149,7 @@ def plans(g: dict[str, Any]) -> list[NhwcPlan]:
         blockings = _FORWARD[width] + (_FORWARD[64] if width == 128 and q["CO"] >= 256 else ())
         found = [NhwcPlan(*b) for b in blockings]
     gw = g["kind"] == "conv2d_grad_weight"
-    return [p for p in found if p.tiles(gw) and p.shared_bytes() <= limit]
+    return [p for p in found if p.tiles(gw) and p.shared_bytes(g) <= limit]
 
 
 def serves(g: dict[str, Any]) -> str | None:
@@ -152,8 +158,6 @@ def serves(g: dict[str, Any]) -> str | None:
         return "it serves convolutions"
     if g.get("groups", 1) != 1:
         return "it serves ungrouped convolutions"
-    if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
-        return "its grad-weight multiplies bfloat16 operands only (ldmatrix.trans moves 16-bit elements)"
     run = 16 // element_bytes(g)  # channels a 16-byte copy
     channels = {"conv2d": ("C",), "conv2d_grad_input": ("O",), "conv2d_grad_weight": ("C", "O")}[g["kind"]]
     if any(g[c] % run for c in channels):
@@ -181,7 +185,7 @@ def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
     at = round_up(src, SCRATCH_ALIGN)
     if g["kind"] != "conv2d_grad_weight":
         return dict(src=0, wt=at, dyt=0, part=0, end=at + round_up(e * q["CO"] * kdim, SCRATCH_ALIGN))
-    dyt = round_up(2 * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
+    dyt = round_up(e * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
     return dict(src=0, wt=0, dyt=at, part=at + dyt, end=at + dyt + round_up(4 * plan.SPLITS * q["CO"] * kdim, SCRATCH_ALIGN))
 
 
@@ -202,7 +206,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     gw = kind == "conv2d_grad_weight"
     if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
         raise ValueError(f"the nhwc_tc {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
-    if not plan.tiles(gw) or plan.shared_bytes() > current().shared_per_block_optin:
+    if not plan.tiles(gw) or plan.shared_bytes(g) > current().shared_per_block_optin:
         raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
     q, regions = problem(g), _regions(g, plan)
     if kind == "conv2d":
@@ -243,12 +247,12 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     if gw:
         grid = (ceil_div(q["CO"], plan.BM), ceil_div(kdim, plan.BN), plan.SPLITS)
         launches = (Launch(f"{name}_dy", (q["N"] * q["HO"], 1, 1), (256, 1, 1), 0, args), relay_src,
-                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(), args),
+                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(g), args),
                     Launch(f"{name}_reduce", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args))
     else:
         grid = (ceil_div(pixels, plan.BM), ceil_div(q["CO"], plan.BN), 1)
         launches = (relay_src, Launch(f"{name}_wt", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args),
-                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(), args))
+                    Launch(f"{name}_gemm", grid, block, plan.shared_bytes(g), args))
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"{name}: the nhwc_tc grid {grid} is too large")
     return CudaKernel(name, code, launches, regions["end"])

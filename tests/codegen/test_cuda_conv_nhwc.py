@@ -123,8 +123,8 @@ def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, tmp_pa
         assert np.mean(got == ref) >= 0.97, (k.name, plan, np.mean(got == ref))
 
 
-#: float32 operands (forward at stride 1 and 2, the stride-1 grad-input): channel counts multiples
-#: of 4 (a 16-byte run), 12 of them three runs of a 16-float k-tile
+#: float32 operands (forward and grad-weight at stride 1 and 2, the stride-1 grad-input): channel
+#: counts multiples of 4 (a 16-byte run), 12 of them three runs of a 16-float k-tile
 F32 = [dict(N=2, C=12, H=6, W=7, O=20, KH=3, KW=3, stride=1, padding=1),
        dict(N=1, C=4, H=9, W=9, O=8, KH=3, KW=3, stride=2, padding=1)]
 
@@ -137,7 +137,7 @@ def test_float32_operands_emulated_match_float64_as_tf32_and_as_3xtf32(idx, prec
     sums of the values themselves, within float32's rounding of a few hundred terms."""
     geo = dict(F32[idx])
     kernels = []
-    for kind in ("fwd", "gi"):
+    for kind in ("fwd", "gi", "gw"):
         g = dict(_geometry(kind, **geo), dtype=None, tf32=prec == "tf32")
         if cn.serves(g) is not None:
             assert kind == "gi" and g["stride"] != (1, 1), cn.serves(g)
@@ -146,6 +146,7 @@ def test_float32_operands_emulated_match_float64_as_tf32_and_as_3xtf32(idx, prec
         for i, plan in enumerate(dict.fromkeys([cn.plans(g)[0], cn.plans(g)[-1]])):
             k = cn.render(f"f{idx}{prec}{kind}{i}", g, plan, bias=kind == "fwd", relu=kind == "fwd",
                           relu_mask=kind == "gi")
+            assert k.launches[-1 if kind != "gw" else -2].shared_bytes == plan.shared_bytes(g)
             kernels.append((kind, k, plan))
     lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"f32_{idx}_{prec}")
     rng = np.random.default_rng(40 + idx)
@@ -160,10 +161,14 @@ def test_float32_operands_emulated_match_float64_as_tf32_and_as_3xtf32(idx, prec
             x, bias = u(N, C, H, W), u(O)
             bufs = dict(x=x, w=w, bias=bias, out=np.full((N, O, HO, WO), np.nan, np.float32))
             ref = cuda_refs.conv_fwd_ref(rounded(x), rounded(w), bias, geo, relu=True)
-        else:
+        elif kind == "gi":
             dy, mask = u(N, O, HO, WO), u(N, C, H, W)
             bufs = dict(dy=dy, w=w, mask_src=mask, out=np.full((N, C, H, W), np.nan, np.float32))
             ref = cuda_refs.conv_grad_input_ref(rounded(dy), rounded(w), geo, mask)
+        else:
+            x, dy = u(N, C, H, W), u(N, O, HO, WO)
+            bufs = dict(x=x, dy=dy, out=np.full((O, C, KH, KW), np.nan, np.float32))
+            ref = cuda_refs.conv_grad_weight_ref(rounded(x), rounded(dy), geo)[0]
         cuda_emulator.run(lib, i, k, bufs)
         got = bufs["out"]
         assert np.all(np.isfinite(got)), (k.name, plan, int(np.isnan(got).sum()))
@@ -193,12 +198,12 @@ def test_every_plan_compiles_with_nvcc(tmp_path):
                 assert k.scratch_bytes == cn.scratch_bytes(g, plan)
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.code and "ldmatrix" in k.code
                 sources.append(k.code)
-            if kind != "gw":  # float32 operands, as 3xTF32 and as TF32: the first plan of each
-                for prec, tf32 in (("x3", False), ("tf32", True)):
-                    k = cn.render(f"c{i}{kind}{prec}", dict(g, dtype=None, tf32=tf32), cn.plans(g)[0])
-                    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in k.code
-                    assert ("split_tf32(" in k.code) == (prec == "x3")
-                    sources.append(k.code)
+            # float32 operands, as 3xTF32 and as TF32: the first plan of each
+            for prec, tf32 in (("x3", False), ("tf32", True)):
+                k = cn.render(f"c{i}{kind}{prec}", dict(g, dtype=None, tf32=tf32), cn.plans(g)[0])
+                assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in k.code
+                assert ("split_tf32(" in k.code) == (prec == "x3")
+                sources.append(k.code)
     src = tmp_path / "nhwc.cu"
     src.write_text(cuda.prelude(bf16=True) + "".join(sources))
     assert_compiles(nvcc, src)
@@ -214,7 +219,7 @@ def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_pi
     assert cn.precision(dict(f32, tf32=True)) == "tf32"
     assert "not a multiple of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
     assert "not a multiple of 4" in cuda_choices.TABLE.applies(fam, dict(f32, C=6))
-    assert "bfloat16 operands only" in cuda_choices.TABLE.applies(fam, _geometry("gw", **COMPILED[1]) | dict(dtype=None))
+    assert "not a multiple of 4" in cuda_choices.TABLE.applies(fam, _geometry("gw", **COMPILED[1]) | dict(dtype=None, O=66))
     assert "ungrouped" in cuda_choices.TABLE.applies(fam, dict(wide, groups=2))
     strided_gi = _geometry("gi", **COMPILED[4])
     assert "stride 1" in cn.serves(strided_gi)
@@ -235,6 +240,29 @@ def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_pi
     k = cn.render("k", gw, cn.plans(gw)[0], bf16_roles=frozenset({"x", "dy"}))
     assert [ln.function for ln in k.launches] == ["k_dy", "k_src", "k_gemm", "k_reduce"]
     assert k.launches[-1].grid[0] * 256 >= 256 * 64 * 9 and k.launches[2].grid[2] == cn.plans(gw)[0].SPLITS
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", None])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_scratch_regions_hold_what_each_launch_writes_without_overlapping(kind, dtype):
+    """The bordered source, the relaid weights (forward, grad-input) or dy and the split partials
+    (grad-weight) each get a region of their own, sized in the operands' element (a float32
+    grad-weight's dy once overlapped its partials: emulated, only its later blocks went wrong)."""
+    g = dict(_geometry(kind, **COMPILED[4]), dtype=dtype)
+    if kind == "gi":
+        g = dict(_geometry(kind, **COMPILED[3]), dtype=dtype)
+    e, q = cn.element_bytes(g), cn.problem(g)
+    for plan in cn.plans(g):
+        r = cn._regions(g, plan)
+        sizes = {"src": e * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]}
+        kdim = q["KH"] * q["KW"] * q["CI"]
+        if kind == "gw":
+            sizes |= {"dyt": e * q["N"] * q["HO"] * q["WO"] * q["CO"], "part": 4 * plan.SPLITS * q["CO"] * kdim}
+        else:
+            sizes["wt"] = e * q["CO"] * kdim
+        spans = sorted((r[k], r[k] + n) for k, n in sizes.items())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= r["end"], (kind, dtype, plan)
+        assert all(r[k] % 256 == 0 for k in sizes)
 
 
 @pytest.mark.cuda
