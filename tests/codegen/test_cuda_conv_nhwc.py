@@ -242,6 +242,29 @@ def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_pi
     assert k.launches[-1].grid[0] * 256 >= 256 * 64 * 9 and k.launches[2].grid[2] == cn.plans(gw)[0].SPLITS
 
 
+@pytest.mark.parametrize("precision", ["bf16", "float32"])
+def test_a_step_whose_convolutions_all_take_the_family_renders_and_compiles_with_nvcc(precision, tmp_path):
+    """Every convolution of a training step (8 -> 16 -> 32 channels, the second strided: its
+    grad-input goes to another family) forced onto the family: the step renderer binds its
+    launches and scratch, and the whole source compiles."""
+    nvcc = nvcc_or_skip()
+    from ember.frontends import nn, optim, plan
+    from ember.passes import targets
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(32 * 6 * 6, 10))
+    example = (np.zeros((4, 8, 12, 12), np.float32), np.zeros(4, np.int64))
+    kinds = dict(conv2d="nhwc_tc", conv2d_grad_weight="nhwc_tc")
+    with cuda_choices.TABLE.force(**kinds):
+        graphs = plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda", precision=precision)
+    graph = graphs["train"] if "train" in graphs else next(iter(graphs.values()))
+    chosen = [graph.attrs(n)["kernel"].choice[0] for n in graph.meta["schedule"]
+              if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind in kinds]
+    assert chosen == ["nhwc_tc"] * 4, chosen  # two forwards, two grad-weights
+    src = tmp_path / "step.cu"
+    src.write_text(targets.get("cuda").source(graph))
+    assert_compiles(nvcc, src)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", None])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_scratch_regions_hold_what_each_launch_writes_without_overlapping(kind, dtype):
