@@ -298,8 +298,7 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(geo, precision):
     operands; float32: 3xTF32, the grad-weight left to the other families), every plan through the
     tuner's measurer, against the interpreter in float64 within the precision's tolerance."""
     pytest.importorskip("cupy")
-    from ember import nn
-    from ember.passes import targets
+    from ember.frontends import nn
     from ember.runtime.tuner import TOLERANCE
     from ember.runtime.tuner_cuda import CudaMeasurer
     from ember.ir import interpreter
