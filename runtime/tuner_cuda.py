@@ -112,8 +112,11 @@ class CudaMeasurer:
         def buffer(role: str) -> Any:
             region = scratch_offset(role)
             return buffers[roles.get(role, role)] if region is None else scratch[region:]
-        for la in kernel.launches:
-            cuda_modules.allow_dynamic_shared(cp, functions[la.function], la.shared_bytes)
+        try:
+            for la in kernel.launches:
+                cuda_modules.allow_dynamic_shared(cp, functions[la.function], la.shared_bytes)
+        except Exception as e:  # a driver that refuses the opt-in fails this candidate, not the run
+            return Trial(choice, error=f"shared memory: {str(e).splitlines()[0][:200]}")
         calls = [(functions[la.function], la.grid, la.block, la.shared_bytes,
                   tuple(buffer(r) for r in la.args) + scalar_args(la.scalars)) for la in kernel.launches]
 

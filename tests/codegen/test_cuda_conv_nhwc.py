@@ -18,7 +18,10 @@ import cuda_refs
 from ember.codegen import cuda, cuda_choices
 from ember.codegen import cuda_conv_nhwc as cn
 from ember.codegen.cuda_kernels import PointwiseEpilogue
+from ember.frontends import nn, optim, plan
+from ember.ir import interpreter
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
+from ember.runtime.tuner import TOLERANCE
 from nvcc import assert_compiles, nvcc_or_skip
 
 KINDS = {"fwd": "conv2d", "gi": "conv2d_grad_input", "gw": "conv2d_grad_weight"}
@@ -248,7 +251,6 @@ def test_a_step_whose_convolutions_all_take_the_family_renders_and_compiles_with
     grad-input goes to another family) forced onto the family: the step renderer binds its
     launches and scratch, and the whole source compiles."""
     nvcc = nvcc_or_skip()
-    from ember.frontends import nn, optim, plan
     from ember.passes import targets
     model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
                           nn.ReLU(), nn.Flatten(), nn.Linear(32 * 6 * 6, 10))
@@ -288,29 +290,60 @@ def test_the_scratch_regions_hold_what_each_launch_writes_without_overlapping(ki
         assert all(r[k] % 256 == 0 for k in sizes)
 
 
+#: the GPU test's layers, each behind a stride-1 convolution of its input's channels (so its
+#: grad-input is a kernel of the step): a wide one and a strided one (its grad-input is another
+#: family's)
+GPU_LAYERS = {"wide": dict(N=32, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
+              "strided": dict(N=8, C=32, H=15, W=15, O=40, KH=3, KW=3, stride=2, padding=1)}
+
+
+def _gpu_cases(geo: dict, precision: str) -> list[tuple]:
+    """(subgraph, spec, the family's candidates) of every convolution kernel of the layer's step."""
+    ho, wo = cuda_refs.conv_out(geo)
+    model = nn.Sequential(nn.Conv2d(geo["C"], geo["C"], 3, padding=1, bias=False), nn.ReLU(),
+                          nn.Conv2d(geo["C"], geo["O"], geo["KH"], stride=geo["stride"], padding=geo["padding"],
+                                    bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(geo["O"] * ho * wo, 10))
+    example = (np.zeros((geo["N"], geo["C"], geo["H"], geo["W"]), np.float32), np.zeros(geo["N"], np.int64))
+    graph = next(iter(plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda",
+                           precision=precision).values()))
+    cases = []
+    for n in graph.meta["schedule"]:
+        if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind in cuda_choices.CONVS:
+            sub, spec = graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
+            cases.append((sub, spec, [c for c in cuda_choices.candidates(sub, spec) if c[0] == "nhwc_tc"]))
+    return cases
+
+
+@pytest.mark.parametrize("precision", ["bf16", "float32"])
+@pytest.mark.parametrize("layer", list(GPU_LAYERS))
+def test_the_gpu_test_measures_every_kind_the_family_serves(layer, precision):
+    """What the GPU test below measures, without a GPU: every plan of each kind the family serves
+    in these steps (the strided layer's grad-input aside)."""
+    cases = _gpu_cases(GPU_LAYERS[layer], precision)
+    served = {spec.kind for _, spec, choices in cases if choices}
+    want = set(cuda_choices.CONVS) - ({"conv2d_grad_input"} if layer == "strided" else set())
+    assert want <= served, served
+    for sub, spec, choices in cases:
+        g = cuda_choices.geometry(sub, spec)
+        assert len(choices) == len(cn.plans(g)) if cn.serves(g) is None else not choices
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["bf16", "float32"])
-@pytest.mark.parametrize("geo", [dict(N=32, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, padding=1),
-                                 dict(N=8, C=32, H=15, W=15, O=40, KH=3, KW=3, stride=2, padding=1)],
-                         ids=["wide", "strided"])
-def test_every_plan_matches_the_interpreter_on_the_gpu(geo, precision):
-    """Each kind's subgraph as a step of `precision` has it (bf16: the convolution of bfloat16
-    operands; float32: 3xTF32, the grad-weight left to the other families), every plan through the
-    tuner's measurer, against the interpreter in float64 within the precision's tolerance."""
+@pytest.mark.parametrize("layer", list(GPU_LAYERS))
+def test_every_plan_matches_the_interpreter_on_the_gpu(layer, precision):
+    """Every plan of every kernel of the family in the layer's step (bf16: bfloat16 operands;
+    float32: 3xTF32) through the tuner's measurer, against the interpreter in float64 within the
+    precision's tolerance."""
     pytest.importorskip("cupy")
-    from ember.frontends import nn
-    from ember.runtime.tuner import TOLERANCE
     from ember.runtime.tuner_cuda import CudaMeasurer
-    from ember.ir import interpreter
-    from test_cuda_direct_tc import _conv_kernels
-    model = nn.Sequential(nn.Conv2d(geo["C"], geo["O"], geo["KH"], stride=geo["stride"], padding=geo["padding"],
-                                    bias=False), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(geo["O"] * cuda_refs.conv_out(geo)[0] * cuda_refs.conv_out(geo)[1], 10))
     measurer = CudaMeasurer()
     measured = 0
-    for sub, spec in _conv_kernels(model, (geo["N"], geo["C"], geo["H"], geo["W"]), precision):
-        choices = [c for c in cuda_choices.candidates(sub, spec) if c[0] == "nhwc_tc"]
+    for sub, spec, choices in _gpu_cases(GPU_LAYERS[layer], precision):
+        if not choices:
+            continue
         trials = measurer.measure(sub, spec, choices, seed=0)
+        # the measurer's inputs: standard normal, drawn in the subgraph's input order
         rng = np.random.default_rng(0)
         inputs = {name: rng.standard_normal(sub.type(n).shape).astype(np.float32) for name, n in sub.inputs.items()}
         ref = interpreter.run(sub, inputs, precision="float64").outputs["out"]

@@ -331,3 +331,17 @@ def test_the_nvrtc_warm_up_is_opt_in_once_a_process_and_runs_beside_the_passes(m
     thread = cuda_modules.warm(lambda: broken)
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_a_function_is_opted_in_to_dynamic_shared_memory_only_past_48_kib():
+    """A launch of more than 48 KiB of dynamic shared memory (nhwc_tc's deeper pipelines) needs its
+    function's opt-in through the driver; a launch within it changes nothing."""
+    calls = []
+    driver = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
+                             funcSetAttribute=lambda ptr, attribute, value: calls.append((ptr, attribute, value)))
+    cp = SimpleNamespace(cuda=SimpleNamespace(driver=driver))
+    function = SimpleNamespace(ptr=1234)
+    cuda_modules.allow_dynamic_shared(cp, function, 48 * 1024)
+    assert calls == []
+    cuda_modules.allow_dynamic_shared(cp, function, 72 * 1024)
+    assert calls == [(1234, 8, 72 * 1024)]
