@@ -8,8 +8,8 @@ gathered an element at a time: the bfloat16 ones top out near 100 TFLOP/s on an 
 (docs/benchmarks.md, session 37). Here the kernel first copies its source to a zero-bordered NHWC
 image and the weights to [o][kh][kw][c] in its scratch block, so a row's k = (kh, kw, c) runs as
 16-byte chunks of channels: cp.async copies without bounds checks, STAGES deep, into
-XOR-swizzled 64-byte tile rows read by ldmatrix (tools/cuda_conv_nhwc_lab.py measured 200-310
-TFLOP/s for the bfloat16 GEMMs). A plan is the block tile BM x BN, its warps WM x WN, the
+XOR-swizzled 64-byte tile rows read by ldmatrix (its standalone ancestor measured 200-310
+TFLOP/s for the bfloat16 GEMMs; tools/cuda_conv_nhwc_lab.py times the family's kernels beside cuDNN). A plan is the block tile BM x BN, its warps WM x WN, the
 pipeline depth and (grad-weight) the split count:
 
 - forward (any stride, padding) and grad-input (stride 1: the forward convolution of dy bordered
