@@ -411,7 +411,7 @@ def _direct_tc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any]
                                            bf16_roles=bf16_roles(sub, spec))
 
 
-# -- nhwc_tc: bfloat16 convolutions as a GEMM over channels-innermost operands (cuda_conv_nhwc)
+# -- nhwc_tc: convolutions as a GEMM over channels-innermost operands on tensor cores (cuda_conv_nhwc)
 
 def _nhwc_plan(plan: Plan) -> conv_nhwc.NhwcPlan | None:
     try:
@@ -824,8 +824,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda g: [winograd_fused.stamped(winograd_fused.plans(g)[0])], winograd_fused.serves, _never,
            lambda g, plan: winograd_fused.scratch_bytes(g, winograd_fused.FusedPlan(**dict(plan))), winograd_fused.family_render,
            tuning_plans=lambda g: [winograd_fused.stamped(q) for q in winograd_fused.plans(g)]),
-    # bfloat16 convolutions as a GEMM over channels-innermost operands, relaid in the scratch
-    # block; taken where measured, never by default
+    # convolutions as a GEMM over channels-innermost operands relaid in the scratch block, on
+    # bfloat16 tensor cores or TF32 ones (3xTF32 for float32); taken where measured, never by default
     Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
            lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))), _nhwc_render,
            tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
