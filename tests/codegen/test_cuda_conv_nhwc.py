@@ -18,7 +18,8 @@ import cuda_refs
 from ember.codegen import cuda, cuda_choices
 from ember.codegen import cuda_conv_nhwc as cn
 from ember.codegen.cuda_kernels import PointwiseEpilogue
-from ember.frontends import nn, optim, plan
+from ember.frontends import nn, optim
+from ember.frontends import plan as plan_steps
 from ember.ir import interpreter
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
 from ember.runtime.tuner import TOLERANCE
@@ -257,7 +258,7 @@ def test_a_step_whose_convolutions_all_take_the_family_renders_and_compiles_with
     example = (np.zeros((4, 8, 12, 12), np.float32), np.zeros(4, np.int64))
     kinds = dict(conv2d="nhwc_tc", conv2d_grad_weight="nhwc_tc")
     with cuda_choices.TABLE.force(**kinds):
-        graphs = plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda", precision=precision)
+        graphs = plan_steps(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda", precision=precision)
     graph = graphs["train"] if "train" in graphs else next(iter(graphs.values()))
     chosen = [graph.attrs(n)["kernel"].choice[0] for n in graph.meta["schedule"]
               if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind in kinds]
@@ -304,7 +305,7 @@ def _gpu_cases(geo: dict, precision: str) -> list[tuple]:
                           nn.Conv2d(geo["C"], geo["O"], geo["KH"], stride=geo["stride"], padding=geo["padding"],
                                     bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(geo["O"] * ho * wo, 10))
     example = (np.zeros((geo["N"], geo["C"], geo["H"], geo["W"]), np.float32), np.zeros(geo["N"], np.int64))
-    graph = next(iter(plan(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda",
+    graph = next(iter(plan_steps(model, nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example, device="cuda",
                            precision=precision).values()))
     cases = []
     for n in graph.meta["schedule"]:
