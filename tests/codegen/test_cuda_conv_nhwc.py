@@ -39,12 +39,14 @@ def _geometry(kind: str, N, C, H, W, O, KH, KW, stride, padding) -> dict:
 #: small geometries (the emulation runs a CUDA thread as an OS thread), each with features of its
 #: own: 3x3 stride 1 with pixels past the last row tile; stride 2 (the forward and grad-weight
 #: only); a 1x1 convolution; a 3x5 window with padding (2, 1) and 40 output channels (a 64-wide
-#: block, partly past them); and a k of 72 (8 channels: a k-tile partly past it)
+#: block, partly past them); a k of 72 (8 channels: a k-tile partly past it); strides 3 x 2 with a
+#: 3x2 window on odd sizes
 EMULATED = [dict(N=2, C=16, H=6, W=7, O=24, KH=3, KW=3, stride=1, padding=1),
             dict(N=1, C=8, H=9, W=9, O=16, KH=3, KW=3, stride=2, padding=1),
             dict(N=2, C=24, H=5, W=5, O=8, KH=1, KW=1, stride=1, padding=0),
             dict(N=1, C=16, H=6, W=8, O=40, KH=3, KW=5, stride=1, padding=(2, 1)),
-            dict(N=1, C=8, H=7, W=7, O=64, KH=3, KW=3, stride=1, padding=0)]
+            dict(N=1, C=8, H=7, W=7, O=64, KH=3, KW=3, stride=1, padding=0),
+            dict(N=1, C=8, H=10, W=11, O=16, KH=3, KW=2, stride=(3, 2), padding=(1, 0))]
 
 #: a generated epilogue reading an operand of the output's shape at the flat NCHW index
 EPILOGUE = PointwiseEpilogue(("float e = red * in5[i] + 0.5f;",), "e", (5,))
