@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles, kernel_signature,
+                           with_epilogue)
 from .device import current
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
@@ -204,17 +205,10 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     if why_not is not None:
         raise ValueError(f"nhwc_tc does not serve this convolution: {why_not}")
     gw = kind == "conv2d_grad_weight"
-    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
-        raise ValueError(f"the nhwc_tc {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    roles, inputs, src = conv_roles("nhwc_tc", kind, bias=bias, relu=relu, relu_mask=relu_mask)
     if not plan.tiles(gw) or plan.shared_bytes(g) > current().shared_per_block_optin:
         raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
     q, regions = problem(g), _regions(g, plan)
-    if kind == "conv2d":
-        roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
-    elif kind == "conv2d_grad_input":
-        roles, inputs, src = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
-    else:
-        roles, inputs, src = ("x", "dy", "out"), ("x", "dy"), "x"
     prec, e = precision(g), element_bytes(g)
     operands = {"x", "dy"} if gw else {src, "w"}
     if (operands & bf16_roles) != (operands if prec == "bf16" else set()):

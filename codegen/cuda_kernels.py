@@ -467,6 +467,20 @@ def _reduce_groups(splits: int) -> int:
     return rg
 
 
+def conv_roles(family: str, kind: str, *, bias: bool = False, relu: bool = False, relu_mask: bool = False
+               ) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(roles, inputs, the role of the GEMM's source) of a convolution kernel of `kind` before a
+    generated epilogue's: x, w, [bias], out (forward); dy, w, [mask_src], out (grad-input); x, dy,
+    out (grad-weight). A template epilogue the kind does not take is a ValueError naming `family`."""
+    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
+        raise ValueError(f"the {family} {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    if kind == "conv2d":
+        return ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
+    if kind == "conv2d_grad_input":
+        return ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
+    return ("x", "dy", "out"), ("x", "dy"), "x"
+
+
 def with_epilogue(roles: tuple[str, ...], inputs: tuple[str, ...], epilogue: PointwiseEpilogue | None
                   ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """(roles, inputs, unrestricted) of a kernel once its generated epilogue's operands follow the

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, GemmPlan, Launch, PointwiseEpilogue, gemm_scratch_bytes,
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, GemmPlan, Launch, PointwiseEpilogue, conv_roles, gemm_scratch_bytes,
                            kernel_signature, plan_candidates, render_matmul, scratch_role, with_epilogue)
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
@@ -140,16 +140,9 @@ def render(name: str, g: dict[str, Any], plan: GemmPlan, *, bias: bool = False, 
     (grad-input) or x, dy, out (grad-weight), then a generated epilogue's, and the scratch block.
     `x3`: its batched GEMM on TF32 tensor cores as 3xTF32 (the transforms stay float32 FMAs)."""
     kind = g["kind"]
-    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
-        raise ValueError(f"the winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    roles, inputs, src = conv_roles("winograd", kind, bias=bias, relu=relu, relu_mask=relu_mask)
     k, p, transform = correlation(g, m), problem(g, m), TRANSFORMS[m]
     off_a, off_b, off_m, off_flag, off_gemm, total = _regions(g, plan, m)
-    if kind == "conv2d":
-        roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
-    elif kind == "conv2d_grad_input":
-        roles, inputs, src = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
-    else:
-        roles, inputs, src = ("x", "dy", "out"), ("x", "dy"), "x"
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     ph, pw = pair(g["padding"], "padding")
     description = {"conv2d": f"conv2d forward x({g['N']},{g['C']},{g['H']},{g['W']}) w({g['O']},{g['C']},3,3) "

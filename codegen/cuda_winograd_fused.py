@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .cuda_kernels import SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, kernel_signature, with_epilogue
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles, kernel_signature,
+                           with_epilogue)
 from .cuda_winograd import convolution_rejects, correlation
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
@@ -115,17 +116,12 @@ def render(name: str, g: dict[str, Any], plan: FusedPlan, *, bias: bool = False,
     kind, why_not = g["kind"], serves(g)
     if why_not is not None:
         raise ValueError(f"winograd_fused does not serve this convolution: {why_not}")
-    if (bias or relu) and kind != "conv2d" or relu_mask and kind != "conv2d_grad_input":
-        raise ValueError(f"the fused winograd {kind} kernel takes no {'relu_mask' if relu_mask else 'bias/relu'} epilogue")
+    roles, inputs, src = conv_roles("fused winograd", kind, bias=bias, relu=relu, relu_mask=relu_mask)
     if plan not in PLANS or plan.shared_bytes() > _SHARED_LIMIT:
         raise ValueError(f"{name}: {plan} is not a blocking of the fused template ({PLANS})")
     k, transform = correlation(g, 2), TRANSFORMS[2]
     off_a, off_flag, total = _regions(g, plan)
     uci, uco = _u_extents(g, plan)
-    if kind == "conv2d":
-        roles, inputs, src = ("x", "w") + (("bias",) if bias else ()) + ("out",), ("x", "w", "bias"), "x"
-    else:
-        roles, inputs, src = ("dy", "w") + (("mask_src",) if relu_mask else ()) + ("out",), ("dy", "w", "mask_src"), "dy"
     roles, inputs, unrestricted = with_epilogue(roles, inputs, epilogue)
     ph, pw = pair(g["padding"], "padding")
     description = (f"conv2d forward x({g['N']},{g['C']},{g['H']},{g['W']}) w({g['O']},{g['C']},3,3) padding ({ph},{pw})"

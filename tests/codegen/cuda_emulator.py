@@ -96,29 +96,24 @@ template <typename T> T __ldcg(const T* p) { return *p; }
 template <typename T> T __ldcs(const T* p) { return *p; }  // cache hints: plain loads here
 template <typename T> T __ldg(const T* p) { return *p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
-// __shfl_xor_sync: every lane of `mask` publishes its value, meets the others at a barrier of those
-// lanes (each lane's barrier below counts its mask's lanes), and reads lane ^ m's
-template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m) {
+// A shuffle: every lane of `mask` publishes its value, meets the others at a barrier of those lanes
+// (each lane's barrier below counts its mask's lanes), and reads lane `from(lane)`'s
+template <typename T, typename From> T ember_shfl(unsigned mask, T v, From from) {
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   ember_emu::WarpTable& T_ = ember_emu::tables[warp];
   std::memcpy(T_.shfl[lane], &v, sizeof(T));
   ember_emu::shfl_barrier(warp, mask);
   T r;
-  std::memcpy(&r, T_.shfl[lane ^ (unsigned)m], sizeof(T));
+  std::memcpy(&r, T_.shfl[from(lane) % 32], sizeof(T));
   ember_emu::shfl_barrier(warp, mask);  // every lane has read before any writes again
   return r;
 }
-// __shfl_sync: as __shfl_xor_sync, each lane reading lane `src`'s value (ldmatrix's definition
-// without a GPU reads other lanes' row addresses so)
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m) {
+  return ember_shfl(mask, v, [m](unsigned lane) { return lane ^ (unsigned)m; });
+}
+// (ldmatrix's definition without a GPU reads other lanes' row addresses so)
 template <typename T> T __shfl_sync(unsigned mask, T v, int src) {
-  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  ember_emu::WarpTable& T_ = ember_emu::tables[warp];
-  std::memcpy(T_.shfl[lane], &v, sizeof(T));
-  ember_emu::shfl_barrier(warp, mask);
-  T r;
-  std::memcpy(&r, T_.shfl[(unsigned)src % 32], sizeof(T));
-  ember_emu::shfl_barrier(warp, mask);
-  return r;
+  return ember_shfl(mask, v, [src](unsigned) { return (unsigned)src; });
 }
 using std::max;
 using std::min;

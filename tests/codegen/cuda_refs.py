@@ -1,5 +1,6 @@
 """NumPy float64 references and CuPy launch helpers of the CUDA kernel tests (cuda_gpu_check.py,
-test_cuda_nonfinite_sources.py, test_cuda_launch_coverage.py)."""
+test_cuda_nonfinite_sources.py, test_cuda_launch_coverage.py), and the check of a kernel's
+candidates through the tuner's measurer against the interpreter (the families' GPU tests)."""
 from __future__ import annotations
 
 import numpy as np
@@ -149,3 +150,20 @@ def run_launches(cp, module, kernel, bufs, scratch):
 def compile_module(cp, sources):
     """One RawModule (NVRTC) for all ``sources``; CuPy targets the current device's arch."""
     return cp.RawModule(code="\n".join(sources), options=("-std=c++17",))
+
+
+def measured_against_interpreter(measurer, sub, spec, choices, tolerance: float) -> int:
+    """Every choice of the kernel through the tuner's measurer (`runtime.tuner_cuda.CudaMeasurer`),
+    each output against the interpreter's float64 run on the measurer's inputs within `tolerance`
+    of the reference's largest magnitude; returns how many were measured."""
+    from ember.ir import interpreter
+    trials = measurer.measure(sub, spec, choices, seed=0)
+    # the measurer's inputs: standard normal, drawn in the subgraph's input order
+    rng = np.random.default_rng(0)
+    inputs = {name: rng.standard_normal(sub.type(n).shape).astype(np.float32) for name, n in sub.inputs.items()}
+    ref = interpreter.run(sub, inputs, precision="float64").outputs["out"]
+    for trial in trials:
+        assert trial.error is None, (sub.name, spec.describe(), trial.choice, trial.error)
+        err = np.max(np.abs(trial.output - ref)) / max(np.max(np.abs(ref)), 1e-30)
+        assert err <= tolerance, (sub.name, spec.describe(), trial.choice, err)
+    return len(trials)

@@ -20,7 +20,6 @@ from ember.codegen import cuda_conv_nhwc as cn
 from ember.codegen.cuda_kernels import PointwiseEpilogue
 from ember.frontends import nn, optim
 from ember.frontends import plan as plan_steps
-from ember.ir import interpreter
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
 from ember.runtime.tuner import TOLERANCE
 from nvcc import assert_compiles, nvcc_or_skip
@@ -343,16 +342,6 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(layer, precision):
     measurer = CudaMeasurer()
     measured = 0
     for sub, spec, choices in _gpu_cases(GPU_LAYERS[layer], precision):
-        if not choices:
-            continue
-        trials = measurer.measure(sub, spec, choices, seed=0)
-        # the measurer's inputs: standard normal, drawn in the subgraph's input order
-        rng = np.random.default_rng(0)
-        inputs = {name: rng.standard_normal(sub.type(n).shape).astype(np.float32) for name, n in sub.inputs.items()}
-        ref = interpreter.run(sub, inputs, precision="float64").outputs["out"]
-        for trial in trials:
-            assert trial.error is None, (sub.name, spec.describe(), trial.choice, trial.error)
-            err = np.max(np.abs(trial.output - ref)) / max(np.max(np.abs(ref)), 1e-30)
-            assert err <= TOLERANCE[precision], (sub.name, spec.describe(), trial.choice, err)
-            measured += 1
+        if choices:
+            measured += cuda_refs.measured_against_interpreter(measurer, sub, spec, choices, TOLERANCE[precision])
     assert measured > 0

@@ -30,7 +30,6 @@ import cuda_refs
 from ember.codegen import cuda, cuda_choices, family_prior, tuning_db
 from ember.codegen import cuda_direct_tc as ct
 from ember.frontends import nn, optim, plan
-from ember.ir import interpreter
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
 from nvcc import assert_compiles, nvcc_or_skip
 
@@ -469,18 +468,8 @@ def test_every_plan_matches_the_interpreter_on_the_gpu(idx):
     measured = 0
     for sub, spec in _conv_kernels(model, shape, "tf32"):
         choices = [c for c in cuda_choices.candidates(sub, spec) if c[0] == "direct_tc"]
-        if not choices:
-            continue
-        trials = measurer.measure(sub, spec, choices, seed=0)
-        # the measurer's inputs: standard normal, drawn in the subgraph's input order
-        rng = np.random.default_rng(0)
-        inputs = {name: rng.standard_normal(sub.type(n).shape).astype(np.float32) for name, n in sub.inputs.items()}
-        ref = interpreter.run(sub, inputs, precision="float64").outputs["out"]
-        for trial in trials:
-            assert trial.error is None, (sub.name, spec.describe(), trial.choice, trial.error)
-            err = np.max(np.abs(trial.output - ref)) / max(np.max(np.abs(ref)), 1e-30)
-            assert err <= TOLERANCE["tf32"], (sub.name, spec.describe(), trial.choice, err)
-            measured += 1
+        if choices:
+            measured += cuda_refs.measured_against_interpreter(measurer, sub, spec, choices, TOLERANCE["tf32"])
     assert measured > 0
 
 
