@@ -7,7 +7,8 @@ step are timed by `tools/kernel_times.py MODEL BATCH [--bf16]`.
     python tools/cuda_conv_nhwc_lab.py [--cases airbench,cnn] [--batch 1024] [--reps 50]
         [--kinds forward,grad_input,grad_weight] [--precision bf16|float32|tf32]
 
-Prints one line per (layer, kind, plan): the kernel's GEMM launch (with a grad-weight's ordered
+Prints one line per (layer, kind, plan), each time the median of individually event-timed calls
+(`cuda_lab.time_eager`): the kernel's GEMM launch (with a grad-weight's ordered
 sum of its split partials), us and TFLOP/s; its relayout launches (the source to bordered NHWC,
 the weights, a grad-weight's dy); cuDNN's times; the error against float32 (bfloat16: ~3e-3 of
 the largest value from the output's rounding; a bfloat16 grad-weight is rounded too).
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from collections.abc import Iterator
+
+from cuda_lab import require_cupy, time_eager
 
 #: layers (C, O, H, W, padding) of the zoo's 3x3 convolutions with whole 16-byte channel runs
 LAYERS = {
@@ -26,21 +28,6 @@ LAYERS = {
     "cnn": [(16, 32, 26, 26, 0)],
 }
 KINDS = {"forward": "conv2d", "grad_input": "conv2d_grad_input", "grad_weight": "conv2d_grad_weight"}
-
-
-def _timed(fn, reps: int, cp) -> float:
-    """Median microseconds of `reps` calls of fn, each between CUDA events (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
-    return statistics.median(times)
 
 
 def geometry(kind: str, n: int, layer: tuple[int, int, int, int, int], precision: str) -> dict:
@@ -91,8 +78,8 @@ def run_layer(cp, torch, n: int, layer: tuple, kind: str, precision: str, reps: 
         return
     operands, ref, cudnn_call, cudnn_cl_call = _operands(torch, kind, g, precision)
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    cudnn = _timed(cudnn_call, reps, cp)
-    cudnn_cl = _timed(cudnn_cl_call, reps, cp) if cudnn_cl_call is not None else float("nan")
+    cudnn = time_eager(cp, cudnn_call, reps)
+    cudnn_cl = time_eager(cp, cudnn_cl_call, reps) if cudnn_cl_call is not None else float("nan")
     bf16 = precision == "bf16"
     bufs = {r: cp.asarray(t.view(torch.int16)).view(cp.uint16) if bf16 else cp.asarray(t) for r, t in operands.items()}
     out_bf16 = bf16 and kind != "grad_weight"  # the step's bf16 grad-weight is float32 after its cast
@@ -122,10 +109,10 @@ def run_layer(cp, torch, n: int, layer: tuple, kind: str, precision: str, reps: 
         got = torch.as_tensor(got.view(cp.int16), device="cuda").view(torch.bfloat16).float() if out_bf16 else \
             torch.as_tensor(got, device="cuda")
         err = ((got.view(ref.shape) - ref).abs().max() / ref.abs().max()).item()
-        t = _timed(gemm, reps, cp)
+        t = time_eager(cp, gemm, reps)
         yield dict(layer=f"{layer[0]}->{layer[1]} {layer[2]}x{layer[3]} pad {layer[4]}", kind=kind, batch=n,
                    plan=" ".join(f"{k}={v}" for k, v in cn.stamped(plan)), gemm_us=t, tflops=flops / t / 1e6,
-                   relayout_us=_timed(relayouts, reps, cp), cudnn_us=cudnn, cudnn_cl_us=cudnn_cl, max_err=err)
+                   relayout_us=time_eager(cp, relayouts, reps), cudnn_us=cudnn, cudnn_cl_us=cudnn_cl, max_err=err)
 
 
 def _guarded(rows: Iterator[dict]) -> Iterator[dict]:
@@ -144,7 +131,6 @@ def main() -> None:
     ap.add_argument("--kinds", default="forward,grad_input,grad_weight")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "float32", "tf32"))
     args = ap.parse_args()
-    from cuda_lab import require_cupy
     cp = require_cupy()
     import torch
     from ember.codegen.device import find, using
