@@ -102,7 +102,7 @@ def main() -> None:
             for old, new in changed:
                 print(f"    {old}\n -> {new}")
         if changed:
-            where, case = step.split(" ")
+            where, case = step.rsplit(" ", 1)  # a GPU named by its full name has spaces
             moved.setdefault(where, []).append(case)
     flag = {"float32": "", "tf32": " --tf32", "bf16": " --bf16"}[args.precision]
     for where, cases in moved.items():  # what to time on that device, with and without the records
