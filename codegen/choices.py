@@ -331,12 +331,22 @@ class ChoiceTable:
                         return Decision((f.name, f.as_reused(plan)), "reused: the plan of this kernel at another batch size"
                                         if own else "reused: the plan of a kernel of the same code")
         if db is not None and (len(ranked) > 1 or any(f.tuning_plans is not None for f in ranked)):
-            rec = db.lookup(self.target, self.device(), tuning_db.kernel_key(g), self.versions(sub, spec))
+            key, versions = tuning_db.kernel_key(g), self.versions(sub, spec)
+            rec = db.lookup(self.target, self.device(), key, versions)
             if rec is not None:
                 family, plan = rec.choice
                 f = self.families.get(family)
                 if f is not None and f in ranked and f.fits(g, plan):
                     return Decision(rec.choice, rec.summary(), rec)
+            # the same sizes tuned with other epilogues (a store in another dtype, a bias): the
+            # measured plan of the same main loop, where its family serves this kernel too
+            sibling = db.lookup_other_epilogues(self.target, self.device(), key, versions)
+            if sibling is not None:
+                (family, plan), eps = sibling[0].choice, sibling[1]
+                f = self.families.get(family)
+                if f is not None and f in ranked and f.fits(g, plan):
+                    return Decision((family, plan), f"{sibling[0].summary()} with epilogues "
+                                    f"[{', '.join(sorted(eps)) or 'none'}]")
         for f in ranked:
             if plans := f.plans(g):
                 return Decision((f.name, plans[0]), "cost model" + (f" ({prior.describe()})" if prior else ""))

@@ -52,6 +52,14 @@ def kernel_key(geometry: Mapping[str, Any]) -> str:
     return json.dumps(plain, sort_keys=True, separators=(",", ":"))
 
 
+def sizes_key(key: str) -> tuple[str, frozenset[str]]:
+    """A kernel key without its epilogues, and its epilogues: kernels of one sizes key run the
+    same main loop and differ in what they do before each store."""
+    g = json.loads(key)
+    epilogues = frozenset(g.pop("epilogues", ()) or ())
+    return json.dumps(g, sort_keys=True, separators=(",", ":")), epilogues
+
+
 def device_slug(target: str, device: str) -> str:
     """The file stem of a (target, device model) database: `cuda-nvidia-h200`."""
     return re.sub(r"[^a-z0-9]+", "-", f"{target}-{device}".lower()).strip("-")
@@ -119,6 +127,8 @@ class TuningDB:
         # (folder, slug) -> (the file's (mtime, size) when read, its records): a file is read again
         # only when it changed (another process tuned), so a lookup per kernel costs a stat
         self._files: dict[tuple[Path, str], tuple[tuple[int, int] | None, dict[str, Record]]] = {}
+        # id of a loaded records dict -> (that dict, its keys by `sizes_key`), built on first use
+        self._by_sizes: dict[int, tuple[dict[str, Record], dict[str, list[tuple[frozenset[str], str]]]]] = {}
 
     @staticmethod
     def _stamp(path: Path) -> tuple[int, int] | None:
@@ -161,6 +171,28 @@ class TuningDB:
             rec = self._load(folder, slug, source).get(key)
             if rec is not None and all(versions[f] == v for f, v in rec.versions.items() if f in versions):
                 return rec
+        return None
+
+    def lookup_other_epilogues(self, target: str, device: str, key: str,
+                               versions: Mapping[str, int]) -> tuple[Record, frozenset[str]] | None:
+        """Where `lookup` finds no record of this kernel: the record of a kernel of the same sizes
+        and precision with other epilogues (the user's before the shipped ones; of several, the
+        one whose epilogues differ least, then by key), and those epilogues. Its plan was measured
+        on the same main loop: better evidence than a prediction from other sizes."""
+        wanted, epilogues = sizes_key(key)
+        for records in self.layers(target, device):
+            held = self._by_sizes.get(id(records))
+            if held is None or held[0] is not records:
+                index: dict[str, list[tuple[frozenset[str], str]]] = {}
+                for k in sorted(records):
+                    sk, eps = sizes_key(k)
+                    index.setdefault(sk, []).append((eps, k))
+                held = self._by_sizes[id(records)] = (records, index)
+            siblings = sorted(held[1].get(wanted, ()), key=lambda ek: (len(ek[0] ^ epilogues), ek[1]))
+            for eps, k in siblings:
+                rec = records[k]
+                if k != key and all(versions[f] == v for f, v in rec.versions.items() if f in versions):
+                    return rec, eps
         return None
 
     def store(self, target: str, device: str, key: str, record: Record) -> None:

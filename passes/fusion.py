@@ -32,7 +32,8 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
 
 After grouping, two cost rules rewrite the groups: a cheap pointwise group whose readers are all
 generated kernels (or contractions' generated epilogues) is recomputed in each of them instead of stored (`fusion_recompute.py`, when
-`FusionCaps.recompute`), and, on targets whose kernels may write several outputs
+`FusionCaps.recompute`; a group whose value is a widening cast of its own value then stores the
+narrow one, the cast joining its readers: `store_narrow`), and, on targets whose kernels may write several outputs
 (`FusionCaps.multi_output`), reductions over one domain share a kernel and pointwise work at a
 reduction's output index becomes that kernel's further outputs (`fusion_multi.py`). A group then
 records its values in `notes["outputs"]` (its root first); the fused node holds the first ("out")
@@ -57,7 +58,7 @@ from ember.ir.kernel import CONTRACTIONS
 
 from .fusion_loss import find_loss_region
 from .fusion_multi import merge_multi_output
-from .fusion_recompute import recompute_cheap
+from .fusion_recompute import recompute_cheap, store_narrow
 from .targets import FusionCaps
 
 ELEMENTWISE = {name for name, op in OPS.items() if op.kind == "elementwise"} | {"one_hot"}
@@ -266,7 +267,8 @@ def _groups(graph: Graph, caps: FusionCaps,
         groups[root] = (kind, members, notes)
     _absorb_pointwise_epilogues(graph, gr, groups, caps)
     if caps.recompute:
-        decided.update(recompute_cheap(graph, groups))
+        decided.update(recompute_cheap(graph, groups, caps.epilogue_dtypes))
+        store_narrow(graph, groups, caps.epilogue_dtypes)
     if caps.multi_output:
         merge_multi_output(graph, groups)
     return groups

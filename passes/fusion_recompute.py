@@ -30,6 +30,13 @@ would need other kernels. A step compiled after one of the same model at another
 carries that step's decisions (`meta["recompute_reuse"]`, from the graph's
 `meta["recomputed"]`: each weighed candidate, by node id and op) and takes them where the
 candidate is one again, so that its kernels are the same code.
+
+A kernel of any kind whose value is a widening cast of a value it computes (mixed precision: a
+bfloat16 convolution's result widened for the float32 BatchNorm after it, a bfloat16-rounded
+gradient widened again) stores the narrow value instead, and each reader widens it itself
+(`store_narrow`): the same values, half the bytes written and read. Only where every reader can
+(pointwise and reduction kernels; a contraction's generated epilogue where the target's
+epilogues read the narrow dtype), so the cast never becomes a kernel of its own.
 """
 from __future__ import annotations
 
@@ -77,31 +84,33 @@ def _generated_epilogue(groups: Groups, reader: int) -> set[int]:
     return groups[reader][2].get("epilogue", set())
 
 
-def _float_reads(graph: Graph, members: set[int]) -> bool:
-    """Whether every value the group reads is float32 (a contraction's epilogue takes float
-    operands only)."""
-    return all(graph.type(o).dtype.name == "float32" for o in external_reads(graph, members))
+def _epilogue_reads(graph: Graph, members: set[int], value: int, epilogue_dtypes: frozenset[str]) -> bool:
+    """Whether a contraction's generated epilogue may evaluate the group: its value and every
+    value it reads in dtypes the target's epilogues take (`FusionCaps.epilogue_dtypes`)."""
+    return graph.type(value).dtype.name in epilogue_dtypes and \
+        all(graph.type(o).dtype.name in epilogue_dtypes for o in external_reads(graph, members))
 
 
-def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
-             returned: set[int], members: set[int]) -> dict[int, set[int]] | None:
+def _readers(graph: Graph, groups: Groups, home: dict[int, list[int]], value: int, returned: set[int],
+             members: set[int], epilogue_dtypes: frozenset[str] = frozenset({"float32"})) -> dict[int, set[int]] | None:
     """Reader kernel -> the reshape aliases between `value` and it; None when something else
-    reads `value` (a template's operand, an output, the step's result). A contraction kernel
-    reads it as a reader may where only its generated epilogue does (`_generated_epilogue`)."""
+    reads `value` (a template's operand, an output, the step's result). `home`: each node -> the
+    kernels evaluating it (several where it is recomputed). A contraction kernel reads it as a
+    reader may where only its generated epilogue does (`_generated_epilogue`)."""
     found: dict[int, set[int]] = {}
-    epilogue_may_read: bool | None = None  # float32 alone in and out: asked once, at the first epilogue
+    epilogue_may_read: bool | None = None  # asked once, at the first epilogue
     stack: list[tuple[int, frozenset[int]]] = [(value, frozenset())]
     while stack:
         n, chain = stack.pop()
         for u, _ in graph.users(n):
             if u in home:
-                reader = home[u]
-                if groups[reader][0] not in READER_KINDS:
-                    if epilogue_may_read is None:
-                        epilogue_may_read = graph.type(value).dtype.name == "float32" and _float_reads(graph, members)
-                    if not epilogue_may_read or u not in _generated_epilogue(groups, reader):
-                        return None
-                found.setdefault(reader, set()).update(chain)
+                for reader in home[u]:
+                    if groups[reader][0] not in READER_KINDS:
+                        if epilogue_may_read is None:
+                            epilogue_may_read = _epilogue_reads(graph, members, value, epilogue_dtypes)
+                        if not epilogue_may_read or u not in _generated_epilogue(groups, reader):
+                            return None
+                    found.setdefault(reader, set()).update(chain)
             elif graph.op(u) == "reshape" and u not in returned:
                 stack.append((u, chain | {u}))
             else:
@@ -109,7 +118,8 @@ def _readers(graph: Graph, groups: Groups, home: dict[int, int], value: int,
     return found or None
 
 
-def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]:
+def recompute_cheap(graph: Graph, groups: Groups,
+                    epilogue_dtypes: frozenset[str] = frozenset({"float32"})) -> dict[tuple[int, str], bool]:
     """Merges each cheap pointwise group into all its readers (see the module doc), in place;
     returns the decision on each candidate the byte rule weighed (or took from
     `meta["recompute_reuse"]`): (root id, op) -> recomputed."""
@@ -118,7 +128,7 @@ def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]
     returned = set(graph.outputs.values()) | set(graph.updates.values())
     # the group computing each node that a later kernel reads (a value's readers come after it
     # in topological order, so each is in exactly one group when its producer is considered)
-    home = {m: r for r, (_, ms, _) in groups.items() for m in ms}
+    home = _homes(groups)
     for root in [r for r in graph.topo_order() if r in groups]:
         kind, members, notes = groups[root]
         if kind != "pointwise" or root in returned or len(notes.get("outputs", [root])) > 1:
@@ -127,20 +137,68 @@ def recompute_cheap(graph: Graph, groups: Groups) -> dict[tuple[int, str], bool]
         cost = _cost(graph, members, numel)
         if cost is None or cost > MAX_COST:
             continue
-        readers = _readers(graph, groups, home, root, returned, members)
+        readers = _readers(graph, groups, home, root, returned, members, epilogue_dtypes)
         if readers is None or root in readers:
             continue
         key = (root, graph.op(root))
         decided[key] = reuse[key] if key in reuse else _saves_bytes(graph, groups, members, root, readers)
         if not decided[key]:
             continue
-        for r, chain in readers.items():
-            _, rmembers, rnotes = groups[r]
-            rmembers.update(members | chain)
-            if "epilogue" in rnotes:  # a contraction's generated epilogue evaluates them too
-                rnotes["epilogue"] |= members | chain
+        _merge_into_readers(groups, members, readers)
         del groups[root]
     return decided
+
+
+def _homes(groups: Groups) -> dict[int, list[int]]:
+    """Each member -> the groups evaluating it."""
+    home: dict[int, list[int]] = {}
+    for r, (_, ms, _) in groups.items():
+        for m in ms:
+            home.setdefault(m, []).append(r)
+    return home
+
+
+def _merge_into_readers(groups: Groups, members: set[int], readers: dict[int, set[int]]) -> None:
+    for r, chain in readers.items():
+        _, rmembers, rnotes = groups[r]
+        rmembers.update(members | chain)
+        if "epilogue" in rnotes:  # a contraction's generated epilogue evaluates them too
+            rnotes["epilogue"] |= members | chain
+
+
+def store_narrow(graph: Graph, groups: Groups, epilogue_dtypes: frozenset[str] = frozenset({"float32"})) -> list[int]:
+    """Each group whose value is a widening cast of one of its own values stores that narrow
+    value, and the cast joins every reader (see the module doc), in place; returns the casts moved.
+    A group with several outputs, or whose value the step returns, is left as it is."""
+    returned = set(graph.outputs.values()) | set(graph.updates.values())
+    home = _homes(groups)
+    moved = []
+    for root in [r for r in graph.topo_order() if r in groups]:
+        kind, members, notes = groups[root]
+        if graph.op(root) != "cast" or root in returned or len(notes.get("outputs", [root])) > 1:
+            continue
+        narrow = graph.operands(root)[0]
+        if narrow not in members or notes.get("core") == root \
+                or graph.type(narrow).dtype.itemsize >= graph.type(root).dtype.itemsize:
+            continue
+        readers = _readers(graph, groups, home, root, returned, {root}, epilogue_dtypes)
+        if readers is None or root in readers:
+            continue
+        _merge_into_readers(groups, {root}, readers)
+        notes = dict(notes)
+        if "epilogue" in notes:  # a contraction's generated epilogue: the cast leaves it
+            notes["epilogue"] = notes["epilogue"] - {root}
+            if not notes["epilogue"]:  # it was all the epilogue was: the template stores its own value
+                del notes["epilogue"], notes["pointwise_from"]
+        del groups[root]
+        groups[narrow] = (kind, members - {root}, notes)
+        for m in members - {root}:
+            home[m] = [narrow if r == root else r for r in home[m]]
+        for r in readers:
+            home.setdefault(root, []).append(r)
+        home[root].remove(root)
+        moved.append(root)
+    return moved
 
 
 def _saves_bytes(graph: Graph, groups: Groups, members: set[int], root: int, readers: dict[int, set[int]]) -> bool:

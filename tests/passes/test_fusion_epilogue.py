@@ -214,3 +214,79 @@ def test_a_bfloat16_relu_backward_joins_its_matmul_where_the_target_reads_bfloat
     np.testing.assert_array_equal(after.outputs["loss"], before.outputs["loss"])
     for k in before.updates:
         np.testing.assert_array_equal(after.updates[k], before.updates[k], err_msg=k)
+
+
+def _bn_net(seed: int = 0):
+    """conv - BatchNorm - GELU twice, then max-pool and a linear layer (airbench's block, small)."""
+    from ember.frontends import nn
+    nn.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.GELU(),
+                         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.GELU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+
+
+def _stored(graph: ir.Graph) -> list[tuple[str, str, str]]:
+    """(kernel kind, stored dtype, ops of the kernel's root) of every kernel of 8 channels x 8 x 8
+    (the activations), in graph order."""
+    out = []
+    for n in graph.topo_order():
+        if graph.op(n) == "fused" and graph.type(n).shape == (4, 8, 8, 8):
+            sub = graph.attrs(n)["graph"]
+            out.append((graph.attrs(n)["kernel"].kind, graph.type(n).dtype.name, sub.op(sub.outputs["out"])))
+    return out
+
+
+@pytest.mark.parametrize("caps", [BF16_CAPS, CAPS], ids=["bf16-epilogues", "float32-epilogues"])
+def test_a_widened_bfloat16_value_is_stored_narrow_and_widened_by_its_readers(caps):
+    """Under precision "bf16" a convolution's bfloat16 result is widened for BatchNorm, and
+    GELU's backward is rounded to bfloat16 and widened again: no kernel stores such a value
+    widened (float32: twice the bytes written, and read by every reader), whichever dtypes the
+    target's epilogues read; each reader widens the narrow value itself. The interpreter's
+    results are unchanged."""
+    g = _bf16_train_graph(_bn_net(), (4, 1, 8, 8))
+    fused = fuse(g, caps)
+    kernels = _stored(fused)
+    widened = [(kind, op) for kind, dtype, op in kernels if op == "cast" and dtype == "float32"]
+    assert kernels and not widened, kernels
+    assert [dtype for kind, dtype, _ in kernels if kind.startswith("conv2d")] == ["bfloat16"] * 3  # 2 forward, 1 grad-input
+    # the BatchNorm statistics and normalisation kernels read the convolutions' bfloat16 values
+    readers = [n for n in fused.g if fused.op(n) == "fused" and fused.attrs(n)["kernel"].kind in ("pointwise", "reduction")
+               and any(fused.type(o).shape == (4, 8, 8, 8) and fused.op(o) == "fused"
+                       and fused.attrs(o)["kernel"].kind == "conv2d" for o in fused.operands(n))]
+    assert len(readers) >= 4
+    for n in readers:
+        for o in fused.operands(n):
+            if fused.op(o) == "fused" and fused.attrs(o)["kernel"].kind == "conv2d":
+                assert fused.type(o).dtype.name == "bfloat16"
+    from models import params_of
+    model, rng = _bn_net(), np.random.default_rng(3)
+    inputs = {"x": rng.random((4, 1, 8, 8), dtype=np.float32), "y": rng.integers(0, 10, 4)}
+    states = {name: np.asarray(v) for name, v in model.state_dict().items() if name not in params_of(model)}
+    before, after = (ir.run(graph, inputs, params_of(model), states) for graph in (g, fused))
+    np.testing.assert_array_equal(after.outputs["loss"], before.outputs["loss"])
+    assert len(before.updates) >= 13  # weights, BatchNorm's affine parameters and statistics
+    for k in before.updates:
+        np.testing.assert_array_equal(after.updates[k], before.updates[k], err_msg=k)
+
+
+def test_a_widened_value_a_template_reads_stays_stored_wide():
+    """A widening cast whose value a kernel reads as a template operand (a max-pool here) cannot
+    move into that reader: it stays where it is, stored wide (no cast kernel of its own)."""
+    g = ir.Graph("widened")
+    x = g.add_input("x", ir.TensorType((2, 4, 6, 6)))
+    w = g.add_input("w", ir.TensorType((4, 4, 3, 3)))
+    xb = g.add("cast", [x], dtype="bfloat16")
+    wb = g.add("cast", [w], dtype="bfloat16")
+    c = g.add("conv2d", [xb, wb], stride=(1, 1), padding=(1, 1), groups=1)
+    wide = g.add("cast", [c], dtype="float32")
+    g.set_output("pooled", g.add("max_pool2d", [wide], kernel=(2, 2), stride=(2, 2), padding=(0, 0)))
+    g.set_output("doubled", g.add("mul", [wide, g.add("constant", [], value=np.float32(2))]))
+    fused = fuse(g, BF16_CAPS)
+    (conv,) = [n for n in fused.g if fused.op(n) == "fused" and fused.attrs(n)["kernel"].kind == "conv2d"]
+    assert fused.type(conv).dtype.name == "float32"
+    assert kernel_counts(fused) == {"pointwise": 3, "conv2d": 1, "max_pool2d": 1}
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32),
+              "w": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}
+    for k in ("pooled", "doubled"):
+        np.testing.assert_array_equal(ir.run(fused, inputs).outputs[k], ir.run(g, inputs).outputs[k])

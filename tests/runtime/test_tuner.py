@@ -291,3 +291,41 @@ def test_a_database_reads_a_file_again_only_when_another_writer_changed_it(tmp_p
     held = reader._files[(tmp_path, "cuda-nvidia-h200")]
     assert reader.lookup("cuda", "NVIDIA H200", "k", versions) is held[1]["k"]  # unchanged: not parsed again
     assert tuning_db.default_db() is tuning_db.default_db()
+
+
+def test_a_kernel_without_a_record_takes_the_plan_tuned_for_its_sizes_with_other_epilogues(tmp_path):
+    """Kernels of the same sizes with other epilogues (a bfloat16 convolution that now stores its
+    own dtype instead of a widened one) run the same main loop: where the database has no record
+    of the kernel itself, it takes the plan measured for them (the dump says so), never a stale
+    one, and the tuner still measures the kernel itself."""
+    with tuning_db.using(None):
+        sub, spec = next((s, k) for s, k in _tunable(_graph()) if k.kind == "conv2d")
+    assert spec.epilogues == ("bias", "relu")
+    other = cuda_choices.candidates(sub, spec)[-1]
+    key = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(cuda_choices.TABLE.key(sub, spec)).items()}
+    versions = cuda_choices.TABLE.versions(sub, spec)
+
+    def store(epilogues, versions):
+        db = TuningDB(tmp_path)
+        db.store("cuda", "NVIDIA H200", tuning_db.kernel_key({**key, "epilogues": tuple(epilogues)}),
+                 Record(other, {choice_text(other): 1.0}, versions))
+        return db
+
+    with tuning_db.using(TuningDB(tmp_path)):  # empty: the cost model, with the shipped records' prior
+        predicted = {s.name: k for s, k in _tunable(_graph())}[sub.name].choice
+    store(["bias"], {f: v + 1 for f, v in versions.items()})  # stale: not taken
+    with tuning_db.using(TuningDB(tmp_path)):
+        assert {s.name: k for s, k in _tunable(_graph())}[sub.name].choice == predicted
+    assert predicted != other
+    store(["pointwise"], versions)
+    store(["bias"], versions)
+    with tuning_db.using(TuningDB(tmp_path)):
+        stamped = {s.name: k for s, k in _tunable(_graph())}[sub.name]
+    assert stamped.choice == other
+    assert stamped.why.startswith("tuned (user)") and stamped.why.endswith("with epilogues [bias]")  # the nearest set
+    db = TuningDB(tmp_path)
+    measurer = FakeMeasurer()
+    with tuning_db.using(db):
+        tune_graph(_graph(), table=cuda_choices.TABLE, measurer=measurer, db=db)
+    assert db.lookup("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec), versions).choice == \
+        min(cuda_choices.candidates(sub, spec), key=_fake_us)  # measured: a record of its own now
