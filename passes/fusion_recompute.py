@@ -178,8 +178,7 @@ def store_narrow(graph: Graph, groups: Groups, epilogue_dtypes: frozenset[str] =
         if graph.op(root) != "cast" or root in returned or len(notes.get("outputs", [root])) > 1:
             continue
         narrow = graph.operands(root)[0]
-        if narrow not in members or notes.get("core") == root \
-                or graph.type(narrow).dtype.itemsize >= graph.type(root).dtype.itemsize:
+        if narrow not in members or graph.type(narrow).dtype.itemsize >= graph.type(root).dtype.itemsize:
             continue
         readers = _readers(graph, groups, home, root, returned, {root}, epilogue_dtypes)
         if readers is None or root in readers:
