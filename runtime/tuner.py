@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +60,8 @@ class KernelReport:
     name: str
     kind: str
     key: str
-    #: "measured", "reused" (the database held it), "single" (one candidate), "budget" (not reached)
+    #: "measured", "reused" (the database held it), "single" (one candidate), "budget" (not reached),
+    #: "skipped" (no family a narrowed run asked for serves it)
     status: str
     choice: Choice | None = None
     time_us: float | None = None
@@ -70,7 +71,7 @@ class KernelReport:
     rejected: dict[str, str] = field(default_factory=dict)
 
     def line(self) -> str:
-        if self.status in ("single", "budget"):
+        if self.status in ("single", "budget", "skipped"):
             return f"{self.name:28s} {self.kind:20s} {self.status}"
         gain = (f"  x{self.default_us / self.time_us:.2f} vs cost model {self.default_us:.2f} us"
                 if self.default_us and self.time_us and self.default != self.choice else "")
@@ -155,12 +156,19 @@ def _unmeasured_families(record: tuning_db.Record, candidates: Sequence[Choice])
 
 def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callable[[], Measurer],
                db: tuning_db.TuningDB | None = None, budget_s: float = DEFAULT_BUDGET_S, retune: bool = False,
-               progress: Callable[[KernelReport, int, int], None] | None = None, seed: int = 0) -> TuneReport:
+               progress: Callable[[KernelReport, int, int], None] | None = None, seed: int = 0,
+               families: Collection[str] | None = None) -> TuneReport:
     """Measures the kernels of a selected graph (`select` ran) whose keys `db` (default: the active
     database) does not hold, or holds from a measurement that lacks a family now serving the
     kernel, storing each winner as it is found. `retune` measures every held key again.
     `budget_s` bounds the wall time: a kernel is started only while time is left. `progress(report,
-    done, total)` is called after each kernel with more than one candidate."""
+    done, total)` is called after each kernel with more than one candidate.
+
+    `families` narrows the search to those families' candidates, beside the cost model's first
+    (the reference) and the kernel's stamped choice: a new family compared with what a step runs
+    now in a fraction of the time of every candidate. Kernels no family of them serves are left
+    alone ("skipped"). The record lists the versions of the families measured only, so a later
+    run without `families` measures the others (`_unmeasured_families`)."""
     db = tuning_db.active() if db is None else db
     if db is None or db.user_dir is None:
         raise ValueError("tuning needs a writable tuning database (a user folder); got none")
@@ -171,6 +179,9 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
     seen: dict[str, KernelReport] = {}
     # a measurer, or a factory (a class) made only once something is measured (it may start a GPU)
     instrument: Measurer | None = None if isinstance(measurer, type) or not hasattr(measurer, "measure") else measurer
+    if families is not None and (unknown := set(families) - set(table.families)):
+        raise ValueError(f"no kernel family {', '.join(sorted(unknown))} on target {table.target!r} "
+                         f"(its families: {', '.join(table.families)})")
     work = []
     for sub, spec in kernels_of(graph):
         if spec.kind in table.no_kernel:
@@ -184,17 +195,22 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         rec = None if retune else db.lookup(table.target, device, key, versions)
         if rec is not None and not table.fits(sub, spec, rec.choice):
             rec = None  # its winner no longer fits: every candidate again
+        subset = None  # the candidates `families` asks for, beside the reference and the stamped choice
+        if families is not None:
+            subset = [c for i, c in enumerate(cands) if i == 0 or c[0] in families or c == spec.choice]
         if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
-        elif rec is not None and not _unmeasured_families(rec, cands):
+        elif rec is not None and not _unmeasured_families(rec, subset or cands):
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
+        elif subset is not None and not any(f in families for f, _ in subset):
+            rep = KernelReport(sub.name, spec.kind, key, "skipped", candidates=len(cands))
         elif time.perf_counter() - t0 >= budget_s:
             rep = KernelReport(sub.name, spec.kind, key, "budget", candidates=len(cands))
         else:
             if instrument is None:
                 instrument = measurer()  # type: ignore[operator]
             rep = _measure_one(sub, spec, cands, key, versions, instrument, db, table, device,
-                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed, rec)
+                               TOLERANCE.get(precision, TOLERANCE["float32"]), seed, rec, subset)
         seen.setdefault(key, rep)
         reports.append(rep)
         if progress is not None:
@@ -204,15 +220,20 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
 
 def _measure_one(sub: Graph, spec: KernelSpec, cands: list[Choice], key: str, versions: dict[str, int],
                  measurer: Measurer, db: tuning_db.TuningDB, table: ChoiceTable, device: str, tolerance: float,
-                 seed: int, earlier: tuning_db.Record | None = None) -> KernelReport:
-    """Measures the candidates (those of the families `earlier` lacks, with the reference and its
-    winner, where a record of the kernel lacks some) and stores the record."""
-    measured = cands
+                 seed: int, earlier: tuning_db.Record | None = None, subset: list[Choice] | None = None) -> KernelReport:
+    """Measures the candidates (`subset` of them where given: its first is the reference; those of
+    the families `earlier` lacks, with the reference and its winner, where a record of the kernel
+    lacks some) and stores the record, which lists the versions of the families measured, now or
+    in `earlier`."""
+    measured = subset or cands
     if earlier is not None:
-        new = _unmeasured_families(earlier, cands)
-        measured = [c for i, c in enumerate(cands) if i == 0 or c[0] in new or c == earlier.choice]
+        new = _unmeasured_families(earlier, measured)
+        measured = [c for i, c in enumerate(measured) if i == 0 or c[0] in new or c == earlier.choice]
         if earlier.choice not in measured:
             measured.append(earlier.choice)
+    if subset is not None:
+        kept = {f for f, _ in measured} | (set(earlier.versions) if earlier is not None else set())
+        versions = {f: v for f, v in versions.items() if f in kept}
     trials = measurer.measure(sub, spec, measured, seed=seed)
     by_choice = {t.choice: t for t in trials}
     reference = by_choice.get(cands[0])

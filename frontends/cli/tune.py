@@ -50,6 +50,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--bf16", action="store_true", help="tune the kernels of precision='bf16' (bfloat16 mixed precision)")
     p.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for the whole run, in seconds")
     p.add_argument("--retune", action="store_true", help="measure kernels the database already holds again")
+    p.add_argument("--families", default=None, metavar="F[,F...]",
+                   help="measure only these kernel families' candidates, beside the cost model's first and what "
+                        "each step runs now (a new family compared quickly; a later run without it measures "
+                        "the others)")
     p.add_argument("--db", default=None, metavar="DIR",
                    help="tuning database folder to write (default: $EMBER_CACHE_DIR/tuning)")
     p.add_argument("--quiet", action="store_true", help="no line per kernel, no progress bar")
@@ -71,6 +75,12 @@ def main(args: Any) -> int:
     check_device(args.device)  # CuPy and a GPU present: the one line every command gives
     if index:
         target.select_device(int(index))
+    families = None
+    if args.families is not None:
+        families = {f.strip() for f in args.families.split(",") if f.strip()}
+        known = _families_of(name)
+        if not families or families - set(known):
+            raise UsageError(f"--families {args.families!r}: expected names from {', '.join(known)}")
     db = tuning_db.TuningDB(args.db, (tuning_db.SHIPPED_DIR,)) if args.db else tuning_db.default_db()
     t0 = time.perf_counter()
     totals = {"measured": 0, "reused": 0, "budget": 0}
@@ -82,15 +92,22 @@ def main(args: Any) -> int:
                               device=name, precision=precision)
                 for step, graph in graphs.items():
                     left = args.budget_s - (time.perf_counter() - t0)
-                    report = target.tune(graph, db=db, budget_s=max(left, 0.0), retune=args.retune,
+                    report = target.tune(graph, db=db, budget_s=max(left, 0.0), retune=args.retune, families=families,
                                          progress=None if args.quiet else _progress(f"{model_name} {step}"))
                     for k in report.kernels:
                         totals[k.status] = totals.get(k.status, 0) + 1
                     print(f"{model_name} {step}: {report.summary()}", flush=True)
     where = db.user_dir
+    skipped = f", {totals['skipped']} served by no family of --families" if totals.get("skipped") else ""
     print(f"ember tune: {totals['measured']} kernels measured, {totals['reused']} reused, "
-          f"{totals['budget']} left for lack of budget, in {time.perf_counter() - t0:.1f} s; database {where}")
+          f"{totals['budget']} left for lack of budget{skipped}, in {time.perf_counter() - t0:.1f} s; database {where}")
     return 0
+
+
+def _families_of(target_name: str) -> list[str]:
+    """The kernel families of a target's choice table (what --families may name)."""
+    from ember.codegen import cpp_choices, cuda_choices
+    return list({"cuda": cuda_choices.TABLE, "cpu": cpp_choices.TABLE}[target_name].families)
 
 
 def _progress(desc: str) -> Any:

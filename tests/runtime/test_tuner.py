@@ -329,3 +329,36 @@ def test_a_kernel_without_a_record_takes_the_plan_tuned_for_its_sizes_with_other
         tune_graph(_graph(), table=cuda_choices.TABLE, measurer=measurer, db=db)
     assert db.lookup("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec), versions).choice == \
         min(cuda_choices.candidates(sub, spec), key=_fake_us)  # measured: a record of its own now
+
+
+def test_a_run_narrowed_to_some_families_measures_them_beside_the_reference_and_the_stamped_choice(tmp_path):
+    """`families` (`ember tune --families`): each kernel a family of them serves is measured on
+    that family's candidates, the cost model's first and the stamped choice only; the record lists
+    the families measured, so a run without `families` measures the others; a kernel none of them
+    serves is skipped."""
+    db = TuningDB(tmp_path)
+    with tuning_db.using(db):
+        graph = _graph()
+        narrow = FakeMeasurer()
+        report = tune_graph(graph, table=cuda_choices.TABLE, measurer=narrow, db=db, families={"small_window"})
+        tunable = _tunable(graph)
+        served = [(s, k) for s, k in tunable if any(f == "small_window" for f, _ in cuda_choices.candidates(s, k))]
+        assert served and len(served) < len(tunable)
+        assert {r.name for r in report.kernels if r.status == "skipped"} == \
+            {s.name for s, k in tunable} - {s.name for s, _ in served}
+        for sub, spec in served:
+            cands = cuda_choices.candidates(sub, spec)
+            asked = next(a for a in narrow.asked if cands[0] in a and set(a) <= set(cands))
+            assert set(asked) == {c for i, c in enumerate(cands) if i == 0 or c[0] == "small_window" or c == spec.choice}
+            rec = db.lookup("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec), cuda_choices.TABLE.versions(sub, spec))
+            assert set(rec.versions) == {f for f, _ in asked} and rec.choice == min(asked, key=_fake_us)
+        with pytest.raises(ValueError, match="no kernel family nope"):
+            tune_graph(graph, table=cuda_choices.TABLE, measurer=FakeMeasurer(), db=db, families={"nope"})
+        full = FakeMeasurer()
+        again = tune_graph(_graph(), table=cuda_choices.TABLE, measurer=full, db=db)
+        assert {r.name for r in again.kernels if r.status == "measured"} >= {s.name for s, _ in served}
+        for sub, spec in served:
+            cands = cuda_choices.candidates(sub, spec)
+            rec = db.lookup("cuda", "NVIDIA H200", cuda_choices.TABLE.key(sub, spec), cuda_choices.TABLE.versions(sub, spec))
+            assert set(rec.versions) == set(cuda_choices.TABLE.versions(sub, spec))
+            assert {choice_text(c) for c in cands} == set(rec.timings_us) | set(rec.rejected)

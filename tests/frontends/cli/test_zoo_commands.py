@@ -3,6 +3,7 @@ model as it takes a recipe, `ember kernels --model NAME` writes a zoo model's so
 takes zoo names too, and a zoo model without PyTorch is refused in one line."""
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -89,3 +90,20 @@ def test_tune_takes_zoo_names(capsys):
     assert cli.main(["tune", "--model", "vit,nope"]) == 2
     assert "--model nope: expected names from cnn, mlp, lenet5, resnet8, speednet, airbench, mobilenet, vit, vit_sdpa (or all)" \
         in capsys.readouterr().err
+
+
+def test_tune_families_narrows_the_run_and_refuses_unknown_names(capsys, tmp_path):
+    """`ember tune --families`: only those families' candidates (beside the reference and the
+    stamped choice) are measured, and the records say so; an unknown name is one line naming the
+    target's families, before any work."""
+    assert cli.main(["tune", "--device", "cpu", "--model", "mlp", "--families", "matmul_axpy,nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--families 'matmul_axpy,nope': expected names from matmul_dot, matmul_axpy" in err
+    argv = ["tune", "--device", "cpu", "--model", "mlp", "--batch-size", "4", "--families", "matmul_axpy",
+            "--db", str(tmp_path), "--quiet", "--budget-s", "300"]
+    assert cli.main(argv) == 0
+    assert "kernels measured" in capsys.readouterr().out
+    (db,) = tmp_path.glob("cpu-*.json")
+    records = json.loads(db.read_text())["records"]
+    assert records and all(set(r["versions"]) <= {"matmul_axpy", "matmul_dot"} and "matmul_axpy" in r["versions"]
+                           for r in records.values())
