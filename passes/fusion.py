@@ -32,8 +32,8 @@ the operand roles, the epilogues. What may fuse is the target's `FusionCaps`:
 
 After grouping, two cost rules rewrite the groups: a cheap pointwise group whose readers are all
 generated kernels (or contractions' generated epilogues) is recomputed in each of them instead of stored (`fusion_recompute.py`, when
-`FusionCaps.recompute`; a group whose value is a widening cast of its own value then stores the
-narrow one, the cast joining its readers: `store_narrow`), and, on targets whose kernels may write several outputs
+`FusionCaps.recompute`; with `FusionCaps.store_narrow`, a group whose value is a widening cast of
+its own value then stores the narrow one, the cast joining its readers), and, on targets whose kernels may write several outputs
 (`FusionCaps.multi_output`), reductions over one domain share a kernel and pointwise work at a
 reduction's output index becomes that kernel's further outputs (`fusion_multi.py`). A group then
 records its values in `notes["outputs"]` (its root first); the fused node holds the first ("out")
@@ -268,7 +268,8 @@ def _groups(graph: Graph, caps: FusionCaps,
     _absorb_pointwise_epilogues(graph, gr, groups, caps)
     if caps.recompute:
         decided.update(recompute_cheap(graph, groups, caps.epilogue_dtypes))
-        store_narrow(graph, groups, caps.epilogue_dtypes)
+        if caps.store_narrow:
+            store_narrow(graph, groups, caps.epilogue_dtypes)
     if caps.multi_output:
         merge_multi_output(graph, groups)
     return groups

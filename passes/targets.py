@@ -43,6 +43,10 @@ class FusionCaps:
     #: whether cheap elementwise values are recomputed in each generated kernel that reads them
     #: instead of stored (`passes/fusion_recompute.py`: a cost rule in bytes moved)
     recompute: bool = True
+    #: whether a kernel whose value is a widening cast of its own value stores the narrow value and
+    #: its readers widen it (`fusion_recompute.store_narrow`): half the bytes where memory bound
+    #: (CUDA at large batches); on the CPU the tensors mostly stay in cache and it measured no gain
+    store_narrow: bool = False
     #: whether a softmax cross-entropy and its gradient become the `softmax_xent` kernels
     #: (`passes/fusion_loss.py`) instead of a dozen generic ones
     loss_kernels: bool = False

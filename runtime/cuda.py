@@ -592,7 +592,7 @@ TARGET = targets.register(targets.Target(
                                          "matmul": frozenset({"bias", "relu", "pointwise"}),
                                          "conv2d_grad_input": frozenset({"relu_mask", "pointwise"}),
                                          "conv2d_grad_weight": frozenset({"pointwise"})},
-                              loss_kernels=True, multi_output=True,
+                              loss_kernels=True, multi_output=True, store_narrow=True,
                               epilogue_dtypes=frozenset({"float32", "bfloat16"})),
     alignment=256,
     reuse_memory=False,  # an H200 has memory to spare; concurrency needs buffers that do not alias

@@ -238,6 +238,7 @@ def _stored(graph: ir.Graph) -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("caps", [BF16_CAPS, CAPS], ids=["bf16-epilogues", "float32-epilogues"])
 def test_a_widened_bfloat16_value_is_stored_narrow_and_widened_by_its_readers(caps):
+    caps = dataclasses.replace(caps, store_narrow=True)
     """Under precision "bf16" a convolution's bfloat16 result is widened for BatchNorm, and
     GELU's backward is rounded to bfloat16 and widened again: no kernel stores such a value
     widened (float32: twice the bytes written, and read by every reader), whichever dtypes the
@@ -248,6 +249,8 @@ def test_a_widened_bfloat16_value_is_stored_narrow_and_widened_by_its_readers(ca
     kernels = _stored(fused)
     widened = [(kind, op) for kind, dtype, op in kernels if op == "cast" and dtype == "float32"]
     assert kernels and not widened, kernels
+    # a target without the rule (the CPU's) stores them widened, as before
+    assert [k for k in _stored(fuse(g, dataclasses.replace(caps, store_narrow=False))) if k[2] == "cast" and k[1] == "float32"]
     assert [dtype for kind, dtype, _ in kernels if kind.startswith("conv2d")] == ["bfloat16"] * 3  # 2 forward, 1 grad-input
     # the BatchNorm statistics and normalisation kernels read the convolutions' bfloat16 values
     readers = [n for n in fused.g if fused.op(n) == "fused" and fused.attrs(n)["kernel"].kind in ("pointwise", "reduction")
@@ -281,7 +284,7 @@ def test_a_widened_value_a_template_reads_stays_stored_wide():
     wide = g.add("cast", [c], dtype="float32")
     g.set_output("pooled", g.add("max_pool2d", [wide], kernel=(2, 2), stride=(2, 2), padding=(0, 0)))
     g.set_output("doubled", g.add("mul", [wide, g.add("constant", [], value=np.float32(2))]))
-    fused = fuse(g, BF16_CAPS)
+    fused = fuse(g, dataclasses.replace(BF16_CAPS, store_narrow=True))
     (conv,) = [n for n in fused.g if fused.op(n) == "fused" and fused.attrs(n)["kernel"].kind == "conv2d"]
     assert fused.type(conv).dtype.name == "float32"
     assert kernel_counts(fused) == {"pointwise": 3, "conv2d": 1, "max_pool2d": 1}
