@@ -127,6 +127,10 @@ def test_tuning_moves_names_the_steps_a_record_changes(tmp_path):
             assert counts[0][0] == "1" and "choice=gemm(" in r.stdout and "-> conv2d" in r.stdout \
                 and f"choice={label}" in r.stdout, r.stdout
         assert ("to time on h200: python tools/step_time.py --cases cnn:64" in r.stdout) == (name == "moved"), r.stdout
+    # a GPU named in full (spaces in it) names the steps to time alike
+    r = _run("tuning_moves.py", str(tmp_path / "moved"), "--gpu", "NVIDIA H200", "--models", "cnn", "--batch-sizes", "64")
+    assert r.returncode == 0 and "to time on NVIDIA H200: python tools/step_time.py --cases cnn:64" in r.stdout, \
+        r.stdout + r.stderr[-3000:]
     # --precision plans the bf16 step (its own kernels: the casts, bfloat16 contractions), which
     # the float32 record of the same convolution leaves as it was
     r = _run("tuning_moves.py", str(tmp_path / "moved"), *args, "--precision", "bf16")
@@ -179,3 +183,9 @@ def test_the_channels_innermost_conv_lab_renders_every_plan_of_the_family_and_ne
     r = _run("cuda_conv_nhwc_lab.py", "--batch", "2", "--cases", "cnn")
     if r.returncode != 0:  # no GPU here (CI): the one-line exit of cuda_lab.require_cupy
         assert "needs CuPy and an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_compile_time_tool_refuses_an_unknown_model_in_one_line():
+    r = _run("compile_time.py", "--device", "cpu", "--models", "airbench")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "unknown model 'airbench' (a zoo model: zoo:airbench)" in r.stderr

@@ -159,6 +159,13 @@ def main() -> int:
         from ember.frontends.training.zoo import ZOO
         models = [(f"zoo:{m.name}", m.batch_size) for m in ZOO.values()]
     else:
+        from ember.frontends.training.recipes import MODELS
+        from ember.frontends.training.zoo import ZOO
+        for m in args.models:  # before any child process: a wrong name is one line, not a child's traceback
+            if m not in MODELS and not (m.startswith("zoo:") and m[4:] in ZOO):
+                hint = f" (a zoo model: zoo:{m})" if m in ZOO else ""
+                raise SystemExit(f"compile_time: unknown model {m!r}{hint}; recipes: {', '.join(MODELS)}; "
+                                 f"zoo models as zoo:NAME ({', '.join(ZOO)})")
         models = [(m, args.batch) for m in args.models]
     rows = []
     for model, batch in models:
