@@ -198,7 +198,7 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
         subset = None  # the candidates `families` asks for, beside the reference and the stamped choice
         if families is not None:
             subset = [c for i, c in enumerate(cands) if i == 0 or c[0] in families or c == spec.choice]
-        if key in seen and seen[key].status != "budget":  # the same kernel again: its record serves both
+        if key in seen and seen[key].status not in ("budget", "skipped"):  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif rec is not None and not _unmeasured_families(rec, subset or cands):
             rep = KernelReport(sub.name, spec.kind, key, "reused", rec.choice, rec.time_us, candidates=len(rec.timings_us))
