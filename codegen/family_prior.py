@@ -99,7 +99,13 @@ class Prior:
 
 @functools.lru_cache(maxsize=4096)
 def _geometry_of(key: str) -> dict[str, Any]:
-    return json.loads(key)
+    """A record's kernel geometry; {} (of no kind: compared with nothing) for a key that is none
+    (a damaged database costs its records, never a compile)."""
+    try:
+        g = json.loads(key)
+    except ValueError:
+        return {}
+    return g if isinstance(g, dict) else {}
 
 
 def plan_mode(plan: Any) -> str | None:

@@ -180,12 +180,18 @@ class TuningDB:
         one whose epilogues differ least, then by key), and those epilogues. Its plan was measured
         on the same main loop: better evidence than a prediction from other sizes."""
         wanted, epilogues = sizes_key(key)
-        for records in self.layers(target, device):
+        layers = self.layers(target, device)
+        live = {id(records) for records in layers}  # a file read again (a tuner's store) drops its old index
+        self._by_sizes = {i: held for i, held in self._by_sizes.items() if i in live}
+        for records in layers:
             held = self._by_sizes.get(id(records))
             if held is None or held[0] is not records:
                 index: dict[str, list[tuple[frozenset[str], str]]] = {}
                 for k in sorted(records):
-                    sk, eps = sizes_key(k)
+                    try:
+                        sk, eps = sizes_key(k)
+                    except (ValueError, AttributeError):  # a damaged key costs its record, never a compile
+                        continue
                     index.setdefault(sk, []).append((eps, k))
                 held = self._by_sizes[id(records)] = (records, index)
             siblings = sorted(held[1].get(wanted, ()), key=lambda ek: (len(ek[0] ^ epilogues), ek[1]))

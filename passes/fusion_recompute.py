@@ -31,9 +31,10 @@ carries that step's decisions (`meta["recompute_reuse"]`, from the graph's
 `meta["recomputed"]`: each weighed candidate, by node id and op) and takes them where the
 candidate is one again, so that its kernels are the same code.
 
-A kernel of any kind whose value is a widening cast of a value it computes (mixed precision: a
-bfloat16 convolution's result widened for the float32 BatchNorm after it, a bfloat16-rounded
-gradient widened again) stores the narrow value instead, and each reader widens it itself
+On targets that ask for it (`FusionCaps.store_narrow`: CUDA), a kernel of any kind whose value is
+a widening cast of a value it computes (mixed precision: a bfloat16 convolution's result widened
+for the float32 BatchNorm after it, a bfloat16-rounded gradient widened again) stores the narrow
+value instead, and each reader widens it itself
 (`store_narrow`): the same values, half the bytes written and read. Only where every reader can
 (pointwise and reduction kernels; a contraction's generated epilogue where the target's
 epilogues read the narrow dtype), so the cast never becomes a kernel of its own.

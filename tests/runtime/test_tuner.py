@@ -323,6 +323,9 @@ def test_a_kernel_without_a_record_takes_the_plan_tuned_for_its_sizes_with_other
         stamped = {s.name: k for s, k in _tunable(_graph())}[sub.name]
     assert stamped.choice == other
     assert stamped.why.startswith("tuned (user)") and stamped.why.endswith("with epilogues [bias]")  # the nearest set
+    TuningDB(tmp_path).store("cuda", "NVIDIA H200", "{not a key", Record(other, {choice_text(other): 1.0}, versions))
+    with tuning_db.using(TuningDB(tmp_path)):  # a damaged key costs its record, never the compile
+        assert {s.name: k for s, k in _tunable(_graph())}[sub.name].choice == other
     db = TuningDB(tmp_path)
     measurer = FakeMeasurer()
     with tuning_db.using(db):
