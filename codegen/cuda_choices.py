@@ -420,11 +420,12 @@ def _nhwc_plan(plan: Plan) -> conv_nhwc.NhwcPlan | None:
         return None
 
 
-def _nhwc_accepts(g: dict[str, Any], plan: Plan) -> bool:
-    """A plan (a record's, perhaps of another batch size) fits where it tiles the kernel of its
-    kind and its stages fit a block's shared memory: any split count serves a grad-weight."""
+def _nhwc_accepts(g: dict[str, Any], plan: Plan, wg: bool = False) -> bool:
+    """A plan (a record's, perhaps of another batch size) fits where it is of the family's GEMM core
+    (`wg`: warpgroup MMA), tiles the kernel of its kind and its stages fit a block's shared memory:
+    any split count serves a grad-weight."""
     p = _nhwc_plan(plan)
-    return p is not None and p.tiles(g["kind"] == "conv2d_grad_weight") and \
+    return p is not None and bool(p.WG) == wg and p.tiles(g["kind"] == "conv2d_grad_weight") and \
         p.shared_bytes(g) <= current().shared_per_block_optin
 
 
@@ -829,6 +830,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
            lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))), _nhwc_render,
            tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
+    # the same forward and grad-input on warpgroup MMA (sm_90a, bfloat16 operands): m64 x BN slices a
+    # warpgroup, 128-byte swizzled k-tiles read by descriptors; taken where measured, never by default
+    Family("nhwc_wg", conv_nhwc.WG_KINDS, 13, lambda g: [conv_nhwc.stamped(conv_nhwc.wg_plans(g)[0])],
+           conv_nhwc.wg_serves, _never, lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))),
+           _nhwc_render, tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.wg_plans(g)],
+           accepts=functools.partial(_nhwc_accepts, wg=True)),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

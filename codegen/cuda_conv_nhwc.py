@@ -38,11 +38,15 @@ from .device import current
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 
-__all__ = ["KINDS", "NhwcPlan", "serves", "plans", "scratch_bytes", "render"]
+__all__ = ["KINDS", "WG_KINDS", "NhwcPlan", "serves", "plans", "wg_serves", "wg_plans", "scratch_bytes", "render"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: k a stage: 64-byte forward tile rows (32 bfloat16, 16 floats); as many pixels a grad-weight stage
 BK = {"bf16": 32, "tf32": 16, "x3": 16}
+#: bytes of a warpgroup-MMA tile row (64 bfloat16: k a stage; the 128-byte swizzle)
+WG_ROW = 128
+#: the kinds warpgroup MMA serves (a grad-weight's tiles are [pixel][channel]: MN-major, not yet)
+WG_KINDS = ("conv2d", "conv2d_grad_input")
 #: scratch a kernel may take for its relaid operands and partials
 MAX_SCRATCH = 4 << 30
 #: bytes of shared memory a relayout block stages a source row's channels in
@@ -60,6 +64,7 @@ class NhwcPlan:
     WN: int      # warps along the columns
     STAGES: int  # k-tiles in flight (cp.async)
     SPLITS: int = 1  # grad-weight: ranges of pixels summed apart (their partials added in order)
+    WG: int = 0  # 1: warpgroup MMA (family nhwc_wg): BM / 64 warpgroups, WM = BM / 16 warps of 16 rows, WN = 1
 
     @property
     def threads(self) -> int:
@@ -68,12 +73,18 @@ class NhwcPlan:
     def shared_bytes(self, g: dict[str, Any]) -> int:
         """Dynamic shared memory of the GEMM launch: STAGES k-tiles of both operands (a float32
         grad-weight's rows padded by 8 floats)."""
+        if self.WG:  # 128-byte rows, and the slack that aligns the tiles to 1024 bytes (the swizzle)
+            return self.STAGES * (self.BM + self.BN) * WG_ROW + 1024
         if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
             return self.STAGES * BK["x3"] * (self.BM + self.BN + 16) * 4
         return self.STAGES * (self.BM + self.BN) * 64
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
+        if self.WG:  # warpgroups of 64 rows; a 128-byte row is 8 chunks; m64nNk16 takes N <= 256
+            return not gw and self.SPLITS == 1 and self.BM % 64 == 0 and self.WM * 16 == self.BM and self.WN == 1 \
+                and self.BN % 16 == 0 and 16 <= self.BN <= 256 and self.STAGES >= 3 \
+                and (8 * self.BM) % self.threads == 0 and (8 * self.BN) % self.threads == 0
         fm, fn = self.BM // (self.WM * 16), self.BN // (self.WN * 8)
         if fm < 1 or fn < 2 or fn % 2 or fm * 16 * self.WM != self.BM or fn * 8 * self.WN != self.BN:
             return False
@@ -95,6 +106,15 @@ _FORWARD = {
 _GRAD_WEIGHT = {
     128: ((128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 4, 4), (128, 64, 4, 2, 4)),
     64: ((64, 128, 2, 4, 4), (64, 64, 2, 2, 4)),
+}
+
+
+#: (BM, BN, STAGES) of the warpgroup-MMA forward and grad-input, by the output channels' block width
+_WARPGROUP = {
+    256: ((128, 256, 3), (128, 256, 4), (128, 128, 4), (256, 128, 3)),
+    128: ((128, 128, 4), (128, 128, 3), (256, 128, 3)),
+    64: ((128, 64, 4), (256, 64, 4), (128, 64, 6)),
+    32: ((128, 32, 4), (128, 32, 6)),
 }
 
 
@@ -153,6 +173,28 @@ def plans(g: dict[str, Any]) -> list[NhwcPlan]:
     return [p for p in found if p.tiles(gw) and p.shared_bytes(g) <= limit]
 
 
+def wg_plans(g: dict[str, Any]) -> list[NhwcPlan]:
+    """Every warpgroup-MMA plan the tuner measures (family `nhwc_wg`), the first a stamp-less render's."""
+    found = [NhwcPlan(bm, bn, bm // 16, 1, stages, WG=1)
+             for bm, bn, stages in _WARPGROUP[_width_class(problem(g)["CO"], _WARPGROUP)]]
+    limit = current().shared_per_block_optin
+    return [p for p in found if p.tiles(False) and p.shared_bytes(g) <= limit]
+
+
+def wg_serves(g: dict[str, Any]) -> str | None:
+    """None where the warpgroup-MMA family `nhwc_wg` serves a convolution of geometry `g`, else why not."""
+    if g["kind"] not in WG_KINDS:
+        return "it serves forward and grad-input convolutions"
+    if precision(g) != "bf16":
+        return "it serves bfloat16 operands"
+    if not current().wgmma:
+        return f"warpgroup MMA needs compute capability 9.0 (sm_90a); {current().name} has not"
+    why = serves(g)
+    if why is not None:
+        return why
+    return None if wg_plans(g) else "no warpgroup blocking fits"
+
+
 def serves(g: dict[str, Any]) -> str | None:
     """None where the family serves a convolution of geometry `g` (the CUDA table's), else why not."""
     if g["kind"] not in KINDS:
@@ -208,6 +250,8 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     roles, inputs, src = conv_roles("nhwc_tc", kind, bias=bias, relu=relu, relu_mask=relu_mask)
     if not plan.tiles(gw) or plan.shared_bytes(g) > current().shared_per_block_optin:
         raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
+    if plan.WG and wg_serves(g) is not None:
+        raise ValueError(f"nhwc_wg does not serve this convolution: {wg_serves(g)}")
     q, regions = problem(g), _regions(g, plan)
     prec, e = precision(g), element_bytes(g)
     operands = {"x", "dy"} if gw else {src, "w"}
@@ -221,7 +265,9 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     description = (f"conv2d {what} x({g['N']},{g['C']},{g['H']},{g['W']}) w({g['O']},{g['C']},{g['KH']},{g['KW']}) "
                    f"stride ({sh},{sw}) padding ({ph},{pw}){' +bias' if bias else ''}{' +relu' if relu else ''}"
                    f"{' *relu-mask' if relu_mask else ''}, channels-innermost GEMM on {_ON[prec]}, "
-                   f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, {plan.STAGES} stages"
+                   + (f"warpgroup MMA, blocks {plan.BM}x{plan.BN}, {plan.BM // 64} warpgroups, " if plan.WG else
+                      f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, ")
+                   + f"{plan.STAGES} stages"
                    f"{f', {plan.SPLITS} splits' if gw else ''}")
     widest = max(q["WI"], q["WO"] if gw else 0)
     rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (e * widest) - 2) // 8 * 8)
@@ -231,7 +277,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         off_dyt=regions["dyt"] // e, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
-        relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3")
+        relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG))
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]
@@ -255,7 +301,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
 def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:
     """A plan as the choice table stamps it (a forward's without its split count)."""
     pairs = (("BM", plan.BM), ("BN", plan.BN), ("WM", plan.WM), ("WN", plan.WN), ("STAGES", plan.STAGES))
-    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ())
+    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) + ((("WG", 1),) if plan.WG else ())
 
 
 def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any,

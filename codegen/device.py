@@ -42,6 +42,13 @@ class Device:
     clock_hz: float
     memory_bytes_per_s: float
     warp_size: int = 32
+    #: major * 10 + minor (90 for sm_90); 0 where unknown
+    compute_capability: int = 0
+
+    @property
+    def wgmma(self) -> bool:
+        """Whether the GPU runs warpgroup MMA (sm_90a: Hopper; the kernels are built for sm_90a there)."""
+        return self.compute_capability == 90
 
 
 # An H200's SM clock under load and its achievable HBM bandwidth as fractions of the datasheet
@@ -54,24 +61,24 @@ KIB = 1024
 H200 = Device(name="NVIDIA H200", multiprocessors=132, shared_per_block=48 * KIB, shared_per_block_optin=227 * KIB,
               shared_per_multiprocessor=228 * KIB, registers_per_multiprocessor=65536,
               max_threads_per_multiprocessor=2048, max_blocks_per_multiprocessor=32, clock_hz=1.755e9,
-              memory_bytes_per_s=4.0e12)
+              memory_bytes_per_s=4.0e12, compute_capability=90)
 #: NVIDIA H100 SXM 80 GB (9.0): an H200's multiprocessors with HBM3 (3.35 TB/s peak)
 H100_SXM = Device(name="NVIDIA H100 80GB HBM3", multiprocessors=132, shared_per_block=48 * KIB,
                   shared_per_block_optin=227 * KIB, shared_per_multiprocessor=228 * KIB,
                   registers_per_multiprocessor=65536, max_threads_per_multiprocessor=2048,
                   max_blocks_per_multiprocessor=32, clock_hz=1.98e9 * CLOCK_UNDER_LOAD,
-                  memory_bytes_per_s=3.35e12 * REACHABLE_BANDWIDTH)
+                  memory_bytes_per_s=3.35e12 * REACHABLE_BANDWIDTH, compute_capability=90)
 #: NVIDIA A100 SXM4 80 GB (8.0): 1.41 GHz boost, 2.04 TB/s peak
 A100_SXM_80GB = Device(name="NVIDIA A100-SXM4-80GB", multiprocessors=108, shared_per_block=48 * KIB,
                        shared_per_block_optin=163 * KIB, shared_per_multiprocessor=164 * KIB,
                        registers_per_multiprocessor=65536, max_threads_per_multiprocessor=2048,
                        max_blocks_per_multiprocessor=32, clock_hz=1.41e9 * CLOCK_UNDER_LOAD,
-                       memory_bytes_per_s=2.039e12 * REACHABLE_BANDWIDTH)
+                       memory_bytes_per_s=2.039e12 * REACHABLE_BANDWIDTH, compute_capability=80)
 #: NVIDIA L4 (8.9): 2.04 GHz boost, 300 GB/s GDDR6 peak; 1536 threads and 24 blocks a multiprocessor
 L4 = Device(name="NVIDIA L4", multiprocessors=58, shared_per_block=48 * KIB, shared_per_block_optin=99 * KIB,
             shared_per_multiprocessor=100 * KIB, registers_per_multiprocessor=65536,
             max_threads_per_multiprocessor=1536, max_blocks_per_multiprocessor=24, clock_hz=2.04e9 * CLOCK_UNDER_LOAD,
-            memory_bytes_per_s=300e9 * REACHABLE_BANDWIDTH)
+            memory_bytes_per_s=300e9 * REACHABLE_BANDWIDTH, compute_capability=89)
 
 #: the descriptors `named` knows, by short name (`ember kernels --gpu NAME`)
 KNOWN: dict[str, Device] = {"h200": H200, "h100": H100_SXM, "a100": A100_SXM_80GB, "l4": L4}

@@ -158,7 +158,8 @@ def device_from_cupy(cp: Any, index: int | None = None) -> Device:
                   max_threads_per_multiprocessor=a["MaxThreadsPerMultiProcessor"],
                   max_blocks_per_multiprocessor=a["MaxBlocksPerMultiprocessor"],
                   clock_hz=a["ClockRate"] * 1e3 * CLOCK_UNDER_LOAD,
-                  memory_bytes_per_s=peak_bandwidth * REACHABLE_BANDWIDTH, warp_size=a["WarpSize"])
+                  memory_bytes_per_s=peak_bandwidth * REACHABLE_BANDWIDTH, warp_size=a["WarpSize"],
+                  compute_capability=10 * a.get("ComputeCapabilityMajor", 0) + a.get("ComputeCapabilityMinor", 0))
     known = find(read.name)
     if known is not None and dataclasses.replace(read, clock_hz=known.clock_hz,
                                                  memory_bytes_per_s=known.memory_bytes_per_s) == known:
@@ -205,7 +206,7 @@ def expected_modules(traced: Graph) -> int:
 
 
 def _step_options(cp: Any) -> tuple[str, ...]:
-    return ("-std=c++17", f"-arch={_arch(cp)}")
+    return ("-std=c++17", f"-arch={nvrtc_arch(cp)}")
 
 
 def _prepare_build(traced: Graph, sources: tuple[Any, ...] = ()) -> None:
@@ -242,8 +243,11 @@ def _step_stream(cp: Any) -> Any:
     return _STEP_STREAMS[device]
 
 
-def _arch(cp: Any) -> str:
-    return f"sm_{cp.cuda.Device().compute_capability}"  # CuPy gives "90" for compute capability 9.0
+def nvrtc_arch(cp: Any) -> str:
+    """NVRTC's -arch: sm_90a on compute capability 9.0 (warpgroup MMA, which the `nhwc_wg` family
+    issues, exists only there; the other kernels compile as for sm_90), else sm_XX."""
+    cc = cp.cuda.Device().compute_capability  # CuPy gives "90" for compute capability 9.0
+    return f"sm_{cc}a" if cc == "90" else f"sm_{cc}"
 
 
 #: the name of the threads that build ahead (`wait_for_builds_ahead`)
@@ -313,7 +317,7 @@ class CudaExecutor:
         t0 = time.perf_counter()
         self.source = source if source is not None else render_step(graph)  # given: from the plan cache
         rendered = time.perf_counter()
-        self.arch = _arch(cp)
+        self.arch = nvrtc_arch(cp)
         options = _step_options(cp)
         if dump_dir is not None:
             out = Path(dump_dir)

@@ -184,6 +184,37 @@ static inline void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigne
 }
 """
 
+#: what replaces the warpgroup-MMA helpers of wgmma_bf16.j2 (between its marker comments): each
+#: thread of a warpgroup computes its own accumulators, as the fragment layout places them, from the
+#: operand tiles in shared memory read through the descriptor's addressing (a row's 128 bytes, eight
+#: rows 1024 bytes apart, the 16-byte chunk bits XOR the row bits of the address: the 128-byte
+#: swizzle); synchronous, so fences, commits and waits are nothing; products exact, sums in double
+WGMMA_EMULATION = r"""
+static inline void wg_fence() {}
+static inline void wg_commit() {}
+template <int PENDING> static inline void wg_wait() {}
+static inline void wg_proxy_fence() {}
+template <int FN> static inline void wg_pin(float (&)[FN][4]) {}
+static inline float wg_operand(const void* start, unsigned row, unsigned k) {
+  unsigned long long at = (unsigned long long)start + (row / 8) * 1024 + (row % 8) * 128 + 2 * k;
+  at ^= ((at >> 7) & 7) << 4;
+  unsigned short v;
+  std::memcpy(&v, (const void*)at, 2);
+  return __uint_as_float((unsigned)v << 16);
+}
+template <int FN>
+static inline void wg_mma(float (&d)[FN][4], const void* a, const void* b) {
+  const unsigned t128 = threadIdx.x % 128, w = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
+  for (int j = 0; j < FN; ++j)
+    for (int r = 0; r < 4; ++r) {
+      const unsigned row = 16 * w + g + 8 * (r / 2), col = 8 * j + 2 * t + r % 2;
+      double s = d[j][r];
+      for (unsigned k = 0; k < 16; ++k) s += (double)wg_operand(a, row, k) * (double)wg_operand(b, col, k);
+      d[j][r] = (float)s;
+    }
+}
+"""
+
 RUNNER = r"""
 namespace ember_emu {
 // One OS thread per CUDA thread of a block, kept for every block of the launch (blocks one after
@@ -232,6 +263,7 @@ def _emulated(kernel: CudaKernel, index: int) -> str:
         mma = _mma_text(template)
         if mma in code:
             code = code.replace(mma, emulation)
+    code = re.sub(r"// ember:wgmma begin\n.*?// ember:wgmma end\n", lambda m: WGMMA_EMULATION, code, flags=re.S)
     slots = 0
 
     def to_arena(m: re.Match) -> str:  # `float xs[..]` or `unsigned xs[..]` (bfloat16 pairs)

@@ -1,5 +1,5 @@
 """nvcc for the tests that compile generated CUDA without a GPU: where it is, and how they call it
-(a cubin for sm_90, C++17 as NVRTC compiles it at run time; any diagnostic fails)."""
+(a cubin for sm_90a, as the runtime builds for an H100 or H200: warpgroup MMA is sm_90a's; C++17 as NVRTC compiles it at run time; any diagnostic fails)."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ def nvcc_or_skip() -> str:
 
 
 def nvcc_command(nvcc: str, src: Path, out: str = os.devnull) -> list[str]:
-    return [nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-o", out, str(src)]
+    return [nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-o", out, str(src)]
 
 
 def assert_compiles(nvcc: str, src: Path) -> None:

@@ -51,18 +51,20 @@ EMULATED = [dict(N=2, C=16, H=6, W=7, O=24, KH=3, KW=3, stride=1, padding=1),
 EPILOGUE = PointwiseEpilogue(("float e = red * in5[i] + 0.5f;",), "e", (5,))
 
 
-def _kernels(idx: int) -> list[tuple[str, object, cn.NhwcPlan]]:
+def _kernels(idx: int, wg: bool = False) -> list[tuple[str, object, cn.NhwcPlan]]:
     """(kind, kernel, plan) of each kind the family serves at EMULATED[idx]: the first plan and the
     last (other blockings, stage counts and split counts), the forward with bias and ReLU, the
     grad-input with the ReLU mask, the grad-weight with a generated epilogue; the first forward
-    also with a generated epilogue and a float32 output."""
+    also with a generated epilogue and a float32 output. `wg`: the warpgroup-MMA plans (family
+    nhwc_wg: forward and grad-input)."""
     out = []
     for kind in KINDS:
         g = _geometry(kind, **EMULATED[idx])
-        if cn.serves(g) is not None:
-            assert kind == "gi" and g["stride"] != (1, 1), cn.serves(g)
+        why = cn.wg_serves(g) if wg else cn.serves(g)
+        if why is not None:
+            assert kind == "gi" and g["stride"] != (1, 1) or wg and kind == "gw", why
             continue
-        plans = cn.plans(g)
+        plans = cn.wg_plans(g) if wg else cn.plans(g)
         for i, plan in enumerate(dict.fromkeys([plans[0], plans[-1]])):
             name = f"n{idx}{kind}{i}"
             if kind == "fwd":
@@ -71,10 +73,11 @@ def _kernels(idx: int) -> list[tuple[str, object, cn.NhwcPlan]]:
                 k = cn.render(name, g, plan, relu_mask=True, bf16_roles=frozenset({"dy", "w", "mask_src", "out"}))
             else:
                 k = cn.render(name, g, plan, epilogue=EPILOGUE, bf16_roles=frozenset({"x", "dy"}))
+            assert ("wgmma.mma_async" in k.code) == wg
             out.append((kind, k, plan))
     g = _geometry("fwd", **EMULATED[idx])
-    out.append(("fwd_pw", cn.render(f"n{idx}pw", g, cn.plans(g)[0], epilogue=EPILOGUE,
-                                    bf16_roles=frozenset({"x", "w"})), cn.plans(g)[0]))
+    first = (cn.wg_plans(g) if wg else cn.plans(g))[0]
+    out.append(("fwd_pw", cn.render(f"n{idx}pw", g, first, epilogue=EPILOGUE, bf16_roles=frozenset({"x", "w"})), first))
     return out
 
 
@@ -111,10 +114,13 @@ def _run(lib, index: int, kernel, vals: dict, ref: np.ndarray, out_bf16: bool) -
     return bf16_values(bufs["out"]) if out_bf16 else bufs["out"]
 
 
+@pytest.mark.parametrize("wg", [False, True], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("idx", range(len(EMULATED)))
-def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, tmp_path):
-    kernels = _kernels(idx)
-    lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"nhwc{idx}")
+def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, wg, tmp_path):
+    """Both GEMM cores: mma.sync (nhwc_tc) and warpgroup MMA (nhwc_wg, its operands read through
+    the descriptors' swizzled addressing as the emulation models the hardware's)."""
+    kernels = _kernels(idx, wg)
+    lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"nhwc{idx}{'wg' if wg else ''}")
     rng = np.random.default_rng(idx)
     for i, (kind, k, plan) in enumerate(kernels):
         g = dict(EMULATED[idx])
@@ -203,6 +209,12 @@ def test_every_plan_compiles_with_nvcc(tmp_path):
                 assert k.scratch_bytes == cn.scratch_bytes(g, plan)
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.code and "ldmatrix" in k.code
                 sources.append(k.code)
+            # warpgroup MMA (nhwc_wg): every plan of the forward and grad-input
+            for j, plan in enumerate(cn.wg_plans(g) if cn.wg_serves(g) is None else ()):
+                k = cn.render(f"c{i}{kind}wg{j}", g, plan, bf16_roles=frozenset(roles))
+                assert "wgmma.mma_async.sync.aligned.m64n" in k.code and k.launches[-1].block[0] == 2 * plan.BM
+                assert k.launches[-1].shared_bytes == plan.shared_bytes(g) > 1024
+                sources.append(k.code)
             # float32 operands, as 3xTF32 and as TF32: the first plan of each
             for prec, tf32 in (("x3", False), ("tf32", True)):
                 k = cn.render(f"c{i}{kind}{prec}", dict(g, dtype=None, tf32=tf32), cn.plans(g)[0])
@@ -245,6 +257,29 @@ def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_pi
     k = cn.render("k", gw, cn.plans(gw)[0], bf16_roles=frozenset({"x", "dy"}))
     assert [ln.function for ln in k.launches] == ["k_dy", "k_src", "k_gemm", "k_reduce"]
     assert k.launches[-1].grid[0] * 256 >= 256 * 64 * 9 and k.launches[2].grid[2] == cn.plans(gw)[0].SPLITS
+
+
+def test_the_warpgroup_family_serves_bfloat16_forwards_and_grad_inputs_on_sm_90a_only():
+    from ember.codegen import device
+    fam = cuda_choices.FAMILIES["nhwc_wg"]
+    wide, gi, gw = (_geometry(kind, **COMPILED[1]) for kind in ("fwd", "gi", "gw"))
+    assert cuda_choices.TABLE.applies(fam, wide) is None and cuda_choices.TABLE.applies(fam, gi) is None
+    assert not fam.preferred(wide)  # taken where measured
+    assert "conv2d_grad_input" in cuda_choices.TABLE.applies(fam, gw) and "forward and grad-input" in cn.wg_serves(gw)
+    assert "bfloat16" in cuda_choices.TABLE.applies(fam, dict(wide, dtype=None))
+    assert "not a multiple of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
+    with device.using(device.A100_SXM_80GB):
+        assert "sm_90a" in cuda_choices.TABLE.applies(fam, wide)
+    with device.using(device.H100_SXM):
+        assert cuda_choices.TABLE.applies(fam, wide) is None
+    # one warpgroup a 64 rows, every plan within a block's shared memory; the two families' plans
+    # are each other's strangers
+    for plan in cn.wg_plans(wide):
+        assert plan.WG and plan.threads == 2 * plan.BM and plan.shared_bytes(wide) <= device.H200.shared_per_block_optin
+        assert fam.fits(wide, cn.stamped(plan)) and not cuda_choices.FAMILIES["nhwc_tc"].fits(wide, cn.stamped(plan))
+    assert not fam.fits(wide, cn.stamped(cn.plans(wide)[0]))
+    assert [ln.function for ln in cn.render("k", wide, cn.wg_plans(wide)[0], bf16_roles=frozenset({"x", "w", "out"})).launches] \
+        == ["k_src", "k_wt", "k_gemm"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float32"])
@@ -300,7 +335,8 @@ GPU_LAYERS = {"wide": dict(N=32, C=64, H=14, W=14, O=256, KH=3, KW=3, stride=1, 
 
 
 def _gpu_cases(geo: dict, precision: str) -> list[tuple]:
-    """(subgraph, spec, the family's candidates) of every convolution kernel of the layer's step."""
+    """(subgraph, spec, the family's candidates: nhwc_tc's and nhwc_wg's) of every convolution
+    kernel of the layer's step."""
     ho, wo = cuda_refs.conv_out(geo)
     model = nn.Sequential(nn.Conv2d(geo["C"], geo["C"], 3, padding=1, bias=False), nn.ReLU(),
                           nn.Conv2d(geo["C"], geo["O"], geo["KH"], stride=geo["stride"], padding=geo["padding"],
@@ -312,7 +348,7 @@ def _gpu_cases(geo: dict, precision: str) -> list[tuple]:
     for n in graph.meta["schedule"]:
         if graph.op(n) == "fused" and graph.attrs(n)["kernel"].kind in cuda_choices.CONVS:
             sub, spec = graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
-            cases.append((sub, spec, [c for c in cuda_choices.candidates(sub, spec) if c[0] == "nhwc_tc"]))
+            cases.append((sub, spec, [c for c in cuda_choices.candidates(sub, spec) if c[0] in ("nhwc_tc", "nhwc_wg")]))
     return cases
 
 
@@ -327,7 +363,9 @@ def test_the_gpu_test_measures_every_kind_the_family_serves(layer, precision):
     assert want <= served, served
     for sub, spec, choices in cases:
         g = cuda_choices.geometry(sub, spec)
-        assert len(choices) == len(cn.plans(g)) if cn.serves(g) is None else not choices
+        wg = cn.wg_plans(g) if cn.wg_serves(g) is None else []
+        assert (precision == "bf16" and spec.kind in cn.WG_KINDS) == bool(wg) or cn.serves(g) is not None
+        assert len(choices) == len(cn.plans(g)) + len(wg) if cn.serves(g) is None else not choices
 
 
 @pytest.mark.cuda

@@ -141,7 +141,8 @@ H200_ATTRIBUTES = {  # as CuPy 14.2 reads them on the lent H200
     "MultiProcessorCount": 132, "MaxSharedMemoryPerBlock": 49152, "MaxSharedMemoryPerBlockOptin": 232448,
     "MaxSharedMemoryPerMultiprocessor": 233472, "MaxRegistersPerMultiprocessor": 65536,
     "MaxThreadsPerMultiProcessor": 2048, "MaxBlocksPerMultiprocessor": 32, "WarpSize": 32,
-    "ClockRate": 1980000, "MemoryClockRate": 3201000, "GlobalMemoryBusWidth": 6016, "L2CacheSize": 62914560}
+    "ClockRate": 1980000, "MemoryClockRate": 3201000, "GlobalMemoryBusWidth": 6016, "L2CacheSize": 62914560,
+    "ComputeCapabilityMajor": 9, "ComputeCapabilityMinor": 0}
 
 
 def fake_cupy(name: bytes, attributes: dict[str, int], current: int = 0) -> SimpleNamespace:
@@ -166,13 +167,15 @@ def test_device_from_cupy_describes_a_known_gpu_by_its_descriptor():
 def test_device_from_cupy_reads_an_unknown_gpu():
     attrs = {**H200_ATTRIBUTES, "MultiProcessorCount": 40, "MaxSharedMemoryPerBlockOptin": 101376,
              "MaxSharedMemoryPerMultiprocessor": 102400, "MaxThreadsPerMultiProcessor": 1536,
-             "MaxBlocksPerMultiprocessor": 24, "ClockRate": 2000000}
+             "MaxBlocksPerMultiprocessor": 24, "ClockRate": 2000000, "ComputeCapabilityMinor": 9}
     got = runtime_cuda.device_from_cupy(fake_cupy("Some GPU", attrs), 1)
     assert got == Device(name="Some GPU", multiprocessors=40, shared_per_block=49152, shared_per_block_optin=101376,
                          shared_per_multiprocessor=102400, registers_per_multiprocessor=65536,
                          max_threads_per_multiprocessor=1536, max_blocks_per_multiprocessor=24,
                          clock_hz=2e9 * devices.CLOCK_UNDER_LOAD,
-                         memory_bytes_per_s=3201e6 * 2 * 6016 / 8 * devices.REACHABLE_BANDWIDTH, warp_size=32)
+                         memory_bytes_per_s=3201e6 * 2 * 6016 / 8 * devices.REACHABLE_BANDWIDTH, warp_size=32,
+                         compute_capability=99)
+    assert not got.wgmma and H200.wgmma and not L4.wgmma  # warpgroup MMA: sm_90a only
 
 
 def test_compile_device_is_the_gpu_at_hand_unless_chosen(monkeypatch):

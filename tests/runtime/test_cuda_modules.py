@@ -19,7 +19,7 @@ from ember.ir import Graph
 from ember.runtime import cuda_modules
 
 SOURCE = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
-OPTIONS = ("-std=c++17", "-arch=sm_90")
+OPTIONS = ("-std=c++17", "-arch=sm_90a")  # what the runtime builds with for compute capability 9.0
 
 
 class FakeNVRTC:
