@@ -24,7 +24,7 @@ from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
 from .indexing import delinearize
 from .lowering import (C_OPERATORS, Body, Extent, Spelling, bound, c_literal, column_sum, generated_extent,
-                       has_narrow, lower_pointwise, lower_reduction, max_elements, reduced_axes)
+                       has_narrow, hoisting_rows, lower_pointwise, lower_reduction, max_elements, reduced_axes)
 from .templates_env import environment
 
 ENV = environment("cuda")  # shared with the kernel templates
@@ -104,29 +104,51 @@ def _index_type(sub: Graph) -> str:
     return "int" if max_elements(sub) < 2**31 else "int64_t"
 
 
+#: the shortest row a pointwise kernel takes as rows with its per-row values hoisted (a BatchNorm's
+#: per-channel scale computed once for ROW_VALUES elements instead of once each)
+MIN_ROW = 8
+#: consecutive elements of a row a thread computes in the rows form (the last of a row fewer where
+#: they do not divide it): the per-row values (loads, square roots, divisions) once for them
+ROW_VALUES = 4
+
+
 def render_pointwise(name: str, sub: Graph, fixed: bool = False,
                      runtime: bool = False) -> tuple[str, tuple[int, int, int], tuple[int, int, int],
                                                      tuple[tuple[str, int], ...]]:
-    """(code, grid, block, by-value arguments): one thread an element. Where the batch would be
-    its bound alone, the domain's leading extent is an argument (`generated_extent`), so the code
-    is the same at every batch size. A kernel with constants that are counts over the batch (a
-    mean's 1/(N*H*W)) keeps them literal, and so its size (spelled from the argument they cost a
-    division per element), and reductions hold their sizes: with every generated kernel taking
-    the batch at run time, ResNet-8's step measured 10% slower on an H200 (docs/benchmarks.md).
-    A `fixed` domain (the kernel writes parameters and state alone) holds its sizes: no batch
-    changes them. With `runtime` (a step whose plans came from a step of another batch size)
-    constants over the batch are computed from the argument too: every such step's kernel is
-    the same text."""
+    """(code, grid, block, by-value arguments). One thread an element, or, where splitting the
+    domain into rows (leading axes) of contiguous elements hoists per-row operands (a
+    normalisation's per-channel values: `hoisting_rows`), rows with a thread computing
+    `ROW_VALUES` consecutive elements of a row (the row's last thread fewer where they do not
+    divide it), its per-row values once. Where the batch
+    would be its bound alone, the domain's leading extent is an argument (`generated_extent`), so
+    the code is the same at every batch size. A kernel with constants that are counts over the
+    batch (a mean's 1/(N*H*W)) keeps them literal, and so its size (spelled from the argument they
+    cost a division per element), and reductions hold their sizes: with every generated kernel
+    taking the batch at run time, ResNet-8's step measured 10% slower on an H200
+    (docs/benchmarks.md). A `fixed` domain (the kernel writes parameters and state alone) holds its
+    sizes: no batch changes them. With `runtime` (a step whose plans came from a step of another
+    batch size) constants over the batch are computed from the argument too: every such step's
+    kernel is the same text."""
     index = _index_type(sub)
     extent = generated_extent(sub, "pointwise", fixed=fixed)
-    low = lower_pointwise(sub, SPELLING, index_type=index, extent=extent)
-    if extent is not None and not runtime and any(_names(line, extent.var) for line in low.body + [v for *_, v in low.stores]):
+    rows = hoisting_rows(sub, SPELLING, MIN_ROW)
+
+    def lower(at: Extent | None):
+        return lower_pointwise(sub, SPELLING, index_type=index, extent=at, rows=rows)
+    low = lower(extent)
+    if extent is not None and not runtime and any(
+            _names(line, extent.var) for line in low.body + low.hoisted + low.inner + [v for *_, v in low.stores]):
         extent = None
-        low = lower_pointwise(sub, SPELLING, index_type=index)
-    code = ENV.get_template("pointwise.j2").render(name=name, numel=bound(low.numel, extent),
-                                                   out_type=_out_types(sub, extent), params=_signature(sub, extent, index),
-                                                   body=low.body, stores=low.stores, threads=THREADS, index=index)
-    return code, (math.ceil(low.numel / THREADS), 1, 1), (THREADS, 1, 1), _scalars(extent, index)
+        low = lower(None)
+    row = low.numel // low.rows
+    per_row = math.ceil(row / ROW_VALUES)  # threads a row, in the rows form
+    code = ENV.get_template("pointwise.j2").render(
+        name=name, numel=bound(low.numel, extent), out_type=_out_types(sub, extent),
+        params=_signature(sub, extent, index), body=low.body, stores=low.stores, threads=THREADS, index=index,
+        row_form=low.rows > 1, rows=bound(low.rows, extent), row=row, per_thread=ROW_VALUES, per_row=per_row,
+        hoisted=low.hoisted, inner=low.inner)
+    threads = low.rows * per_row if low.rows > 1 else low.numel
+    return code, (math.ceil(threads / THREADS), 1, 1), (THREADS, 1, 1), _scalars(extent, index)
 
 
 def _names(line: str, identifier: str) -> bool:
