@@ -150,6 +150,10 @@ def device_from_cupy(cp: Any, index: int | None = None) -> Device:
     a = dev.attributes
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
     peak_bandwidth = a["MemoryClockRate"] * 1e3 * 2 * a["GlobalMemoryBusWidth"] / 8  # kHz, double data rate, bits
+    # CuPy's Device.compute_capability ("90"), else the attributes' major and minor
+    cc_text = getattr(dev, "compute_capability", None)
+    cc = int(cc_text) if isinstance(cc_text, str) and cc_text.isdigit() else \
+        10 * a.get("ComputeCapabilityMajor", 0) + a.get("ComputeCapabilityMinor", 0)
     read = Device(name=name.decode() if isinstance(name, bytes) else str(name),
                   multiprocessors=a["MultiProcessorCount"], shared_per_block=a["MaxSharedMemoryPerBlock"],
                   shared_per_block_optin=a["MaxSharedMemoryPerBlockOptin"],
@@ -159,7 +163,7 @@ def device_from_cupy(cp: Any, index: int | None = None) -> Device:
                   max_blocks_per_multiprocessor=a["MaxBlocksPerMultiprocessor"],
                   clock_hz=a["ClockRate"] * 1e3 * CLOCK_UNDER_LOAD,
                   memory_bytes_per_s=peak_bandwidth * REACHABLE_BANDWIDTH, warp_size=a["WarpSize"],
-                  compute_capability=10 * a.get("ComputeCapabilityMajor", 0) + a.get("ComputeCapabilityMinor", 0))
+                  compute_capability=cc)
     known = find(read.name)
     if known is not None and dataclasses.replace(read, clock_hz=known.clock_hz,
                                                  memory_bytes_per_s=known.memory_bytes_per_s) == known:

@@ -145,18 +145,25 @@ H200_ATTRIBUTES = {  # as CuPy 14.2 reads them on the lent H200
     "ComputeCapabilityMajor": 9, "ComputeCapabilityMinor": 0}
 
 
-def fake_cupy(name: bytes, attributes: dict[str, int], current: int = 0) -> SimpleNamespace:
-    """What device_from_cupy reads of CuPy: Device(index).id / .attributes and the device name."""
+def fake_cupy(name: bytes, attributes: dict[str, int], current: int = 0, cc: str | None = None) -> SimpleNamespace:
+    """What device_from_cupy reads of CuPy: Device(index).id / .attributes / .compute_capability
+    (where `cc` is given: else the attributes' major and minor) and the device name."""
     class FakeDevice:
         def __init__(self, index: int | None = None) -> None:
             self.id = current if index is None else index
             self.attributes = dict(attributes)
+            if cc is not None:
+                self.compute_capability = cc
     runtime = SimpleNamespace(getDeviceProperties=lambda i: {"name": name, "multiProcessorCount": 0})
     return SimpleNamespace(cuda=SimpleNamespace(Device=FakeDevice, runtime=runtime))
 
 
 def test_device_from_cupy_describes_a_known_gpu_by_its_descriptor():
     assert runtime_cuda.device_from_cupy(fake_cupy(b"NVIDIA H200", H200_ATTRIBUTES)) == H200
+    # CuPy's compute capability string, the attributes without theirs: the same descriptor (an H100's
+    # once read as compute capability 0 and lost its descriptor, and warpgroup MMA with it)
+    bare = {k: v for k, v in H200_ATTRIBUTES.items() if not k.startswith("ComputeCapability")}
+    assert runtime_cuda.device_from_cupy(fake_cupy(b"NVIDIA H200", bare, cc="90")) is H200
     # a MIG slice: the same name, fewer multiprocessors: read, with the clock and bandwidth estimated
     mig = runtime_cuda.device_from_cupy(fake_cupy(b"NVIDIA H200", {**H200_ATTRIBUTES, "MultiProcessorCount": 16}), 0)
     assert mig != H200 and mig.multiprocessors == 16 and mig.name == "NVIDIA H200"
