@@ -3,7 +3,8 @@
 One CUDA translation unit per step holds every kernel (compiled once with NVRTC by the runtime);
 the step is the ordered list of launches, which the runtime captures into one CUDA graph.
 Pointwise and reduction kernels are the target-neutral lowering (`lowering.py`) spelled with
-`SPELLING`: a pointwise kernel is one thread an element; a reduction is one thread an output
+`SPELLING`: a pointwise kernel is one thread an element, or four consecutive elements of a row
+where per-row values hoist (a normalisation's per-channel ones); a reduction is one thread an output
 when the reduced extent is short, else one block an output with a fixed shared-memory tree, or
 several blocks an output whose partials the last of them adds in a fixed order, so results are
 deterministic (an atomic counter picks only which block adds). Contractions come from the templates in `cuda_kernels`.
