@@ -45,8 +45,10 @@ KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 BK = {"bf16": 32, "tf32": 16, "x3": 16}
 #: bytes of a warpgroup-MMA tile row (64 bfloat16: k a stage; the 128-byte swizzle)
 WG_ROW = 128
-#: the kinds warpgroup MMA serves (a grad-weight's tiles are [pixel][channel]: MN-major, not yet)
-WG_KINDS = ("conv2d", "conv2d_grad_input")
+#: the kinds warpgroup MMA serves (a grad-weight's tiles [pixel][channel] as MN-major operands)
+WG_KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+#: pixels a warpgroup-MMA grad-weight's k-tile
+WG_BK = 64
 #: scratch a kernel may take for its relaid operands and partials
 MAX_SCRATCH = 4 << 30
 #: bytes of shared memory a relayout block stages a source row's channels in
@@ -81,9 +83,10 @@ class NhwcPlan:
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
-        if self.WG:  # warpgroups of 64 rows; a 128-byte row is 8 chunks; m64nNk16 takes N <= 256
-            return not gw and self.SPLITS == 1 and self.BM % 64 == 0 and self.WM * 16 == self.BM and self.WN == 1 \
-                and self.BN % 16 == 0 and 16 <= self.BN <= 256 and self.STAGES >= 3 \
+        if self.WG:  # warpgroups of 64 rows; a 128-byte row is 8 chunks; m64nNk16 takes N <= 256;
+            # a grad-weight's operands are atoms of 64 channels
+            return (gw or self.SPLITS == 1) and self.BM % 64 == 0 and self.WM * 16 == self.BM and self.WN == 1 \
+                and self.BN % (64 if gw else 16) == 0 and 16 <= self.BN <= 256 and self.STAGES >= 3 \
                 and (8 * self.BM) % self.threads == 0 and (8 * self.BN) % self.threads == 0
         fm, fn = self.BM // (self.WM * 16), self.BN // (self.WN * 8)
         if fm < 1 or fn < 2 or fn % 2 or fm * 16 * self.WM != self.BM or fn * 8 * self.WN != self.BN:
@@ -116,6 +119,12 @@ _WARPGROUP = {
     64: ((128, 64, 4), (256, 64, 4), (128, 64, 6)),
     32: ((128, 32, 4), (128, 32, 6)),
 }
+#: (BM, BN, STAGES) of the warpgroup-MMA grad-weight (m = output channels, n = (kh, kw, c)), by the
+#: output channels' block height: n of 192 is a 3x3 window of 64 channels in three tiles
+_WARPGROUP_GW = {
+    128: ((128, 256, 3), (128, 256, 4), (128, 128, 4), (128, 192, 4)),
+    64: ((64, 256, 4), (64, 128, 4), (64, 192, 4)),
+}
 
 
 def problem(g: dict[str, Any]) -> dict[str, int]:
@@ -145,11 +154,11 @@ def _width_class(n: int, classes) -> int:
     return next((c for c in sorted(classes) if c >= n), max(classes))
 
 
-def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int) -> list[int]:
-    """Split counts worth measuring for a grad-weight blocking: about two and four blocks a
-    multiprocessor, each split at least 8 k-tiles of pixels long."""
+def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int, bk: int | None = None) -> list[int]:
+    """Split counts worth measuring for a grad-weight blocking (k-tiles of `bk` pixels, default the
+    precision's): about two and four blocks a multiprocessor, each split at least 8 k-tiles long."""
     tiles = ceil_div(q["CO"], bm) * ceil_div(q["KH"] * q["KW"] * q["CI"], bn)
-    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], BK[precision(g)])
+    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], bk or BK[precision(g)])
     most = max(1, min(k_tiles // 8, 256))
     out = []
     for waves in (2, 4):
@@ -175,16 +184,23 @@ def plans(g: dict[str, Any]) -> list[NhwcPlan]:
 
 def wg_plans(g: dict[str, Any]) -> list[NhwcPlan]:
     """Every warpgroup-MMA plan the tuner measures (family `nhwc_wg`), the first a stamp-less render's."""
-    found = [NhwcPlan(bm, bn, bm // 16, 1, stages, WG=1)
-             for bm, bn, stages in _WARPGROUP[_width_class(problem(g)["CO"], _WARPGROUP)]]
+    q = problem(g)
+    if g["kind"] == "conv2d_grad_weight":
+        found = [NhwcPlan(bm, bn, bm // 16, 1, stages, SPLITS=s, WG=1)
+                 for bm, bn, stages in _WARPGROUP_GW[_width_class(q["CO"], _WARPGROUP_GW)]
+                 for s in _split_counts(g, q, bm, bn, WG_BK)]
+    else:
+        found = [NhwcPlan(bm, bn, bm // 16, 1, stages, WG=1)
+                 for bm, bn, stages in _WARPGROUP[_width_class(q["CO"], _WARPGROUP)]]
     limit = current().shared_per_block_optin
-    return [p for p in found if p.tiles(False) and p.shared_bytes(g) <= limit]
+    gw = g["kind"] == "conv2d_grad_weight"
+    return [p for p in found if p.tiles(gw) and p.shared_bytes(g) <= limit]
 
 
 def wg_serves(g: dict[str, Any]) -> str | None:
     """None where the warpgroup-MMA family `nhwc_wg` serves a convolution of geometry `g`, else why not."""
     if g["kind"] not in WG_KINDS:
-        return "it serves forward and grad-input convolutions"
+        return "it serves convolutions"
     if precision(g) != "bf16":
         return "it serves bfloat16 operands"
     if not current().wgmma:

@@ -195,24 +195,32 @@ static inline void wg_commit() {}
 template <int PENDING> static inline void wg_wait() {}
 static inline void wg_proxy_fence() {}
 template <int FN> static inline void wg_pin(float (&)[FN][4]) {}
-static inline float wg_operand(const void* start, unsigned row, unsigned k) {
-  unsigned long long at = (unsigned long long)start + (row / 8) * 1024 + (row % 8) * 128 + 2 * k;
+// element (mn, k) of an operand whose descriptor starts at `start`: K-major (`atoms` 0) a 128-byte row
+// an mn, eight rows a 1024-byte group; MN-major a 128-byte row of 64 mn a k, eight k a 1024-byte
+// group, atoms of 64 mn `atoms` bytes apart; the 16-byte chunk bits XOR the row bits of the address
+static inline float wg_operand(const void* start, unsigned mn, unsigned k, unsigned atoms) {
+  unsigned long long at = (unsigned long long)start;
+  at += atoms ? (mn / 64) * atoms + (k / 8) * 1024 + (k % 8) * 128 + 2 * (mn % 64)
+              : (mn / 8) * 1024 + (mn % 8) * 128 + 2 * k;
   at ^= ((at >> 7) & 7) << 4;
   unsigned short v;
   std::memcpy(&v, (const void*)at, 2);
   return __uint_as_float((unsigned)v << 16);
 }
 template <int FN>
-static inline void wg_mma(float (&d)[FN][4], const void* a, const void* b) {
+static inline void wg_mma_mn(float (&d)[FN][4], const void* a, const void* b, unsigned a_atoms, unsigned b_atoms) {
   const unsigned t128 = threadIdx.x % 128, w = t128 / 32, lane = t128 % 32, g = lane / 4, t = lane % 4;
   for (int j = 0; j < FN; ++j)
     for (int r = 0; r < 4; ++r) {
       const unsigned row = 16 * w + g + 8 * (r / 2), col = 8 * j + 2 * t + r % 2;
       double s = d[j][r];
-      for (unsigned k = 0; k < 16; ++k) s += (double)wg_operand(a, row, k) * (double)wg_operand(b, col, k);
+      for (unsigned k = 0; k < 16; ++k)
+        s += (double)wg_operand(a, row, k, a_atoms) * (double)wg_operand(b, col, k, b_atoms);
       d[j][r] = (float)s;
     }
 }
+template <int FN>
+static inline void wg_mma(float (&d)[FN][4], const void* a, const void* b) { wg_mma_mn(d, a, b, 0u, 0u); }
 """
 
 RUNNER = r"""

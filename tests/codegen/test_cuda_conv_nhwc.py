@@ -56,13 +56,13 @@ def _kernels(idx: int, wg: bool = False) -> list[tuple[str, object, cn.NhwcPlan]
     last (other blockings, stage counts and split counts), the forward with bias and ReLU, the
     grad-input with the ReLU mask, the grad-weight with a generated epilogue; the first forward
     also with a generated epilogue and a float32 output. `wg`: the warpgroup-MMA plans (family
-    nhwc_wg: forward and grad-input)."""
+    nhwc_wg)."""
     out = []
     for kind in KINDS:
         g = _geometry(kind, **EMULATED[idx])
         why = cn.wg_serves(g) if wg else cn.serves(g)
         if why is not None:
-            assert kind == "gi" and g["stride"] != (1, 1) or wg and kind == "gw", why
+            assert kind == "gi" and g["stride"] != (1, 1), why
             continue
         plans = cn.wg_plans(g) if wg else cn.plans(g)
         for i, plan in enumerate(dict.fromkeys([plans[0], plans[-1]])):
@@ -118,7 +118,8 @@ def _run(lib, index: int, kernel, vals: dict, ref: np.ndarray, out_bf16: bool) -
 @pytest.mark.parametrize("idx", range(len(EMULATED)))
 def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, wg, tmp_path):
     """Both GEMM cores: mma.sync (nhwc_tc) and warpgroup MMA (nhwc_wg, its operands read through
-    the descriptors' swizzled addressing as the emulation models the hardware's)."""
+    the descriptors' swizzled addressing as the emulation models the hardware's: K-major for the
+    forward and grad-input, MN-major atoms of 64 channels for the grad-weight)."""
     kernels = _kernels(idx, wg)
     lib = cuda_emulator.build([k for _, k, _ in kernels], tmp_path, f"nhwc{idx}{'wg' if wg else ''}")
     rng = np.random.default_rng(idx)
@@ -209,11 +210,13 @@ def test_every_plan_compiles_with_nvcc(tmp_path):
                 assert k.scratch_bytes == cn.scratch_bytes(g, plan)
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.code and "ldmatrix" in k.code
                 sources.append(k.code)
-            # warpgroup MMA (nhwc_wg): every plan of the forward and grad-input
+            # warpgroup MMA (nhwc_wg): every plan (the grad-weight's operands MN-major)
             for j, plan in enumerate(cn.wg_plans(g) if cn.wg_serves(g) is None else ()):
                 k = cn.render(f"c{i}{kind}wg{j}", g, plan, bf16_roles=frozenset(roles))
-                assert "wgmma.mma_async.sync.aligned.m64n" in k.code and k.launches[-1].block[0] == 2 * plan.BM
-                assert k.launches[-1].shared_bytes == plan.shared_bytes(g) > 1024
+                (gemm,) = [ln for ln in k.launches if ln.function.endswith("_gemm")]
+                assert "wgmma.mma_async.sync.aligned.m64n" in k.code and gemm.block[0] == 2 * plan.BM
+                assert gemm.shared_bytes == plan.shared_bytes(g) > 1024
+                assert ("p, 1, 1, 1, 1;" in k.code) == (kind == "gw")  # transposed: MN-major operands
                 sources.append(k.code)
             # float32 operands, as 3xTF32 and as TF32: the first plan of each
             for prec, tf32 in (("x3", False), ("tf32", True)):
@@ -259,27 +262,32 @@ def test_the_table_offers_it_for_convolutions_of_whole_channel_runs_and_never_pi
     assert k.launches[-1].grid[0] * 256 >= 256 * 64 * 9 and k.launches[2].grid[2] == cn.plans(gw)[0].SPLITS
 
 
-def test_the_warpgroup_family_serves_bfloat16_forwards_and_grad_inputs_on_sm_90a_only():
+def test_the_warpgroup_family_serves_bfloat16_convolutions_on_sm_90a_only():
     from ember.codegen import device
     fam = cuda_choices.FAMILIES["nhwc_wg"]
     wide, gi, gw = (_geometry(kind, **COMPILED[1]) for kind in ("fwd", "gi", "gw"))
-    assert cuda_choices.TABLE.applies(fam, wide) is None and cuda_choices.TABLE.applies(fam, gi) is None
+    assert all(cuda_choices.TABLE.applies(fam, g) is None for g in (wide, gi, gw))
     assert not fam.preferred(wide)  # taken where measured
-    assert "conv2d_grad_input" in cuda_choices.TABLE.applies(fam, gw) and "forward and grad-input" in cn.wg_serves(gw)
     assert "bfloat16" in cuda_choices.TABLE.applies(fam, dict(wide, dtype=None))
     assert "not a multiple of 8" in cuda_choices.TABLE.applies(fam, dict(wide, C=12))
+    assert "stride 1" in cn.wg_serves(_geometry("gi", **COMPILED[4]))
     with device.using(device.A100_SXM_80GB):
         assert "sm_90a" in cuda_choices.TABLE.applies(fam, wide)
     with device.using(device.H100_SXM):
         assert cuda_choices.TABLE.applies(fam, wide) is None
-    # one warpgroup a 64 rows, every plan within a block's shared memory; the two families' plans
-    # are each other's strangers
-    for plan in cn.wg_plans(wide):
-        assert plan.WG and plan.threads == 2 * plan.BM and plan.shared_bytes(wide) <= device.H200.shared_per_block_optin
-        assert fam.fits(wide, cn.stamped(plan)) and not cuda_choices.FAMILIES["nhwc_tc"].fits(wide, cn.stamped(plan))
-    assert not fam.fits(wide, cn.stamped(cn.plans(wide)[0]))
+    # one warpgroup a 64 rows, every plan within a block's shared memory, a grad-weight's columns
+    # whole atoms of 64 channels; the two families' plans are each other's strangers
+    for g in (wide, gw):
+        for plan in cn.wg_plans(g):
+            assert plan.WG and plan.threads == 2 * plan.BM and plan.shared_bytes(g) <= device.H200.shared_per_block_optin
+            assert fam.fits(g, cn.stamped(plan)) and not cuda_choices.FAMILIES["nhwc_tc"].fits(g, cn.stamped(plan))
+            assert g is wide or plan.BN % 64 == 0 and plan.SPLITS >= 1
+        assert not fam.fits(g, cn.stamped(cn.plans(g)[0]))
+    assert not fam.fits(gw, cn.stamped(cn.NhwcPlan(128, 96, 8, 1, 4, SPLITS=2, WG=1)))  # 96: not whole atoms
     assert [ln.function for ln in cn.render("k", wide, cn.wg_plans(wide)[0], bf16_roles=frozenset({"x", "w", "out"})).launches] \
         == ["k_src", "k_wt", "k_gemm"]
+    assert [ln.function for ln in cn.render("k", gw, cn.wg_plans(gw)[0], bf16_roles=frozenset({"x", "dy"})).launches] \
+        == ["k_dy", "k_src", "k_gemm", "k_reduce"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float32"])
