@@ -122,8 +122,8 @@ _WARPGROUP = {
 #: (BM, BN, STAGES) of the warpgroup-MMA grad-weight (m = output channels, n = (kh, kw, c)), by the
 #: output channels' block height: n of 192 is a 3x3 window of 64 channels in three tiles
 _WARPGROUP_GW = {
-    128: ((128, 256, 3), (128, 256, 4), (128, 128, 4), (128, 192, 4)),
-    64: ((64, 256, 4), (64, 128, 4), (64, 192, 4)),
+    128: ((128, 256, 4), (128, 192, 4), (128, 128, 4)),
+    64: ((64, 256, 4), (64, 192, 4), (64, 128, 4)),
 }
 
 
@@ -154,15 +154,19 @@ def _width_class(n: int, classes) -> int:
     return next((c for c in sorted(classes) if c >= n), max(classes))
 
 
-def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int, bk: int | None = None) -> list[int]:
-    """Split counts worth measuring for a grad-weight blocking (k-tiles of `bk` pixels, default the
-    precision's): about two and four blocks a multiprocessor, each split at least 8 k-tiles long."""
+def _split_counts(g: dict[str, Any], q: dict[str, int], bm: int, bn: int, wg: bool = False) -> list[int]:
+    """Split counts worth measuring for a grad-weight blocking, each split at least 8 k-tiles of
+    pixels long: mma.sync's about two and four blocks a multiprocessor (powers of two: several
+    blocks share one); warpgroup MMA's (`wg`: one block a multiprocessor, k-tiles of `WG_BK`
+    pixels) the most that fill one and two whole waves, where a power of two would leave a last
+    wave nearly empty (36 tiles by 4 splits: 144 blocks on 132 multiprocessors)."""
     tiles = ceil_div(q["CO"], bm) * ceil_div(q["KH"] * q["KW"] * q["CI"], bn)
-    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], bk or BK[precision(g)])
+    k_tiles = ceil_div(q["N"] * q["HO"] * q["WO"], WG_BK if wg else BK[precision(g)])
     most = max(1, min(k_tiles // 8, 256))
     out = []
-    for waves in (2, 4):
-        s = 1 << max(0, (waves * current().multiprocessors // tiles).bit_length() - 1)
+    for waves in ((1, 2) if wg else (2, 4)):
+        fill = waves * current().multiprocessors // tiles
+        s = max(1, fill) if wg else 1 << max(0, fill.bit_length() - 1)
         out.append(min(s, most))
     return list(dict.fromkeys(out))
 
@@ -188,7 +192,7 @@ def wg_plans(g: dict[str, Any]) -> list[NhwcPlan]:
     if g["kind"] == "conv2d_grad_weight":
         found = [NhwcPlan(bm, bn, bm // 16, 1, stages, SPLITS=s, WG=1)
                  for bm, bn, stages in _WARPGROUP_GW[_width_class(q["CO"], _WARPGROUP_GW)]
-                 for s in _split_counts(g, q, bm, bn, WG_BK)]
+                 for s in _split_counts(g, q, bm, bn, wg=True)]
     else:
         found = [NhwcPlan(bm, bn, bm // 16, 1, stages, WG=1)
                  for bm, bn, stages in _WARPGROUP[_width_class(q["CO"], _WARPGROUP)]]

@@ -49,7 +49,7 @@ def test_every_contraction_runs_on_a_family_that_takes_bfloat16(model):
         assert contractions
         for sub, spec in contractions:
             g = cuda_choices.geometry(sub, spec)
-            assert g["dtype"] == "bfloat16" and spec.choice[0] in ("gemm", "direct_tc", "direct", "nhwc_tc") + MEMORY_PASSES
+            assert g["dtype"] == "bfloat16" and spec.choice[0] in ("gemm", "direct_tc", "direct", "nhwc_tc", "nhwc_wg") + MEMORY_PASSES
             assert '"dtype":"bfloat16"' in cuda_choices.TABLE.key(sub, spec)  # tuned apart from float32
             code = cuda_choices.render(sub.name, sub, spec, spec.choice).code
             if spec.choice[0] == "gemm":
@@ -61,6 +61,8 @@ def test_every_contraction_runs_on_a_family_that_takes_bfloat16(model):
                 assert mma in code and ("em_bf16_round(acc" in code or "em_bf16_round(v)" in code)
             elif spec.choice[0] == "nhwc_tc":  # where the shipped database has it measured faster
                 assert "m16n8k16.row.col.f32.bf16" in code and "m16n8k8" not in code and "em_bf16_round(" in code
+            elif spec.choice[0] == "nhwc_wg":  # warpgroup MMA, where the shipped database has it measured faster
+                assert "wgmma.mma_async.sync.aligned.m64n" in code and ".f32.bf16.bf16" in code and "em_bf16_round(" in code
             else:  # float32 FMAs on the widened values, the value rounded before its epilogue
                 assert ("em_bf16_round(v" in code or "em_bf16_round(acc" in code) and "mma" not in code
             # direct_tc takes a convolution the direct kernels take (stride 1); every other
