@@ -830,8 +830,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
            lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))), _nhwc_render,
            tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
-    # the same forward and grad-input on warpgroup MMA (sm_90a, bfloat16 operands): m64 x BN slices a
-    # warpgroup, 128-byte swizzled k-tiles read by descriptors; taken where measured, never by default
+    # the same kernels on warpgroup MMA (sm_90a, bfloat16 operands): m64 x BN slices a warpgroup,
+    # 128-byte swizzled k-tiles read by descriptors (a grad-weight's MN-major); taken where measured,
+    # never by default
     Family("nhwc_wg", conv_nhwc.WG_KINDS, 13, lambda g: [conv_nhwc.stamped(conv_nhwc.wg_plans(g)[0])],
            conv_nhwc.wg_serves, _never, lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))),
            _nhwc_render, tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.wg_plans(g)],
