@@ -25,7 +25,10 @@ pipeline depth and (grad-weight) the split count:
 The relaid operands' channel counts must be whole 16-byte runs (8 bfloat16, 4 floats). The sums
 run over k in order within a split, in fp32. Taken where the tuner measured it faster, never by
 default; the relayouts are launches of their own for now (a producer's epilogue writing NHWC
-would save them).
+would save them). Family `nhwc_wg` (plans with `WG=1`) runs the same kernels' GEMMs on Hopper's
+warpgroup MMA (templates/cuda/conv_nhwc_wg.j2) and relays its operands as 64 x 64 tiles of
+pixels and channels (`to_nhwc_tiles`, 4-byte writes), where nhwc_tc's relayout blocks a bordered
+row each; the two relayouts are timed side by side by tools/cuda_conv_nhwc_lab.py.
 """
 from __future__ import annotations
 
@@ -302,11 +305,13 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]
     pixels = q["N"] * q["HO"] * q["WO"]
-    relay_src = Launch(f"{name}_src", (q["N"] * hp, 1, 1), (256, 1, 1), 0, args)
+    relay_src = Launch(f"{name}_src", _relayout_grid(q["N"], q["CI"], q["HI"], q["WI"], q["PH"], q["PW"], plan),
+                       (256, 1, 1), 0, args)
     block = (plan.threads, 1, 1)
     if gw:
         grid = (ceil_div(q["CO"], plan.BM), ceil_div(kdim, plan.BN), plan.SPLITS)
-        launches = (Launch(f"{name}_dy", (q["N"] * q["HO"], 1, 1), (256, 1, 1), 0, args), relay_src,
+        launches = (Launch(f"{name}_dy", _relayout_grid(q["N"], q["CO"], q["HO"], q["WO"], 0, 0, plan), (256, 1, 1), 0, args),
+                    relay_src,
                     Launch(f"{name}_gemm", grid, block, plan.shared_bytes(g), args),
                     Launch(f"{name}_reduce", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args))
     else:
@@ -316,6 +321,20 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"{name}: the nhwc_tc grid {grid} is too large")
     return CudaKernel(name, code, launches, regions["end"])
+
+
+#: a tiled relayout block's pixels and channels (`to_nhwc_tiles`)
+RELAYOUT_TILE = 64
+
+
+def _relayout_grid(n: int, c: int, h: int, w: int, ph: int, pw: int, plan: NhwcPlan) -> tuple[int, int, int]:
+    """The grid of a relayout of (n, c, h, w) to a bordered NHWC image: a block a bordered row
+    (`to_nhwc`), or for warpgroup-MMA plans a block a 64 x 64 tile of pixels and channels, and a
+    block more an image and channel tile zeroing the border (`to_nhwc_tiles`)."""
+    if not plan.WG:
+        return (n * (h + 2 * ph), 1, 1)
+    tiles = ceil_div(h * w, RELAYOUT_TILE) + (1 if ph or pw else 0)
+    return (n * tiles, ceil_div(c, RELAYOUT_TILE), 1)
 
 
 def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:

@@ -317,10 +317,11 @@ def build(kernels: list[CudaKernel], folder: Path, name: str) -> ctypes.CDLL:
 def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.ndarray]) -> None:
     """Makes the launches of kernel `index` of the library in order on `buffers` (float32 arrays,
     or uint16 ones holding bfloat16 bits, by role, written in place; "scratch" is added, filled
-    with NaN; a counters role (`counter_role`) is zeros of its size unless `buffers` has it, as
+    with NaN, unless given; a counters role (`counter_role`) is zeros of its size unless `buffers` has it, as
     uint32: a caller that passes its own sees what the launches left there)."""
     bufs = dict(buffers)
-    bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
+    if "scratch" not in bufs:  # a caller's own (float32 words) shows what the launches left there
+        bufs["scratch"] = np.full(max(kernel.scratch_bytes // 4, 1), np.nan, np.float32)
     for ln in kernel.launches:
         for r in ln.args:
             if (words := counter_words(r)) is not None and r not in bufs:

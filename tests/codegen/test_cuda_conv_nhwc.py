@@ -135,6 +135,38 @@ def test_the_kernels_emulated_on_the_cpu_give_the_bfloat16_reference(idx, wg, tm
         assert np.mean(got == ref) >= 0.97, (k.name, plan, np.mean(got == ref))
 
 
+@pytest.mark.parametrize("padding", [1, 0])
+def test_the_tiled_relayouts_write_the_bordered_nhwc_image_and_dy_by_pixel(padding, tmp_path):
+    """nhwc_wg's relayouts (`to_nhwc_tiles`) alone, where the GEMMs' emulated tests have one tile:
+    72 channels (a second channel tile of 8) of 9 x 9 pixels (a second pixel tile of 17), bordered
+    or not; the scratch holds x as the zero-bordered NHWC image and dy as [pixel][o], every
+    element written (the scratch starts NaN)."""
+    from dataclasses import replace
+    geo = dict(N=2, C=72, H=9, W=9, O=72, KH=3, KW=3, stride=1, padding=padding)
+    g = _geometry("gw", **geo)
+    plan = cn.wg_plans(g)[0]
+    k = cn.render("rl", g, plan, bf16_roles=frozenset({"x", "dy"}))
+    relays = tuple(ln for ln in k.launches if ln.function.endswith(("_src", "_dy")))
+    ho = 9 + 2 * padding - 2
+    # dy (ho x ho pixels, no border block), then x (81 pixels: two tiles, and a border block where padded)
+    assert [ln.grid for ln in relays] == [(2 * -(-ho * ho // 64), 2, 1), (2 * (2 + padding), 2, 1)]
+    k = replace(k, launches=relays)
+    lib = cuda_emulator.build([k], tmp_path, f"relayout{padding}")
+    rng = np.random.default_rng(5)
+    x, dy = (round_bf16(rng.uniform(-1, 1, shape).astype(np.float32)) for shape in ((2, 72, 9, 9), (2, 72, ho, ho)))
+    scratch = np.full(k.scratch_bytes // 4, np.nan, np.float32)
+    cuda_emulator.run(lib, 0, k, dict(x=bf16_bits(x), dy=bf16_bits(dy), out=np.zeros((72, 72, 3, 3), np.float32),
+                                      scratch=scratch))
+    words = scratch.view(np.uint16)
+    regions = cn._regions(g, plan)
+    want_x = np.pad(x.transpose(0, 2, 3, 1), ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    got_x = bf16_values(words[regions["src"] // 2:][:want_x.size].reshape(want_x.shape))
+    np.testing.assert_array_equal(got_x, want_x)
+    want_dy = dy.transpose(0, 2, 3, 1).reshape(-1, 72)
+    got_dy = bf16_values(words[regions["dyt"] // 2:][:want_dy.size].reshape(want_dy.shape))
+    np.testing.assert_array_equal(got_dy, want_dy)
+
+
 #: float32 operands (forward and grad-weight at stride 1 and 2, the stride-1 grad-input): channel
 #: counts multiples of 4 (a 16-byte run), 12 of them three runs of a 16-float k-tile
 F32 = [dict(N=2, C=12, H=6, W=7, O=20, KH=3, KW=3, stride=1, padding=1),
