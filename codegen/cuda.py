@@ -137,7 +137,7 @@ def render_pointwise(name: str, sub: Graph, fixed: bool = False,
         return lower_pointwise(sub, SPELLING, index_type=index, extent=at, rows=rows)
     low = lower(extent)
     if extent is not None and not runtime and any(
-            _names(line, extent.var) for line in low.body + low.hoisted + low.inner + [v for *_, v in low.stores]):
+            _names(line, extent.var) for line in low.body + [v for *_, v in low.stores]):
         extent = None
         low = lower(None)
     row = low.numel // low.rows

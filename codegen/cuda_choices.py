@@ -429,6 +429,10 @@ def _nhwc_accepts(g: dict[str, Any], plan: Plan, wg: bool = False) -> bool:
         p.shared_bytes(g) <= current().shared_per_block_optin
 
 
+def _nhwc_scratch(g: dict[str, Any], plan: Plan) -> int:
+    return conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan)))
+
+
 def _nhwc_render(name: str, sub: Graph, spec: KernelSpec, g: dict[str, Any], plan: Plan, epilogue: Any) -> CudaKernel:
     return conv_nhwc.family_render(name, sub, spec, g, plan, epilogue, bf16_roles(sub, spec))
 
@@ -828,13 +832,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # convolutions as a GEMM over channels-innermost operands relaid in the scratch block, on
     # bfloat16 tensor cores or TF32 ones (3xTF32 for float32); taken where measured, never by default
     Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
-           lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))), _nhwc_render,
+           _nhwc_scratch, _nhwc_render,
            tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
     # the same kernels on warpgroup MMA (sm_90a, bfloat16 operands): m64 x BN slices a warpgroup,
     # 128-byte swizzled k-tiles read by descriptors (a grad-weight's MN-major); taken where measured,
     # never by default
     Family("nhwc_wg", conv_nhwc.WG_KINDS, 13, lambda g: [conv_nhwc.stamped(conv_nhwc.wg_plans(g)[0])],
-           conv_nhwc.wg_serves, _never, lambda g, plan: conv_nhwc.scratch_bytes(g, conv_nhwc.NhwcPlan(**dict(plan))),
+           conv_nhwc.wg_serves, _never, _nhwc_scratch,
            _nhwc_render, tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.wg_plans(g)],
            accepts=functools.partial(_nhwc_accepts, wg=True)),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,

@@ -209,7 +209,8 @@ def expected_modules(traced: Graph) -> int:
     return 3 * contractions + (len(traced) - contractions) // 10
 
 
-def _step_options(cp: Any) -> tuple[str, ...]:
+def nvrtc_options(cp: Any) -> tuple[str, ...]:
+    """The options every CUDA module of this GPU is built with (steps, the tuner, the labs)."""
     return ("-std=c++17", f"-arch={nvrtc_arch(cp)}")
 
 
@@ -222,7 +223,7 @@ def _prepare_build(traced: Graph, sources: tuple[Any, ...] = ()) -> None:
     them up early for its later batch size (0.85-0.89 s against 1.25-1.39 s without)."""
     if sources and all(s is not None for s in sources):
         cp = _cupy()
-        options = _step_options(cp)
+        options = nvrtc_options(cp)
         if all(cuda_modules.built_ahead(cp, s.code, options) for s in sources):
             return
     nvrtc_workers.prestart(expected_modules(traced))
@@ -322,7 +323,7 @@ class CudaExecutor:
         self.source = source if source is not None else render_step(graph)  # given: from the plan cache
         rendered = time.perf_counter()
         self.arch = nvrtc_arch(cp)
-        options = _step_options(cp)
+        options = nvrtc_options(cp)
         if dump_dir is not None:
             out = Path(dump_dir)
             out.mkdir(parents=True, exist_ok=True)

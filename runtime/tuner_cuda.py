@@ -48,9 +48,9 @@ class CudaMeasurer:
     """Measures candidates on the current GPU (CuPy)."""
 
     def __init__(self) -> None:
-        from .cuda import nvrtc_arch, _cupy
+        from .cuda import _cupy, nvrtc_options
         self.cp = _cupy()
-        self.options = ("-std=c++17", f"-arch={nvrtc_arch(self.cp)}")
+        self.options = nvrtc_options(self.cp)
         self.prelude = cuda_codegen.prelude()
         self.prelude_bf16 = cuda_codegen.prelude(bf16=True)  # for kernels with bfloat16 values
 

@@ -86,11 +86,11 @@ def run_layer(cp, torch, n: int, layer: tuple, kind: str, precision: str, reps: 
     bufs["out"] = cp.empty(tuple(ref.shape), dtype=cp.uint16 if out_bf16 else cp.float32)
     roles = (frozenset(operands) | ({"out"} if out_bf16 else set())) if bf16 else frozenset()
     flops = 2.0 * n * layer[1] * g["HO"] * g["WO"] * layer[0] * 9
-    from ember.runtime.cuda import nvrtc_arch
+    from ember.runtime.cuda import nvrtc_options
     # the warpgroup-MMA plans (family nhwc_wg) where the GPU has them, after nhwc_tc's
     for plan in cn.plans(g) + (cn.wg_plans(g) if cn.wg_serves(g) is None else []):
         kernel = cn.render("lab", g, plan, bf16_roles=roles)
-        module = cp.RawModule(code=cuda.prelude(bf16=bf16) + kernel.code, options=("-std=c++17", f"-arch={nvrtc_arch(cp)}"))
+        module = cp.RawModule(code=cuda.prelude(bf16=bf16) + kernel.code, options=nvrtc_options(cp))
         scratch = cp.empty(max(kernel.scratch_bytes // 4, 1), dtype=cp.float32)
         calls = []
         for ln in kernel.launches:

@@ -335,12 +335,17 @@ def run(lib: ctypes.CDLL, index: int, kernel: CudaKernel, buffers: dict[str, np.
         entry(ctypes.c_int(i), ptrs)
 
 
-def only_reduction(planned) -> tuple:
-    """(subgraph, kernel) of the one reduction kernel of a graph planned for CUDA, the kernel as the
-    step renders it (roles in0.. out.., then scratch where it splits), on the active device."""
-    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "reduction"]
+def only_kernel(planned, kind: str, choice=None) -> tuple:
+    """(subgraph, kernel) of the one kernel of `kind` of a graph planned for CUDA, the kernel as the
+    step renders it with `choice` (default its own; roles in0.. out.., then scratch where it
+    splits), on the active device."""
+    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == kind]
     sub, spec = planned.attrs(node)["graph"], planned.attrs(node)["kernel"]
-    return sub, cuda_choices.render(sub.name, sub, spec, spec.choice or cuda_choices.choose(sub, spec))
+    return sub, cuda_choices.render(sub.name, sub, spec, choice or spec.choice or cuda_choices.choose(sub, spec))
+
+
+def only_reduction(planned) -> tuple:
+    return only_kernel(planned, "reduction")
 
 
 def check_against_interpreter(sub, kernel: CudaKernel, inputs: dict[str, np.ndarray], folder: Path, name: str,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import cuda_emulator
-from ember.codegen import cuda
-from ember.codegen.cuda_kernels import CudaKernel, Launch
+from ember.codegen import cuda_choices
+from ember.codegen.cuda_kernels import CudaKernel
 from ember.ir import Graph, TensorType
 from models import plan_for
 
@@ -39,13 +39,10 @@ def _elementwise(shape: tuple[int, ...]) -> Graph:
 
 
 def _pointwise_kernel(graph: Graph, runtime: bool = False) -> tuple[Graph, CudaKernel]:
-    """(subgraph, kernel) of the one pointwise kernel of `graph` planned for CUDA, as the step renders it."""
-    planned = plan_for(graph, "cuda")
-    (node,) = [n for n in planned.g if planned.op(n) == "fused" and planned.attrs(n)["kernel"].kind == "pointwise"]
-    sub = planned.attrs(node)["graph"]
-    code, grid, block, scalars = cuda.render_pointwise(sub.name, sub, runtime=runtime)
-    roles = tuple(f"in{i}" for i in range(len(sub.inputs))) + tuple(sub.outputs)
-    return sub, CudaKernel(sub.name, code, (Launch(sub.name, grid, block, 0, roles, scalars),), 0)
+    """(subgraph, kernel) of the one pointwise kernel of `graph` planned for CUDA, as the step renders
+    it (`runtime`: on run-time sizes, as a step whose plans came from another batch size)."""
+    return cuda_emulator.only_kernel(plan_for(graph, "cuda"), "pointwise",
+                                     ("pointwise", cuda_choices.RUNTIME) if runtime else None)
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 14, 14), (2, 3, 2, 7), (4, 3, 7, 7)],

@@ -299,7 +299,7 @@ def test_a_stepped_models_build_ahead_is_marked_and_its_warm_compile_and_later_b
     runtime_cuda.wait_for_builds_ahead()
     (_, executor), = step._steps.values()
     cp = runtime_cuda._cupy()
-    assert cuda_modules.built_ahead(cp, executor.source.code, runtime_cuda._step_options(cp))
+    assert cuda_modules.built_ahead(cp, executor.source.code, runtime_cuda.nvrtc_options(cp))
     started.clear()
     warm = fresh()
     assert warm.compile_stats["plan_cached"] is True
