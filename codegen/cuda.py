@@ -23,7 +23,7 @@ from ember.ir import Graph, KernelSpec
 
 from . import cuda_choices, cuda_kernels, pool_kernels
 from .device import current
-from .indexing import delinearize
+from .indexing import Term, delinearize
 from .lowering import (C_OPERATORS, Body, Extent, Spelling, bound, c_literal, column_sum, generated_extent,
                        has_narrow, hoisting_rows, lower_pointwise, lower_reduction, max_elements, reduced_axes)
 from .templates_env import environment
@@ -368,7 +368,23 @@ def pointwise_epilogue(sub: Graph, spec: KernelSpec) -> cuda_kernels.PointwiseEp
     body.core = spec.param("epilogue_from")
     result = body.value(out, delinearize("i", t.numel, t.shape))
     inputs = tuple(sorted(i for role, i in spec.roles if role == f"in{i}"))
-    return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index)
+    return cuda_kernels.PointwiseEpilogue(tuple(body.lines), result, inputs, index, _by_channel(sub, spec, index))
+
+
+def _by_channel(sub: Graph, spec: KernelSpec, index: str) -> tuple[tuple[str, ...], tuple[str, ...], str] | None:
+    """A 4-d (NCHW) output's epilogue at image `img`, channel `o` and pixel `pix` (h * W + w),
+    split into the statements of the channel alone and those of each element."""
+    t = sub.type(sub.outputs["out"])
+    if t.rank != 4:
+        return None
+    n, c, h, w = t.shape
+    body = Body(sub, SPELLING, prefix="e", index_type=index, levels={"o": 0, "img": 1, "pix": 1, "red": 1})
+    body.core = spec.param("epilogue_from")
+    coords = [Term("img", 1, None, n).simplified() if n != 1 else None, Term("o", 1, None, c).simplified() if c != 1 else None,
+              Term("pix", w, None, h * w).simplified() if h != 1 else None,
+              Term("pix", 1, w, h * w).simplified() if w != 1 else None]
+    result = body.value(sub.outputs["out"], coords)
+    return tuple(body.by_level[0]), tuple(body.by_level[1]), result
 
 
 def render_contraction(name: str, sub: Graph, spec: KernelSpec) -> tuple[cuda_kernels.CudaKernel, dict[str, str | None]]:

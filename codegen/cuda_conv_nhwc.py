@@ -78,11 +78,17 @@ class NhwcPlan:
     def shared_bytes(self, g: dict[str, Any]) -> int:
         """Dynamic shared memory of the GEMM launch: STAGES k-tiles of both operands (a float32
         grad-weight's rows padded by 8 floats)."""
-        if self.WG:  # 128-byte rows, and the slack that aligns the tiles to 1024 bytes (the swizzle)
-            return self.STAGES * (self.BM + self.BN) * WG_ROW + 1024
+        if self.WG:  # 128-byte rows, and the slack that aligns the tiles to 1024 bytes (the swizzle);
+            # a forward's or grad-input's output tile may be staged there after the GEMM
+            staged = 0 if g["kind"] == "conv2d_grad_weight" else self.staged_tile_bytes()
+            return max(self.STAGES * (self.BM + self.BN) * WG_ROW, staged) + 1024
         if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
             return self.STAGES * BK["x3"] * (self.BM + self.BN + 16) * 4
         return self.STAGES * (self.BM + self.BN) * 64
+
+    def staged_tile_bytes(self) -> int:
+        """A warpgroup-MMA block's output tile staged in shared memory: BN rows of BM + 4 floats."""
+        return self.BN * (self.BM + 4) * 4
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
@@ -255,6 +261,14 @@ def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
     return dict(src=0, wt=0, dyt=at, part=at + dyt, end=at + dyt + round_up(4 * plan.SPLITS * q["CO"] * kdim, SCRATCH_ALIGN))
 
 
+def staged_stores(plan: NhwcPlan, kind: str, relu_mask: bool, epilogue: PointwiseEpilogue | None) -> bool:
+    """Whether a kernel stores its output through shared memory: a warpgroup-MMA forward or
+    grad-input whose epilogues read operands at every element (the ReLU mask, a generated
+    epilogue). Its 128 accumulators a thread would otherwise each get an unrolled copy of the
+    epilogue, reading its operands 8 pixels of 4 channels at a time."""
+    return bool(plan.WG) and kind != "conv2d_grad_weight" and (relu_mask or epilogue is not None)
+
+
 def scratch_bytes(g: dict[str, Any], plan: NhwcPlan) -> int:
     return _regions(g, plan)["end"]
 
@@ -291,7 +305,8 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
                    + (f"warpgroup MMA, blocks {plan.BM}x{plan.BN}, {plan.BM // 64} warpgroups, " if plan.WG else
                       f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, ")
                    + f"{plan.STAGES} stages"
-                   f"{f', {plan.SPLITS} splits' if gw else ''}")
+                   f"{f', {plan.SPLITS} splits' if gw else ''}"
+                   f"{', the output staged in shared memory by channel' if staged_stores(plan, kind, relu_mask, epilogue) else ''}")
     widest = max(q["WI"], q["WO"] if gw else 0)
     rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (e * widest) - 2) // 8 * 8)
     code = _env.get_template("conv_nhwc_tc.j2").render(
@@ -300,7 +315,9 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         off_dyt=regions["dyt"] // e, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
-        relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG))
+        relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
+        staged=staged_stores(plan, kind, relu_mask, epilogue), staged_bytes=plan.shared_bytes(g) - 1024,
+        index_type=epilogue.index_type if epilogue is not None else "int")
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]

@@ -143,6 +143,11 @@ class PointwiseEpilogue:
     result: str
     inputs: tuple[int, ...]
     index_type: str = "int"
+    #: the same epilogue of an NCHW output at (img, channel o, pixel pix) (`red` the value there):
+    #: (the statements of the channel alone, those of each element, the result), where a kernel
+    #: storing a channel's pixels together computes the channel's (its per-channel operands'
+    #: loads, a variance's square root) once for them; None where the output is not 4-d
+    by_channel: tuple[tuple[str, ...], tuple[str, ...], str] | None = None
 
     @property
     def roles(self) -> tuple[str, ...]:

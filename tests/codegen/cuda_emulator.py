@@ -349,15 +349,23 @@ def only_reduction(planned) -> tuple:
 
 
 def check_against_interpreter(sub, kernel: CudaKernel, inputs: dict[str, np.ndarray], folder: Path, name: str,
-                              rtol: float, atol: float) -> None:
-    """Runs a generated kernel of `sub` (roles in0.. out..) on `inputs` in the emulation and
-    compares every output with the interpreter's."""
+                              rtol: float, atol: float, roles: dict[str, str] | None = None) -> None:
+    """Runs a generated kernel of `sub` on `inputs` (floats; a bfloat16 input's rounded, the
+    kernel given its bits) in the emulation and compares every output with the interpreter's (a
+    bfloat16 output as its values). `roles`: the kernel's roles -> the subgraph's input and output
+    names (`cuda.render_contraction`'s); by default they are those names (in0.., out..)."""
     from ember.ir import run as interpret
+    from ember.ir.dtypes import bf16_bits, bf16_values
     want = interpret(sub, inputs).outputs
-    bufs = dict(inputs, **{k: np.full(v.shape, np.nan, np.float32) for k, v in want.items()})
-    run(build([kernel], folder, name), 0, kernel, bufs)
+    narrow = {k for k, n in [*sub.inputs.items(), *sub.outputs.items()] if sub.type(n).dtype.name == "bfloat16"}
+    by_name = {k: bf16_bits(v) if k in narrow else v for k, v in inputs.items()}
+    by_name.update({k: np.full(v.shape, 0x7FC0, np.uint16) if k in narrow else np.full(v.shape, np.nan, np.float32)
+                    for k, v in want.items()})
+    roles = roles or {k: k for k in by_name}
+    run(build([kernel], folder, name), 0, kernel, {role: by_name[k] for role, k in roles.items() if k in by_name})
     for k, v in want.items():
-        np.testing.assert_allclose(bufs[k], v, rtol=rtol, atol=atol, err_msg=k)
+        got = bf16_values(by_name[k]) if k in narrow else by_name[k]
+        np.testing.assert_allclose(got, v, rtol=rtol, atol=atol, err_msg=k)
 
 
 def tf32(a: np.ndarray) -> np.ndarray:
