@@ -32,7 +32,7 @@ row each; the two relayouts are timed side by side by tools/cuda_conv_nhwc_lab.p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles, kernel_signature,
@@ -52,6 +52,8 @@ WG_ROW = 128
 WG_KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: pixels a warpgroup-MMA grad-weight's k-tile
 WG_BK = 64
+#: epilogues that read an operand at every output element (a staged plan's stores serve them)
+PER_ELEMENT_EPILOGUES = frozenset({"pointwise", "relu_mask"})
 #: scratch a kernel may take for its relaid operands and partials
 MAX_SCRATCH = 4 << 30
 #: bytes of shared memory a relayout block stages a source row's channels in
@@ -70,6 +72,8 @@ class NhwcPlan:
     STAGES: int  # k-tiles in flight (cp.async)
     SPLITS: int = 1  # grad-weight: ranges of pixels summed apart (their partials added in order)
     WG: int = 0  # 1: warpgroup MMA (family nhwc_wg): BM / 64 warpgroups, WM = BM / 16 warps of 16 rows, WN = 1
+    ST: int = 0  # 1: a forward or grad-input with per-element epilogues stores through shared memory
+    # (`staged_stores`; warpgroup-MMA plans always do)
 
     @property
     def threads(self) -> int:
@@ -84,10 +88,10 @@ class NhwcPlan:
             return max(self.STAGES * (self.BM + self.BN) * WG_ROW, staged) + 1024
         if g["kind"] == "conv2d_grad_weight" and precision(g) != "bf16":
             return self.STAGES * BK["x3"] * (self.BM + self.BN + 16) * 4
-        return self.STAGES * (self.BM + self.BN) * 64
+        return max(self.STAGES * (self.BM + self.BN) * 64, self.staged_tile_bytes() if self.ST else 0)
 
     def staged_tile_bytes(self) -> int:
-        """A warpgroup-MMA block's output tile staged in shared memory: BN rows of BM + 4 floats."""
+        """A block's output tile staged in shared memory: BN rows of BM + 4 floats."""
         return self.BN * (self.BM + 4) * 4
 
     def tiles(self, gw: bool) -> bool:
@@ -191,6 +195,8 @@ def plans(g: dict[str, Any]) -> list[NhwcPlan]:
         width = _width_class(q["CO"], _FORWARD)
         blockings = _FORWARD[width] + (_FORWARD[64] if width == 128 and q["CO"] >= 256 else ())
         found = [NhwcPlan(*b) for b in blockings]
+        if PER_ELEMENT_EPILOGUES & set(g.get("epilogues", ())):  # each blocking with its stores staged too
+            found += [replace(p, ST=1) for p in found]
     gw = g["kind"] == "conv2d_grad_weight"
     return [p for p in found if p.tiles(gw) and p.shared_bytes(g) <= limit]
 
@@ -262,11 +268,13 @@ def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
 
 
 def staged_stores(plan: NhwcPlan, kind: str, relu_mask: bool, epilogue: PointwiseEpilogue | None) -> bool:
-    """Whether a kernel stores its output through shared memory: a warpgroup-MMA forward or
-    grad-input whose epilogues read operands at every element (the ReLU mask, a generated
-    epilogue). Its 128 accumulators a thread would otherwise each get an unrolled copy of the
-    epilogue, reading its operands 8 pixels of 4 channels at a time."""
-    return bool(plan.WG) and kind != "conv2d_grad_weight" and (relu_mask or epilogue is not None)
+    """Whether a kernel stores its output through shared memory: a forward or grad-input whose
+    epilogues read operands at every element (the ReLU mask, a generated epilogue), on warpgroup
+    MMA always (its 128 accumulators a thread would otherwise each get an unrolled copy of the
+    epilogue, reading its operands 8 pixels of 4 channels at a time; airbench's BatchNorm + GELU
+    grad-inputs measured slower than nhwc_tc's so), on mma.sync where the plan says (`ST`: measured
+    beside the direct stores)."""
+    return bool(plan.WG or plan.ST) and kind != "conv2d_grad_weight" and (relu_mask or epilogue is not None)
 
 
 def scratch_bytes(g: dict[str, Any], plan: NhwcPlan) -> int:
@@ -316,7 +324,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
-        staged=staged_stores(plan, kind, relu_mask, epilogue), staged_bytes=plan.shared_bytes(g) - 1024,
+        staged=staged_stores(plan, kind, relu_mask, epilogue), staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
         index_type=epilogue.index_type if epilogue is not None else "int")
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
@@ -357,7 +365,8 @@ def _relayout_grid(n: int, c: int, h: int, w: int, ph: int, pw: int, plan: NhwcP
 def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:
     """A plan as the choice table stamps it (a forward's without its split count)."""
     pairs = (("BM", plan.BM), ("BN", plan.BN), ("WM", plan.WM), ("WN", plan.WN), ("STAGES", plan.STAGES))
-    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) + ((("WG", 1),) if plan.WG else ())
+    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) + ((("WG", 1),) if plan.WG else ()) \
+        + ((("ST", 1),) if plan.ST else ())
 
 
 def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any,
