@@ -380,9 +380,8 @@ def _by_channel(sub: Graph, spec: KernelSpec, index: str) -> tuple[tuple[str, ..
     n, c, h, w = t.shape
     body = Body(sub, SPELLING, prefix="e", index_type=index, levels={"o": 0, "img": 1, "pix": 1, "red": 1})
     body.core = spec.param("epilogue_from")
-    coords = [Term("img", 1, None, n).simplified() if n != 1 else None, Term("o", 1, None, c).simplified() if c != 1 else None,
-              Term("pix", w, None, h * w).simplified() if h != 1 else None,
-              Term("pix", 1, w, h * w).simplified() if w != 1 else None]
+    coords = [Term("img", 1, None, n) if n != 1 else None, Term("o", 1, None, c) if c != 1 else None,
+              Term("pix", w, None, h * w) if h != 1 else None, Term("pix", 1, w, h * w).simplified() if w != 1 else None]
     result = body.value(sub.outputs["out"], coords)
     return tuple(body.by_level[0]), tuple(body.by_level[1]), result
 

@@ -271,9 +271,9 @@ def staged_stores(plan: NhwcPlan, kind: str, relu_mask: bool, epilogue: Pointwis
     """Whether a kernel stores its output through shared memory: a forward or grad-input whose
     epilogues read operands at every element (the ReLU mask, a generated epilogue), on warpgroup
     MMA always (its 128 accumulators a thread would otherwise each get an unrolled copy of the
-    epilogue, reading its operands 8 pixels of 4 channels at a time; airbench's BatchNorm + GELU
-    grad-inputs measured slower than nhwc_tc's so), on mma.sync where the plan says (`ST`: measured
-    beside the direct stores)."""
+    epilogue, reading its operands 8 pixels of 4 channels at a time: airbench's BatchNorm + GELU
+    grad-inputs measured slower than nhwc_tc's that way), on mma.sync where the plan says (`ST`,
+    measured beside the direct stores)."""
     return bool(plan.WG or plan.ST) and kind != "conv2d_grad_weight" and (relu_mask or epilogue is not None)
 
 
