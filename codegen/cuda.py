@@ -121,9 +121,10 @@ def render_pointwise(name: str, sub: Graph, fixed: bool = False,
     normalisation's per-channel values: `hoisting_rows`), rows with a thread computing
     `ROW_VALUES` consecutive elements of a row (the row's last thread fewer where they do not
     divide it), its per-row values once. Where the batch would be its bound alone, the domain's
-    leading extent is an argument (`generated_extent`), so the code is the same at every batch size. A kernel with constants that are counts over the
-    batch (a mean's 1/(N*H*W)) keeps them literal, and so its size (spelled from the argument they
-    cost a division per element), and reductions hold their sizes: with every generated kernel
+    leading extent is an argument (`generated_extent`), so the code is the same at every batch
+    size. A kernel with constants that are counts over the batch (a mean's 1/(N*H*W)) keeps them
+    literal, and so its size (spelled from the argument they cost a division per element), and
+    reductions hold their sizes: with every generated kernel
     taking the batch at run time, ResNet-8's step measured 10% slower on an H200
     (docs/benchmarks.md). A `fixed` domain (the kernel writes parameters and state alone) holds its
     sizes: no batch changes them. With `runtime` (a step whose plans came from a step of another

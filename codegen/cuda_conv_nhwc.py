@@ -298,6 +298,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     if plan.WG and wg_serves(g) is not None:
         raise ValueError(f"nhwc_wg does not serve this convolution: {wg_serves(g)}")
     q, regions = problem(g), _regions(g, plan)
+    staged = staged_stores(plan, kind, relu_mask, epilogue)
     prec, e = precision(g), element_bytes(g)
     operands = {"x", "dy"} if gw else {src, "w"}
     if (operands & bf16_roles) != (operands if prec == "bf16" else set()):
@@ -314,7 +315,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
                       f"blocks {plan.BM}x{plan.BN}, warps {plan.WM}x{plan.WN}, ")
                    + f"{plan.STAGES} stages"
                    f"{f', {plan.SPLITS} splits' if gw else ''}"
-                   f"{', the output staged in shared memory by channel' if staged_stores(plan, kind, relu_mask, epilogue) else ''}")
+                   f"{', the output staged in shared memory by channel' if staged else ''}")
     widest = max(q["WI"], q["WO"] if gw else 0)
     rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (e * widest) - 2) // 8 * 8)
     code = _env.get_template("conv_nhwc_tc.j2").render(
@@ -324,7 +325,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
-        staged=staged_stores(plan, kind, relu_mask, epilogue), staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
+        staged=staged, staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
         index_type=epilogue.index_type if epilogue is not None else "int")
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
