@@ -46,6 +46,16 @@ SPELLING = Spelling("CUDA", {
     # bfloat16 (templates/cuda/bf16.j2)
     "load:bfloat16": "em_bf16_load({0})", "round:bfloat16": "em_bf16_round({0})",
     "store:bfloat16": "em_bf16_store({0})",
+    # vector loads of up to 16 bytes (Body's lanes): the type of `width` elements, the load, a lane
+    "vector": "*reinterpret_cast<const {2}*>({0} + ({1}))",
+    "vector_store": "*reinterpret_cast<{2}*>({0} + ({1})) = make_{2}({3});",
+    "pack:bfloat16": "em_bf16_pack2({0}, {1})",
+    "vtype:float32:4": "float4", "vtype:float32:2": "float2",
+    "vtype:bfloat16:8": "uint4", "vtype:bfloat16:4": "uint2",
+    **{f"lane:float32:{j}": f"{{0}}.{c}" for j, c in enumerate("xyzw")},
+    # two bfloat16 values a 32-bit word, the first in its low half (little-endian)
+    **{f"lane:bfloat16:{j}": f"__uint_as_float({{0}}.{'xyzw'[j // 2]} {'<< 16' if j % 2 == 0 else '& 0xFFFF0000u'})"
+       for j in range(8)},
 }, c_literal, storage={"bfloat16": "unsigned short"})
 
 
@@ -135,20 +145,27 @@ def render_pointwise(name: str, sub: Graph, fixed: bool = False,
     rows = hoisting_rows(sub, SPELLING, MIN_ROW)
 
     def lower(at: Extent | None):
-        return lower_pointwise(sub, SPELLING, index_type=index, extent=at, rows=rows)
+        # vectors along rows: the hoisting rows, else the batch's (a run-time bound) or one row
+        shape = sub.type(sub.outputs["out"]).shape
+        along = rows if rows > 1 else shape[0] if at is not None and shape else 1
+        step = _pointwise_step(sub, along)
+        return lower_pointwise(sub, SPELLING, index_type=index, extent=at, rows=along if step else rows, vector=step)
     low = lower(extent)
     if extent is not None and not runtime and any(
-            _names(line, extent.var) for line in low.body + [v for *_, v in low.stores]):
+            _names(line, extent.var) for line in low.body + [v for *_, v in low.stores] + low.vector_stores):
         extent = None
         low = lower(None)
     row = low.numel // low.rows
-    per_row = math.ceil(row / ROW_VALUES)  # threads a row, in the rows form
+    per_row = row // low.vector if low.vector else math.ceil(row / ROW_VALUES)  # threads a row, in the rows forms
+    named = set(_IDENTIFIER.findall(" ".join(low.inner)))
+    lane_vars = [f"const {index} j_{k} = j + {k};" for k in range(low.vector) if f"j_{k}" in named]
     code = ENV.get_template("pointwise.j2").render(
         name=name, numel=bound(low.numel, extent), out_type=_out_types(sub, extent),
         params=_signature(sub, extent, index), body=low.body, stores=low.stores, threads=THREADS, index=index,
         row_form=low.rows > 1, rows=bound(low.rows, extent), row=row, per_thread=ROW_VALUES, per_row=per_row,
-        hoisted=low.hoisted, inner=low.inner)
-    threads = low.rows * per_row if low.rows > 1 else low.numel
+        hoisted=low.hoisted, inner=low.inner, vector=low.vector, lane_vars=lane_vars,
+        vector_stores=low.vector_stores)
+    threads = low.rows * per_row if low.rows > 1 or low.vector else low.numel
     return code, (math.ceil(threads / THREADS), 1, 1), (THREADS, 1, 1), _scalars(extent, index)
 
 
@@ -287,6 +304,12 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
     extent = generated_extent(sub, "reduction", core) if runtime else None
     low = lower_reduction(sub, core, SPELLING, index_type=index, extent=extent)
     layout = reduction_layout(sub, core, low, runtime=extent is not None)
+    if layout.mode == "split":
+        # a variance's two sums in one walk of the values (the split template knows op "m2"), the
+        # innermost loop walked in vectors: airbench's BatchNorm statistics read each 100 MB
+        # activation twice, two bytes a load (133 us each on an H100)
+        low = lower_reduction(sub, core, SPELLING, index_type=index, extent=extent, moments=True,
+                              vector=_vector_step(sub, low))
     # the sizes as the code spells them: the batch's (the outermost reduced loop where it is
     # reduced, the outputs where it is kept) an expression of the argument on run-time sizes
     loops: list[tuple[str, int | str]] = list(low.loops)
@@ -306,9 +329,16 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
                   index=index)
     scalars = _scalars(extent, index)
     if layout.mode == "split":
-        first = low.loops[0][0]
-        flat_vars = _flat_loop_vars([(f"{first}_off", layout.chunk)] + list(low.loops[1:]), index)
+        first, (last, length), step = low.loops[0][0], low.loops[-1], low.vector
+        steps = [(f"{last}_v", length // step)] if step else [low.loops[-1]]
+        flat_vars = _flat_loop_vars([(f"{first}_off", layout.chunk)] + list(low.loops[1:-1]) + steps, index)
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
+        if step:  # the lanes' own variables where a load is not a vector's (strided, say)
+            flat_vars.append(f"const {index} {last} = {last}_v * {step};")
+            named = set(_IDENTIFIER.findall(" ".join(x for p in low.passes for level in p.levels for x in level)))
+            flat_vars += [f"const {index} {last}_{j} = {last} + {j};" for j in range(step) if f"{last}_{j}" in named]
+        lane_sums = {a.acc: _pairwise(a.lanes, a.op) for a in accs if a.lanes and a.op != "m2"}
+        lane_sums["y_"] = _pairwise([f"y{j}_" for j in range(step)], "sum") if step else ""
         # the earlier results each launch reads (a pass's, then the epilogue's): only those are combined
         names = [set(_IDENTIFIER.findall(" ".join(p.pre + [x for level in p.levels for x in level]
                                                   + [a.value for a in p.accs]))) for p in low.passes]
@@ -327,7 +357,8 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
             # a split count the compiler does not know is at least 1 let it move an epilogue's
             # multiply out of its fma (an SGD update 1 ulp off its own kernel's: test_cuda_batch_extents)
             assume="" if extent is None else "__builtin_assume((int)gridDim.y >= 1);",
-            inner=math.prod(size for _, size in low.loops[1:]), flat_vars=flat_vars, acc_type=low.acc_type)
+            inner=math.prod(size for _, size in low.loops[1:]), flat_vars=flat_vars, acc_type=low.acc_type,
+            vector=step, lane_sums=lane_sums)
         last_pass = len(low.passes) - 1
         launches = tuple((f"{name}_part{k}", (low.outputs, layout.splits, 1), (THREADS, 1, 1),
                           ("scratch",) + ((cuda_kernels.counter_role(low.outputs),) if k == last_pass else ()))
@@ -350,6 +381,42 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
     grid = (math.ceil(low.outputs / THREADS), 1, 1) if layout.mode == "thread" else \
         (math.ceil(low.outputs / (THREADS // lanes)), 1, 1) if lanes else (low.outputs, 1, 1)
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), ()),), 0, scalars)
+
+
+def _vector_step(sub: Graph, low: Any) -> int:
+    """Elements a step of a split reduction's innermost loop walks: 16 bytes of its narrowest
+    float input (8 bfloat16 or 4 float32 values), halved until it divides the loop's length;
+    0 where not even 2 do."""
+    sizes = [sub.type(n).dtype.itemsize for n in sub.inputs.values() if sub.type(n).dtype.is_float]
+    step = 16 // min(sizes, default=16)
+    while step > 1 and low.loops and low.loops[-1][1] % step:
+        step //= 2
+    return step if step > 1 else 0
+
+
+def _pointwise_step(sub: Graph, rows: int) -> int:
+    """Elements a thread of a pointwise kernel computes as vectors: 16 bytes of its narrowest float
+    input or output (8 bfloat16 or 4 float32 values), halved until it divides a row; 0 where not
+    even 4 do (the scalar rows form computes 4 a thread), or where its outputs' shapes differ."""
+    outs = [sub.type(n) for n in sub.outputs.values()]
+    if any(t.shape != outs[0].shape for t in outs):
+        return 0
+    sizes = [sub.type(n).dtype.itemsize for n in [*sub.inputs.values(), *sub.outputs.values()]
+             if sub.type(n).dtype.is_float]
+    step, row = 16 // min(sizes, default=16), outs[0].numel // rows
+    while step >= ROW_VALUES and row % step:
+        step //= 2
+    return step if step >= ROW_VALUES else 0
+
+
+def _pairwise(values: list[str], op: str) -> str:
+    """The lanes' values combined in pairs, then pairs of pairs (a sum's rounding grows with the
+    depth, not the count)."""
+    while len(values) > 1:
+        pairs = [values[i:i + 2] for i in range(0, len(values), 2)]
+        values = [p[0] if len(p) == 1 else f"({p[0]} + {p[1]})" if op == "sum" else f"em_max({p[0]}, {p[1]})"
+                  for p in pairs]
+    return values[0]
 
 
 def _scalar_params(extent: Extent | None, index: str) -> str:

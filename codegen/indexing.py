@@ -50,7 +50,8 @@ def delinearize(var: str, size: int, shape: tuple[int, ...]) -> list[Coord]:
     return [Term(var, st, d, size).simplified() if d != 1 else None for st, d in zip(strides(shape), shape)]
 
 
-def _linear_terms(coords: list[Coord], shape: tuple[int, ...]) -> list[tuple[Term, int]]:
+def linear_terms(coords: list[Coord], shape: tuple[int, ...]) -> list[tuple[Term, int]]:
+    """The row-major offset of `coords` as (term, multiplier) pairs, adjacent terms of a variable merged."""
     terms = sorted(((c.simplified(), st) for c, st in zip(coords, strides(shape)) if c is not None),
                    key=lambda ts: (ts[0].var, ts[0].div))
     merged: list[tuple[Term, int]] = []
@@ -68,7 +69,7 @@ def _linear_terms(coords: list[Coord], shape: tuple[int, ...]) -> list[tuple[Ter
 def linear_c(coords: list[Coord], shape: tuple[int, ...]) -> str:
     """C expression of the row-major offset of `coords` in a contiguous tensor of `shape`."""
     parts = []
-    for t, m in _linear_terms(coords, shape):
+    for t, m in linear_terms(coords, shape):
         c = t.c()
         if c != "0":
             parts.append(c if m == 1 else f"{c} * {m}")
@@ -78,7 +79,7 @@ def linear_c(coords: list[Coord], shape: tuple[int, ...]) -> str:
 def relinearize(coords: list[Coord], shape: tuple[int, ...], new_shape: tuple[int, ...],
                 temp: Callable[[str], str]) -> list[Coord]:
     """Coordinates in `new_shape` of the element at `coords` of `shape` (a reshape of a row-major tensor)."""
-    terms = _linear_terms(coords, shape)
+    terms = linear_terms(coords, shape)
     size = prod(shape)
     if not terms:
         return [None] * len(new_shape)

@@ -21,7 +21,7 @@ import numpy as np
 from ember.ir import OPS, DType, Graph
 from ember.ir.dtypes import as_values
 
-from .indexing import Coord, broadcast_coords, delinearize, linear_c, relinearize
+from .indexing import Coord, Term, broadcast_coords, delinearize, linear_c, linear_terms, relinearize
 
 # Ops whose value is computed by a spelled expression (the rest are views, constants and inputs,
 # which are index arithmetic and need no spelling).
@@ -122,12 +122,21 @@ class Body:
     index it may be read at (None: any), which is checked."""
 
     def __init__(self, sub: Graph, spelling: Spelling, prefix: str = "v", index_type: str = "int64_t",
-                 levels: dict[str, int] | None = None, extent: "Extent | None" = None) -> None:
+                 levels: dict[str, int] | None = None, extent: "Extent | None" = None,
+                 lanes: tuple[str, int] | None = None) -> None:
         self.sub = sub
+        # (loop variable, V): the loop steps by V and lane j of a step is coordinate `{var}_{j}`;
+        # an input contiguous along it, at offsets the vector's size divides, is read as
+        # vectors of up to 16 bytes (`vector_loads` of them), its lanes taken from them
+        self.lanes = lanes
+        self.lane_of = {f"{lanes[0]}_{j}": j for j in range(lanes[1])} if lanes else {}
+        self.vector_loads = 0
         self.extent = extent  # the kernel's runtime extent: constants that are multiples of it spelled from it
         self.index_type = index_type  # the C type of index temporaries (32-bit where the target's sizes allow)
         self.spelling = spelling
         self.levels = dict(levels or {})
+        if lanes and lanes[0] in self.levels:
+            self.levels.update({v: self.levels[lanes[0]] for v in self.lane_of})
         self.by_level: list[list[str]] = [[] for _ in range(max(self.levels.values(), default=0) + 1)]
         self.level_of: dict[str, int] = {}
         self.memo: dict[tuple, str] = {}
@@ -160,6 +169,33 @@ class Body:
         lit = self.spelling.literal
         return self.spelling.ops[key].format(*args, one=lit(1, ctype), zero=lit(0, ctype), ctype=ctype)
 
+    def _vector_lane(self, n: int, coords: list[Coord]) -> str | None:
+        """Input n's element at lane coordinates, taken from a vector load of its lanes, where the
+        target spells one for its dtype and the offset walks the lane variable with stride 1 and
+        every other term keeps the vector aligned; else None (a load of its own)."""
+        if not self.lanes:
+            return None
+        t = self.sub.type(n)
+        var, step = self.lanes
+        width = min(step, 16 // t.dtype.itemsize)
+        vtype = self.spelling.ops.get(f"vtype:{t.dtype.name}:{width}")
+        terms = linear_terms(coords, t.shape)
+        walking = [(term, m) for term, m in terms if term.var in self.lane_of]
+        if vtype is None or len(walking) != 1:
+            return None
+        (term, m), = walking
+        if term.div != 1 or term.mod is not None or m != 1 or any(k % width for other, k in terms if other is not term):
+            return None
+        j = self.lane_of[term.var]
+        start = [Term(var, c.div, c.mod, c.size) if c is not None and c.var == term.var else c for c in coords]
+        offset = linear_c(start, t.shape) + (f" + {j // width * width}" if j >= width else "")
+        key = ("vector", n, offset)
+        if key not in self.memo:
+            self.vector_loads += 1
+            load = self.spelling.ops["vector"].format(f"in{self.input_index[n]}", offset, vtype)
+            self.memo[key] = self.temp(load, vtype)
+        return self.spelling.ops[f"lane:{t.dtype.name}:{j % width}"].format(self.memo[key])
+
     def value(self, n: int, coords: list[Coord]) -> str:
         key = (n, tuple(coords))
         if key in self.memo:
@@ -175,6 +211,8 @@ class Body:
             rounded = op != "sum"  # a narrow sum accumulates in float; a max is one of its values
         elif n == self.core:
             expr = "red"  # a contraction's template rounds its value before the epilogue
+        elif n in self.input_index and (lane := self._vector_lane(n, coords)) is not None:
+            expr = lane  # a float already (a bfloat16 lane widened)
         elif n in self.input_index:
             expr = f"in{self.input_index[n]}[{linear_c(coords, t.shape)}]"
             if narrow(t.dtype):
@@ -340,6 +378,10 @@ class PointwiseLowering:
     hoisted: list[str] = field(default_factory=list)
     inner: list[str] = field(default_factory=list)
     stores: list[tuple[str, str, str]] = field(default_factory=list)  # (output, flat index, value)
+    # with `vector` (V lanes a step, the rows form): the statements storing each output's V
+    # values as vectors (`vector_stores`) take the place of `stores`
+    vector: int = 0
+    vector_stores: list[str] = field(default_factory=list)
 
 
 def _split_coords(shape: tuple[int, ...], rows: int) -> list[Coord]:
@@ -355,11 +397,26 @@ def _split_coords(shape: tuple[int, ...], rows: int) -> list[Coord]:
 
 
 def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type: str = "int64_t",
-                    rows: int = 1, extent: Extent | None = None) -> PointwiseLowering:
+                    rows: int = 1, extent: Extent | None = None, vector: int = 0) -> PointwiseLowering:
     """The body computing element `index` (a flat output index) of every output of the subgraph;
     with `rows` > 1, as a loop over rows ("p", a product of leading axes) and over each row's
-    contiguous elements ("j"), statements that depend on the row alone hoisted out of the inner loop."""
+    contiguous elements ("j"), statements that depend on the row alone hoisted out of the inner loop.
+    With `vector` (V > 1 dividing the row; any `rows`), the rows form computing V consecutive
+    elements of a row at once (lanes `j_0` .. `j_{V-1}`, `j` a multiple of V): inputs contiguous
+    along the row read and every output written as vectors of up to 16 bytes."""
     t = sub.type(sub.outputs["out"])
+    if vector:
+        if any(sub.type(n).shape != t.shape for n in sub.outputs.values()) or (t.numel // rows) % vector:
+            raise ValueError(f"{vector} lanes do not divide the rows of kernel {sub.name}")
+        body = Body(sub, spelling, index_type=index_type, levels={"p": 0, "j": 1}, extent=extent, lanes=("j", vector))
+        coords = _split_coords(t.shape, rows)
+        lanes = [[Term(f"j_{k}", c.div, c.mod, c.size) if c is not None and c.var == "j" else c for c in coords]
+                 for k in range(vector)]
+        results = [(k, [body.value(n, lc) for lc in lanes]) for k, n in sub.outputs.items()]
+        flat = f"p * {t.numel // rows} + j"
+        stores = [line for k, values in results for line in _vector_stores(spelling, sub, k, flat, values)]
+        return PointwiseLowering(t.numel, body.lines, results[0][1][0], [(k, v[0]) for k, v in results], rows,
+                                 body.by_level[0], body.by_level[1], [], vector, stores)
     if rows > 1:
         if any(sub.type(n).shape != t.shape for n in sub.outputs.values()):
             raise ValueError("a pointwise kernel loops over rows only when its outputs have one shape")
@@ -382,6 +439,22 @@ def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type
 
 def _stored(spelling: Spelling, sub: Graph, output: str, value: str) -> str:
     return stored(spelling, sub.type(sub.outputs[output]).dtype, value)
+
+
+def _vector_stores(spelling: Spelling, sub: Graph, output: str, at: str, values: list[str]) -> list[str]:
+    """Statements storing an output's consecutive `values` from flat index `at` (a multiple of
+    their count) as vectors of up to 16 bytes (bfloat16 values packed two a word)."""
+    dtype = sub.type(sub.outputs[output]).dtype
+    width = min(len(values), 16 // dtype.itemsize)
+    lines = []
+    for first in range(0, len(values), width):
+        chunk = values[first:first + width]
+        if narrow(dtype):  # two a 32-bit word, the first in its low half
+            chunk = [spelling.ops[f"pack:{dtype.name}"].format(a, b) for a, b in zip(chunk[::2], chunk[1::2])]
+        vtype = spelling.ops[f"vtype:{dtype.name}:{width}"]
+        offset = at + (f" + {first}" if first else "")
+        lines.append(spelling.ops["vector_store"].format(output, offset, vtype, ", ".join(chunk)))
+    return lines
 
 
 def hoisting_rows(sub: Graph, spelling: Spelling, min_inner: int) -> int:
@@ -412,6 +485,17 @@ class Accumulator:
     red: str     # the variable holding the result after the loops (what later statements read)
     ctype: str
     init: str
+    # op "m2" (`lower_reduction(moments=True)`): the squared deviations from the running mean of
+    # the sum accumulator named here, over the same values (Welford in the loop, Chan's formula
+    # where partial results meet)
+    pair: str = ""
+    # on both accumulators of such a pair: the variable holding the output's first value, which
+    # every value is taken relative to, so that the merged means are small however far from
+    # zero the values are (the sum adds it back count times)
+    shift: str = ""
+    # with a vector walk (`lower_reduction(vector=V)`): the value at each of the V lanes of a
+    # step of the innermost loop (`value` is the first's)
+    lanes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -431,6 +515,7 @@ class ReductionLowering:
     passes: list[ReductionPass]       # in order: a pass may read the results of earlier ones
     epilogue: list[str]               # statements after the passes computing the results
     results: list[tuple[str, str]]    # (output, value at `o`), "out" first
+    vector: int = 0                   # lanes a step of the innermost loop walks (0: one element a step)
 
     @property
     def accs(self) -> list[Accumulator]:
@@ -449,23 +534,89 @@ class ReductionLowering:
         return types.pop() if len(types) == 1 else ""
 
 
-def _passes(sub: Graph, cores: list[int]) -> list[list[int]]:
-    """Reductions grouped into passes: a reduction that reads another's result runs after it."""
-    stage: dict[int, int] = {}
-    for c in cores:  # cores in topological order
-        before = nx.ancestors(sub.g, c)
-        stage[c] = 1 + max((stage[d] for d in cores if d in before), default=-1)
-    return [[c for c in cores if stage[c] == s] for s in range(max(stage.values()) + 1)]
+def _passes(sub: Graph, cores: list[int], pairs: dict[int, int]) -> list[list[int]]:
+    """Reductions grouped into passes: a reduction that reads another's result runs after it,
+    except a centred sum of squares of `pairs`, which runs beside its mean's sum. A pair stays
+    in `pairs` only where no other reduction reads either of them and theirs is the last pass
+    (the kernel that combines their partials is theirs)."""
+    for c2, c1 in list(pairs.items()):
+        if any(d not in (c1, c2) and nx.has_path(sub.g, c, d) for c in (c1, c2) for d in cores):
+            del pairs[c2]
+    while True:
+        stage: dict[int, int] = {}
+        for c in cores:  # cores in topological order
+            before = nx.ancestors(sub.g, c)
+            stage[c] = 1 + max((stage[d] for d in cores if d in before and d != pairs.get(c)), default=-1)
+        last = max(stage.values())
+        late = [c2 for c2, c1 in pairs.items() if stage[c1] != last]
+        if not late:
+            return [[c for c in cores if stage[c] == s] for s in range(last + 1)]
+        for c2 in late:
+            del pairs[c2]
+
+
+def _constant(sub: Graph, n: int) -> float | None:
+    if sub.op(n) != "constant" or sub.type(n).numel != 1:
+        return None
+    return float(np.asarray(sub.attrs(n)["value"]).reshape(-1)[0])
+
+
+def _mean_of(sub: Graph, n: int, cores: list[int], count: int) -> int | None:
+    """The sum core whose mean node n is (its value divided by `count`, or times 1/count,
+    through reshapes and broadcasts), else None."""
+    while sub.op(n) in ("reshape", "broadcast_to"):
+        (n,) = sub.operands(n)
+    if sub.op(n) not in ("div", "mul") or len(sub.operands(n)) != 2:
+        return None
+    a, b = sub.operands(n)
+    if sub.op(n) == "mul" and a not in cores:
+        a, b = b, a
+    scale = _constant(sub, b)
+    if a not in cores or sub.op(a) != "sum" or scale is None:
+        return None
+    if sub.op(n) == "div":
+        return a if scale == count else None
+    return a if math.isclose(scale * count, 1.0, rel_tol=1e-6) else None
+
+
+def centered_squares(sub: Graph, cores: list[int]) -> dict[int, int]:
+    """{c2: c1} for each sum c2 of squared deviations from another sum's mean, c2 = sum((y - c1 / n)^2)
+    with c1 = sum(y) over the same n elements: a variance (BatchNorm's, LayerNorm's), whose two
+    reductions may be accumulated in one walk of y (`lower_reduction(moments=True)`)."""
+    pairs: dict[int, int] = {}
+    for c2 in cores:
+        if sub.op(c2) != "sum":
+            continue
+        (sq,) = sub.operands(c2)
+        if sub.op(sq) != "mul" or len(set(sub.operands(sq))) != 1:
+            continue
+        (dev,) = set(sub.operands(sq))
+        if sub.op(dev) != "sub":
+            continue
+        y, mean = sub.operands(dev)
+        count = math.prod(sub.type(y).shape[a] for a in reduced_axes(sub, c2))
+        c1 = _mean_of(sub, mean, cores, count)
+        if c1 is not None and sub.operands(c1) == [y] and sub.type(y).shape == sub.type(dev).shape \
+                and reduced_axes(sub, c1) == reduced_axes(sub, c2) and sub.type(y).dtype.is_float:
+            pairs[c2] = c1
+    return pairs
 
 
 def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str = "int64_t",
-                    extent: Extent | None = None, columns: bool = False) -> ReductionLowering:
+                    extent: Extent | None = None, columns: bool = False, moments: bool = False,
+                    vector: int = 0) -> ReductionLowering:
     """Loops and bodies of a reduction kernel: each reduction of the subgraph (several, in a kernel
     with several outputs, over one domain) accumulated at the input index, in as few passes as their
     dependencies allow; the outputs computed from the results at the output index (`o`). With
     `columns` (one loop over leading axes, the outputs the contiguous rest), the output loop is
     the innermost: a pass's `pre` holds the statements of a row (the reduced loop's variable
-    alone) and its one level those of an element of the row."""
+    alone) and its one level those of an element of the row. With `moments` (for a template that
+    knows op "m2"), a centred sum of squares (`centered_squares`) is accumulated in its mean's
+    pass, as an "m2" accumulator paired with the sum's: one walk of the values, not two. With
+    `vector` (V > 1, for a template that walks the innermost loop V elements a step), each
+    accumulator has its values at the V lanes, the inputs contiguous along the loop read as
+    vectors; where the loop's length is not a multiple of V or no input is read as vectors, the
+    lowering is the scalar one (`vector` 0)."""
     cores = [n for n in sub.topo_order() if sub.op(n) in REDUCTIONS]
     if core not in cores:
         raise ValueError(f"%{core} is not a reduction of kernel {sub.name}")
@@ -503,18 +654,37 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     red_of = {c: "red" if single else f"red{k}" for k, c in enumerate(cores)}
     done: dict[int, tuple[str, str | None]] = {}
     passes = []
-    for s, group in enumerate(_passes(sub, cores)):
-        body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels, extent)
+    pairs = centered_squares(sub, cores) if moments else {}
+    shift: dict[int, str] = {}
+    walk = vector > 1 and not columns and len(loops) > 1 and loops[-1][1] % vector == 0 and op != "argmax"
+    lanes = (loops[-1][0], vector) if walk else None
+    lane_coords = [[Term(f"{c.var}_{j}", c.div, c.mod, c.size) if c is not None and c.var == loops[-1][0] else c
+                    for c in coords] for j in range(vector)] if walk else [coords]
+    vector_loads = 0
+    for s, group in enumerate(_passes(sub, cores, pairs)):
+        body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels, extent, lanes)
         body.cores = dict(done)
         accs = []
         for c in group:
             (src,) = sub.operands(c)
             ctype = value_ctype(sub.type(src).dtype)
             acc = "acc" if single else f"acc{cores.index(c)}"
-            accs.append(Accumulator(sub.op(c), body.value(src, coords), acc, red_of[c], ctype,
-                                    init_value(sub.op(c), ctype, spelling)))
+            if c in pairs:  # the values of its mean's sum, not the squares of their deviations
+                (src,) = sub.operands(pairs[c])
+                values = [body.value(src, lc) for lc in lane_coords]
+                accs.append(Accumulator("m2", values[0], acc, red_of[c], ctype, init_value("sum", ctype, spelling),
+                                        f"acc{cores.index(pairs[c])}", shift[pairs[c]], values if walk else []))
+                continue
+            values = [body.value(src, lc) for lc in lane_coords]
+            accs.append(Accumulator(sub.op(c), values[0], acc, red_of[c], ctype, init_value(sub.op(c), ctype, spelling),
+                                    lanes=values if walk else []))
+            if c in pairs.values():  # the output's first value, before the loops
+                shift[c] = accs[-1].shift = body.value(src, [None if i in axes else x for i, x in enumerate(coords)])
+        vector_loads += body.vector_loads
         passes.append(ReductionPass(body.by_level[0], body.by_level[1:], accs))
         done.update({c: (red_of[c], "o" if outputs > 1 else None) for c in group})
+    if walk and not vector_loads:  # nothing contiguous along the loop: one element a step
+        return lower_reduction(sub, core, spelling, index_type, extent, columns, moments)
     epi = Body(sub, spelling, "e", index_type, extent=extent)
     epi.cores = done
     results = []
@@ -524,7 +694,8 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
             raise NotImplementedError(f"kernel {sub.name}: output {k!r} has {t.numel} elements, not one per "
                                       f"reduction output ({outputs})")
         results.append((k, stored(spelling, t.dtype, epi.value(n, delinearize("o", t.numel, t.shape)))))
-    return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results)
+    return ReductionLowering(outputs, math.prod(reduced) if reduced else 1, loops, passes, epi.lines, results,
+                             vector if walk else 0)
 
 
 def reduced_axes(sub: Graph, n: int) -> tuple[int, ...]:
