@@ -397,7 +397,8 @@ def _vector_step(sub: Graph, low: Any) -> int:
 def _pointwise_step(sub: Graph, rows: int) -> int:
     """Elements a thread of a pointwise kernel computes as vectors: 16 bytes of its narrowest float
     input or output (8 bfloat16 or 4 float32 values), halved until it divides a row; 0 where not
-    even 4 do (the scalar rows form computes 4 a thread), or where its outputs' shapes differ."""
+    even 4 do (the scalar rows form computes 4 a thread), where its outputs' shapes differ or an
+    output's dtype has no vector spelling (an integer or boolean one)."""
     outs = [sub.type(n) for n in sub.outputs.values()]
     if any(t.shape != outs[0].shape for t in outs):
         return 0
@@ -406,6 +407,9 @@ def _pointwise_step(sub: Graph, rows: int) -> int:
     step, row = 16 // min(sizes, default=16), outs[0].numel // rows
     while step >= ROW_VALUES and row % step:
         step //= 2
+    stored = [sub.type(n).dtype for n in sub.outputs.values()]  # each written as vectors of its own type
+    if any(f"vtype:{d.name}:{min(step, 16 // d.itemsize)}" not in SPELLING.ops for d in stored):
+        return 0
     return step if step >= ROW_VALUES else 0
 
 

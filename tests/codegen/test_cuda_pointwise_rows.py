@@ -121,3 +121,14 @@ def test_bfloat16_values_take_eight_lanes_read_and_written_sixteen_bytes_an_acce
         assert kernel.code.count("make_float4(") == 2 and "make_uint4" not in kernel.code
     inputs = {k: (rng.standard_normal(sub.type(n).shape) * 2).astype(np.float32) for k, n in sub.inputs.items()}
     cuda_emulator.check_against_interpreter(sub, kernel, inputs, tmp_path, "bf16", rtol=0, atol=0)
+
+
+def test_a_boolean_output_keeps_the_scalar_forms():
+    """A comparison's boolean result has no vector spelling: its kernel keeps one thread an element
+    although four float32 lanes divide its rows (the float32 input alone would take vectors)."""
+    g = Graph("mask")
+    x = g.add_input("x", TensorType((3, 4, 5, 6)))
+    g.set_output("mask", g.add("gt", [x, g.add_constant(0.0, "float32")]))
+    sub, kernel = _pointwise_kernel(g)
+    assert sub.type(sub.outputs["out"]).dtype.name == "bool"
+    assert "one thread each" in kernel.code and "reinterpret_cast" not in kernel.code
