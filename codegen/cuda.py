@@ -268,9 +268,15 @@ def _even_chunks(length: int, parts: int) -> tuple[int, int]:
     return math.ceil(length / chunk), chunk
 
 
+def _partial_slots(low: Any) -> list[str]:
+    """A split reduction's partials per split and output: each accumulator's, and a variance's
+    ("m2") sum of its values less their shift beside its own."""
+    return [a.acc for a in low.accs] + [f"{a.acc}_sum" for a in low.accs if a.op == "m2"]
+
+
 def _split_scratch(low: Any, splits: int) -> int:
-    """Bytes of a split reduction's partials: one per accumulator, split and output."""
-    return len(low.accs) * splits * low.outputs * _acc_bytes(low)
+    """Bytes of a split reduction's partials: one per slot (`_partial_slots`), split and output."""
+    return len(_partial_slots(low)) * splits * low.outputs * _acc_bytes(low)
 
 
 def _lanes_per_output(sub: Graph, core: int, low: Any) -> int:
@@ -329,21 +335,22 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
                   index=index)
     scalars = _scalars(extent, index)
     if layout.mode == "split":
-        first, (last, length), step = low.loops[0][0], low.loops[-1], low.vector
-        steps = [(f"{last}_v", length // step)] if step else [low.loops[-1]]
+        first, (innermost, length), step = low.loops[0][0], low.loops[-1], low.vector
+        steps = [(f"{innermost}_v", length // step)] if step else [low.loops[-1]]
         flat_vars = _flat_loop_vars([(f"{first}_off", layout.chunk)] + list(low.loops[1:-1]) + steps, index)
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
         if step:  # the lanes' own variables where a load is not a vector's (strided, say)
-            flat_vars.append(f"const {index} {last} = {last}_v * {step};")
+            flat_vars.append(f"const {index} {innermost} = {innermost}_v * {step};")
             named = set(_IDENTIFIER.findall(" ".join(x for p in low.passes for level in p.levels for x in level)))
-            flat_vars += [f"const {index} {last}_{j} = {last} + {j};" for j in range(step) if f"{last}_{j}" in named]
+            flat_vars += [f"const {index} {innermost}_{j} = {innermost} + {j};" for j in range(step)
+                          if f"{innermost}_{j}" in named]
         lane_sums = {a.acc: _pairwise(a.lanes, a.op) for a in accs if a.lanes and a.op != "m2"}
         lane_sums["y_"] = _pairwise([f"y{j}_" for j in range(step)], "sum") if step else ""
         # the earlier results each launch reads (a pass's, then the epilogue's): only those are combined
         names = [set(_IDENTIFIER.findall(" ".join(p.pre + [x for level in p.levels for x in level]
                                                   + [a.value for a in p.accs]))) for p in low.passes]
         names.append(set(_IDENTIFIER.findall(" ".join(low.epilogue + [v for _, v in low.results]))))
-        slot = {a.acc: k for k, a in enumerate(accs)}
+        slot = {acc: k for k, acc in enumerate(_partial_slots(low))}
         if extent is None:
             splits, chunk, last = str(layout.splits), str(layout.chunk), f"{layout.splits - 1}u"
             base = {acc: str(k * layout.splits * low.outputs) for acc, k in slot.items()}
@@ -501,10 +508,11 @@ def reduction_facts(sub: Graph, core: int) -> dict[str, Any]:
     sizes: a dict, which no database key reads), and, for a column sum (`column_sum`), its rows,
     contiguous outputs and sums (which the `columns` family serves)."""
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
+    moments = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub), moments=True)  # the split form's slots
     facts: dict[str, Any] = {}
     for runtime in (False, True):
         layout = reduction_layout(sub, core, low, runtime=runtime)
-        scratch = _split_scratch(low, layout.splits) if layout.mode == "split" else 0
+        scratch = _split_scratch(moments, layout.splits) if layout.mode == "split" else 0
         facts.update({"runtime": {"scratch": scratch}} if runtime else {"reduction_scratch": scratch})
     if column_sum(low, sub, core, COLUMN_MIN_OUTPUTS):
         facts.update(rows=low.loops[0][1], outputs=low.outputs, sums=len(low.accs))

@@ -485,13 +485,11 @@ class Accumulator:
     red: str     # the variable holding the result after the loops (what later statements read)
     ctype: str
     init: str
-    # op "m2" (`lower_reduction(moments=True)`): the squared deviations from the running mean of
-    # the sum accumulator named here, over the same values (Welford in the loop, Chan's formula
-    # where partial results meet)
-    pair: str = ""
-    # on both accumulators of such a pair: the variable holding the output's first value, which
-    # every value is taken relative to, so that the merged means are small however far from
-    # zero the values are (the sum adds it back count times)
+    # op "m2" (`lower_reduction(moments=True)`): the squared deviations of `value` from their
+    # mean (Welford in the loop, Chan's formula where partial results meet), each value taken
+    # relative to the variable named here, the output's first value, so that the running and
+    # merged means are small however far from zero the values are; its sum beside it stays a
+    # plain sum (an outlying first value would cost the sum its precision)
     shift: str = ""
     # with a vector walk (`lower_reduction(vector=V)`): the value at each of the V lanes of a
     # step of the innermost loop (`value` is the first's)
@@ -558,7 +556,7 @@ def _passes(sub: Graph, cores: list[int], pairs: dict[int, int]) -> list[list[in
 def _constant(sub: Graph, n: int) -> float | None:
     if sub.op(n) != "constant" or sub.type(n).numel != 1:
         return None
-    return float(np.asarray(sub.attrs(n)["value"]).reshape(-1)[0])
+    return float(np.asarray(as_values(sub.attrs(n)["value"], sub.type(n).dtype)).reshape(-1)[0])  # bfloat16: bits
 
 
 def _mean_of(sub: Graph, n: int, cores: list[int], count: int) -> int | None:
@@ -596,8 +594,10 @@ def centered_squares(sub: Graph, cores: list[int]) -> dict[int, int]:
         y, mean = sub.operands(dev)
         count = math.prod(sub.type(y).shape[a] for a in reduced_axes(sub, c2))
         c1 = _mean_of(sub, mean, cores, count)
+        # the deviations and their squares computed wide (a narrow one is rounded, which one walk skips)
+        wide = all(sub.type(n).dtype.is_float and not narrow(sub.type(n).dtype) for n in (dev, sq))
         if c1 is not None and sub.operands(c1) == [y] and sub.type(y).shape == sub.type(dev).shape \
-                and reduced_axes(sub, c1) == reduced_axes(sub, c2) and sub.type(y).dtype.is_float:
+                and reduced_axes(sub, c1) == reduced_axes(sub, c2) and sub.type(y).dtype.is_float and wide:
             pairs[c2] = c1
     return pairs
 
@@ -612,7 +612,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     the innermost: a pass's `pre` holds the statements of a row (the reduced loop's variable
     alone) and its one level those of an element of the row. With `moments` (for a template that
     knows op "m2"), a centred sum of squares (`centered_squares`) is accumulated in its mean's
-    pass, as an "m2" accumulator paired with the sum's: one walk of the values, not two. With
+    pass, as an "m2" accumulator of the sum's values: one walk of the values, not two. With
     `vector` (V > 1, for a template that walks the innermost loop V elements a step), each
     accumulator has its values at the V lanes, the inputs contiguous along the loop read as
     vectors; where the loop's length is not a multiple of V or no input is read as vectors, the
@@ -655,7 +655,6 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     done: dict[int, tuple[str, str | None]] = {}
     passes = []
     pairs = centered_squares(sub, cores) if moments else {}
-    shift: dict[int, str] = {}
     walk = vector > 1 and not columns and len(loops) > 1 and loops[-1][1] % vector == 0 and op != "argmax"
     lanes = (loops[-1][0], vector) if walk else None
     lane_coords = [[Term(f"{c.var}_{j}", c.div, c.mod, c.size) if c is not None and c.var == loops[-1][0] else c
@@ -672,14 +671,13 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
             if c in pairs:  # the values of its mean's sum, not the squares of their deviations
                 (src,) = sub.operands(pairs[c])
                 values = [body.value(src, lc) for lc in lane_coords]
+                first = body.value(src, [None if i in axes else x for i, x in enumerate(coords)])  # before the loops
                 accs.append(Accumulator("m2", values[0], acc, red_of[c], ctype, init_value("sum", ctype, spelling),
-                                        f"acc{cores.index(pairs[c])}", shift[pairs[c]], values if walk else []))
+                                        first, values if walk else []))
                 continue
             values = [body.value(src, lc) for lc in lane_coords]
             accs.append(Accumulator(sub.op(c), values[0], acc, red_of[c], ctype, init_value(sub.op(c), ctype, spelling),
                                     lanes=values if walk else []))
-            if c in pairs.values():  # the output's first value, before the loops
-                shift[c] = accs[-1].shift = body.value(src, [None if i in axes else x for i, x in enumerate(coords)])
         vector_loads += body.vector_loads
         passes.append(ReductionPass(body.by_level[0], body.by_level[1:], accs))
         done.update({c: (red_of[c], "o" if outputs > 1 else None) for c in group})

@@ -148,3 +148,44 @@ def test_a_variance_in_one_walk_is_as_close_to_float64_as_two_walks_far_from_zer
 def bf16_values_of(x: np.ndarray) -> np.ndarray:
     from ember.ir.dtypes import bf16_values
     return bf16_values(bf16_bits(x))
+
+
+def test_an_outlying_first_value_costs_neither_the_mean_nor_the_variance_its_precision(tmp_path):
+    """The shift is the output's first value: here 3e4 among standard normal values (and then an
+    infinity). The variance's values are taken relative to it, but the mean's sum stays a plain sum
+    of the values: a sum of the shifted values with n times the shift added back lost the mean to
+    rounding (an error of 1.8e-3 on a mean of 0.29; an infinite first value gave NaN, not inf)."""
+    shape = (400, 2, 16, 16)
+    g = _mean_deviations(shape, (0, 2, 3), relu=False)
+    with device.using(SMALL_GPU):
+        sub, kernel = cuda_emulator.only_reduction(plan_for(g, "cuda"))
+    assert "sum+m2" in kernel.code and "... 4 elements a step" in kernel.code
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    x[0, :, 0, 0] = 3e4
+    lib = cuda_emulator.build([kernel], tmp_path, "outlier")
+    (mean_out,), (m2_out,) = ([k for k, n in sub.outputs.items() if sub.op(n) == op] for op in ("div", "sum"))
+    for first in (3e4, np.inf):
+        x[0, :, 0, 0] = first
+        bufs = {"in0": x, **{k: np.full(sub.type(n).shape, np.nan, np.float32) for k, n in sub.outputs.items()}}
+        cuda_emulator.run(lib, 0, kernel, bufs)
+        x64 = x.astype(np.float64)
+        mean = x64.mean(axis=(0, 2, 3), keepdims=True)
+        if np.isinf(first):
+            assert np.all(bufs[mean_out] == np.inf), bufs[mean_out]
+            continue
+        np.testing.assert_allclose(bufs[mean_out], mean, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(bufs[m2_out], ((x64 - mean) ** 2).sum(axis=(0, 2, 3), keepdims=True), rtol=1e-5)
+
+
+def test_a_variance_computed_in_bfloat16_keeps_its_roundings_and_two_walks():
+    """Deviations and squares the graph computes in bfloat16 are rounded at every element: one walk
+    in float32 would skip those roundings, so such a pair is not found (float32 ones are)."""
+    from ember.codegen.lowering import centered_squares
+    for dtype, pairs in ((float32, 1), (bfloat16, 0)):
+        g = Graph("narrow")
+        x = g.add_input("x", TensorType((4, 3, 8), dtype))
+        count = g.add_constant(32.0, dtype.name)
+        centred = g.add("sub", [x, g.add("div", [g.add("sum", [x], axes=(0, 2), keepdims=True), count])])
+        g.set_output("m2", g.add("sum", [g.add("mul", [centred, centred])], axes=(0, 2), keepdims=True))
+        cores = [n for n in g.topo_order() if g.op(n) == "sum"]
+        assert len(centered_squares(g, cores)) == pairs, dtype
