@@ -157,8 +157,7 @@ def render_pointwise(name: str, sub: Graph, fixed: bool = False,
         low = lower(None)
     row = low.numel // low.rows
     per_row = row // low.vector if low.vector else math.ceil(row / ROW_VALUES)  # threads a row, in the rows forms
-    named = set(_IDENTIFIER.findall(" ".join(low.inner)))
-    lane_vars = [f"const {index} j_{k} = j + {k};" for k in range(low.vector) if f"j_{k}" in named]
+    lane_vars = _lane_vars("j", low.vector, low.inner, index)
     code = ENV.get_template("pointwise.j2").render(
         name=name, numel=bound(low.numel, extent), out_type=_out_types(sub, extent),
         params=_signature(sub, extent, index), body=low.body, stores=low.stores, threads=THREADS, index=index,
@@ -341,9 +340,7 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
         flat_vars.append(f"const {index} {first} = {first}_begin + {first}_off;")
         if step:  # the lanes' own variables where a load is not a vector's (strided, say)
             flat_vars.append(f"const {index} {innermost} = {innermost}_v * {step};")
-            named = set(_IDENTIFIER.findall(" ".join(x for p in low.passes for level in p.levels for x in level)))
-            flat_vars += [f"const {index} {innermost}_{j} = {innermost} + {j};" for j in range(step)
-                          if f"{innermost}_{j}" in named]
+            flat_vars += _lane_vars(innermost, step, [x for p in low.passes for level in p.levels for x in level], index)
         lane_sums = {a.acc: _pairwise(a.lanes, a.op) for a in accs if a.lanes and a.op != "m2"}
         lane_sums["y_"] = _pairwise([f"y{j}_" for j in range(step)], "sum") if step else ""
         # the earlier results each launch reads (a pass's, then the epilogue's): only those are combined
@@ -390,15 +387,30 @@ def render_reduction(name: str, sub: Graph, core: int, runtime: bool = False) ->
     return ReductionKernel(code, ((name, grid, (THREADS, 1, 1), ()),), 0, scalars)
 
 
-def _vector_step(sub: Graph, low: Any) -> int:
-    """Elements a step of a split reduction's innermost loop walks: 16 bytes of its narrowest
-    float input (8 bfloat16 or 4 float32 values), halved until it divides the loop's length;
-    0 where not even 2 do."""
-    sizes = [sub.type(n).dtype.itemsize for n in sub.inputs.values() if sub.type(n).dtype.is_float]
-    step = 16 // min(sizes, default=16)
-    while step > 1 and low.loops and low.loops[-1][1] % step:
+def _lane_vars(var: str, step: int, lines: list[str], index: str) -> list[str]:
+    """The definitions of lane variables `<var>_<j>` that `lines` name (loads that are not a
+    vector's: strided, say)."""
+    named = set(_IDENTIFIER.findall(" ".join(lines)))
+    return [f"const {index} {var}_{j} = {var} + {j};" for j in range(step) if f"{var}_{j}" in named]
+
+
+def _vector_width(values: list[int], length: int, least: int) -> int:
+    """Lanes a vector walk takes: 16 bytes of the narrowest of `values` (their float itemsizes: 8
+    bfloat16 or 4 float32 values), halved until they divide `length`; 0 where fewer than `least`."""
+    step = 16 // min(values, default=16)
+    while step >= least and length % step:
         step //= 2
-    return step if step > 1 else 0
+    return step if step >= least else 0
+
+
+def _float_sizes(sub: Graph, nodes: Any) -> list[int]:
+    return [sub.type(n).dtype.itemsize for n in nodes if sub.type(n).dtype.is_float]
+
+
+def _vector_step(sub: Graph, low: Any) -> int:
+    """Elements a step of a split reduction's innermost loop walks (`_vector_width` of its float
+    inputs and the loop's length; at least 2)."""
+    return _vector_width(_float_sizes(sub, sub.inputs.values()), low.loops[-1][1], 2) if low.loops else 0
 
 
 def _pointwise_step(sub: Graph, rows: int) -> int:
@@ -409,15 +421,12 @@ def _pointwise_step(sub: Graph, rows: int) -> int:
     outs = [sub.type(n) for n in sub.outputs.values()]
     if any(t.shape != outs[0].shape for t in outs):
         return 0
-    sizes = [sub.type(n).dtype.itemsize for n in [*sub.inputs.values(), *sub.outputs.values()]
-             if sub.type(n).dtype.is_float]
-    step, row = 16 // min(sizes, default=16), outs[0].numel // rows
-    while step >= ROW_VALUES and row % step:
-        step //= 2
+    step = _vector_width(_float_sizes(sub, [*sub.inputs.values(), *sub.outputs.values()]), outs[0].numel // rows,
+                         ROW_VALUES)
     stored = [sub.type(n).dtype for n in sub.outputs.values()]  # each written as vectors of its own type
     if any(f"vtype:{d.name}:{min(step, 16 // d.itemsize)}" not in SPELLING.ops for d in stored):
         return 0
-    return step if step >= ROW_VALUES else 0
+    return step
 
 
 def _pairwise(values: list[str], op: str) -> str:
@@ -508,10 +517,12 @@ def reduction_facts(sub: Graph, core: int) -> dict[str, Any]:
     sizes: a dict, which no database key reads), and, for a column sum (`column_sum`), its rows,
     contiguous outputs and sums (which the `columns` family serves)."""
     low = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub))
-    moments = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub), moments=True)  # the split form's slots
+    moments = None  # the split form's lowering (its partials' slots), where a layout splits
     facts: dict[str, Any] = {}
     for runtime in (False, True):
         layout = reduction_layout(sub, core, low, runtime=runtime)
+        if layout.mode == "split" and moments is None:
+            moments = lower_reduction(sub, core, SPELLING, index_type=_index_type(sub), moments=True)
         scratch = _split_scratch(moments, layout.splits) if layout.mode == "split" else 0
         facts.update({"runtime": {"scratch": scratch}} if runtime else {"reduction_scratch": scratch})
     if column_sum(low, sub, core, COLUMN_MIN_OUTPUTS):

@@ -50,6 +50,11 @@ def delinearize(var: str, size: int, shape: tuple[int, ...]) -> list[Coord]:
     return [Term(var, st, d, size).simplified() if d != 1 else None for st, d in zip(strides(shape), shape)]
 
 
+def renamed(coords: list[Coord], var: str, new: str) -> list[Coord]:
+    """`coords` with loop variable `var` called `new` (a vector's lane, or its first lane's base)."""
+    return [Term(new, c.div, c.mod, c.size) if c is not None and c.var == var else c for c in coords]
+
+
 def linear_terms(coords: list[Coord], shape: tuple[int, ...]) -> list[tuple[Term, int]]:
     """The row-major offset of `coords` as (term, multiplier) pairs, adjacent terms of a variable merged."""
     terms = sorted(((c.simplified(), st) for c, st in zip(coords, strides(shape)) if c is not None),

@@ -21,7 +21,7 @@ import numpy as np
 from ember.ir import OPS, DType, Graph
 from ember.ir.dtypes import as_values
 
-from .indexing import Coord, Term, broadcast_coords, delinearize, linear_c, linear_terms, relinearize
+from .indexing import Coord, broadcast_coords, delinearize, linear_c, linear_terms, relinearize, renamed
 
 # Ops whose value is computed by a spelled expression (the rest are views, constants and inputs,
 # which are index arithmetic and need no spelling).
@@ -187,8 +187,7 @@ class Body:
         if term.div != 1 or term.mod is not None or m != 1 or any(k % width for other, k in terms if other is not term):
             return None
         j = self.lane_of[term.var]
-        start = [Term(var, c.div, c.mod, c.size) if c is not None and c.var == term.var else c for c in coords]
-        offset = linear_c(start, t.shape) + (f" + {j // width * width}" if j >= width else "")
+        offset = linear_c(renamed(coords, term.var, var), t.shape) + (f" + {j // width * width}" if j >= width else "")
         key = ("vector", n, offset)
         if key not in self.memo:
             self.vector_loads += 1
@@ -410,8 +409,7 @@ def lower_pointwise(sub: Graph, spelling: Spelling, index: str = "i", index_type
             raise ValueError(f"{vector} lanes do not divide the rows of kernel {sub.name}")
         body = Body(sub, spelling, index_type=index_type, levels={"p": 0, "j": 1}, extent=extent, lanes=("j", vector))
         coords = _split_coords(t.shape, rows)
-        lanes = [[Term(f"j_{k}", c.div, c.mod, c.size) if c is not None and c.var == "j" else c for c in coords]
-                 for k in range(vector)]
+        lanes = [renamed(coords, "j", f"j_{k}") for k in range(vector)]
         results = [(k, [body.value(n, lc) for lc in lanes]) for k, n in sub.outputs.items()]
         flat = f"p * {t.numel // rows} + j"
         stores = [line for k, values in results for line in _vector_stores(spelling, sub, k, flat, values)]
@@ -657,8 +655,7 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
     pairs = centered_squares(sub, cores) if moments else {}
     walk = vector > 1 and not columns and len(loops) > 1 and loops[-1][1] % vector == 0 and op != "argmax"
     lanes = (loops[-1][0], vector) if walk else None
-    lane_coords = [[Term(f"{c.var}_{j}", c.div, c.mod, c.size) if c is not None and c.var == loops[-1][0] else c
-                    for c in coords] for j in range(vector)] if walk else [coords]
+    lane_coords = [renamed(coords, loops[-1][0], f"{loops[-1][0]}_{j}") for j in range(vector)] if walk else [coords]
     vector_loads = 0
     for s, group in enumerate(_passes(sub, cores, pairs)):
         body = Body(sub, spelling, "p" if single else f"p{s}_", index_type, levels, extent, lanes)
@@ -668,16 +665,13 @@ def lower_reduction(sub: Graph, core: int, spelling: Spelling, index_type: str =
             (src,) = sub.operands(c)
             ctype = value_ctype(sub.type(src).dtype)
             acc = "acc" if single else f"acc{cores.index(c)}"
+            kind, shift = sub.op(c), ""
             if c in pairs:  # the values of its mean's sum, not the squares of their deviations
                 (src,) = sub.operands(pairs[c])
-                values = [body.value(src, lc) for lc in lane_coords]
-                first = body.value(src, [None if i in axes else x for i, x in enumerate(coords)])  # before the loops
-                accs.append(Accumulator("m2", values[0], acc, red_of[c], ctype, init_value("sum", ctype, spelling),
-                                        first, values if walk else []))
-                continue
+                kind, shift = "m2", body.value(src, [None if i in axes else x for i, x in enumerate(coords)])
             values = [body.value(src, lc) for lc in lane_coords]
-            accs.append(Accumulator(sub.op(c), values[0], acc, red_of[c], ctype, init_value(sub.op(c), ctype, spelling),
-                                    lanes=values if walk else []))
+            accs.append(Accumulator(kind, values[0], acc, red_of[c], ctype, init_value("sum" if kind == "m2" else kind,
+                                    ctype, spelling), shift, values if walk else []))
         vector_loads += body.vector_loads
         passes.append(ReductionPass(body.by_level[0], body.by_level[1:], accs))
         done.update({c: (red_of[c], "o" if outputs > 1 else None) for c in group})
