@@ -189,3 +189,27 @@ def test_the_compile_time_tool_refuses_an_unknown_model_in_one_line():
     r = _run("compile_time.py", "--device", "cpu", "--models", "airbench")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "unknown model 'airbench' (a zoo model: zoo:airbench)" in r.stderr
+
+
+def test_tree_ab_runs_a_tool_under_an_exported_revision_and_a_patched_arm(tmp_path):
+    """tools/tree_ab.py: HEAD exported from git imports from its own folder (not the editable
+    install), a patched arm runs with its replacement in place, and the rows of each arm land in
+    one table; a patch of a name the module lacks stops the run with a message."""
+    if subprocess.run(["git", "-C", str(TOOLS.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: nothing to export")
+    base = tmp_path / "base"
+    r = _run("tree_ab.py", "export", "HEAD", str(base))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (base / "ember" / "codegen" / "templates" / "cpp" / "prelude.j2").is_file()
+    assert (base / "ember" / "frontends" / "cli" / "__init__.py").is_file()
+    out = tmp_path / "ab.json"
+    r = _run("tree_ab.py", "run", "--arm", f"base={base}", "--arm", "slow=head", "--patch",
+             "slow:ember.codegen.cpp_units:CHEAP_GROUPS=1", "--rounds", "1", "--out", str(out), "--",
+             str(TOOLS / "step_time.py"), "--device", "cpu", "--cases", "mlp:64", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ember from {base / 'ember'}" in r.stderr and "1 patch(es)" in r.stderr, r.stderr
+    found = json.loads(out.read_text())
+    assert set(found["mlp:64 step_ms"]) == {"head", "base", "slow"}, found
+    r = _run("tree_ab.py", "run", "--arm", "x=head", "--patch", "x:ember.codegen.cuda:no_such_name=0", "--rounds", "1",
+             "--", str(TOOLS / "step_time.py"), "--device", "cpu", "--cases", "mlp:64", "--steps", "1")
+    assert r.returncode != 0 and "has no no_such_name to replace" in r.stderr, r.stderr[-2000:]
