@@ -54,7 +54,8 @@ EPILOGUE = PointwiseEpilogue(("float e = red * in5[i] + 0.5f;",), "e", (5,))
 def _kernels(idx: int, wg: bool = False) -> list[tuple[str, object, cn.NhwcPlan]]:
     """(kind, kernel, plan) of each kind the family serves at EMULATED[idx]: the first plan and the
     last (other blockings, stage counts and split counts), the forward with bias and ReLU, the
-    grad-input with the ReLU mask, the grad-weight with a generated epilogue; the first forward
+    grad-input with the ReLU mask, the grad-weight with a generated epilogue (and the plan of the
+    deepest pipeline where neither is); the first forward
     also with a generated epilogue and a float32 output. `wg`: the warpgroup-MMA plans (family
     nhwc_wg)."""
     out = []
@@ -65,7 +66,8 @@ def _kernels(idx: int, wg: bool = False) -> list[tuple[str, object, cn.NhwcPlan]
             assert kind == "gi" and g["stride"] != (1, 1), why
             continue
         plans = cn.wg_plans(g) if wg else cn.plans(g)
-        for i, plan in enumerate(dict.fromkeys([plans[0], plans[-1]])):
+        deepest = max(plans, key=lambda q: q.STAGES)  # the last may be a one-warpgroup block of 4 stages
+        for i, plan in enumerate(dict.fromkeys([plans[0], plans[-1], deepest])):
             name = f"n{idx}{kind}{i}"
             if kind == "fwd":
                 k = cn.render(name, g, plan, bias=True, relu=True, bf16_roles=frozenset({"x", "w", "bias", "out"}))
