@@ -32,6 +32,7 @@ row each; the two relayouts are timed side by side by tools/cuda_conv_nhwc_lab.p
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -280,6 +281,65 @@ def staged_stores(plan: NhwcPlan, kind: str, relu_mask: bool, epilogue: Pointwis
     return bool(plan.WG or plan.ST) and kind != "conv2d_grad_weight" and (relu_mask or epilogue is not None)
 
 
+#: pixels of a channel a lane stores at once through shared memory (`staged_store_lines`)
+STAGED_ROWS = 4
+_DEFINES = re.compile(r"^\s*const\s+[\w ]+?\s+(\w+)\s*=")
+_OPERAND_READ = re.compile(r"\bin\d+\[")
+_WORD = re.compile(r"\b\w+\b")
+
+
+def staged_store_lines(rows: int, *, bf16: bool, bias: bool, relu: bool, relu_mask: bool,
+                       epilogue: PointwiseEpilogue | None, index_type: str) -> list[str]:
+    """The body of a staged store loop over a channel's tile row (`o`, row `c` of `tile`) for the
+    `rows` pixels m0 + r0 + lane + 32 u (u < rows) of a lane: first every pixel's index and its
+    per-element operand reads (the epilogue's, the ReLU mask's), then the values, then the stores.
+    Pixel by pixel, each read waited for the last store (the output may be an operand, so no
+    compiler moves a read above a store): airbench's BatchNorm + GELU grad-inputs spent longer in
+    these loops than in their GEMMs. A read is moved ahead only where it depends on indices and
+    other moved reads; an element is still read before it is written."""
+    per_element = list(epilogue.by_channel[1]) if epilogue is not None and epilogue.by_channel else []
+    defined = {m.group(1) for line in per_element if (m := _DEFINES.match(line))}
+    local = defined | {"red", "v", "m", "img", "pix", "oi", "live", "mask"}
+    early, late, late_names = [], [], {"red", "v"}
+    for line in per_element:
+        names = set(_WORD.findall(line))
+        m = _DEFINES.match(line)
+        if _OPERAND_READ.search(line) and not names & late_names:
+            early.append(line)
+        else:
+            late.append(line)
+            if m:
+                late_names.add(m.group(1))
+
+    def ours(line: str, u: int) -> str:
+        return _WORD.sub(lambda w: f"{w.group(0)}_{u}" if w.group(0) in local else w.group(0), line)
+
+    first, values, stores = [], [], []
+    for u in range(rows):
+        at = f"r0 + lane + {32 * u}"
+        first += [ours(f"const int m = m0 + {at};", u), ours("const bool live = m < MDIM;", u),
+                  ours(f"const {index_type} img = (live ? m : m0) / HWO, pix = (live ? m : m0) % HWO;", u),
+                  ours("const long long oi = ((long long)img * CO + o) * HWO + pix;", u)]
+        if relu_mask:
+            first.append(ours("const float mask = p.mask_src[oi];", u))
+        first += [ours(line, u) for line in early]
+        v = f"tile[c * TILE_LD + {at}]"
+        body = [f"float v = {f'em_bf16_round({v})' if bf16 else v};"]
+        if bias:
+            body.append("v = em_bf16_round(v + p.bias[o]);" if bf16 else "v += p.bias[o];")
+        if relu:
+            body.append("v = v < 0.f ? 0.f : v;")
+        if relu_mask:
+            body.append("v = mask > 0.f ? v : 0.f;")
+        if epilogue is not None and epilogue.by_channel:
+            body += ["const float red = v;", *late, f"v = {epilogue.by_channel[2]};"]
+        elif epilogue is not None:
+            body.append("v = pw_epilogue(p, oi, v);")
+        values += [ours(line, u) for line in body]
+        stores.append(ours("if (live) p.out[oi] = v;", u))
+    return first + values + stores
+
+
 def scratch_bytes(g: dict[str, Any], plan: NhwcPlan) -> int:
     return _regions(g, plan)["end"]
 
@@ -329,7 +389,12 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles), bias=bias, relu=relu,
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
         staged=staged, staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
-        index_type=epilogue.index_type if epilogue is not None else "int")
+        index_type=epilogue.index_type if epilogue is not None else "int",
+        staged_rows=min(STAGED_ROWS, plan.BM // 32),
+        staged_lines=staged_store_lines(min(STAGED_ROWS, plan.BM // 32), bf16=prec == "bf16", bias=bias, relu=relu,
+                                        relu_mask=relu_mask, epilogue=epilogue,
+                                        index_type=epilogue.index_type if epilogue is not None else "int")
+        if staged else [])
     args = tuple(roles) + ("scratch",)
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]

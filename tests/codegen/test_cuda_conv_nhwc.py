@@ -10,6 +10,8 @@ on a GPU (`cuda` mark) every plan of a wide layer matches the interpreter throug
 measurer."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -211,9 +213,18 @@ def test_staged_stores_compute_a_channels_epilogue_values_once_and_match_the_int
             kernel, roles = cuda.render_contraction(sub.name, sub, replace(spec, choice=choice))
             assert ("the output staged in shared memory by channel" in kernel.code) == (choice != direct[0])
             if choice != direct[0]:
-                per_channel, per_pixel = kernel.code.split("for (int c = warp;", 1)[1].split("for (int r = lane;", 1)
-                assert "em_sqrt" in per_channel and "em_sqrt" not in per_pixel.split("p.out[oi]", 1)[0]
+                per_channel, per_pixel = kernel.code.split("for (int c = warp;", 1)[1].split("for (int r0 = 0;", 1)
+                per_pixel = per_pixel.split("\n  }\n", 1)[0]
+                assert "em_sqrt" in per_channel and "em_sqrt" not in per_pixel
                 assert "erf" in per_pixel  # GELU's derivative, at each element
+                # a lane's pixels read their operands before any of them computes or stores: the reads
+                # in flight together
+                reads = [m.end() for m in re.finditer(r"\bin\d+\[", per_pixel)]
+                assert len(reads) == per_pixel.count("erf(") > 1, per_pixel[:400]
+                assert max(reads) < per_pixel.index("erf(") and max(reads) < per_pixel.index("p.out[")
+            else:  # the direct stores: a pixel's epilogue values (their reads) all before its stores
+                stores = kernel.code.split("v = pw_epilogue(p, oi, v);", 1)[1]
+                assert "p.out[" not in stores.split("vals[j][e] = v;", 1)[0] and "= vals[j][e];" in stores
             cuda_emulator.check_against_interpreter(sub, kernel, inputs, tmp_path, f"bngelu{precision}{i}",
                                                     rtol=1e-2 if precision == "bf16" else 1e-4, atol=1e-2 if precision == "bf16" else 1e-4,
                                                     roles=roles)
