@@ -53,6 +53,12 @@ def _run(g: dict, plan, tmp_path, tag: str, epilogue: PointwiseEpilogue | None =
     kernel = cuda_winograd.render("k", g, plan, epilogue=epilogue, m=m, x3=x3,
                                   **{k: v for k, v in extra.items() if v})
     assert ("split_tf32(" in kernel.code) == x3
+    reads = ["mask_src["] * (kind == "conv2d_grad_input") + ["pw_epilogue("] * (epilogue is not None)
+    if kind != "conv2d_grad_weight":  # a block's epilogue values (their operand reads) all before its stores
+        for block in kernel.code.split("the block's values first")[1:]:
+            values = block.split("p.out[", 1)[0]
+            assert all(r in values for r in reads)
+            assert all("for (int a = 0; a < MT; ++a)" in values.rsplit(r, 1)[1] for r in reads)
     assert kernel.scratch_bytes == cuda_winograd.scratch_bytes(g, plan, m)
     assert all(scratch_offset(r) is None or scratch_offset(r) < kernel.scratch_bytes
                for la in kernel.launches for r in la.args)
