@@ -141,6 +141,17 @@ def grad_weight_writes(kernel) -> np.ndarray:
     return np.bincount(idx[live], minlength=c["OUTS"])
 
 
+def test_a_grad_inputs_mask_reads_come_before_its_stores():
+    """The stores follow every value of the thread's tile (the ReLU mask's reads in flight
+    together), in a loop of their own after the values' loop."""
+    for kind, k in _kernels(GEOMETRIES[0], "k"):
+        if kind != "conv_gi":
+            continue
+        values, stores = k.code.split("acc[i][j][r] = v;", 1)
+        assert "mask_src[" in values.rsplit("the values first, then the stores", 1)[1] and "p.out[" not in values
+        assert "p.out[" in stores.split("for (int i = 0; i < FM; ++i)", 1)[1]
+
+
 @pytest.mark.parametrize("idx", range(len(GEOMETRIES)), ids=IDS)
 def test_every_plan_writes_every_output_exactly_once(idx):
     g = GEOMETRIES[idx]
