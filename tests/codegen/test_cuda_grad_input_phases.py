@@ -62,5 +62,17 @@ def test_a_strided_grad_input_by_phase_gives_the_reference(g, split, tmp_path):
                                atol=2e-6 * lengths["out"] + 1e-6)
 
 
+def test_a_thread_computes_its_masked_values_before_any_store():
+    """The GEMM skeleton's one-pass stores: every value (the ReLU mask's reads) of a thread before
+    its first store, so the reads are in flight together (gemm.j2's `epilogue_value` loop, then
+    the `epilogue_store` loop)."""
+    g = CASES[0]
+    for tf32 in (False, True):
+        code = ck.render_conv2d_grad_input("k", **g, relu_mask=True, plan=_plan(g, False, tf32), tf32=tf32).code
+        main = code.split("epilogue_store(const Params& p", 1)[1]  # past the helpers' definitions
+        assert main.count("epilogue_value(p,") == 1 and main.count("epilogue_store(p,") == 1
+        assert main.index("epilogue_value(p,") < main.index("epilogue_store(p,")
+
+
 def test_stride_one_keeps_the_plain_view():
     assert ck.grad_input_gemm(4, 3, 10, 10, 8, 3, 3, 1, 1) == (400, 3, 72, 1)
