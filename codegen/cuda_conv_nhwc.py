@@ -288,6 +288,15 @@ _OPERAND_READ = re.compile(r"\bin\d+\[")
 _WORD = re.compile(r"\b\w+\b")
 
 
+def _staged_rows(bm: int) -> int:
+    """Pixels a lane stores at once from a tile of `bm` rows: at most STAGED_ROWS, 32 times it
+    dividing the tile (the loop's pixels never pass the tile's last row)."""
+    rows = min(STAGED_ROWS, bm // 32)
+    while bm % (32 * rows):
+        rows -= 1
+    return rows
+
+
 def staged_store_lines(rows: int, *, bf16: bool, bias: bool, relu: bool, relu_mask: bool,
                        epilogue: PointwiseEpilogue | None, index_type: str) -> list[str]:
     """The body of a staged store loop over a channel's tile row (`o`, row `c` of `tile`) for the
@@ -390,8 +399,8 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
         staged=staged, staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
         index_type=epilogue.index_type if epilogue is not None else "int",
-        staged_rows=min(STAGED_ROWS, plan.BM // 32),
-        staged_lines=staged_store_lines(min(STAGED_ROWS, plan.BM // 32), bf16=prec == "bf16", bias=bias, relu=relu,
+        staged_rows=_staged_rows(plan.BM),
+        staged_lines=staged_store_lines(_staged_rows(plan.BM), bf16=prec == "bf16", bias=bias, relu=relu,
                                         relu_mask=relu_mask, epilogue=epilogue,
                                         index_type=epilogue.index_type if epilogue is not None else "int")
         if staged else [])

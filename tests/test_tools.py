@@ -195,8 +195,13 @@ def test_tree_ab_runs_a_tool_under_an_exported_revision_and_a_patched_arm(tmp_pa
     """tools/tree_ab.py: HEAD exported from git imports from its own folder (not the editable
     install), a patched arm runs with its replacement in place, and the rows of each arm land in
     one table; a patch of a name the module lacks stops the run with a message."""
-    if subprocess.run(["git", "-C", str(TOOLS.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout: nothing to export")
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import tree_ab
+    finally:
+        sys.path.remove(str(TOOLS))
+    if not tree_ab.in_git_checkout():
+        pytest.skip("not a git checkout (or no git): nothing to export")
     base = tmp_path / "base"
     r = _run("tree_ab.py", "export", "HEAD", str(base))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -69,19 +69,35 @@ def package_dirs(pyproject: str) -> dict[str, str]:
     return tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"]
 
 
+def in_git_checkout() -> bool:
+    """Whether git is here and this checkout's folder is a repository's top (not a copy inside another one)."""
+    if shutil.which("git") is None:
+        return False
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    return r.returncode == 0 and Path(r.stdout.strip()).resolve() == ROOT
+
+
 def export(rev: str, dest: Path) -> Path:
     """Writes revision `rev`'s package under dest/ember (dest must not exist); returns dest."""
     if dest.exists():
         raise SystemExit(f"tree_ab: {dest} exists; export writes a new folder")
+    if not in_git_checkout():
+        raise SystemExit(f"tree_ab: export needs git and {ROOT} as a git checkout (export where the history is)")
     git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, check=True)  # noqa: E731
     try:
         mapping = package_dirs(git("show", f"{rev}:pyproject.toml").stdout.decode())
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"tree_ab: cannot read {rev}:pyproject.toml: {e.stderr.decode().strip()}") from None
+    except (subprocess.CalledProcessError, KeyError) as e:
+        why = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) else f"no {e} in it"
+        raise SystemExit(f"tree_ab: cannot read the package folders of {rev}:pyproject.toml: {why}") from None
+    if "ember" not in mapping:
+        raise SystemExit(f"tree_ab: {rev}:pyproject.toml maps no package folders (tool.setuptools.package-dir)")
     folders = sorted(set(mapping.values()))
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "tree.tar"
-        git("archive", "-o", str(archive), rev, *folders)
+        try:
+            git("archive", "-o", str(archive), rev, *folders)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"tree_ab: git archive {rev} {' '.join(folders)}: {e.stderr.decode().strip()}") from None
         with tarfile.open(archive) as tar:
             # the data filter where this Python has it (3.10.12+): no links or paths out of the folder
             extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
