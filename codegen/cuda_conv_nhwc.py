@@ -297,6 +297,20 @@ def _staged_rows(bm: int) -> int:
     return rows
 
 
+def own_epilogue_lines(*, bf16: bool, bias: bool, relu: bool, mask: str) -> list[str]:
+    """The template's own epilogues of `v`, the value at channel o: the bias, ReLU, and the ReLU
+    mask read as `mask` (an expression; empty: no mask). One spelling for the staged and the
+    direct stores."""
+    lines = []
+    if bias:
+        lines.append("v = em_bf16_round(v + p.bias[o]);" if bf16 else "v += p.bias[o];")
+    if relu:
+        lines.append("v = v < 0.f ? 0.f : v;")
+    if mask:
+        lines.append(f"v = {mask} > 0.f ? v : 0.f;")
+    return lines
+
+
 def staged_store_lines(rows: int, *, bf16: bool, bias: bool, relu: bool, relu_mask: bool,
                        epilogue: PointwiseEpilogue | None, index_type: str) -> list[str]:
     """The body of a staged store loop over a channel's tile row (`o`, row `c` of `tile`) for the
@@ -333,13 +347,8 @@ def staged_store_lines(rows: int, *, bf16: bool, bias: bool, relu: bool, relu_ma
             first.append(ours("const float mask = p.mask_src[oi];", u))
         first += [ours(line, u) for line in early]
         v = f"tile[c * TILE_LD + {at}]"
-        body = [f"float v = {f'em_bf16_round({v})' if bf16 else v};"]
-        if bias:
-            body.append("v = em_bf16_round(v + p.bias[o]);" if bf16 else "v += p.bias[o];")
-        if relu:
-            body.append("v = v < 0.f ? 0.f : v;")
-        if relu_mask:
-            body.append("v = mask > 0.f ? v : 0.f;")
+        body = [f"float v = {f'em_bf16_round({v})' if bf16 else v};",
+                *own_epilogue_lines(bf16=bf16, bias=bias, relu=relu, mask="mask" if relu_mask else "")]
         if epilogue is not None and epilogue.by_channel:
             body += ["const float red = v;", *late, f"v = {epilogue.by_channel[2]};"]
         elif epilogue is not None:
@@ -370,7 +379,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     if plan.WG and wg_serves(g) is not None:
         raise ValueError(f"nhwc_wg does not serve this convolution: {wg_serves(g)}")
     q, regions = problem(g), _regions(g, plan)
-    staged = staged_stores(plan, kind, relu_mask, epilogue)
+    staged, rows = staged_stores(plan, kind, relu_mask, epilogue), _staged_rows(plan.BM)
     prec, e = precision(g), element_bytes(g)
     operands = {"x", "dy"} if gw else {src, "w"}
     if (operands & bf16_roles) != (operands if prec == "bf16" else set()):
@@ -399,8 +408,10 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
         staged=staged, staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
         index_type=epilogue.index_type if epilogue is not None else "int",
-        staged_rows=_staged_rows(plan.BM),
-        staged_lines=staged_store_lines(_staged_rows(plan.BM), bf16=prec == "bf16", bias=bias, relu=relu,
+        own_lines=own_epilogue_lines(bf16=prec == "bf16", bias=bias, relu=relu,
+                                     mask="p.mask_src[oi]" if relu_mask else ""),
+        staged_rows=rows,
+        staged_lines=staged_store_lines(rows, bf16=prec == "bf16", bias=bias, relu=relu,
                                         relu_mask=relu_mask, epilogue=epilogue,
                                         index_type=epilogue.index_type if epilogue is not None else "int")
         if staged else [])
