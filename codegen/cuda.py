@@ -597,6 +597,15 @@ def _kernel_own(role: str) -> bool:
     return cuda_kernels.scratch_offset(role) is not None or cuda_kernels.counter_words(role) is not None
 
 
+def _image_of(graph: Graph, n: int) -> tuple[str, int]:
+    """The buffer a kernel's image argument names: the scratch of the kernel that relaid it."""
+    owner = graph.notes(n).get("reads_scratch_of")
+    if owner is None:
+        raise AssertionError(f"%{n} ({graph.attrs(n)['graph'].name}) takes a relaid image but no "
+                             f"notes['reads_scratch_of'] names the kernel holding it")
+    return ("scratch", owner)
+
+
 def _kernel_launches(graph: Graph, n: int, spec: KernelSpec, check_scratch: bool = True) -> tuple[str, list[LaunchArgs]]:
     """The code of fused kernel `n` as `spec` chooses it (its own, or the variant a step of another
     batch size renders: `_reused_variant`), and its launches bound to the graph's nodes; with
@@ -632,7 +641,8 @@ def _kernel_launches(graph: Graph, n: int, spec: KernelSpec, check_scratch: bool
         raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
                              f"the plan reserved {spec.scratch_bytes}")
     for launch in kernel.launches:
-        args = tuple((roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]] for r in launch.args)
+        args = tuple(_image_of(graph, n) if r == cuda_kernels.IMAGE_ROLE else
+                     (roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]] for r in launch.args)
         launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
                                    launch.scalars))
     return kernel.code, launches

@@ -82,6 +82,12 @@ def scratch_role(offset: int) -> str:
     return "scratch" if offset == 0 else f"scratch@{offset}"
 
 
+#: the launch role of a kernel's pointer to a relaid operand another kernel's scratch holds (an
+#: `nhwc_tc` grad-weight's x image, its forward's): bound to that kernel's scratch block by the
+#: graph note `reads_scratch_of` (passes/share_relayouts.py)
+IMAGE_ROLE = "image"
+
+
 def scratch_offset(role: str) -> int | None:
     """The byte offset in the scratch block a launch role names (0 for "scratch"); None for a
     role that is not the scratch block's."""

@@ -28,6 +28,7 @@ from .optimizer import OptimizerConfig, apply_optimizer
 from .precision import autocast
 from .schedule import schedule
 from .select import select_kernels
+from .share_relayouts import share_relayouts
 from .simplify import simplify
 
 Pass = Callable[[Graph], Graph]
@@ -41,10 +42,14 @@ def interpreted(target: "targets.Target") -> list[tuple[str, Pass]]:
 
 def kernels(target: "targets.Target") -> list[tuple[str, Pass]]:
     """For a target that compiles kernels: fuse as its capabilities allow, size each kernel's
-    scratch, order the kernels, then plan one arena at the target's alignment."""
+    scratch, let kernels share relaid operands where the target can, order the kernels, then plan
+    one arena at the target's alignment."""
+    shared = [("share_relayouts", functools.partial(share_relayouts, target=target))] \
+        if target.shared_relayout is not None else []
     return [("simplify", simplify),
             ("fusion", functools.partial(fuse, caps=target.fusion)),
             ("select", functools.partial(select_kernels, target=target)),
+            *shared,
             ("schedule", functools.partial(schedule, early_collectives=target.early_collectives)),
             ("memory", functools.partial(plan_memory, alignment=target.alignment, reuse=target.reuse_memory))]
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ember.codegen import cuda as cuda_codegen
-from ember.codegen import cpus, cuda_choices
+from ember.codegen import cpus, cuda_choices, cuda_conv_nhwc
 from ember.codegen.cuda_kernels import counter_words, scalar_args, scratch_offset
 from ember.codegen.device import CLOCK_UNDER_LOAD, REACHABLE_BANDWIDTH, Device, active, current, find, using
 from ember.ir import Graph, KernelSpec, TensorType
@@ -194,6 +194,13 @@ def compile_device() -> Device:
 def _choose_kernel(sub: Graph, spec: KernelSpec, reuse: Any = ()) -> tuple[str, tuple, int, str] | None:
     with using(compile_device()):
         return cuda_choices.stamp(sub, spec, reuse=reuse)
+
+
+def _shared_relayout(forward: Graph, forward_spec: KernelSpec, reader: Graph, reader_spec: KernelSpec
+                     ) -> tuple[tuple, int] | None:
+    with using(compile_device()):
+        return cuda_conv_nhwc.shared_source_choice(cuda_choices.geometry(forward, forward_spec), forward_spec.choice,
+                                                   cuda_choices.geometry(reader, reader_spec), reader_spec.choice)
 
 
 def _reusable(graph: Graph) -> tuple:
@@ -608,6 +615,7 @@ TARGET = targets.register(targets.Target(
     choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel
     # the GEMM family takes the batch-dependent sizes at run time: a new batch size reuses its plans
     reusable=_reusable,
+    shared_relayout=_shared_relayout,  # a grad-weight reads x's image its forward relaid
     tune=_tune,
     device_model=lambda: compile_device().name,
     language="cuda",

@@ -20,6 +20,7 @@ import cuda_refs
 from ember.codegen import cuda, cuda_choices
 from ember.codegen import cuda_conv_nhwc as cn
 from ember.codegen.cuda_kernels import PointwiseEpilogue
+from ember.codegen.shapes import round_up
 from ember.frontends import nn, optim
 from ember.frontends import plan as plan_steps
 from ember.ir.dtypes import bf16_bits, bf16_values, round_bf16
@@ -169,6 +170,47 @@ def test_the_tiled_relayouts_write_the_bordered_nhwc_image_and_dy_by_pixel(paddi
     want_dy = dy.transpose(0, 2, 3, 1).reshape(-1, 72)
     got_dy = bf16_values(words[regions["dyt"] // 2:][:want_dy.size].reshape(want_dy.shape))
     np.testing.assert_array_equal(got_dy, want_dy)
+
+
+@pytest.mark.parametrize("idx", [0, 1, 3])
+def test_a_grad_weight_reading_the_forwards_image_gives_the_reference(idx, tmp_path):
+    """An `IMG` grad-weight (`share_relayouts`) launches no relayout of x and reads the image the
+    forward left at the start of its scratch: each forward plan's image (mma.sync's row relayout,
+    warpgroup MMA's tiled one) under each grad-weight core, against the bfloat16 reference; its
+    scratch loses the image's region."""
+    from dataclasses import replace
+    geo = dict(EMULATED[idx])
+    fwd, gw = _geometry("fwd", **geo), _geometry("gw", **geo)
+    assert cn.shares_source(fwd, gw) is None
+    assert cn.shares_source(fwd, dict(gw, padding=(0, 0))) == "their source images differ in PH, PW"
+    assert cn.shares_source(fwd, dict(gw, dtype=None)) == "their operands' precisions differ"
+    forwards = [("f_tc", cn.plans(fwd)[0]), ("f_wg", cn.wg_plans(fwd)[0])]
+    readers = [("g_tc", replace(cn.plans(gw)[-1], IMG=1)), ("g_wg", replace(cn.wg_plans(gw)[0], IMG=1))]
+    kernels = [cn.render(n, fwd, p, bf16_roles=frozenset({"x", "w", "out"})) for n, p in forwards]
+    kernels += [cn.render(n, gw, p, epilogue=EPILOGUE, bf16_roles=frozenset({"x", "dy"})) for n, p in readers]
+    for (_, p), k in zip(readers, kernels[2:]):
+        assert [ln.function.split("_")[-1] for ln in k.launches] == ["dy", "gemm", "reduce"]
+        assert all(ln.args[-2:] == ("scratch", "image") for ln in k.launches)
+        assert k.scratch_bytes == cn.scratch_bytes(gw, replace(p, IMG=0)) - round_up(cn.image_bytes(gw), 256)
+    with pytest.raises(ValueError, match="grad-weight's"):
+        cn.render("f", fwd, replace(forwards[0][1], IMG=1), bf16_roles=frozenset({"x", "w", "out"}))
+    lib = cuda_emulator.build(kernels, tmp_path, f"shared{idx}")
+    g = dict(geo, stride=cuda_refs._pair(geo["stride"]), padding=cuda_refs._pair(geo["padding"]))
+    rng = np.random.default_rng(10 + idx)
+    vals, ref, _ = _case("gw", g, rng)
+    w = round_bf16(rng.uniform(-1, 1, (geo["O"], geo["C"], geo["KH"], geo["KW"])).astype(np.float32))
+    for f, (fname, _) in enumerate(forwards):
+        scratch = np.full(kernels[f].scratch_bytes // 4, np.nan, np.float32)
+        out = np.zeros((geo["N"], geo["O"], *cuda_refs.conv_out(g)), np.uint16)
+        cuda_emulator.run(lib, f, kernels[f], dict(x=bf16_bits(vals["x"]), w=bf16_bits(w), out=out, scratch=scratch))
+        for r, (rname, plan) in enumerate(readers):
+            bufs = dict(x=np.full(vals["x"].shape, 0x7FC0, np.uint16),  # x itself is never read
+                        dy=bf16_bits(vals["dy"]), in5=vals["in5"], image=scratch,
+                        out=np.full(ref.shape, np.nan, np.float32))
+            cuda_emulator.run(lib, 2 + r, kernels[2 + r], bufs)
+            got = bufs["out"]
+            assert np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), (fname, rname)
+            assert np.mean(got == ref) >= 0.97, (fname, rname, np.mean(got == ref))
 
 
 def _bn_gelu_grad_inputs(precision: str) -> list[tuple]:
