@@ -597,11 +597,11 @@ def _kernel_own(role: str) -> bool:
     return cuda_kernels.scratch_offset(role) is not None or cuda_kernels.counter_words(role) is not None
 
 
-def _image_of(graph: Graph, n: int) -> tuple[str, int]:
-    """The buffer a kernel's image argument names: the scratch of the kernel that relaid it."""
-    owner = graph.notes(n).get("reads_scratch_of")
+def _image_of(graph: Graph, n: int, role: str) -> tuple[str, int]:
+    """The buffer a kernel's image argument `role` names: the scratch of the kernel that relaid it."""
+    owner = graph.notes(n).get("reads_scratch_of", {}).get(role)
     if owner is None:
-        raise AssertionError(f"%{n} ({graph.attrs(n)['graph'].name}) takes a relaid image but no "
+        raise AssertionError(f"%{n} ({graph.attrs(n)['graph'].name}) takes a relaid {role} but no "
                              f"notes['reads_scratch_of'] names the kernel holding it")
     return ("scratch", owner)
 
@@ -641,7 +641,7 @@ def _kernel_launches(graph: Graph, n: int, spec: KernelSpec, check_scratch: bool
         raise AssertionError(f"{name}: template needs {kernel.scratch_bytes} scratch bytes, "
                              f"the plan reserved {spec.scratch_bytes}")
     for launch in kernel.launches:
-        args = tuple(_image_of(graph, n) if r == cuda_kernels.IMAGE_ROLE else
+        args = tuple(_image_of(graph, n, r) if r in cuda_kernels.IMAGE_ROLES else
                      (roles.get(r, r), n) if _kernel_own(roles.get(r, r)) else node_of[roles[r]] for r in launch.args)
         launches.append(LaunchArgs(launch.function, launch.grid, launch.block, launch.shared_bytes, args, name,
                                    launch.scalars))

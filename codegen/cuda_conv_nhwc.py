@@ -36,14 +36,14 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .cuda_kernels import (IMAGE_ROLE, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles,
+from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles,
                            kernel_signature, with_epilogue)
 from .device import current
 from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 
 __all__ = ["KINDS", "WG_KINDS", "NhwcPlan", "serves", "plans", "wg_serves", "wg_plans", "scratch_bytes", "render",
-           "shares_source", "shared_source_choice", "image_bytes"]
+           "shares_image", "shared_choice", "image_bytes"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: k a stage: 64-byte forward tile rows (32 bfloat16, 16 floats); as many pixels a grad-weight stage
@@ -76,9 +76,11 @@ class NhwcPlan:
     WG: int = 0  # 1: warpgroup MMA (family nhwc_wg): BM / 64 warpgroups, WM = BM / 16 warps of 16 rows, WN = 1
     ST: int = 0  # 1: a forward or grad-input with per-element epilogues stores through shared memory
     # (`staged_stores`; warpgroup-MMA plans always do)
-    IMG: int = 0  # 1: a grad-weight reads x's bordered image from the scratch of a forward of the same
-    # x (launch role IMAGE_ROLE; `shares_source`) instead of relaying x itself. Never a tuned plan:
-    # the pass that pairs the two kernels (passes/share_relayouts.py) sets it
+    # Never tuned, set by the pass pairing kernels (passes/share_relayouts.py, `shared_choice`): a
+    # grad-weight reads, instead of relaying its operand itself, the bordered image another kernel
+    # relaid to the start of its scratch (launch roles IMAGE_ROLES)
+    XI: int = 0   # 1: x's image, a forward's of the same x
+    DYI: int = 0  # 1: dy's image, a grad-input's of the same dy (bordered by K - 1 - padding)
 
     @property
     def threads(self) -> int:
@@ -101,7 +103,7 @@ class NhwcPlan:
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
-        if self.IMG and not gw:
+        if (self.XI or self.DYI) and not gw:
             return False
         if self.WG:  # warpgroups of 64 rows; a 128-byte row is 8 chunks; m64nNk16 takes N <= 256;
             # a grad-weight's operands are atoms of 64 channels
@@ -268,12 +270,12 @@ def _regions(g: dict[str, Any], plan: NhwcPlan) -> dict[str, int]:
     """Byte offsets of the scratch regions (src: the bordered NHWC source; wt: the relaid weights;
     dyt: a grad-weight's dy as [pixel][o]; part: its split partials) and the total ("end")."""
     q, e = problem(g), element_bytes(g)
-    src = 0 if plan.IMG else image_bytes(g)
+    src = 0 if plan.XI else image_bytes(g)
     kdim = q["KH"] * q["KW"] * q["CI"]
     at = round_up(src, SCRATCH_ALIGN)
     if g["kind"] != "conv2d_grad_weight":
         return dict(src=0, wt=at, dyt=0, part=0, end=at + round_up(e * q["CO"] * kdim, SCRATCH_ALIGN))
-    dyt = round_up(e * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
+    dyt = 0 if plan.DYI else round_up(e * q["N"] * q["HO"] * q["WO"] * q["CO"], SCRATCH_ALIGN)
     return dict(src=0, wt=0, dyt=at, part=at + dyt, end=at + dyt + round_up(4 * plan.SPLITS * q["CO"] * kdim, SCRATCH_ALIGN))
 
 
@@ -283,37 +285,54 @@ def image_bytes(g: dict[str, Any]) -> int:
     return element_bytes(g) * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
 
 
-def shares_source(forward: dict[str, Any], grad_weight: dict[str, Any]) -> str | None:
-    """None where a grad-weight of geometry `grad_weight` may read the bordered image of x that a
-    forward of geometry `forward` relays to the start of its scratch block (`IMG` plans: one
-    relayout of x a step, not two), else why not. Both kernels of this family, on the same x:
-    the images are the same bytes when their sizes, borders and element agree (nhwc_tc's and
-    nhwc_wg's relayouts write one layout)."""
-    if forward["kind"] != "conv2d" or grad_weight["kind"] != "conv2d_grad_weight":
-        return "a forward convolution's image serves its grad-weight"
-    a, b = problem(forward), problem(grad_weight)
-    differ = [k for k in ("N", "CI", "HI", "WI", "PH", "PW") if a[k] != b[k]]
+def shares_image(owner: dict[str, Any], grad_weight: dict[str, Any]) -> str | None:
+    """None where a grad-weight of geometry `grad_weight` may read the bordered image that a kernel
+    of geometry `owner` relays to the start of its scratch block, else why not: a forward's of
+    the same x (`XI` plans), or a stride-1 grad-input's of the same dy, bordered by K - 1 -
+    padding (`DYI`: the grad-weight reads dy's rows past the border). One relayout of the operand a
+    step, not two. The images are the same bytes when their sizes, borders and element agree
+    (nhwc_tc's and nhwc_wg's relayouts write one layout)."""
+    if grad_weight["kind"] != "conv2d_grad_weight" or owner["kind"] not in ("conv2d", "conv2d_grad_input"):
+        return "a forward's or a grad-input's image serves a grad-weight"
+    a, b = problem(owner), problem(grad_weight)
+    if owner["kind"] == "conv2d":
+        want = {k: b[k] for k in ("N", "CI", "HI", "WI", "PH", "PW")}
+    else:
+        if serves(owner) is not None:
+            return f"the grad-input is not this family's: {serves(owner)}"
+        want = dict(N=b["N"], CI=b["CO"], HI=b["HO"], WI=b["WO"], PH=b["KH"] - 1 - b["PH"], PW=b["KW"] - 1 - b["PW"])
+    differ = [k for k, v in want.items() if a[k] != v]
     if differ:
-        return f"their source images differ in {', '.join(differ)}"
-    if precision(forward) != precision(grad_weight) or element_bytes(forward) != element_bytes(grad_weight):
+        return f"their images differ in {', '.join(differ)}"
+    if precision(owner) != precision(grad_weight):
         return "their operands' precisions differ"
     return None
 
 
+def image_bytes(g: dict[str, Any]) -> int:
+    """Bytes of the kernel's bordered NHWC source image (the scratch block's first region)."""
+    q = problem(g)
+    return element_bytes(g) * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
+
+
 #: the families whose kernels relay their source to the start of their scratch (`_regions`)
 FAMILIES = ("nhwc_tc", "nhwc_wg")
+#: the plan field each shared image sets, by the launch role that passes it (the owner's kind)
+_IMAGE_FIELD = {"conv2d": ("XI", "x_image"), "conv2d_grad_input": ("DYI", "dy_image")}
 
 
-def shared_source_choice(forward: dict[str, Any], forward_choice: tuple[str, tuple] | None,
-                         grad_weight: dict[str, Any], gw_choice: tuple[str, tuple] | None
-                         ) -> tuple[tuple[str, tuple], int] | None:
-    """The grad-weight's choice with `IMG` (reading x's image from the forward's scratch) and its
-    scratch bytes, where both kernels are of these families and `shares_source` allows; else None."""
-    if forward_choice is None or gw_choice is None or forward_choice[0] not in FAMILIES \
-            or gw_choice[0] not in FAMILIES or shares_source(forward, grad_weight) is not None:
+def shared_choice(owner: dict[str, Any], owner_choice: tuple[str, tuple] | None,
+                  grad_weight: dict[str, Any], gw_choice: tuple[str, tuple] | None
+                  ) -> tuple[str, tuple[str, tuple], int] | None:
+    """(the launch role of the image, the grad-weight's choice reading it from the owner's scratch,
+    its scratch bytes) where both kernels are of these families and `shares_image` allows; else
+    None. The grad-weight's choice may already read the other operand's image."""
+    if owner_choice is None or gw_choice is None or owner_choice[0] not in FAMILIES \
+            or gw_choice[0] not in FAMILIES or shares_image(owner, grad_weight) is not None:
         return None
-    plan = replace(NhwcPlan(**dict(gw_choice[1])), IMG=1)
-    return (gw_choice[0], stamped(plan)), scratch_bytes(grad_weight, plan)
+    field, role = _IMAGE_FIELD[owner["kind"]]
+    plan = replace(NhwcPlan(**dict(gw_choice[1])), **{field: 1})
+    return role, (gw_choice[0], stamped(plan)), scratch_bytes(grad_weight, plan)
 
 
 def staged_stores(plan: NhwcPlan, kind: str, relu_mask: bool, epilogue: PointwiseEpilogue | None) -> bool:
@@ -419,8 +438,9 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         raise ValueError(f"nhwc_tc does not serve this convolution: {why_not}")
     gw = kind == "conv2d_grad_weight"
     roles, inputs, src = conv_roles("nhwc_tc", kind, bias=bias, relu=relu, relu_mask=relu_mask)
-    if plan.IMG and not gw:
-        raise ValueError(f"{name}: a plan reading another kernel's source image (IMG) is a grad-weight's")
+    if (plan.XI or plan.DYI) and not gw:
+        raise ValueError(f"{name}: a plan reading another kernel's image (XI, DYI) is a grad-weight's")
+    images = tuple(role for on, role in ((plan.XI, "x_image"), (plan.DYI, "dy_image")) if on)
     if not plan.tiles(gw) or plan.shared_bytes(g) > current().shared_per_block_optin:
         raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
     if plan.WG and wg_serves(g) is not None:
@@ -444,7 +464,8 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
                    + f"{plan.STAGES} stages"
                    f"{f', {plan.SPLITS} splits' if gw else ''}"
                    f"{', the output staged in shared memory by channel' if staged else ''}"
-                   f"{', x read from the image a forward relaid' if plan.IMG else ''}")
+                   f"{', x read from the image a forward relaid' if plan.XI else ''}"
+                   f"{', dy read from the image a grad-input relaid' if plan.DYI else ''}")
     widest = max(q["WI"], q["WO"] if gw else 0)
     rch = min(round_up(max(q["CI"], q["CO"] if gw else 0), 8), max(8, _RELAYOUT_STAGE // (e * widest) - 2) // 8 * 8)
     code = _env.get_template("conv_nhwc_tc.j2").render(
@@ -453,7 +474,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         off_dyt=regions["dyt"] // e, off_part=regions["part"] // 4, gw=gw, flip=kind == "conv2d_grad_input",
         src=src, roles=roles, inputs=inputs, unrestricted=unrestricted, bf16_roles=bf16_roles,
         signature=kernel_signature(roles, inputs, unrestricted, True, bf16_roles)
-        + (f", const float* __restrict__ {IMAGE_ROLE}" if plan.IMG else ""), image=bool(plan.IMG), bias=bias, relu=relu,
+        + "".join(f", const float* __restrict__ {r}" for r in images), images=images, bias=bias, relu=relu,
         relu_mask=relu_mask, pw=epilogue, bf16=prec == "bf16", x3=prec == "x3", wg=bool(plan.WG),
         staged=staged, staged_bytes=plan.shared_bytes(g) - (1024 if plan.WG else 0),
         index_type=epilogue.index_type if epilogue is not None else "int",
@@ -464,7 +485,7 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
                                         relu_mask=relu_mask, epilogue=epilogue,
                                         index_type=epilogue.index_type if epilogue is not None else "int")
         if staged else [])
-    args = tuple(roles) + ("scratch",) + ((IMAGE_ROLE,) if plan.IMG else ())
+    args = tuple(roles) + ("scratch",) + images
     hp = q["HI"] + 2 * q["PH"]
     kdim = q["KH"] * q["KW"] * q["CI"]
     pixels = q["N"] * q["HO"] * q["WO"]
@@ -473,8 +494,9 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
     block = (plan.threads, 1, 1)
     if gw:
         grid = (ceil_div(q["CO"], plan.BM), ceil_div(kdim, plan.BN), plan.SPLITS)
-        launches = (Launch(f"{name}_dy", _relayout_grid(q["N"], q["CO"], q["HO"], q["WO"], 0, 0, plan), (256, 1, 1), 0, args),
-                    *(() if plan.IMG else (relay_src,)),
+        relay_dy = Launch(f"{name}_dy", _relayout_grid(q["N"], q["CO"], q["HO"], q["WO"], 0, 0, plan), (256, 1, 1), 0, args)
+        launches = (*(() if plan.DYI else (relay_dy,)),
+                    *(() if plan.XI else (relay_src,)),
                     Launch(f"{name}_gemm", grid, block, plan.shared_bytes(g), args),
                     Launch(f"{name}_reduce", (ceil_div(q["CO"] * kdim, 256), 1, 1), (256, 1, 1), 0, args))
     else:
@@ -504,7 +526,7 @@ def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:
     """A plan as the choice table stamps it (a forward's without its split count)."""
     pairs = (("BM", plan.BM), ("BN", plan.BN), ("WM", plan.WM), ("WN", plan.WN), ("STAGES", plan.STAGES))
     return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) + ((("WG", 1),) if plan.WG else ()) \
-        + ((("ST", 1),) if plan.ST else ()) + ((("IMG", 1),) if plan.IMG else ())
+        + ((("ST", 1),) if plan.ST else ()) + ((("XI", 1),) if plan.XI else ()) + ((("DYI", 1),) if plan.DYI else ())
 
 
 def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any,

@@ -82,10 +82,10 @@ def scratch_role(offset: int) -> str:
     return "scratch" if offset == 0 else f"scratch@{offset}"
 
 
-#: the launch role of a kernel's pointer to a relaid operand another kernel's scratch holds (an
-#: `nhwc_tc` grad-weight's x image, its forward's): bound to that kernel's scratch block by the
-#: graph note `reads_scratch_of` (passes/share_relayouts.py)
-IMAGE_ROLE = "image"
+#: the launch roles of a kernel's pointers to relaid operands other kernels' scratch holds (an
+#: `nhwc_tc` grad-weight's x and dy images: its forward's, its grad-input's), each bound to that
+#: kernel's scratch block by the graph note `reads_scratch_of` ({role: kernel}; passes/share_relayouts.py)
+IMAGE_ROLES = ("x_image", "dy_image")
 
 
 def scratch_offset(role: str) -> int | None:

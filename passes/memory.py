@@ -12,8 +12,8 @@ it records `notes["storage"]`:
 - "alias" (with `notes["alias_of"]`): a reshape, sharing its operand's buffer;
 - "constant": a non-scalar constant, held by the runtime.
 A fused node whose `KernelSpec` asks for scratch gets `notes["scratch_offset"]`: a block live only
-while that kernel runs, or until the last kernel whose `notes["reads_scratch_of"]` names it (a
-relaid operand it holds: `share_relayouts`). `meta["arena_bytes"]` is the arena's size: the peak of simultaneously
+while that kernel runs, or until the last kernel whose `notes["reads_scratch_of"]` ({launch role:
+kernel}) names it (a relaid operand it holds: `share_relayouts`). `meta["arena_bytes"]` is the arena's size: the peak of simultaneously
 live buffers, inputs and scratch included. `meta["liveness"]` maps each arena buffer to its
 (first, last) schedule positions; scratch blocks are listed under `meta["scratch_liveness"]`.
 Only a pointwise kernel is ever written in place (the schedule decides): a `collective` kernel's
@@ -85,13 +85,11 @@ def plan_memory(graph: Graph, alignment: int = ALIGN, reuse: bool = True) -> Gra
         if out.op(n) == "fused" and out.attrs(n)["kernel"].scratch_bytes > 0:
             scratch[n] = (position[n], position[n])
     for n in steps:  # a kernel reading another's scratch (a relaid operand: share_relayouts) keeps it live
-        owner = out.notes(n).get("reads_scratch_of")
-        if owner is None:
-            continue
-        if owner not in scratch or position[owner] >= position[n]:
-            raise AssertionError(f"%{n} reads the scratch of %{owner}, which is not a kernel with scratch "
-                                 f"scheduled before it")
-        scratch[owner] = (scratch[owner][0], max(scratch[owner][1], position[n]))
+        for owner in out.notes(n).get("reads_scratch_of", {}).values():
+            if owner not in scratch or position[owner] >= position[n]:
+                raise AssertionError(f"%{n} reads the scratch of %{owner}, which is not a kernel with scratch "
+                                     f"scheduled before it")
+            scratch[owner] = (scratch[owner][0], max(scratch[owner][1], position[n]))
 
     # 3. Offsets: largest first, each at the lowest aligned offset free over its lifetime.
     buffers = [(("buffer", n), tuple(live[n]), out.type(n).nbytes) for n in live]

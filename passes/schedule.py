@@ -7,6 +7,7 @@ kernel, at the output's index: a per-channel parameter), `notes["storage"]` =
 "parameter"/"state" with `notes["name"]`: the kernel writes straight into that parameter's memory.
 Such an update must run after every other reader of the old value, so each accepted in-place
 update adds ordering edges (reader -> update) and is accepted only if the order stays acyclic.
+A kernel that reads another's scratch (`notes["reads_scratch_of"]`: a relaid operand) runs after it.
 The order is otherwise the deterministic topological order (smallest id first among ready nodes).
 One stream for now; a later multi-stream schedule records its streams here too.
 
@@ -159,6 +160,11 @@ def schedule(graph: Graph, early_collectives: bool = False) -> Graph:
     # a search from the update answers (updates sit at the end of the step, so it visits little)
     # instead of copying and re-sorting the whole graph per candidate (quadratic in kernels).
     reach = nx.DiGraph(out.g)
+    # a kernel reading a relaid operand from another's scratch (share_relayouts) runs after it
+    for n in out.g:
+        for owner in out.notes(n).get("reads_scratch_of", {}).values():
+            extra.append((owner, n))
+            reach.add_edge(owner, n)
     for name, node in out.updates.items():
         kind = "parameter" if name in out.parameters else "state"
         source = out.parameters.get(name, out.states.get(name))

@@ -77,10 +77,10 @@ class Target:
     #: serves the kernel, or None for a kernel it does not render; stamped on the spec by `select`
     #: (and then `kernel_scratch` is not asked). None: the target chooses nothing
     choose_kernel: Callable[..., tuple[str, tuple, int, str] | None] | None = None
-    #: (forward convolution's subgraph, its spec, a grad-weight's subgraph, its spec) -> (the
-    #: grad-weight's choice reading x's image from the forward's scratch block, its scratch bytes),
-    #: or None where it cannot (`share_relayouts`); None: kernels share nothing
-    shared_relayout: Callable[[Graph, KernelSpec, Graph, KernelSpec], tuple[tuple, int] | None] | None = None
+    #: (subgraph and spec of a kernel relaying an operand, a grad-weight's subgraph and spec) -> (the
+    #: launch role of the image, the grad-weight's choice reading it from that kernel's scratch block,
+    #: its scratch bytes), or None where it cannot (`share_relayouts`); None: kernels share nothing
+    shared_relayout: Callable[[Graph, KernelSpec, Graph, KernelSpec], tuple[str, tuple, int] | None] | None = None
     #: selected graph -> the plans of its kernels that a step of another batch size may take (the
     #: sizes that change with the batch being arguments of those kernels, not their code), as
     #: `choose_kernel`'s `reuse=`: so that step's kernels are the same code, compiled once. The

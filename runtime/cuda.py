@@ -196,11 +196,11 @@ def _choose_kernel(sub: Graph, spec: KernelSpec, reuse: Any = ()) -> tuple[str, 
         return cuda_choices.stamp(sub, spec, reuse=reuse)
 
 
-def _shared_relayout(forward: Graph, forward_spec: KernelSpec, reader: Graph, reader_spec: KernelSpec
-                     ) -> tuple[tuple, int] | None:
+def _shared_relayout(owner: Graph, owner_spec: KernelSpec, reader: Graph, reader_spec: KernelSpec
+                     ) -> tuple[str, tuple, int] | None:
     with using(compile_device()):
-        return cuda_conv_nhwc.shared_source_choice(cuda_choices.geometry(forward, forward_spec), forward_spec.choice,
-                                                   cuda_choices.geometry(reader, reader_spec), reader_spec.choice)
+        return cuda_conv_nhwc.shared_choice(cuda_choices.geometry(owner, owner_spec), owner_spec.choice,
+                                            cuda_choices.geometry(reader, reader_spec), reader_spec.choice)
 
 
 def _reusable(graph: Graph) -> tuple:

@@ -51,8 +51,7 @@ def kernel_regions(graph: Graph, kernels: list[int]) -> list[tuple[list[Region],
         if scratch:
             off = graph.notes(n)["scratch_offset"]
             writes.append(("arena", off, off + scratch))
-        owner = graph.notes(n).get("reads_scratch_of")
-        if owner is not None:  # a relaid operand another kernel's scratch holds (share_relayouts)
+        for owner in graph.notes(n).get("reads_scratch_of", {}).values():  # relaid operands (share_relayouts)
             off = graph.notes(owner)["scratch_offset"]
             reads.append(("arena", off, off + graph.attrs(owner)["kernel"].scratch_bytes))
         out.append((reads, writes))

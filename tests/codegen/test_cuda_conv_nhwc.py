@@ -173,44 +173,61 @@ def test_the_tiled_relayouts_write_the_bordered_nhwc_image_and_dy_by_pixel(paddi
 
 
 @pytest.mark.parametrize("idx", [0, 1, 3])
-def test_a_grad_weight_reading_the_forwards_image_gives_the_reference(idx, tmp_path):
-    """An `IMG` grad-weight (`share_relayouts`) launches no relayout of x and reads the image the
-    forward left at the start of its scratch: each forward plan's image (mma.sync's row relayout,
-    warpgroup MMA's tiled one) under each grad-weight core, against the bfloat16 reference; its
-    scratch loses the image's region."""
+def test_a_grad_weight_reading_other_kernels_images_gives_the_reference(idx, tmp_path):
+    """A grad-weight with `XI` / `DYI` (`share_relayouts`) launches no relayout of x / dy and reads
+    the image the forward / the grad-input left at the start of its scratch (dy's bordered by K - 1 -
+    padding): each owner plan's image (mma.sync's row relayout, warpgroup MMA's tiled one) under
+    each grad-weight core, against the bfloat16 reference; its scratch loses those regions. The
+    stride-2 layer's grad-input is not this family's: x's image alone."""
     from dataclasses import replace
     geo = dict(EMULATED[idx])
-    fwd, gw = _geometry("fwd", **geo), _geometry("gw", **geo)
-    assert cn.shares_source(fwd, gw) is None
-    assert cn.shares_source(fwd, dict(gw, padding=(0, 0))) == "their source images differ in PH, PW"
-    assert cn.shares_source(fwd, dict(gw, dtype=None)) == "their operands' precisions differ"
-    forwards = [("f_tc", cn.plans(fwd)[0]), ("f_wg", cn.wg_plans(fwd)[0])]
-    readers = [("g_tc", replace(cn.plans(gw)[-1], IMG=1)), ("g_wg", replace(cn.wg_plans(gw)[0], IMG=1))]
-    kernels = [cn.render(n, fwd, p, bf16_roles=frozenset({"x", "w", "out"})) for n, p in forwards]
+    fwd, gi, gw = (_geometry(k, **geo) for k in ("fwd", "gi", "gw"))
+    strided = cn.serves(gi) is not None
+    assert cn.shares_image(fwd, gw) is None and (cn.shares_image(gi, gw) is None) != strided
+    assert cn.shares_image(fwd, dict(gw, padding=(0, 0))) == "their images differ in PH, PW"
+    assert cn.shares_image(fwd, dict(gw, dtype=None)) == "their operands' precisions differ"
+    assert cn.shares_image(gw, gw) == "a forward's or a grad-input's image serves a grad-weight"
+    owners = [("f_tc", fwd, cn.plans(fwd)[0]), ("f_wg", fwd, cn.wg_plans(fwd)[0])]
+    if not strided:
+        owners += [("i_tc", gi, cn.plans(gi)[0]), ("i_wg", gi, cn.wg_plans(gi)[0])]
+    both = dict(XI=1) if strided else dict(XI=1, DYI=1)
+    readers = [("g_tc", replace(cn.plans(gw)[-1], **both)), ("g_wg", replace(cn.wg_plans(gw)[0], **both))]
+    if not strided:
+        readers += [("g_tc_dy", replace(cn.plans(gw)[0], DYI=1)), ("g_wg_x", replace(cn.wg_plans(gw)[-1], XI=1))]
+    kernels = [cn.render(n, g, p, bf16_roles=frozenset({"x", "dy", "w", "out"})) for n, g, p in owners]
     kernels += [cn.render(n, gw, p, epilogue=EPILOGUE, bf16_roles=frozenset({"x", "dy"})) for n, p in readers]
-    for (_, p), k in zip(readers, kernels[2:]):
-        assert [ln.function.split("_")[-1] for ln in k.launches] == ["dy", "gemm", "reduce"]
-        assert all(ln.args[-2:] == ("scratch", "image") for ln in k.launches)
-        assert k.scratch_bytes == cn.scratch_bytes(gw, replace(p, IMG=0)) - round_up(cn.image_bytes(gw), 256)
+    for (_, p), k in zip(readers, kernels[len(owners):]):
+        relays = ["dy"] * (not p.DYI) + ["src"] * (not p.XI)
+        assert [ln.function.split("_")[-1] for ln in k.launches] == relays + ["gemm", "reduce"]
+        images = ("x_image",) * p.XI + ("dy_image",) * p.DYI
+        assert all(ln.args[-1 - len(images):] == ("scratch", *images) for ln in k.launches)
+        saved = p.XI * round_up(cn.image_bytes(gw), 256) + p.DYI * round_up(2 * gw["N"] * gw["O"] * gw["HO"] * gw["WO"], 256)
+        assert k.scratch_bytes == cn.scratch_bytes(gw, replace(p, XI=0, DYI=0)) - saved
     with pytest.raises(ValueError, match="grad-weight's"):
-        cn.render("f", fwd, replace(forwards[0][1], IMG=1), bf16_roles=frozenset({"x", "w", "out"}))
+        cn.render("f", fwd, replace(owners[0][2], XI=1), bf16_roles=frozenset({"x", "w", "out"}))
     lib = cuda_emulator.build(kernels, tmp_path, f"shared{idx}")
     g = dict(geo, stride=cuda_refs._pair(geo["stride"]), padding=cuda_refs._pair(geo["padding"]))
     rng = np.random.default_rng(10 + idx)
     vals, ref, _ = _case("gw", g, rng)
     w = round_bf16(rng.uniform(-1, 1, (geo["O"], geo["C"], geo["KH"], geo["KW"])).astype(np.float32))
-    for f, (fname, _) in enumerate(forwards):
-        scratch = np.full(kernels[f].scratch_bytes // 4, np.nan, np.float32)
-        out = np.zeros((geo["N"], geo["O"], *cuda_refs.conv_out(g)), np.uint16)
-        cuda_emulator.run(lib, f, kernels[f], dict(x=bf16_bits(vals["x"]), w=bf16_bits(w), out=out, scratch=scratch))
-        for r, (rname, plan) in enumerate(readers):
-            bufs = dict(x=np.full(vals["x"].shape, 0x7FC0, np.uint16),  # x itself is never read
-                        dy=bf16_bits(vals["dy"]), in5=vals["in5"], image=scratch,
-                        out=np.full(ref.shape, np.nan, np.float32))
-            cuda_emulator.run(lib, 2 + r, kernels[2 + r], bufs)
+    scratch = {}
+    for i, (name, og, _) in enumerate(owners):
+        scratch[name] = np.full(kernels[i].scratch_bytes // 4, np.nan, np.float32)
+        out = np.zeros(vals["dy"].shape if og is fwd else vals["x"].shape, np.uint16)
+        cuda_emulator.run(lib, i, kernels[i], dict(x=bf16_bits(vals["x"]), dy=bf16_bits(vals["dy"]), w=bf16_bits(w),
+                                                   out=out, scratch=scratch[name]))
+    # each reader with each forward's image and (not strided) each grad-input's
+    pairs = [(f, i) for f in ("f_tc", "f_wg") for i in ((None,) if strided else ("i_tc", "i_wg"))]
+    for r, (rname, plan) in enumerate(readers):
+        for f, i in pairs:
+            bufs = dict(x=np.full(vals["x"].shape, 0x7FC0, np.uint16) if plan.XI else bf16_bits(vals["x"]),
+                        dy=np.full(vals["dy"].shape, 0x7FC0, np.uint16) if plan.DYI else bf16_bits(vals["dy"]),
+                        in5=vals["in5"], out=np.full(ref.shape, np.nan, np.float32))
+            bufs |= ({"x_image": scratch[f]} if plan.XI else {}) | ({"dy_image": scratch[i]} if plan.DYI else {})
+            cuda_emulator.run(lib, len(owners) + r, kernels[len(owners) + r], bufs)
             got = bufs["out"]
-            assert np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), (fname, rname)
-            assert np.mean(got == ref) >= 0.97, (fname, rname, np.mean(got == ref))
+            assert np.max(np.abs(got - ref)) <= 2.0 ** -7 * np.max(np.abs(ref)), (rname, f, i)
+            assert np.mean(got == ref) >= 0.97, (rname, f, i, np.mean(got == ref))
 
 
 def _bn_gelu_grad_inputs(precision: str) -> list[tuple]:

@@ -1,10 +1,12 @@
-"""share_relayouts: a grad-weight reads the bordered image of x its forward already relaid.
+"""share_relayouts: a grad-weight reads the bordered images of x and dy that its forward and its
+grad-input already relaid.
 
 Structure on CUDA steps planned without a GPU (the channels-innermost families forced): each
 grad-weight pairs with the forward of its own geometry on the same x (a 3x3 and a 1x1 convolution
-read the same tensor here), its plan says so, its scratch loses the image, the memory plan keeps
-the forward's scratch live until the reader and the stream placement orders writers after it.
-On a GPU (`cuda` mark) a step that shares equals one that relays x itself, bit for bit.
+read the same tensor here) and, where the layer's grad-input is the family's, with it on the same
+dy; its plan says so, its scratch loses the images, the schedule runs the owners first, the
+memory plan keeps their scratch live until the reader and the stream placement orders writers
+after it. On a GPU (`cuda` mark) a step that shares equals one that relays them itself, bit for bit.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ EXAMPLE = (np.zeros((2, 8, 6, 6), np.float32), np.zeros(2, np.int64))
 
 def _step(precision: str):
     family = FAMILY[precision]
-    with cuda_choices.TABLE.force(conv2d=family, conv2d_grad_weight=family):
+    with cuda_choices.TABLE.force(conv2d=family, conv2d_grad_input=family, conv2d_grad_weight=family):
         graphs = plan_steps(Branches(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), EXAMPLE, device="cuda",
                             precision=precision)
     return next(g for k, g in graphs.items() if k.startswith("train"))
@@ -61,29 +63,42 @@ def _window(graph, n: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float32"])
-def test_each_grad_weight_reads_the_image_of_the_forward_of_its_own_geometry(precision):
+def test_each_grad_weight_reads_the_images_of_the_kernels_of_its_own_layer(precision):
     graph = _step(precision)
     forwards, readers = _convs(graph, "conv2d"), _convs(graph, "conv2d_grad_weight")
-    assert len(forwards) == len(readers) == 3
+    grad_inputs = _convs(graph, "conv2d_grad_input")
+    assert len(forwards) == len(readers) == 3 and len(grad_inputs) == 2  # the stem's input needs none
+    position = {n: i for i, n in enumerate(graph.meta["schedule"])}
+    dy_shared = 0
     for n in readers:
-        spec, f = graph.attrs(n)["kernel"], graph.notes(n)["reads_scratch_of"]
+        spec, owners = graph.attrs(n)["kernel"], graph.notes(n)["reads_scratch_of"]
+        f = owners["x_image"]
         assert f in forwards and _window(graph, f) == _window(graph, n)
         assert graph.operands(f)[graph.attrs(f)["kernel"].role("x")] == graph.operands(n)[spec.role("x")]
-        assert spec.choice[0] == FAMILY[precision] and dict(spec.choice[1])["IMG"] == 1
-        assert f"read from the scratch of %{f}" in spec.why
+        plan = dict(spec.choice[1])
+        assert spec.choice[0] == FAMILY[precision] and plan["XI"] == 1
+        assert f"x's relaid image read from the scratch of %{f}" in spec.why
+        if "dy_image" in owners:  # the 1x1 layer's and the 3x3's grad-inputs: each its own
+            i = owners["dy_image"]
+            assert i in grad_inputs and _window(graph, i) == _window(graph, n) and plan["DYI"] == 1
+            assert graph.operands(i)[graph.attrs(i)["kernel"].role("dy")] == graph.operands(n)[spec.role("dy")]
+            assert position[i] < position[n]
+            dy_shared += 1
+        assert set(owners) <= {"x_image", "dy_image"}
         g = cuda_choices.geometry(graph.attrs(n)["graph"], spec)
-        plan = cn.NhwcPlan(**dict(spec.choice[1]))
-        assert spec.scratch_bytes == cn.scratch_bytes(g, plan) < cn.scratch_bytes(g, dataclasses.replace(plan, IMG=0))
+        nplan = cn.NhwcPlan(**plan)
+        assert spec.scratch_bytes == cn.scratch_bytes(g, nplan) < cn.scratch_bytes(g, dataclasses.replace(nplan, XI=0, DYI=0))
+    assert dy_shared == 2
     # the 3x3 and the 1x1 convolution of the stem's output: each reader its own forward
-    assert len({graph.notes(n)["reads_scratch_of"] for n in readers}) == 3
+    assert len({graph.notes(n)["reads_scratch_of"]["x_image"] for n in readers}) == 3
     source = targets.get("cuda").source(graph)
     for n in readers:
         name = graph.attrs(n)["graph"].name
-        assert f"{name}_dy(" in source and f"{name}_src(" not in source
+        assert f"{name}_src(" not in source and (f"{name}_dy(" in source) == ("dy_image" not in graph.notes(n)["reads_scratch_of"])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float32"])
-def test_the_forwards_scratch_lives_until_its_reader_and_orders_later_writers(precision):
+def test_the_owners_scratch_lives_until_its_reader_and_orders_later_writers(precision):
     from ember.runtime.cuda_streams import kernel_regions
     graph = _step(precision)
     check_plan(graph)
@@ -91,10 +106,12 @@ def test_the_forwards_scratch_lives_until_its_reader_and_orders_later_writers(pr
     kernels = [n for n in graph.meta["schedule"] if graph.op(n) == "fused"]
     regions = dict(zip(kernels, kernel_regions(graph, kernels)))
     for n in _convs(graph, "conv2d_grad_weight"):
-        f = graph.notes(n)["reads_scratch_of"]
-        assert graph.meta["scratch_liveness"][f] == (position[f], position[n])
-        off = graph.notes(f)["scratch_offset"]
-        assert ("arena", off, off + graph.attrs(f)["kernel"].scratch_bytes) in regions[n][0]
+        for owner in graph.notes(n)["reads_scratch_of"].values():
+            start, stop = graph.meta["scratch_liveness"][owner]
+            assert start == position[owner] and stop >= position[n]
+            off = graph.notes(owner)["scratch_offset"]
+            assert ("arena", off, off + graph.attrs(owner)["kernel"].scratch_bytes) in regions[n][0]
+            assert (owner, n) in graph.meta["schedule_edges"]
 
 
 def test_the_pass_is_pure_pairs_only_what_the_target_allows_and_is_cpu_free():
@@ -103,7 +120,7 @@ def test_the_pass_is_pure_pairs_only_what_the_target_allows_and_is_cpu_free():
     stripped = graph.copy()
     for n in readers:  # as `select` left them: the tuned or default plan, no image read
         spec = stripped.attrs(n)["kernel"]
-        plan = tuple((k, v) for k, v in spec.choice[1] if k != "IMG")
+        plan = tuple((k, v) for k, v in spec.choice[1] if k not in ("XI", "DYI"))
         stripped.attrs(n)["kernel"] = dataclasses.replace(spec, choice=(spec.choice[0], plan), scratch_bytes=1)
         del stripped.notes(n)["reads_scratch_of"]
     target = targets.get("cuda")
@@ -120,9 +137,9 @@ def test_the_pass_is_pure_pairs_only_what_the_target_allows_and_is_cpu_free():
 def test_a_reader_scheduled_before_the_scratch_it_reads_is_refused():
     graph = _step("float32")
     n = _convs(graph, "conv2d_grad_weight")[0]
-    f = graph.notes(n)["reads_scratch_of"]
+    f = graph.notes(n)["reads_scratch_of"]["x_image"]
     bad = graph.copy()
-    bad.notes(f)["reads_scratch_of"] = n  # the forward reading its own grad-weight's scratch
+    bad.notes(f)["reads_scratch_of"] = {"x_image": n}  # the forward reading its own grad-weight's scratch
     with pytest.raises(AssertionError, match=f"%{f} reads the scratch of %{n}"):
         plan_memory(bad)
 
@@ -140,14 +157,14 @@ def test_a_step_sharing_the_image_equals_one_relaying_x_itself(precision, monkey
     runs = {}
     for share in (True, False):
         if not share:
-            monkeypatch.setattr(cn, "shared_source_choice", lambda *a: None)
+            monkeypatch.setattr(cn, "shared_choice", lambda *a: None)
         nn.manual_seed(3)  # the same weights in both steps
-        with cuda_choices.TABLE.force(conv2d=family, conv2d_grad_weight=family):
+        with cuda_choices.TABLE.force(conv2d=family, conv2d_grad_input=family, conv2d_grad_weight=family):
             step = compile(Branches(), nn.CrossEntropyLoss(), optim.SGD(lr=0.1), example_inputs=(xs[0], ys[0]),
                            device="cuda", precision=precision)
             losses = [float(step.run(x, y)) for x, y in zip(xs, ys)]
         graph = step._example_step()[1].graph
-        assert sum("reads_scratch_of" in graph.notes(n) for n in graph.g) == (3 if share else 0)
+        assert sum(len(graph.notes(n).get("reads_scratch_of", {})) for n in graph.g) == (5 if share else 0)
         runs[share] = losses, {k: np.asarray(v) for k, v in step.state_dict().items()}
     assert runs[True][0] == runs[False][0]
     for k, v in runs[True][1].items():
