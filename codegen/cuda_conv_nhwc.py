@@ -43,7 +43,7 @@ from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 
 __all__ = ["KINDS", "WG_KINDS", "NhwcPlan", "serves", "plans", "wg_serves", "wg_plans", "scratch_bytes", "render",
-           "shares_image", "shared_choice", "image_bytes"]
+           "shares_image", "shared_choice", "unshared", "image_bytes"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: k a stage: 64-byte forward tile rows (32 bfloat16, 16 floats); as many pixels a grad-weight stage
@@ -319,6 +319,13 @@ def image_bytes(g: dict[str, Any]) -> int:
 FAMILIES = ("nhwc_tc", "nhwc_wg")
 #: the plan field each shared image sets, by the launch role that passes it (the owner's kind)
 _IMAGE_FIELD = {"conv2d": ("XI", "x_image"), "conv2d_grad_input": ("DYI", "dy_image")}
+
+
+def unshared(choice: tuple[str, tuple]) -> tuple[str, tuple]:
+    """A choice without the shared-image fields `shared_choice` adds: the family's own plan, as
+    `select` stamped it and the tuner measured it."""
+    family, plan = choice
+    return family, tuple((k, v) for k, v in plan if k not in ("XI", "DYI"))
 
 
 def shared_choice(owner: dict[str, Any], owner_choice: tuple[str, tuple] | None,
