@@ -88,6 +88,10 @@ class Family:
     #: generated kinds' kernels are rendered on run-time sizes there, where the first step of a
     #: model holds its sizes. None: the plan taken as it is, also from another kernel
     reused_plan: Plan | None = None
+    #: plan -> the family's own plan, without the fields a later pass stamps on a chosen one (the
+    #: grad-weights' image reads of `share_relayouts`): what the tuner measures and records. None:
+    #: the plan as it is
+    own_plan: Callable[[Plan], Plan] | None = None
     #: geometry -> the version of the code it renders there, where a change reached only some
     #: geometries (records of the others stay valid); None: `version` everywhere
     version_of: Callable[[Geometry], int] | None = None
@@ -236,6 +240,11 @@ class ChoiceTable:
         changed refuses the plans measured for the old one)."""
         f = self.families.get(choice[0])
         return f is not None and f.fits(self._geometry(sub, spec), choice[1])
+
+    def own_choice(self, choice: Choice) -> Choice:
+        """A stamped choice as its family measures it (`Family.own_plan`)."""
+        f = self.families.get(choice[0])
+        return choice if f is None or f.own_plan is None else (choice[0], f.own_plan(choice[1]))
 
     def key(self, sub: Graph, spec: KernelSpec) -> str:
         """The kernel's key in the tuning database."""

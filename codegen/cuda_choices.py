@@ -424,9 +424,9 @@ def _nhwc_accepts(g: dict[str, Any], plan: Plan, wg: bool = False) -> bool:
     """A plan (a record's, perhaps of another batch size) fits where it is of the family's GEMM core
     (`wg`: warpgroup MMA), tiles the kernel of its kind and its stages fit a block's shared memory:
     any split count serves a grad-weight."""
-    p = _nhwc_plan(plan)
-    return p is not None and bool(p.WG) == wg and p.tiles(g["kind"] == "conv2d_grad_weight") and \
-        p.shared_bytes(g) <= current().shared_per_block_optin
+    p = _nhwc_plan(plan)  # (never a plan reading another kernel's image: only share_relayouts sets those)
+    return p is not None and bool(p.WG) == wg and not (p.XI or p.DYI) and p.tiles(g["kind"] == "conv2d_grad_weight") \
+        and p.shared_bytes(g) <= current().shared_per_block_optin
 
 
 def _nhwc_scratch(g: dict[str, Any], plan: Plan) -> int:
@@ -833,14 +833,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # bfloat16 tensor cores or TF32 ones (3xTF32 for float32); taken where measured, never by default
     Family("nhwc_tc", CONVS, 12, lambda g: [conv_nhwc.stamped(conv_nhwc.plans(g)[0])], conv_nhwc.serves, _never,
            _nhwc_scratch, _nhwc_render,
-           tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts),
+           tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.plans(g)], accepts=_nhwc_accepts, own_plan=conv_nhwc.own_plan),
     # the same kernels on warpgroup MMA (sm_90a, bfloat16 operands): m64 x BN slices a warpgroup,
     # 128-byte swizzled k-tiles read by descriptors (a grad-weight's MN-major); taken where measured,
     # never by default
     Family("nhwc_wg", conv_nhwc.WG_KINDS, 13, lambda g: [conv_nhwc.stamped(conv_nhwc.wg_plans(g)[0])],
            conv_nhwc.wg_serves, _never, _nhwc_scratch,
            _nhwc_render, tuning_plans=lambda g: [conv_nhwc.stamped(q) for q in conv_nhwc.wg_plans(g)],
-           accepts=functools.partial(_nhwc_accepts, wg=True)),
+           accepts=functools.partial(_nhwc_accepts, wg=True), own_plan=conv_nhwc.own_plan),
     Family("grouped", CONVS, 0, _grouped_plans, _grouped_rejects, _plain, _grouped_scratch, _grouped_render,
            grouped=True, code_geometry=without_sizes("N"), accepts_reused=_grouped_accepts_reused),
     # a step that took its plan from a step of another batch size renders it on run-time images

@@ -43,7 +43,7 @@ from .shapes import ceil_div, pair, round_up
 from .templates_env import environment
 
 __all__ = ["KINDS", "WG_KINDS", "NhwcPlan", "serves", "plans", "wg_serves", "wg_plans", "scratch_bytes", "render",
-           "shares_image", "shared_choice", "unshared", "image_bytes"]
+           "shares_image", "shared_choice", "unshared", "own_plan", "image_bytes"]
 
 KINDS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 #: k a stage: 64-byte forward tile rows (32 bfloat16, 16 floats); as many pixels a grad-weight stage
@@ -309,23 +309,24 @@ def shares_image(owner: dict[str, Any], grad_weight: dict[str, Any]) -> str | No
     return None
 
 
-def image_bytes(g: dict[str, Any]) -> int:
-    """Bytes of the kernel's bordered NHWC source image (the scratch block's first region)."""
-    q = problem(g)
-    return element_bytes(g) * q["N"] * (q["HI"] + 2 * q["PH"]) * (q["WI"] + 2 * q["PW"]) * q["CI"]
-
-
 #: the families whose kernels relay their source to the start of their scratch (`_regions`)
 FAMILIES = ("nhwc_tc", "nhwc_wg")
 #: the plan field each shared image sets, by the launch role that passes it (the owner's kind)
 _IMAGE_FIELD = {"conv2d": ("XI", "x_image"), "conv2d_grad_input": ("DYI", "dy_image")}
 
 
+#: the plan fields `shared_choice` adds to a chosen plan (never a tuned plan's)
+SHARED_FIELDS = ("XI", "DYI")
+
+
+def own_plan(plan: tuple) -> tuple:
+    """A stamped plan without the shared-image fields: the family's own plan, as `select` stamped
+    it and the tuner measured it (`Family.own_plan`)."""
+    return tuple((k, v) for k, v in plan if k not in SHARED_FIELDS)
+
+
 def unshared(choice: tuple[str, tuple]) -> tuple[str, tuple]:
-    """A choice without the shared-image fields `shared_choice` adds: the family's own plan, as
-    `select` stamped it and the tuner measured it."""
-    family, plan = choice
-    return family, tuple((k, v) for k, v in plan if k not in ("XI", "DYI"))
+    return choice[0], own_plan(choice[1])
 
 
 def shared_choice(owner: dict[str, Any], owner_choice: tuple[str, tuple] | None,

@@ -83,7 +83,7 @@ def scratch_role(offset: int) -> str:
 
 
 #: the launch roles of a kernel's pointers to relaid operands other kernels' scratch holds (an
-#: `nhwc_tc` grad-weight's x and dy images: its forward's, its grad-input's), each bound to that
+#: `nhwc_tc` / `nhwc_wg` grad-weight's x and dy images: its forward's, its grad-input's), each bound to that
 #: kernel's scratch block by the graph note `reads_scratch_of` ({role: kernel}; passes/share_relayouts.py)
 IMAGE_ROLES = ("x_image", "dy_image")
 

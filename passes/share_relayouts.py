@@ -48,12 +48,14 @@ def share_relayouts(graph: Graph, target: Target) -> Graph:
         for role, kind in OWNERS.items():
             if spec.kind == kind and spec.role(role) is not None:
                 owners.setdefault((role, out.operands(n)[spec.role(role)]), []).append(n)
+    # the data edges and the orderings accepted so far: an owner must be able to run before its
+    # reader, so the reader may not reach it (a path would close a cycle with the schedule's edge)
+    order = nx.DiGraph(out.g)
     for n in readers:
         for role in OWNERS:
             spec, sub = out.attrs(n)["kernel"], out.attrs(n)["graph"]
             for owner in owners.get((role, out.operands(n)[spec.role(role)]), ()):
-                # the owner must be able to run first: nothing it needs may come from the reader
-                if owner in nx.descendants(out.g, n):
+                if nx.has_path(order, n, owner):
                     continue
                 shared = target.shared_relayout(out.attrs(owner)["graph"], out.attrs(owner)["kernel"], sub, spec)
                 if shared is None:
@@ -64,5 +66,6 @@ def share_relayouts(graph: Graph, target: Target) -> Graph:
                     why=f"{spec.why}; {role}'s relaid image read from the scratch of %{owner} "
                         f"({out.attrs(owner)['graph'].name})")
                 out.notes(n)["reads_scratch_of"] = {**out.notes(n).get("reads_scratch_of", {}), image: owner}
+                order.add_edge(owner, n)
                 break
     return out

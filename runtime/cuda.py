@@ -615,7 +615,7 @@ TARGET = targets.register(targets.Target(
     choose_kernel=_choose_kernel,  # the choice table: family, plan and scratch of each kernel
     # the GEMM family takes the batch-dependent sizes at run time: a new batch size reuses its plans
     reusable=_reusable,
-    shared_relayout=_shared_relayout,  # a grad-weight reads x's image its forward relaid
+    shared_relayout=_shared_relayout,  # a grad-weight reads the images of x and dy its forward and grad-input relaid
     tune=_tune,
     device_model=lambda: compile_device().name,
     language="cuda",

@@ -197,7 +197,8 @@ def tune_graph(graph: Graph, *, table: ChoiceTable, measurer: Measurer | Callabl
             rec = None  # its winner no longer fits: every candidate again
         subset = None  # the candidates `families` asks for, beside the reference and the stamped choice
         if families is not None:
-            subset = [c for i, c in enumerate(cands) if i == 0 or c[0] in families or c == spec.choice]
+            own = table.own_choice(spec.choice) if spec.choice is not None else None
+            subset = [c for i, c in enumerate(cands) if i == 0 or c[0] in families or c == own]
         if key in seen and seen[key].status not in ("budget", "skipped"):  # the same kernel again: its record serves both
             rep = dataclasses.replace(seen[key], name=sub.name, status="reused")
         elif rec is not None and not _unmeasured_families(rec, subset or cands):

@@ -89,6 +89,13 @@ def test_each_grad_weight_reads_the_images_of_the_kernels_of_its_own_layer(preci
         nplan = cn.NhwcPlan(**plan)
         assert spec.scratch_bytes == cn.scratch_bytes(g, nplan) < cn.scratch_bytes(g, dataclasses.replace(nplan, XI=0, DYI=0))
     assert dy_shared == 2
+    # a stamped choice with the image fields is no family's own plan: no tuning record takes it,
+    # and the tuner measures it as the family's own (its --families subset keeps it)
+    for n in readers:
+        sub, spec = graph.attrs(n)["graph"], graph.attrs(n)["kernel"]
+        own = cuda_choices.TABLE.own_choice(spec.choice)
+        assert own == cn.unshared(spec.choice) != spec.choice and own in cuda_choices.candidates(sub, spec)
+        assert cuda_choices.TABLE.fits(sub, spec, own) and not cuda_choices.TABLE.fits(sub, spec, spec.choice)
     # the 3x3 and the 1x1 convolution of the stem's output: each reader its own forward
     assert len({graph.notes(n)["reads_scratch_of"]["x_image"] for n in readers}) == 3
     source = targets.get("cuda").source(graph)
