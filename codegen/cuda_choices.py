@@ -425,7 +425,7 @@ def _nhwc_accepts(g: dict[str, Any], plan: Plan, wg: bool = False) -> bool:
     (`wg`: warpgroup MMA), tiles the kernel of its kind and its stages fit a block's shared memory:
     any split count serves a grad-weight."""
     p = _nhwc_plan(plan)  # (never a plan reading another kernel's image: only share_relayouts sets those)
-    return p is not None and bool(p.WG) == wg and not (p.XI or p.DYI) and p.tiles(g["kind"] == "conv2d_grad_weight") \
+    return p is not None and bool(p.WG) == wg and not p.images and p.tiles(g["kind"] == "conv2d_grad_weight") \
         and p.shared_bytes(g) <= current().shared_per_block_optin
 
 

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .cuda_kernels import (SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles,
+from .cuda_kernels import (IMAGE_ROLES, SCRATCH_ALIGN, CudaKernel, Launch, PointwiseEpilogue, conv_roles,
                            kernel_signature, with_epilogue)
 from .device import current
 from .shapes import ceil_div, pair, round_up
@@ -83,6 +83,11 @@ class NhwcPlan:
     DYI: int = 0  # 1: dy's image, a grad-input's of the same dy (bordered by K - 1 - padding)
 
     @property
+    def images(self) -> tuple[str, ...]:
+        """The launch roles of the other kernels' images this plan reads (`SHARED_IMAGES`)."""
+        return tuple(role for field, role in SHARED_IMAGES.values() if getattr(self, field))
+
+    @property
     def threads(self) -> int:
         return 32 * self.WM * self.WN
 
@@ -103,7 +108,7 @@ class NhwcPlan:
 
     def tiles(self, gw: bool) -> bool:
         """Whether the template's warp tiling and its copies' division among the threads hold."""
-        if (self.XI or self.DYI) and not gw:
+        if self.images and not gw:
             return False
         if self.WG:  # warpgroups of 64 rows; a 128-byte row is 8 chunks; m64nNk16 takes N <= 256;
             # a grad-weight's operands are atoms of 64 channels
@@ -311,18 +316,17 @@ def shares_image(owner: dict[str, Any], grad_weight: dict[str, Any]) -> str | No
 
 #: the families whose kernels relay their source to the start of their scratch (`_regions`)
 FAMILIES = ("nhwc_tc", "nhwc_wg")
-#: the plan field each shared image sets, by the launch role that passes it (the owner's kind)
-_IMAGE_FIELD = {"conv2d": ("XI", "x_image"), "conv2d_grad_input": ("DYI", "dy_image")}
-
-
-#: the plan fields `shared_choice` adds to a chosen plan (never a tuned plan's)
-SHARED_FIELDS = ("XI", "DYI")
+#: by the kind of the kernel that relays an image: the plan field of a grad-weight reading it (never
+#: a tuned plan's: `shared_choice` adds it to a chosen one) and the launch role that passes it
+SHARED_IMAGES = {"conv2d": ("XI", "x_image"), "conv2d_grad_input": ("DYI", "dy_image")}
+assert {role for _, role in SHARED_IMAGES.values()} <= set(IMAGE_ROLES), "codegen/cuda.py binds these roles"
 
 
 def own_plan(plan: tuple) -> tuple:
     """A stamped plan without the shared-image fields: the family's own plan, as `select` stamped
     it and the tuner measured it (`Family.own_plan`)."""
-    return tuple((k, v) for k, v in plan if k not in SHARED_FIELDS)
+    shared = {field for field, _ in SHARED_IMAGES.values()}
+    return tuple((k, v) for k, v in plan if k not in shared)
 
 
 def unshared(choice: tuple[str, tuple]) -> tuple[str, tuple]:
@@ -338,7 +342,7 @@ def shared_choice(owner: dict[str, Any], owner_choice: tuple[str, tuple] | None,
     if owner_choice is None or gw_choice is None or owner_choice[0] not in FAMILIES \
             or gw_choice[0] not in FAMILIES or shares_image(owner, grad_weight) is not None:
         return None
-    field, role = _IMAGE_FIELD[owner["kind"]]
+    field, role = SHARED_IMAGES[owner["kind"]]
     plan = replace(NhwcPlan(**dict(gw_choice[1])), **{field: 1})
     return role, (gw_choice[0], stamped(plan)), scratch_bytes(grad_weight, plan)
 
@@ -446,9 +450,9 @@ def render(name: str, g: dict[str, Any], plan: NhwcPlan, *, bias: bool = False, 
         raise ValueError(f"nhwc_tc does not serve this convolution: {why_not}")
     gw = kind == "conv2d_grad_weight"
     roles, inputs, src = conv_roles("nhwc_tc", kind, bias=bias, relu=relu, relu_mask=relu_mask)
-    if (plan.XI or plan.DYI) and not gw:
+    images = plan.images
+    if images and not gw:
         raise ValueError(f"{name}: a plan reading another kernel's image (XI, DYI) is a grad-weight's")
-    images = tuple(role for on, role in ((plan.XI, "x_image"), (plan.DYI, "dy_image")) if on)
     if not plan.tiles(gw) or plan.shared_bytes(g) > current().shared_per_block_optin:
         raise ValueError(f"{name}: {plan} does not tile the nhwc_tc {kind} kernel")
     if plan.WG and wg_serves(g) is not None:
@@ -533,8 +537,8 @@ def _relayout_grid(n: int, c: int, h: int, w: int, ph: int, pw: int, plan: NhwcP
 def stamped(plan: NhwcPlan) -> tuple[tuple[str, int], ...]:
     """A plan as the choice table stamps it (a forward's without its split count)."""
     pairs = (("BM", plan.BM), ("BN", plan.BN), ("WM", plan.WM), ("WN", plan.WN), ("STAGES", plan.STAGES))
-    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) + ((("WG", 1),) if plan.WG else ()) \
-        + ((("ST", 1),) if plan.ST else ()) + ((("XI", 1),) if plan.XI else ()) + ((("DYI", 1),) if plan.DYI else ())
+    return pairs + ((("SPLITS", plan.SPLITS),) if plan.SPLITS != 1 else ()) \
+        + tuple((flag, 1) for flag in ("WG", "ST", "XI", "DYI") if getattr(plan, flag))
 
 
 def family_render(name: str, sub: Any, spec: Any, g: dict[str, Any], plan: tuple, epilogue: Any,
